@@ -1,0 +1,139 @@
+// RMSNorm benchmarks, bf16: forward and backward at LLaMA-class shapes, GB/s on useful bytes and
+// the fraction of the device-to-device copy rate measured in the same process.
+//   forward:  read x, write y (+ read w, write rstd)
+//   backward: read x and dy, write dx (+ read w and rstd, write dW); dW's partial sums in the
+//             workspace are not counted: they are overhead the kernel pays.
+#include "harness.cuh"
+
+#include <tigon/norm/rms_norm.cuh>
+
+using tigon::bf16;
+
+namespace {
+
+struct Data {
+  int sets = 1;
+  std::int64_t rows = 0, cols = 0;
+  std::vector<bf16*> x, y, dy;
+  bf16 *w = nullptr, *dw = nullptr;
+  std::vector<float*> rstd;
+  void* ws = nullptr;
+  std::size_t ws_bytes = 0;
+
+  Data(std::int64_t r, std::int64_t c) : rows(r), cols(c) {
+    const std::size_t n = static_cast<std::size_t>(r * c);
+    sets = bench::rotation(3.0 * n * sizeof(bf16));
+    for (int s = 0; s < sets; ++s) {
+      x.push_back(bench::alloc<bf16>(n));
+      y.push_back(bench::alloc<bf16>(n));
+      dy.push_back(bench::alloc<bf16>(n));
+      rstd.push_back(bench::alloc<float>(r));
+      bench::fill_random(x.back(), n, 11 + s);
+      bench::fill_random(dy.back(), n, 101 + s);
+    }
+    w = bench::alloc<bf16>(c);
+    dw = bench::alloc<bf16>(c);
+    bench::fill_random(w, c, 5, 1.0f, 0.2f);
+  }
+  ~Data() {
+    for (int s = 0; s < sets; ++s) {
+      cudaFree(x[s]);
+      cudaFree(y[s]);
+      cudaFree(dy[s]);
+      cudaFree(rstd[s]);
+    }
+    cudaFree(w);
+    cudaFree(dw);
+    cudaFree(ws);
+  }
+  tigon::RmsNormForwardArgs<bf16> fwd(int i) const {
+    const int s = i % sets;
+    return {.x = x[s], .y = y[s], .weight = w, .rstd = rstd[s], .rows = rows, .cols = cols};
+  }
+  tigon::RmsNormBackwardArgs<bf16> bwd(int i) const {
+    const int s = i % sets;
+    return {.dy = dy[s], .x = x[s], .weight = w, .rstd = rstd[s], .dx = y[s], .dweight = dw,
+            .rows = rows, .cols = cols, .workspace = ws, .workspace_bytes = ws_bytes};
+  }
+};
+
+double fwd_bytes(std::int64_t r, std::int64_t c) { return 2.0 * r * c * 2 + c * 2.0 + r * 4.0; }
+double bwd_bytes(std::int64_t r, std::int64_t c) { return 3.0 * r * c * 2 + 2.0 * c * 2 + r * 4.0; }
+
+std::string shape(std::int64_t r, std::int64_t c) { return std::to_string(r) + "x" + std::to_string(c); }
+
+void check(const tigon::Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s\n", s.message().c_str());
+    std::exit(1);
+  }
+}
+
+// Runtime-dispatch launchers: what a trainer gets by default.
+void BM_forward(benchmark::State& st) {
+  Data d(st.range(0), st.range(1));
+  bench::run(st, "rms_norm fwd bf16 " + shape(d.rows, d.cols), fwd_bytes(d.rows, d.cols),
+             [&](int i) { check(tigon::rms_norm_forward(d.fwd(i), nullptr)); });
+}
+
+void BM_backward(benchmark::State& st) {
+  Data d(st.range(0), st.range(1));
+  auto a = d.bwd(0);
+  check(tigon::rms_norm_backward_workspace_bytes(a, d.ws_bytes));
+  BENCH_CUDA(cudaMalloc(&d.ws, d.ws_bytes));
+  for (int s = 0; s < d.sets; ++s) check(tigon::rms_norm_forward(d.fwd(s), nullptr));
+  bench::run(st, "rms_norm bwd bf16 " + shape(d.rows, d.cols) + " (dx + dW)", bwd_bytes(d.rows, d.cols),
+             [&](int i) { check(tigon::rms_norm_backward(d.bwd(i), nullptr)); });
+}
+
+// Tuning variants of the compiled kernels at 4096 (policy: fwd vpt, fwd block, bwd vpt, bwd block,
+// bwd min blocks/SM, weight in registers).
+template <class P>
+void BM_forward_policy(benchmark::State& st, const char* label) {
+  Data d(st.range(0), 4096);
+  bench::run(st, std::string("  fwd 4096 policy ") + label, fwd_bytes(d.rows, d.cols),
+             [&](int i) { check(tigon::rms_norm_forward<bf16, 4096, P>(d.fwd(i), nullptr)); });
+}
+
+template <class P>
+void BM_backward_policy(benchmark::State& st, const char* label) {
+  Data d(st.range(0), 4096);
+  auto a = d.bwd(0);
+  check(tigon::rms_norm_backward_workspace_bytes<bf16, 4096, P>(a, d.ws_bytes));
+  BENCH_CUDA(cudaMalloc(&d.ws, d.ws_bytes));
+  for (int s = 0; s < d.sets; ++s) check(tigon::rms_norm_forward(d.fwd(s), nullptr));
+  bench::run(st, std::string("  bwd 4096 policy ") + label, bwd_bytes(d.rows, d.cols),
+             [&](int i) { check(tigon::rms_norm_backward<bf16, 4096, P>(d.bwd(i), nullptr)); });
+}
+
+using tigon::RmsNormPolicy;
+
+}  // namespace
+
+#define SHAPES ->Args({16384, 2048})->Args({16384, 4096})->Args({16384, 8192})->Args({32768, 4096})
+BENCHMARK(BM_forward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+
+#define FWD_VARIANT(label, ...)                                                               \
+  void BM_fwd_##label(benchmark::State& st) { BM_forward_policy<__VA_ARGS__>(st, #label); }  \
+  BENCHMARK(BM_fwd_##label)->Arg(16384)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+#define BWD_VARIANT(label, ...)                                                               \
+  void BM_bwd_##label(benchmark::State& st) { BM_backward_policy<__VA_ARGS__>(st, #label); } \
+  BENCHMARK(BM_bwd_##label)->Arg(16384)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+
+FWD_VARIANT(v4_b256_wreg, RmsNormPolicy<4, 256, 2, 512, 2, true>)
+FWD_VARIANT(v4_b128, RmsNormPolicy<4, 128>)
+FWD_VARIANT(v2_b256, RmsNormPolicy<2, 256>)
+FWD_VARIANT(v2_b512, RmsNormPolicy<2, 512>)
+FWD_VARIANT(v8_b256, RmsNormPolicy<8, 256>)
+FWD_VARIANT(v1_b512, RmsNormPolicy<1, 512>)
+BWD_VARIANT(v2_b512_m1, RmsNormPolicy<4, 256, 2, 512, 1>)
+BWD_VARIANT(v2_b512_m2_wreg, RmsNormPolicy<4, 256, 2, 512, 2, true>)
+BWD_VARIANT(v1_b512_m2, RmsNormPolicy<4, 256, 1, 512, 2>)
+BWD_VARIANT(v1_b1024_m1, RmsNormPolicy<4, 256, 1, 1024, 1>)
+BWD_VARIANT(v4_b256_m2, RmsNormPolicy<4, 256, 4, 256, 2>)
+BWD_VARIANT(v4_b512_m1, RmsNormPolicy<4, 256, 4, 512, 1>)
+BWD_VARIANT(v2_b256_m3, RmsNormPolicy<4, 256, 2, 256, 3>)
+BWD_VARIANT(v2_b1024_m1, RmsNormPolicy<4, 256, 2, 1024, 1>)
+
+BENCH_MAIN

@@ -1,0 +1,195 @@
+// Benchmark harness: CUDA-event timing of every iteration, medians, random device data, rotating
+// input sets larger than L2, and the ceilings (device-to-device copy) measured in the same process.
+#pragma once
+
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <tigon/core/dtype.hpp>
+
+namespace bench {
+
+#define BENCH_CUDA(expr)                                                                     \
+  do {                                                                                       \
+    const cudaError_t e_ = (expr);                                                           \
+    if (e_ != cudaSuccess) {                                                                 \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                          \
+    }                                                                                        \
+  } while (0)
+
+struct Ceilings {
+  double copy_gbs = 0;  // device-to-device copy, bytes read + written per second / 1e9
+};
+
+inline Ceilings& ceilings() {
+  static Ceilings c;
+  return c;
+}
+
+// One row of the summary printed after all benchmarks.
+struct Row {
+  std::string name;
+  double ms = 0, gbs = 0, pct = 0;
+};
+inline std::vector<Row>& summary() {
+  static std::vector<Row> rows;
+  return rows;
+}
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n == 0 ? 0.0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
+}
+
+// Times fn() with events around each call; returns milliseconds per call.
+inline std::vector<double> time_calls(const std::function<void(int)>& fn, int warmup, int iters) {
+  cudaEvent_t a, b;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < warmup; ++i) fn(i);
+  BENCH_CUDA(cudaDeviceSynchronize());
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    BENCH_CUDA(cudaEventRecord(a));
+    fn(i);
+    BENCH_CUDA(cudaEventRecord(b));
+    BENCH_CUDA(cudaEventSynchronize(b));
+    float t = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms;
+}
+
+// Google Benchmark loop with manual (event) time; reports the median as counters and in the summary.
+// fn(i) runs one iteration on input set i.
+inline void run(benchmark::State& state, const std::string& name, double bytes,
+                const std::function<void(int)>& fn) {
+  cudaEvent_t a, b;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) fn(i);
+  BENCH_CUDA(cudaDeviceSynchronize());
+  std::vector<double> ms;
+  int i = 0;
+  for (auto _ : state) {
+    BENCH_CUDA(cudaEventRecord(a));
+    fn(i++);
+    BENCH_CUDA(cudaEventRecord(b));
+    BENCH_CUDA(cudaEventSynchronize(b));
+    float t = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
+    state.SetIterationTime(t / 1e3);
+    ms.push_back(t);
+  }
+  BENCH_CUDA(cudaGetLastError());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  const double med = median(ms);
+  const double gbs = bytes / (med * 1e-3) / 1e9;
+  const double pct = 100.0 * gbs / ceilings().copy_gbs;
+  state.counters["median_ms"] = med;
+  state.counters["GB/s"] = gbs;
+  state.counters["pct_of_copy"] = pct;
+  state.counters["bytes"] = bytes;
+  summary().push_back({name, med, gbs, pct});
+}
+
+// ---- device data ----
+
+__global__ void fill_random_kernel(void* p, int kind, std::size_t n, std::uint64_t seed, float mean,
+                                   float scale) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    // sum of four uniforms: roughly normal, mean 0, variance 1/3 * 4 / 4
+    float s = 0;
+    for (int k = 0; k < 4; ++k) s += static_cast<float>((z >> (16 * k)) & 0xFFFF) / 65535.0f - 0.5f;
+    const float v = mean + scale * s * 1.7320508f;
+    if (kind == 0) static_cast<float*>(p)[i] = v;
+    if (kind == 1) static_cast<__half*>(p)[i] = __float2half_rn(v);
+    if (kind == 2) static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+  }
+}
+
+template <class T>
+void fill_random(T* p, std::size_t n, std::uint64_t seed, float mean = 0.0f, float scale = 1.0f) {
+  const int kind = static_cast<int>(tigon::dtype_traits<T>::id);
+  fill_random_kernel<<<1024, 256>>>(p, kind, n, seed, mean, scale);
+  BENCH_CUDA(cudaGetLastError());
+}
+
+template <class T>
+T* alloc(std::size_t n) {
+  void* p = nullptr;
+  BENCH_CUDA(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(T)));
+  return static_cast<T*>(p);
+}
+
+// Number of input sets to rotate through so that one pass over them is >= 4x the L2.
+inline int rotation(double bytes_per_set) {
+  int dev = 0, l2 = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev);
+  return std::max(1, static_cast<int>((4.0 * l2 + bytes_per_set - 1) / bytes_per_set));
+}
+
+// ---- ceilings ----
+
+inline double measure_copy_gbs() {
+  const std::size_t bytes = std::size_t{1} << 30;  // 1 GiB read + 1 GiB written
+  void *src = nullptr, *dst = nullptr;
+  BENCH_CUDA(cudaMalloc(&src, bytes));
+  BENCH_CUDA(cudaMalloc(&dst, bytes));
+  fill_random(static_cast<float*>(src), bytes / 4, 7);
+  const auto ms = time_calls(
+      [&](int) { BENCH_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice)); }, 3, 30);
+  cudaFree(src);
+  cudaFree(dst);
+  return 2.0 * static_cast<double>(bytes) / (median(ms) * 1e-3) / 1e9;
+}
+
+inline int main(int argc, char** argv) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("No CUDA GPU on this machine: the benchmarks need one and did not run.\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+  ceilings().copy_gbs = measure_copy_gbs();
+  std::printf("GPU: %s, %d SMs, L2 %d MB\nceiling: device-to-device copy %.0f GB/s (read + write, "
+              "2 GiB moved, median of 30)\n",
+              prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, ceilings().copy_gbs);
+  benchmark::AddCustomContext("gpu", prop.name);
+  benchmark::AddCustomContext("copy_ceiling_GBps", std::to_string(ceilings().copy_gbs));
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  std::printf("\n%-58s %10s %10s %8s\n", "benchmark (median of event timings)", "ms", "GB/s", "% copy");
+  for (const Row& r : summary()) {
+    std::printf("%-58s %10.4f %10.0f %7.1f%%\n", r.name.c_str(), r.ms, r.gbs, r.pct);
+  }
+  return 0;
+}
+
+}  // namespace bench
+
+#define BENCH_MAIN \
+  int main(int argc, char** argv) { return bench::main(argc, argv); }

@@ -1,0 +1,46 @@
+// tigon/core/math.hpp - small integer and float helpers shared by the math and launch layers.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "config.hpp"
+
+TIGON_NAMESPACE_BEGIN
+
+template <class I>
+TIGON_HD constexpr I ceil_div(I a, I b) {
+  return (a + b - 1) / b;
+}
+
+template <class I>
+TIGON_HD constexpr I round_up(I a, I b) {
+  return ceil_div(a, b) * b;
+}
+
+TIGON_HD constexpr bool is_pow2(long long v) { return v > 0 && (v & (v - 1)) == 0; }
+
+TIGON_HD constexpr int next_pow2(int v) {
+  int p = 1;
+  while (p < v) p *= 2;
+  return p;
+}
+
+// Largest power of two dividing v (v > 0), capped at cap.
+TIGON_HD constexpr int pow2_divisor(long long v, int cap) {
+  int p = 1;
+  while (p < cap && v % (2LL * p) == 0) p *= 2;
+  return p;
+}
+
+// 1/sqrt(x) in fp32: the fast hardware reciprocal square root on the device, its exact twin on
+// the host (the host tests compare with a double reference under a tolerance, not bitwise).
+TIGON_HD float rsqrt_f32(float x) {
+#if TIGON_DEVICE_PASS
+  return ::rsqrtf(x);
+#else
+  return 1.0f / std::sqrt(x);
+#endif
+}
+
+TIGON_NAMESPACE_END

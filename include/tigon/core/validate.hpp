@@ -1,0 +1,113 @@
+// tigon/core/validate.hpp - the argument checks every launcher shares. Each returns a Status that
+// names the operation, the argument and the reason; the launcher returns it before touching the
+// device, so an invalid call launches nothing and writes nothing.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "config.hpp"
+#include "status.hpp"
+
+TIGON_NAMESPACE_BEGIN
+
+// Rows x cols of elem_bytes-sized elements, rows `stride` elements apart (stride 0: contiguous).
+struct MatrixView {
+  const void* ptr = nullptr;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t stride = 0;
+  int elem_bytes = 0;
+
+  std::int64_t row_stride() const { return stride == 0 ? cols : stride; }
+  // Byte range [begin, end) the matrix touches.
+  std::uintptr_t begin() const { return reinterpret_cast<std::uintptr_t>(ptr); }
+  std::uintptr_t end() const {
+    return begin() + static_cast<std::uintptr_t>(((rows - 1) * row_stride() + cols) * elem_bytes);
+  }
+};
+
+namespace check {
+
+inline Status not_null(const void* p, const char* op, const char* arg) {
+  if (p != nullptr) return Status();
+  return Status::error(Errc::null_pointer, op, arg, "must not be null");
+}
+
+inline Status positive(std::int64_t v, const char* op, const char* arg) {
+  if (v > 0) return Status();
+  return Status::error(Errc::invalid_size, op, arg, "must be positive, got " + std::to_string(v));
+}
+
+inline Status at_most(std::int64_t v, std::int64_t limit, const char* op, const char* arg) {
+  if (v <= limit) return Status();
+  return Status::error(Errc::unsupported, op, arg,
+                       std::to_string(v) + " exceeds the supported maximum " + std::to_string(limit));
+}
+
+// stride 0 means contiguous; otherwise it must be at least the row length.
+inline Status row_stride(std::int64_t stride, std::int64_t cols, const char* op, const char* arg) {
+  if (stride == 0 || stride >= cols) return Status();
+  if (stride < 0) {
+    return Status::error(Errc::invalid_stride, op, arg,
+                         "row stride " + std::to_string(stride) + " is negative");
+  }
+  return Status::error(Errc::invalid_stride, op, arg,
+                       "row stride " + std::to_string(stride) + " is smaller than the row (" +
+                           std::to_string(cols) + ")");
+}
+
+inline bool overlap(const MatrixView& a, const MatrixView& b) {
+  return a.begin() < b.end() && b.begin() < a.end();
+}
+
+// An output may be the very same matrix as an input (same pointer, same row stride: the op works
+// in place element by element) or disjoint from it; any other overlap is an error.
+inline Status same_or_disjoint(const MatrixView& out, const MatrixView& in, const char* op,
+                               const char* out_name, const char* in_name) {
+  if (in.ptr == nullptr || !overlap(out, in)) return Status();
+  if (out.ptr == in.ptr && out.row_stride() == in.row_stride() && out.elem_bytes == in.elem_bytes) {
+    return Status();
+  }
+  return Status::error(Errc::aliasing, op, out_name,
+                       std::string("overlaps '") + in_name +
+                           "' without being the same matrix (in place needs the same pointer and "
+                           "row stride)");
+}
+
+// An output that may not overlap an input at all.
+inline Status disjoint(const MatrixView& out, const MatrixView& in, const char* op,
+                       const char* out_name, const char* in_name) {
+  if (in.ptr == nullptr || out.ptr == nullptr || !overlap(out, in)) return Status();
+  return Status::error(Errc::aliasing, op, out_name,
+                       std::string("must not overlap '") + in_name + "'");
+}
+
+inline Status workspace(const void* ws, std::size_t have, std::size_t need, const char* op) {
+  if (need == 0) return Status();
+  if (ws == nullptr) {
+    return Status::error(Errc::null_pointer, op, "workspace",
+                         "must not be null: " + std::to_string(need) + " bytes are needed");
+  }
+  if (have < need) {
+    return Status::error(Errc::workspace_too_small, op, "workspace_bytes",
+                         std::to_string(have) + " bytes given, " + std::to_string(need) +
+                             " needed (ask *_workspace_bytes())");
+  }
+  if (reinterpret_cast<std::uintptr_t>(ws) % 16 != 0) {
+    return Status::error(Errc::invalid_value, op, "workspace", "must be 16-byte aligned");
+  }
+  return Status();
+}
+
+}  // namespace check
+
+// Run checks in order and return the first failure.
+#define TIGON_CHECK(expr)                  \
+  do {                                     \
+    ::tigon::Status tigon_status_ = (expr); \
+    if (!tigon_status_.ok()) return tigon_status_; \
+  } while (0)
+
+TIGON_NAMESPACE_END

@@ -1,0 +1,56 @@
+// tigon/core/vector.cuh - aligned vectors for 16-byte loads and stores, and the alignment tests
+// that decide between the vector path and the scalar fallback.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "config.hpp"
+#include "dtype.hpp"
+
+TIGON_NAMESPACE_BEGIN
+
+// The widest single access a thread makes: 16 bytes.
+inline constexpr int kMaxAccessBytes = 16;
+
+
+// N elements of T stored together and aligned to their size, so that one load or store moves them
+// (two when N * sizeof(T) is 32, e.g. fp32 weights beside bf16 activations).
+template <class T, int N>
+struct alignas(sizeof(T) * N) AlignedVec {
+  static_assert(N > 0 && (N & (N - 1)) == 0, "vector length must be a power of two");
+  T v[N];
+};
+
+template <int N, class T>
+TIGON_HD AlignedVec<T, N> load_vec(const T* p) {
+  return *reinterpret_cast<const AlignedVec<T, N>*>(p);
+}
+
+template <int N, class T>
+TIGON_HD void store_vec(T* p, const AlignedVec<T, N>& v) {
+  *reinterpret_cast<AlignedVec<T, N>*>(p) = v;
+}
+
+// Streaming variants: the data is used once by this kernel, so do not keep it in L1.
+#if defined(__CUDACC__)
+template <int N, class T>
+TIGON_DEVICE AlignedVec<T, N> load_vec_stream(const T* p) {
+  constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
+  AlignedVec<T, N> out;
+  if constexpr (kBytes == 16) {
+    const int4 r = __ldcs(reinterpret_cast<const int4*>(p));
+    out = *reinterpret_cast<const AlignedVec<T, N>*>(&r);
+  } else {
+    out = load_vec<N>(p);
+  }
+  return out;
+}
+#endif
+
+// True when p is aligned for an access of `bytes` bytes.
+inline bool is_aligned(const void* p, std::size_t bytes) {
+  return (reinterpret_cast<std::uintptr_t>(p) % bytes) == 0;
+}
+
+TIGON_NAMESPACE_END

@@ -1,0 +1,885 @@
+// tigon/norm/rms_norm.cuh - RMSNorm forward and backward.
+//
+//   rstd = 1 / sqrt(mean(x^2) + eps)          (fp32, one per row, saved for the backward)
+//   y    = x * rstd * (offset + w)            (casting as Hugging Face defines it, below)
+//
+// The header reads in four layers: arguments, math (host + device), kernels, launchers. The first
+// two compile under any C++20 compiler; kernels and launchers need nvcc.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "../core/config.hpp"
+#include "../core/dispatch.hpp"
+#include "../core/dtype.hpp"
+#include "../core/math.hpp"
+#include "../core/status.hpp"
+#include "../core/validate.hpp"
+
+#if defined(__CUDACC__)
+#include "../core/colsum.cuh"
+#include "../core/device.hpp"
+#include "../core/reduce.cuh"
+#include "../core/vector.cuh"
+#endif
+
+TIGON_NAMESPACE_BEGIN
+
+// ------------------------------------------------------------------------------------------------
+// 1. Arguments
+// ------------------------------------------------------------------------------------------------
+
+// Where the roundings to the input dtype T happen, exactly as Hugging Face's modules do it.
+enum class RmsNormCasting : int {
+  // LlamaRMSNorm (Llama, Mistral, Qwen, Phi-3 ...): statistics in fp32, the normalised x rounded
+  // to T, then multiplied by (offset + w): y = T(T(x * rstd) * (offset + w)).
+  llama = 0,
+  // GemmaRMSNorm: everything in fp32, one rounding at the end: y = T(x * rstd * (offset + w)).
+  gemma = 1,
+  // The input dtype throughout: rstd, the normalised x and (offset + w) each rounded to T.
+  none = 2,
+};
+
+constexpr const char* casting_name(RmsNormCasting c) noexcept {
+  switch (c) {
+    case RmsNormCasting::llama: return "llama";
+    case RmsNormCasting::gemma: return "gemma";
+    case RmsNormCasting::none: return "none";
+  }
+  return "unknown";
+}
+
+// Row strides are in elements; 0 means contiguous (the stride equals cols).
+template <class T, class W = T>
+struct RmsNormForwardArgs {
+  const T* x = nullptr;       // [rows, cols]
+  T* y = nullptr;             // [rows, cols]; may be x itself (in place)
+  const W* weight = nullptr;  // [cols], or null: no affine transform
+  float* rstd = nullptr;      // [rows] fp32, or null: not saved
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t x_stride = 0;
+  std::int64_t y_stride = 0;
+  float eps = 1e-6f;
+  float offset = 0.0f;  // y = xhat * (offset + w); Gemma uses 1
+  RmsNormCasting casting = RmsNormCasting::llama;
+};
+
+template <class T, class W = T>
+struct RmsNormBackwardArgs {
+  const T* dy = nullptr;      // [rows, cols] upstream gradient
+  const T* x = nullptr;       // [rows, cols] the forward's input
+  const W* weight = nullptr;  // [cols], or null if the forward had none
+  const float* rstd = nullptr;  // [rows] saved by the forward, or null: recomputed from x and eps
+  T* dx = nullptr;            // [rows, cols]; may be dy or x itself (in place)
+  W* dweight = nullptr;       // [cols], or null: not computed. Needs weight and the workspace.
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t dy_stride = 0;
+  std::int64_t x_stride = 0;
+  std::int64_t dx_stride = 0;
+  float eps = 1e-6f;  // used only when rstd is null
+  float offset = 0.0f;
+  RmsNormCasting casting = RmsNormCasting::llama;
+  bool accumulate_dweight = false;  // dweight += gradient (gradient accumulation) instead of =
+  void* workspace = nullptr;        // rms_norm_backward_workspace_bytes() bytes, 16-byte aligned
+  std::size_t workspace_bytes = 0;
+};
+
+// ------------------------------------------------------------------------------------------------
+// 2. Math: one row element at a time, in fp32, on host and device
+// ------------------------------------------------------------------------------------------------
+
+namespace rms_norm_math {
+
+// 1 / sqrt(sum_sq / cols + eps): the statistic the forward saves.
+TIGON_HD float rstd(float sum_sq, std::int64_t cols, float eps) {
+  return rsqrt_f32(sum_sq / static_cast<float>(cols) + eps);
+}
+
+// The rstd a mode multiplies by (rounded to T in mode `none`).
+template <class T>
+TIGON_HD float effective_rstd(float rstd, RmsNormCasting c) {
+  return c == RmsNormCasting::none ? round_to<T>(rstd) : rstd;
+}
+
+// (offset + w) as the mode sees it, or 1 without a weight.
+template <class T>
+TIGON_HD float scale(float w, bool has_weight, float offset, RmsNormCasting c) {
+  if (!has_weight) return 1.0f;
+  const float f = offset + w;
+  return c == RmsNormCasting::none ? round_to<T>(f) : f;
+}
+
+// y before its final rounding to T. `r` is effective_rstd(), `s` is scale().
+template <class T>
+TIGON_HD float forward(float x, float r, float s, RmsNormCasting c) {
+  float n = x * r;
+  if (c != RmsNormCasting::gemma) n = round_to<T>(n);
+  return n * s;
+}
+
+// Backward, all in fp32 (the roundings of the forward pass the gradient through unchanged):
+//   xhat = x * rstd, dn = dy * (offset + w), dx = rstd * (dn - xhat * mean(dn * xhat)),
+//   dw   = sum over rows of dy * xhat  (xhat rounded to T first in modes llama and none,
+//                                       because that rounded value is what multiplied w).
+TIGON_HD float dx(float dn, float xhat, float rstd, float mean_dn_xhat) {
+  return rstd * (dn - xhat * mean_dn_xhat);
+}
+
+template <class T>
+TIGON_HD float dweight_term(float dy, float xhat, RmsNormCasting c) {
+  return dy * (c == RmsNormCasting::gemma ? xhat : round_to<T>(xhat));
+}
+
+}  // namespace rms_norm_math
+
+// ------------------------------------------------------------------------------------------------
+// Validation (host only, before anything touches the device)
+// ------------------------------------------------------------------------------------------------
+
+namespace detail {
+
+// Row lengths are indexed with 32-bit integers inside a row.
+inline constexpr std::int64_t kRmsNormMaxCols = std::int64_t{1} << 30;
+
+template <class T, class W>
+Status validate(const RmsNormForwardArgs<T, W>& a, const char* op) {
+  using namespace check;
+  TIGON_CHECK(not_null(a.x, op, "x"));
+  TIGON_CHECK(not_null(a.y, op, "y"));
+  TIGON_CHECK(positive(a.rows, op, "rows"));
+  TIGON_CHECK(positive(a.cols, op, "cols"));
+  TIGON_CHECK(at_most(a.cols, kRmsNormMaxCols, op, "cols"));
+  TIGON_CHECK(row_stride(a.x_stride, a.cols, op, "x_stride"));
+  TIGON_CHECK(row_stride(a.y_stride, a.cols, op, "y_stride"));
+  if (!(a.eps >= 0.0f) || a.eps == __builtin_inff()) {
+    return Status::error(Errc::invalid_value, op, "eps", "must be finite and >= 0");
+  }
+  if (a.casting != RmsNormCasting::llama && a.casting != RmsNormCasting::gemma &&
+      a.casting != RmsNormCasting::none) {
+    return Status::error(Errc::invalid_value, op, "casting", "unknown casting mode");
+  }
+  const MatrixView x{a.x, a.rows, a.cols, a.x_stride, static_cast<int>(sizeof(T))};
+  const MatrixView y{a.y, a.rows, a.cols, a.y_stride, static_cast<int>(sizeof(T))};
+  const MatrixView w{a.weight, 1, a.cols, 0, static_cast<int>(sizeof(W))};
+  const MatrixView r{a.rstd, 1, a.rows, 0, static_cast<int>(sizeof(float))};
+  TIGON_CHECK(same_or_disjoint(y, x, op, "y", "x"));
+  TIGON_CHECK(disjoint(y, w, op, "y", "weight"));
+  if (a.rstd != nullptr) {
+    TIGON_CHECK(disjoint(r, x, op, "rstd", "x"));
+    TIGON_CHECK(disjoint(r, y, op, "rstd", "y"));
+    TIGON_CHECK(disjoint(r, w, op, "rstd", "weight"));
+  }
+  return Status();
+}
+
+template <class T, class W>
+Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op) {
+  using namespace check;
+  TIGON_CHECK(not_null(a.dy, op, "dy"));
+  TIGON_CHECK(not_null(a.x, op, "x"));
+  TIGON_CHECK(not_null(a.dx, op, "dx"));
+  TIGON_CHECK(positive(a.rows, op, "rows"));
+  TIGON_CHECK(positive(a.cols, op, "cols"));
+  TIGON_CHECK(at_most(a.cols, kRmsNormMaxCols, op, "cols"));
+  TIGON_CHECK(row_stride(a.dy_stride, a.cols, op, "dy_stride"));
+  TIGON_CHECK(row_stride(a.x_stride, a.cols, op, "x_stride"));
+  TIGON_CHECK(row_stride(a.dx_stride, a.cols, op, "dx_stride"));
+  if (a.rstd == nullptr && (!(a.eps >= 0.0f) || a.eps == __builtin_inff())) {
+    return Status::error(Errc::invalid_value, op, "eps", "must be finite and >= 0");
+  }
+  if (a.casting != RmsNormCasting::llama && a.casting != RmsNormCasting::gemma &&
+      a.casting != RmsNormCasting::none) {
+    return Status::error(Errc::invalid_value, op, "casting", "unknown casting mode");
+  }
+  if (a.dweight != nullptr && a.weight == nullptr) {
+    return Status::error(Errc::invalid_value, op, "dweight",
+                         "requested without a weight (a forward without affine has no dW)");
+  }
+  const MatrixView dy{a.dy, a.rows, a.cols, a.dy_stride, static_cast<int>(sizeof(T))};
+  const MatrixView x{a.x, a.rows, a.cols, a.x_stride, static_cast<int>(sizeof(T))};
+  const MatrixView dx{a.dx, a.rows, a.cols, a.dx_stride, static_cast<int>(sizeof(T))};
+  const MatrixView w{a.weight, 1, a.cols, 0, static_cast<int>(sizeof(W))};
+  const MatrixView dw{a.dweight, 1, a.cols, 0, static_cast<int>(sizeof(W))};
+  const MatrixView r{a.rstd, 1, a.rows, 0, static_cast<int>(sizeof(float))};
+  TIGON_CHECK(same_or_disjoint(dx, dy, op, "dx", "dy"));
+  TIGON_CHECK(same_or_disjoint(dx, x, op, "dx", "x"));
+  TIGON_CHECK(disjoint(dx, w, op, "dx", "weight"));
+  TIGON_CHECK(disjoint(dx, r, op, "dx", "rstd"));
+  if (a.dweight != nullptr) {
+    TIGON_CHECK(disjoint(dw, dy, op, "dweight", "dy"));
+    TIGON_CHECK(disjoint(dw, x, op, "dweight", "x"));
+    TIGON_CHECK(disjoint(dw, dx, op, "dweight", "dx"));
+    TIGON_CHECK(disjoint(dw, w, op, "dweight", "weight"));
+    TIGON_CHECK(disjoint(dw, r, op, "dweight", "rstd"));
+  }
+  return Status();
+}
+
+}  // namespace detail
+
+// ------------------------------------------------------------------------------------------------
+// Launch shapes (host + device constants; tested on the host)
+// ------------------------------------------------------------------------------------------------
+
+// Tuning knobs of the compiled (fixed hidden size) kernels. A trainer may pass its own policy.
+template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
+          int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 2, bool kWeightInRegisters_ = false>
+struct RmsNormPolicy {
+  // Keep the thread's slice of the weight in registers for all its rows (true) or re-read it from
+  // L1 for every row (false: fewer registers, more rows in flight).
+  static constexpr bool kWeightInRegisters = kWeightInRegisters_;
+  static constexpr int kFwdVecPerThread = kFwdVecPerThread_;  // 16-byte vectors per thread per row
+  static constexpr int kFwdBlockThreads = kFwdBlockThreads_;  // target block size (rows side by side)
+  static constexpr int kBwdVecPerThread = kBwdVecPerThread_;
+  static constexpr int kBwdBlockThreads = kBwdBlockThreads_;
+  static constexpr int kBwdMinBlocksPerSm = kBwdMinBlocksPerSm_;  // caps registers for occupancy
+};
+using RmsNormDefaultPolicy = RmsNormPolicy<>;
+
+namespace detail {
+
+// Threads that share one row: ceil(vectors / vpt), as a power of two up to a warp or whole warps.
+constexpr int row_group_threads(int num_vec, int vec_per_thread) {
+  int t = ceil_div(num_vec, vec_per_thread);
+  if (t <= 32) return next_pow2(t);
+  t = round_up(t, 32);
+  return t > 1024 ? 1024 : t;
+}
+
+// Every constant of one compiled row shape: kCols columns of T, vpt vectors per thread, a block of
+// about kBlockTarget threads holding kGroups rows side by side.
+template <class T, int kCols, int kVecPerThreadTarget, int kBlockTarget>
+struct RowShape {
+  static_assert(kCols > 0, "the hidden size must be positive");
+  static constexpr int kVec = pow2_divisor(kCols, kVecElems<T>);  // elements per access
+  static constexpr int kNumVec = kCols / kVec;
+  static constexpr int kGroupThreads = row_group_threads(kNumVec, kVecPerThreadTarget);
+  static constexpr int kVecPerThread = ceil_div(kNumVec, kGroupThreads);
+  static constexpr bool kExact = kNumVec % kGroupThreads == 0;  // no thread idles in the last vector
+  static constexpr int kGroups = kBlockTarget > kGroupThreads ? kBlockTarget / kGroupThreads : 1;
+  static constexpr int kThreads = kGroupThreads * kGroups;
+  static_assert(kVecPerThread <= 32,
+                "hidden size too large to hold a row in registers: use the runtime launcher");
+  static_assert(kGroupThreads <= 32 || kGroups <= 15, "too many row groups per block");
+};
+
+template <class T, int kCols, class P>
+using RmsFwdShape = RowShape<T, kCols, P::kFwdVecPerThread, P::kFwdBlockThreads>;
+template <class T, int kCols, class P>
+using RmsBwdShape = RowShape<T, kCols, P::kBwdVecPerThread, P::kBwdBlockThreads>;
+
+inline constexpr int kRmsGeneralThreads = 256;     // block of the general (any size) kernels
+inline constexpr int kRmsGeneralBwdBlocksPerSm = 2;
+inline constexpr std::int64_t kRmsGeneralSmemAccCols = 12288;  // dW accumulated in shared memory up to here
+
+// Workspace of the backward: one fp32 partial dW row per block, 256-byte aligned.
+constexpr std::size_t rms_norm_partials_bytes(std::int64_t blocks, std::int64_t cols) {
+  return round_up<std::size_t>(static_cast<std::size_t>(blocks) * static_cast<std::size_t>(cols) * 4u,
+                               256u);
+}
+
+}  // namespace detail
+
+#if defined(__CUDACC__)
+
+// ------------------------------------------------------------------------------------------------
+// 3. Kernels
+// ------------------------------------------------------------------------------------------------
+
+namespace detail {
+
+template <class T, class W>
+struct RmsFwdParams {
+  const T* x;
+  T* y;
+  const W* w;
+  float* rstd;
+  std::int64_t rows;
+  std::int64_t cols;
+  std::int64_t xs, ys;
+  float eps, offset;
+  RmsNormCasting casting;
+};
+
+template <class T, class W>
+struct RmsBwdParams {
+  const T* dy;
+  const T* x;
+  const W* w;
+  const float* rstd;
+  T* dx;
+  float* partials;  // [gridDim.x, cols], or null when dW is not wanted
+  std::int64_t rows;
+  std::int64_t cols;
+  std::int64_t dys, xs, dxs;
+  float eps, offset;
+  RmsNormCasting casting;
+};
+
+// Fixed hidden size: each row lives in registers of one row group; kGroups rows per block.
+template <class T, class W, int kCols, class P>
+TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
+    rms_norm_fwd_kernel(const RmsFwdParams<T, W> p) {
+  using S = RmsFwdShape<T, kCols, P>;
+  constexpr int kV = S::kVec;
+  using Reduce = GroupAllReduce<S::kGroupThreads, S::kGroups, 1>;
+  __shared__ typename Reduce::TempStorage tmp;
+
+  const int t = threadIdx.x % S::kGroupThreads;
+  const int g = threadIdx.x / S::kGroupThreads;
+  const bool has_w = p.w != nullptr;
+
+  AlignedVec<W, kV> w[S::kVecPerThread];
+  if constexpr (P::kWeightInRegisters) {
+#pragma unroll
+    for (int v = 0; v < S::kVecPerThread; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (has_w && (S::kExact || i < S::kNumVec)) w[v] = load_vec<kV>(p.w + i * kV);
+    }
+  }
+
+  int parity = 0;
+  for (std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g; row < p.rows;
+       row += static_cast<std::int64_t>(gridDim.x) * S::kGroups) {
+    const T* xr = p.x + row * p.xs;
+    AlignedVec<T, kV> xv[S::kVecPerThread];
+#pragma unroll
+    for (int v = 0; v < S::kVecPerThread; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) xv[v] = load_vec<kV>(xr + i * kV);
+    }
+    float ss[1] = {0.0f};
+#pragma unroll
+    for (int v = 0; v < S::kVecPerThread; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) {
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          const float f = to_float(xv[v].v[k]);
+          ss[0] += f * f;
+        }
+      }
+    }
+    Reduce::sum(ss, tmp, g, t, parity);
+    parity ^= 1;
+    const float rstd = rms_norm_math::rstd(ss[0], kCols, p.eps);
+    if (t == 0 && p.rstd != nullptr) p.rstd[row] = rstd;
+    const float r = rms_norm_math::effective_rstd<T>(rstd, p.casting);
+    T* yr = p.y + row * p.ys;
+#pragma unroll
+    for (int v = 0; v < S::kVecPerThread; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) {
+        if constexpr (!P::kWeightInRegisters) {
+          if (has_w) w[v] = load_vec<kV>(p.w + i * kV);
+        }
+        AlignedVec<T, kV> yv;
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          const float s = rms_norm_math::scale<T>(has_w ? to_float(w[v].v[k]) : 0.0f, has_w,
+                                                  p.offset, p.casting);
+          yv.v[k] = from_float<T>(rms_norm_math::forward<T>(to_float(xv[v].v[k]), r, s, p.casting));
+        }
+        store_vec(yr + i * kV, yv);
+      }
+    }
+  }
+}
+
+// Fixed hidden size backward: persistent blocks; each thread keeps its columns' dW in registers
+// across all the rows it visits; the block's row groups are combined in shared memory in a fixed
+// order and one partial row per block goes to the workspace.
+template <class T, class W, int kCols, class P>
+TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdMinBlocksPerSm)
+    rms_norm_bwd_kernel(const RmsBwdParams<T, W> p) {
+  using S = RmsBwdShape<T, kCols, P>;
+  constexpr int kV = S::kVec;
+  constexpr int kVPT = S::kVecPerThread;
+  using Reduce = GroupAllReduce<S::kGroupThreads, S::kGroups, 2>;
+  __shared__ typename Reduce::TempStorage tmp;
+
+  const int t = threadIdx.x % S::kGroupThreads;
+  const int g = threadIdx.x / S::kGroupThreads;
+  const bool has_w = p.w != nullptr;
+  const bool want_dw = p.partials != nullptr;
+
+  AlignedVec<W, kV> w[kVPT];
+  float acc[kVPT][kV];
+#pragma unroll
+  for (int v = 0; v < kVPT; ++v) {
+    const int i = v * S::kGroupThreads + t;
+    if (P::kWeightInRegisters && has_w && (S::kExact || i < S::kNumVec)) {
+      w[v] = load_vec<kV>(p.w + i * kV);
+    }
+#pragma unroll
+    for (int k = 0; k < kV; ++k) acc[v][k] = 0.0f;
+  }
+
+  int parity = 0;
+  for (std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g; row < p.rows;
+       row += static_cast<std::int64_t>(gridDim.x) * S::kGroups) {
+    const T* dyr = p.dy + row * p.dys;
+    const T* xr = p.x + row * p.xs;
+    AlignedVec<T, kV> dyv[kVPT], xv[kVPT];
+#pragma unroll
+    for (int v = 0; v < kVPT; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) {
+        dyv[v] = load_vec<kV>(dyr + i * kV);
+        xv[v] = load_vec<kV>(xr + i * kV);
+        if (!P::kWeightInRegisters && has_w) w[v] = load_vec<kV>(p.w + i * kV);
+      }
+    }
+    const float saved = p.rstd != nullptr ? p.rstd[row] : 0.0f;
+    // s[0] = sum(dn * x), s[1] = sum(x^2) (for the rstd when it was not saved)
+    float s[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int v = 0; v < kVPT; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) {
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          const float xf = to_float(xv[v].v[k]);
+          const float dn = to_float(dyv[v].v[k]) * (has_w ? p.offset + to_float(w[v].v[k]) : 1.0f);
+          s[0] += dn * xf;
+          s[1] += xf * xf;
+        }
+      }
+    }
+    Reduce::sum(s, tmp, g, t, parity);
+    parity ^= 1;
+    const float rstd = p.rstd != nullptr ? saved : rms_norm_math::rstd(s[1], kCols, p.eps);
+    const float mean_dot = rstd * s[0] / static_cast<float>(kCols);
+    T* dxr = p.dx + row * p.dxs;
+#pragma unroll
+    for (int v = 0; v < kVPT; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) {
+        AlignedVec<T, kV> dxv;
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          const float xhat = to_float(xv[v].v[k]) * rstd;
+          const float dyf = to_float(dyv[v].v[k]);
+          const float dn = dyf * (has_w ? p.offset + to_float(w[v].v[k]) : 1.0f);
+          dxv.v[k] = from_float<T>(rms_norm_math::dx(dn, xhat, rstd, mean_dot));
+          if (want_dw) acc[v][k] += rms_norm_math::dweight_term<T>(dyf, xhat, p.casting);
+        }
+        store_vec(dxr + i * kV, dxv);
+      }
+    }
+  }
+
+  if (!want_dw) return;
+  // Combine the row groups of this block in order 0, 1, ..., kGroups-1 through one shared row.
+  if constexpr (S::kGroups > 1) {
+    __shared__ float other[kCols];
+    for (int o = 1; o < S::kGroups; ++o) {
+      if (g == o) {
+#pragma unroll
+        for (int v = 0; v < kVPT; ++v) {
+          const int i = v * S::kGroupThreads + t;
+          if (S::kExact || i < S::kNumVec) {
+#pragma unroll
+            for (int k = 0; k < kV; ++k) other[i * kV + k] = acc[v][k];
+          }
+        }
+      }
+      __syncthreads();
+      if (g == 0) {
+#pragma unroll
+        for (int v = 0; v < kVPT; ++v) {
+          const int i = v * S::kGroupThreads + t;
+          if (S::kExact || i < S::kNumVec) {
+#pragma unroll
+            for (int k = 0; k < kV; ++k) acc[v][k] += other[i * kV + k];
+          }
+        }
+      }
+      __syncthreads();
+    }
+    if (g > 0) return;
+  }
+  float* part = p.partials + static_cast<std::int64_t>(blockIdx.x) * kCols;
+#pragma unroll
+  for (int v = 0; v < kVPT; ++v) {
+    const int i = v * S::kGroupThreads + t;
+    if (S::kExact || i < S::kNumVec) {
+#pragma unroll
+      for (int k = 0; k < kV; ++k) part[i * kV + k] = acc[v][k];
+    }
+  }
+}
+
+// Any hidden size: one row per block at a time, two passes over the row (the second is served
+// from L1/L2), kV = 16-byte vectors when pointers and strides allow it, else single elements.
+template <class T, class W, int kV>
+TIGON_KERNEL void __launch_bounds__(kRmsGeneralThreads)
+    rms_norm_fwd_general_kernel(const RmsFwdParams<T, W> p) {
+  constexpr int kThreads = kRmsGeneralThreads;
+  using Reduce = BlockAllReduce<kThreads, 1>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const int nvec = static_cast<int>(p.cols / kV);
+  const bool has_w = p.w != nullptr;
+  for (std::int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* xr = p.x + row * p.xs;
+    float ss[1] = {0.0f};
+    for (int i = threadIdx.x; i < nvec; i += kThreads) {
+      const AlignedVec<T, kV> xv = load_vec<kV>(xr + static_cast<std::int64_t>(i) * kV);
+#pragma unroll
+      for (int k = 0; k < kV; ++k) {
+        const float f = to_float(xv.v[k]);
+        ss[0] += f * f;
+      }
+    }
+    Reduce::sum(ss, tmp);
+    const float rstd = rms_norm_math::rstd(ss[0], p.cols, p.eps);
+    if (threadIdx.x == 0 && p.rstd != nullptr) p.rstd[row] = rstd;
+    const float r = rms_norm_math::effective_rstd<T>(rstd, p.casting);
+    T* yr = p.y + row * p.ys;
+    for (int i = threadIdx.x; i < nvec; i += kThreads) {
+      const std::int64_t c = static_cast<std::int64_t>(i) * kV;
+      const AlignedVec<T, kV> xv = load_vec<kV>(xr + c);
+      AlignedVec<W, kV> wv;
+      if (has_w) wv = load_vec<kV>(p.w + c);
+      AlignedVec<T, kV> yv;
+#pragma unroll
+      for (int k = 0; k < kV; ++k) {
+        const float s = rms_norm_math::scale<T>(has_w ? to_float(wv.v[k]) : 0.0f, has_w, p.offset,
+                                                p.casting);
+        yv.v[k] = from_float<T>(rms_norm_math::forward<T>(to_float(xv.v[k]), r, s, p.casting));
+      }
+      store_vec(yr + c, yv);
+    }
+  }
+}
+
+// Any hidden size backward. dW is accumulated per block in shared memory when the row fits
+// (kRmsGeneralSmemAccCols), else directly in the block's partial row of the workspace; each
+// column belongs to one thread, so either way the sums are race-free and in a fixed order.
+template <class T, class W, int kV>
+TIGON_KERNEL void __launch_bounds__(kRmsGeneralThreads)
+    rms_norm_bwd_general_kernel(const RmsBwdParams<T, W> p, bool smem_acc) {
+  constexpr int kThreads = kRmsGeneralThreads;
+  using Reduce = BlockAllReduce<kThreads, 2>;
+  __shared__ typename Reduce::TempStorage tmp;
+  extern __shared__ float smem_dw[];
+  const int nvec = static_cast<int>(p.cols / kV);
+  const bool has_w = p.w != nullptr;
+  const bool want_dw = p.partials != nullptr;
+  float* part = want_dw ? p.partials + static_cast<std::int64_t>(blockIdx.x) * p.cols : nullptr;
+  float* acc = smem_acc ? smem_dw : part;
+  if (want_dw) {
+    for (int i = threadIdx.x; i < nvec; i += kThreads) {
+#pragma unroll
+      for (int k = 0; k < kV; ++k) acc[i * kV + k] = 0.0f;
+    }
+  }
+  for (std::int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* dyr = p.dy + row * p.dys;
+    const T* xr = p.x + row * p.xs;
+    float s[2] = {0.0f, 0.0f};
+    for (int i = threadIdx.x; i < nvec; i += kThreads) {
+      const std::int64_t c = static_cast<std::int64_t>(i) * kV;
+      const AlignedVec<T, kV> dyv = load_vec<kV>(dyr + c);
+      const AlignedVec<T, kV> xv = load_vec<kV>(xr + c);
+      AlignedVec<W, kV> wv;
+      if (has_w) wv = load_vec<kV>(p.w + c);
+#pragma unroll
+      for (int k = 0; k < kV; ++k) {
+        const float xf = to_float(xv.v[k]);
+        const float dn = to_float(dyv.v[k]) * (has_w ? p.offset + to_float(wv.v[k]) : 1.0f);
+        s[0] += dn * xf;
+        s[1] += xf * xf;
+      }
+    }
+    Reduce::sum(s, tmp);
+    const float rstd = p.rstd != nullptr ? p.rstd[row] : rms_norm_math::rstd(s[1], p.cols, p.eps);
+    const float mean_dot = rstd * s[0] / static_cast<float>(p.cols);
+    T* dxr = p.dx + row * p.dxs;
+    for (int i = threadIdx.x; i < nvec; i += kThreads) {
+      const std::int64_t c = static_cast<std::int64_t>(i) * kV;
+      const AlignedVec<T, kV> dyv = load_vec<kV>(dyr + c);
+      const AlignedVec<T, kV> xv = load_vec<kV>(xr + c);
+      AlignedVec<W, kV> wv;
+      if (has_w) wv = load_vec<kV>(p.w + c);
+      AlignedVec<T, kV> dxv;
+#pragma unroll
+      for (int k = 0; k < kV; ++k) {
+        const float xhat = to_float(xv.v[k]) * rstd;
+        const float dyf = to_float(dyv.v[k]);
+        const float dn = dyf * (has_w ? p.offset + to_float(wv.v[k]) : 1.0f);
+        dxv.v[k] = from_float<T>(rms_norm_math::dx(dn, xhat, rstd, mean_dot));
+        if (want_dw) acc[c + k] += rms_norm_math::dweight_term<T>(dyf, xhat, p.casting);
+      }
+      store_vec(dxr + c, dxv);
+    }
+  }
+  if (want_dw && smem_acc) {
+    for (int i = threadIdx.x; i < nvec; i += kThreads) {
+#pragma unroll
+      for (int k = 0; k < kV; ++k) part[i * kV + k] = acc[i * kV + k];
+    }
+  }
+}
+
+// ---- launch planning: which kernel, what grid, how much workspace -----------------------------
+
+enum class RmsKernel { compiled, general_vec, general_scalar };
+
+struct RmsPlan {
+  RmsKernel kernel = RmsKernel::general_scalar;
+  int grid = 0;
+  std::size_t workspace_bytes = 0;
+};
+
+template <class T>
+inline bool rows_aligned(const T* p, std::int64_t stride, int vec) {
+  return is_aligned(p, static_cast<std::size_t>(vec) * sizeof(T)) && stride % vec == 0;
+}
+
+template <class T, class W, int kV>
+bool fwd_vectorizable(const RmsFwdParams<T, W>& p) {
+  return p.cols % kV == 0 && rows_aligned(p.x, p.xs, kV) && rows_aligned(p.y, p.ys, kV) &&
+         (p.w == nullptr || is_aligned(p.w, kV * sizeof(W)));
+}
+
+template <class T, class W, int kV>
+bool bwd_vectorizable(const RmsBwdParams<T, W>& p) {
+  return p.cols % kV == 0 && rows_aligned(p.dy, p.dys, kV) && rows_aligned(p.x, p.xs, kV) &&
+         rows_aligned(p.dx, p.dxs, kV) && (p.w == nullptr || is_aligned(p.w, kV * sizeof(W)));
+}
+
+template <class T, class W>
+RmsFwdParams<T, W> fwd_params(const RmsNormForwardArgs<T, W>& a) {
+  return {a.x,    a.y,    a.weight,
+          a.rstd, a.rows, a.cols,
+          a.x_stride ? a.x_stride : a.cols, a.y_stride ? a.y_stride : a.cols,
+          a.eps,  a.offset, a.casting};
+}
+
+template <class T, class W>
+RmsBwdParams<T, W> bwd_params(const RmsNormBackwardArgs<T, W>& a) {
+  return {a.dy,   a.x,    a.weight, a.rstd, a.dx, nullptr, a.rows, a.cols,
+          a.dy_stride ? a.dy_stride : a.cols, a.x_stride ? a.x_stride : a.cols,
+          a.dx_stride ? a.dx_stride : a.cols, a.eps, a.offset, a.casting};
+}
+
+// kCols == 0: only the general kernels are candidates.
+template <class T, class W, int kCols, class P>
+Status plan_forward(const RmsFwdParams<T, W>& p, const DeviceInfo& dev, RmsPlan& plan) {
+  if constexpr (kCols > 0) {
+    using S = RmsFwdShape<T, kCols, P>;
+    if (fwd_vectorizable<T, W, S::kVec>(p)) {
+      int occ = 0;
+      TIGON_CHECK((blocks_per_sm<rms_norm_fwd_kernel<T, W, kCols, P>, S::kThreads>(dev.device, occ)));
+      plan.kernel = RmsKernel::compiled;
+      plan.grid = static_cast<int>(
+          std::min<std::int64_t>(ceil_div<std::int64_t>(p.rows, S::kGroups),
+                                 static_cast<std::int64_t>(occ) * dev.sm_count));
+      return Status();
+    }
+  }
+  plan.kernel = fwd_vectorizable<T, W, kVecElems<T>>(p) ? RmsKernel::general_vec
+                                                        : RmsKernel::general_scalar;
+  int occ = 0;
+  if (plan.kernel == RmsKernel::general_vec) {
+    TIGON_CHECK((blocks_per_sm<rms_norm_fwd_general_kernel<T, W, kVecElems<T>>, kRmsGeneralThreads>(
+        dev.device, occ)));
+  } else {
+    TIGON_CHECK((blocks_per_sm<rms_norm_fwd_general_kernel<T, W, 1>, kRmsGeneralThreads>(dev.device, occ)));
+  }
+  plan.grid = static_cast<int>(
+      std::min<std::int64_t>(p.rows, static_cast<std::int64_t>(occ) * dev.sm_count));
+  return Status();
+}
+
+template <class T, class W, int kCols, class P>
+Status plan_backward(const RmsBwdParams<T, W>& p, bool want_dw, const DeviceInfo& dev,
+                     RmsPlan& plan) {
+  plan = RmsPlan{};
+  bool compiled = false;
+  if constexpr (kCols > 0) {
+    using S = RmsBwdShape<T, kCols, P>;
+    if (bwd_vectorizable<T, W, S::kVec>(p)) {
+      int occ = 0;
+      TIGON_CHECK((blocks_per_sm<rms_norm_bwd_kernel<T, W, kCols, P>, S::kThreads>(dev.device, occ)));
+      plan.kernel = RmsKernel::compiled;
+      plan.grid = static_cast<int>(
+          std::min<std::int64_t>(ceil_div<std::int64_t>(p.rows, S::kGroups),
+                                 static_cast<std::int64_t>(occ) * dev.sm_count));
+      compiled = true;
+    }
+  }
+  if (!compiled) {
+    plan.kernel = bwd_vectorizable<T, W, kVecElems<T>>(p) ? RmsKernel::general_vec
+                                                          : RmsKernel::general_scalar;
+    plan.grid = static_cast<int>(std::min<std::int64_t>(
+        p.rows, static_cast<std::int64_t>(kRmsGeneralBwdBlocksPerSm) * dev.sm_count));
+  }
+  plan.workspace_bytes = want_dw ? rms_norm_partials_bytes(plan.grid, p.cols) : 0;
+  return Status();
+}
+
+template <class T, class W, int kCols, class P>
+Status launch_forward(const RmsFwdParams<T, W>& p, const RmsPlan& plan, cudaStream_t stream) {
+  switch (plan.kernel) {
+    case RmsKernel::compiled:
+      if constexpr (kCols > 0) {
+        using S = RmsFwdShape<T, kCols, P>;
+        rms_norm_fwd_kernel<T, W, kCols, P><<<plan.grid, S::kThreads, 0, stream>>>(p);
+      }
+      break;
+    case RmsKernel::general_vec:
+      rms_norm_fwd_general_kernel<T, W, kVecElems<T>><<<plan.grid, kRmsGeneralThreads, 0, stream>>>(p);
+      break;
+    case RmsKernel::general_scalar:
+      rms_norm_fwd_general_kernel<T, W, 1><<<plan.grid, kRmsGeneralThreads, 0, stream>>>(p);
+      break;
+  }
+  return check_launch("rms_norm_forward");
+}
+
+template <class T, class W, int kCols, class P>
+Status launch_backward(const RmsBwdParams<T, W>& p, const RmsPlan& plan, W* dweight,
+                       bool accumulate, cudaStream_t stream) {
+  constexpr const char* kOp = "rms_norm_backward";
+  if (plan.kernel == RmsKernel::compiled) {
+    if constexpr (kCols > 0) {
+      using S = RmsBwdShape<T, kCols, P>;
+      rms_norm_bwd_kernel<T, W, kCols, P><<<plan.grid, S::kThreads, 0, stream>>>(p);
+    }
+  } else {
+    const bool smem_acc = p.partials != nullptr && p.cols <= kRmsGeneralSmemAccCols;
+    const std::size_t smem = smem_acc ? static_cast<std::size_t>(p.cols) * sizeof(float) : 0;
+    if (plan.kernel == RmsKernel::general_vec) {
+      rms_norm_bwd_general_kernel<T, W, kVecElems<T>>
+          <<<plan.grid, kRmsGeneralThreads, smem, stream>>>(p, smem_acc);
+    } else {
+      rms_norm_bwd_general_kernel<T, W, 1><<<plan.grid, kRmsGeneralThreads, smem, stream>>>(p, smem_acc);
+    }
+  }
+  TIGON_CHECK(check_launch(kOp));
+  if (dweight == nullptr) return Status();
+  return column_sum(p.partials, plan.grid, p.cols, dweight, accumulate, stream, kOp);
+}
+
+// Forward for one candidate size (0: general only).
+template <class T, class W, int kCols, class P>
+Status forward_impl(const RmsNormForwardArgs<T, W>& a, cudaStream_t stream) {
+  const RmsFwdParams<T, W> p = fwd_params(a);
+  DeviceInfo dev;
+  TIGON_CHECK(current_device_info(dev));
+  RmsPlan plan;
+  TIGON_CHECK((plan_forward<T, W, kCols, P>(p, dev, plan)));
+  return launch_forward<T, W, kCols, P>(p, plan, stream);
+}
+
+template <class T, class W, int kCols, class P>
+Status backward_workspace_impl(const RmsNormBackwardArgs<T, W>& a, std::size_t& bytes) {
+  DeviceInfo dev;
+  TIGON_CHECK(current_device_info(dev));
+  RmsPlan plan;
+  TIGON_CHECK((plan_backward<T, W, kCols, P>(bwd_params(a), a.dweight != nullptr, dev, plan)));
+  bytes = plan.workspace_bytes;
+  return Status();
+}
+
+template <class T, class W, int kCols, class P>
+Status backward_impl(const RmsNormBackwardArgs<T, W>& a, cudaStream_t stream) {
+  constexpr const char* kOp = "rms_norm_backward";
+  RmsBwdParams<T, W> p = bwd_params(a);
+  DeviceInfo dev;
+  TIGON_CHECK(current_device_info(dev));
+  RmsPlan plan;
+  TIGON_CHECK((plan_backward<T, W, kCols, P>(p, a.dweight != nullptr, dev, plan)));
+  TIGON_CHECK(check::workspace(a.workspace, a.workspace_bytes, plan.workspace_bytes, kOp));
+  if (a.dweight != nullptr) p.partials = static_cast<float*>(a.workspace);
+  return launch_backward<T, W, kCols, P>(p, plan, a.dweight, a.accumulate_dweight, stream);
+}
+
+template <int kCols, class T, class W>
+Status check_compiled_cols(std::int64_t cols, const char* op) {
+  if (cols == kCols) return Status();
+  return Status::error(Errc::invalid_size, op, "cols",
+                       std::to_string(cols) + " does not match the compiled hidden size " +
+                           std::to_string(kCols));
+}
+
+}  // namespace detail
+
+// ------------------------------------------------------------------------------------------------
+// 4. Launchers
+// ------------------------------------------------------------------------------------------------
+//
+// Runtime hidden size: rms_norm_forward(args, stream) picks the compiled instance for the sizes in
+// TIGON_HIDDEN_SIZES and the general kernel for any other size, or when pointers / strides do not
+// allow 16-byte accesses. Compile-time hidden size: rms_norm_forward<bf16, 4096>(args, stream)
+// instantiates only that shape (plus the general kernel for misaligned inputs).
+//
+// None of them allocates, synchronises or copies to the host: all are graph-capturable.
+
+template <class T, class W>
+[[nodiscard]] Status rms_norm_forward(const RmsNormForwardArgs<T, W>& args, cudaStream_t stream) {
+  TIGON_CHECK(detail::validate(args, "rms_norm_forward"));
+  return dispatch_int(
+      HiddenSizes{}, args.cols,
+      [&](auto n) { return detail::forward_impl<T, W, decltype(n)::value, RmsNormDefaultPolicy>(args, stream); },
+      [&] { return detail::forward_impl<T, W, 0, RmsNormDefaultPolicy>(args, stream); });
+}
+
+template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
+[[nodiscard]] Status rms_norm_forward(const RmsNormForwardArgs<T, W>& args, cudaStream_t stream) {
+  TIGON_CHECK(detail::validate(args, "rms_norm_forward"));
+  TIGON_CHECK((detail::check_compiled_cols<kCols, T, W>(args.cols, "rms_norm_forward")));
+  return detail::forward_impl<T, W, kCols, Policy>(args, stream);
+}
+
+// Bytes of workspace rms_norm_backward(args) needs: 0 without dweight, else one fp32 row of
+// partial sums per block of the launch the call will make (a function of the device, the shape
+// and the pointers' alignment; the same arguments always give the same answer).
+template <class T, class W>
+[[nodiscard]] Status rms_norm_backward_workspace_bytes(const RmsNormBackwardArgs<T, W>& args,
+                                                       std::size_t& bytes) {
+  bytes = 0;
+  TIGON_CHECK(detail::validate(args, "rms_norm_backward_workspace_bytes"));
+  return dispatch_int(
+      HiddenSizes{}, args.cols,
+      [&](auto n) {
+        return detail::backward_workspace_impl<T, W, decltype(n)::value, RmsNormDefaultPolicy>(args, bytes);
+      },
+      [&] { return detail::backward_workspace_impl<T, W, 0, RmsNormDefaultPolicy>(args, bytes); });
+}
+
+template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
+[[nodiscard]] Status rms_norm_backward_workspace_bytes(const RmsNormBackwardArgs<T, W>& args,
+                                                       std::size_t& bytes) {
+  bytes = 0;
+  TIGON_CHECK(detail::validate(args, "rms_norm_backward_workspace_bytes"));
+  TIGON_CHECK((detail::check_compiled_cols<kCols, T, W>(args.cols, "rms_norm_backward_workspace_bytes")));
+  return detail::backward_workspace_impl<T, W, kCols, Policy>(args, bytes);
+}
+
+template <class T, class W>
+[[nodiscard]] Status rms_norm_backward(const RmsNormBackwardArgs<T, W>& args, cudaStream_t stream) {
+  TIGON_CHECK(detail::validate(args, "rms_norm_backward"));
+  return dispatch_int(
+      HiddenSizes{}, args.cols,
+      [&](auto n) { return detail::backward_impl<T, W, decltype(n)::value, RmsNormDefaultPolicy>(args, stream); },
+      [&] { return detail::backward_impl<T, W, 0, RmsNormDefaultPolicy>(args, stream); });
+}
+
+template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
+[[nodiscard]] Status rms_norm_backward(const RmsNormBackwardArgs<T, W>& args, cudaStream_t stream) {
+  TIGON_CHECK(detail::validate(args, "rms_norm_backward"));
+  TIGON_CHECK((detail::check_compiled_cols<kCols, T, W>(args.cols, "rms_norm_backward")));
+  return detail::backward_impl<T, W, kCols, Policy>(args, stream);
+}
+
+#endif  // __CUDACC__
+
+TIGON_NAMESPACE_END

@@ -1,0 +1,17 @@
+// tigon/tigon.cuh - every op of tigon. Include this, or only the op headers you use.
+#pragma once
+
+#include "core/config.hpp"
+#include "core/dispatch.hpp"
+#include "core/dtype.hpp"
+#include "core/math.hpp"
+#include "core/status.hpp"
+#include "core/validate.hpp"
+#include "norm/rms_norm.cuh"
+
+#if defined(__CUDACC__)
+#include "core/colsum.cuh"
+#include "core/device.hpp"
+#include "core/reduce.cuh"
+#include "core/vector.cuh"
+#endif

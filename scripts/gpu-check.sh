@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The full check on a GPU machine, in one go: configure and build (Release, sm_90), every test
+# (host + GPU + packaging), compute-sanitizer memcheck and racecheck on the GPU tests (small shapes),
+# and the benchmarks with their JSON. Logs go to OUTDIR; a summary is printed last.
+#   scripts/gpu-check.sh OUTDIR [extra CMake configure arguments, e.g. -DCatch2_DIR=...]
+set -uo pipefail
+out=${1:?usage: scripts/gpu-check.sh OUTDIR [cmake args]}
+shift
+mkdir -p "$out"
+jobs=$(nproc)
+summary() { echo "$*" | tee -a "$out/summary.txt"; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
+  > "$out/nvidia-smi.txt" 2>&1
+t0=$(date +%s)
+if ! cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 "$@" \
+     > "$out/configure.log" 2>&1; then
+  tail -40 "$out/configure.log"; exit 1
+fi
+if ! cmake --build build-gpu -j "$jobs" > "$out/build.log" 2>&1; then
+  grep -E "error|FAILED" "$out/build.log" | head -60; exit 1
+fi
+summary "build: $(( $(date +%s) - t0 )) s"
+
+ctest --test-dir build-gpu -LE bench -j 4 --output-on-failure > "$out/tests.log" 2>&1
+summary "ctest (host + gpu + packaging): rc=$? :: $(grep -E 'tests passed|tests failed' "$out/tests.log")"
+grep -E "^\s*[0-9]+/[0-9]+ Test" "$out/tests.log" | sed 's/^ *//' | tee -a "$out/summary.txt"
+grep -E "All tests passed|test cases:|assertions" "$out/tests.log" | tail -5 | tee -a "$out/summary.txt"
+
+for tool in memcheck racecheck; do
+  for t in build-gpu/test/tigon_gpu_tests_*; do
+    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$t" "~[large]" \
+      > "$out/sanitizer-$tool-$(basename "$t").log" 2>&1
+    summary "compute-sanitizer $tool $(basename "$t"): rc=$? :: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-$tool-$(basename "$t").log" | tail -1)"
+  done
+done
+
+for b in build-gpu/bench/tigon_bench_*; do
+  name=$(basename "$b")
+  timeout 300 "$b" --benchmark_out="$out/$name.json" --benchmark_out_format=json > "$out/$name.log" 2>&1
+  summary "$name: rc=$?"
+  sed -n '/^benchmark (median/,$p' "$out/$name.log" | tee -a "$out/summary.txt"
+  grep -E "^ceiling" "$out/$name.log" | tee -a "$out/summary.txt"
+done
+summary "total: $(( $(date +%s) - t0 )) s"

@@ -121,19 +121,21 @@ BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark:
   void BM_bwd_##label(benchmark::State& st) { BM_backward_policy<__VA_ARGS__>(st, #label); } \
   BENCHMARK(BM_bwd_##label)->Arg(16384)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 
-FWD_VARIANT(v4_b256_wreg, RmsNormPolicy<4, 256, 2, 512, 2, true>)
-FWD_VARIANT(v4_b128, RmsNormPolicy<4, 128>)
-FWD_VARIANT(v2_b256, RmsNormPolicy<2, 256>)
-FWD_VARIANT(v2_b512, RmsNormPolicy<2, 512>)
-FWD_VARIANT(v8_b256, RmsNormPolicy<8, 256>)
-FWD_VARIANT(v1_b512, RmsNormPolicy<1, 512>)
-BWD_VARIANT(v2_b512_m1, RmsNormPolicy<4, 256, 2, 512, 1>)
-BWD_VARIANT(v2_b512_m2_wreg, RmsNormPolicy<4, 256, 2, 512, 2, true>)
-BWD_VARIANT(v1_b512_m2, RmsNormPolicy<4, 256, 1, 512, 2>)
-BWD_VARIANT(v1_b1024_m1, RmsNormPolicy<4, 256, 1, 1024, 1>)
-BWD_VARIANT(v4_b256_m2, RmsNormPolicy<4, 256, 4, 256, 2>)
-BWD_VARIANT(v4_b512_m1, RmsNormPolicy<4, 256, 4, 512, 1>)
-BWD_VARIANT(v2_b256_m3, RmsNormPolicy<4, 256, 2, 256, 3>)
-BWD_VARIANT(v2_b1024_m1, RmsNormPolicy<4, 256, 2, 1024, 1>)
+// RmsNormPolicy<fwd vec/thread, fwd block, bwd vec/thread, bwd block, bwd min blocks/SM, stages>
+FWD_VARIANT(v4_b256_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
+FWD_VARIANT(v4_b256_s3, RmsNormPolicy<4, 256, 2, 512, 1, 3>)
+FWD_VARIANT(v4_b256_s4, RmsNormPolicy<4, 256, 2, 512, 1, 4>)
+FWD_VARIANT(v2_b256_s3, RmsNormPolicy<2, 256, 2, 512, 1, 3>)
+FWD_VARIANT(v8_b256_s3, RmsNormPolicy<8, 256, 2, 512, 1, 3>)
+FWD_VARIANT(v4_b128_s3, RmsNormPolicy<4, 128, 2, 512, 1, 3>)
+FWD_VARIANT(v4_b512_s2, RmsNormPolicy<4, 512, 2, 512, 1, 2>)
+BWD_VARIANT(v2_b512_m1_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
+BWD_VARIANT(v2_b512_m1_s3, RmsNormPolicy<4, 256, 2, 512, 1, 3>)
+BWD_VARIANT(v2_b512_m1_s4, RmsNormPolicy<4, 256, 2, 512, 1, 4>)
+BWD_VARIANT(v2_b256_m2_s3, RmsNormPolicy<4, 256, 2, 256, 2, 3>)
+BWD_VARIANT(v4_b256_m1_s3, RmsNormPolicy<4, 256, 4, 256, 1, 3>)
+BWD_VARIANT(v1_b512_m1_s3, RmsNormPolicy<4, 256, 1, 512, 1, 3>)
+BWD_VARIANT(v2_b1024_m1_s2, RmsNormPolicy<4, 256, 2, 1024, 1, 2>)
+BWD_VARIANT(v4_b128_m2_s3, RmsNormPolicy<4, 256, 4, 128, 2, 3>)
 
 BENCH_MAIN

@@ -196,11 +196,14 @@ void run_case(const Case& c) {
       tol<T>() * rms(bref.dx), tol<T>());
   CHECK_CLOSE(cdx, "dx", 2 * tol_l2<T>());
   if (c.weight) {
+    // Modes llama and none multiply dy by xhat rounded to T: a term on a rounding boundary may
+    // round the other way in fp32 than in the reference, so T's precision bounds dW there.
+    const double dw_tol = c.mode == RmsNormCasting::gemma ? tol<W>() : std::max(tol<W>(), tol<T>());
     std::vector<double> dwref(bref.dw.size());
     for (std::size_t i = 0; i < dwref.size(); ++i) dwref[i] = bref.dw[i] + dw_init[i];
     const auto cdw = gpu_test::compare(
         dwref.size(), [&](std::size_t i) { return static_cast<double>(to_float(dwh[i])); }, dwref,
-        tol<W>() * rms(dwref), tol<W>());
+        dw_tol * rms(dwref), dw_tol);
     CHECK_CLOSE(cdw, "dweight", 2 * tol_l2<W>());
   }
   if (!c.accumulate) {
@@ -227,7 +230,8 @@ const std::vector<std::pair<std::int64_t, std::int64_t>> kShapes = {
     {37, 4100},      // ditto, near a compiled size
     {256, 1024}, {3, 1536}, {9, 2048}, {100, 2560}, {5, 3072}, {64, 4096},
     {33, 5120},  {7, 6144}, {16, 7168}, {40, 8192},
-    {8, 12288},      // general vector path, dW accumulated in shared memory
+    {8, 10000},      // general vector path, dW accumulated in shared memory
+    {8, 12288},      // general vector path, dW accumulated in the workspace
     {4, 20000},      // general vector path, dW accumulated in the workspace
     {3, 64},         // small
 };

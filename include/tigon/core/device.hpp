@@ -81,7 +81,8 @@ inline Status current_device_info(DeviceInfo& out) {
 }
 
 // Resident blocks per multiprocessor of one kernel instance at a fixed block size and dynamic
-// shared memory, cached per device. Instantiate once per (kernel, threads, smem) combination.
+// shared memory, cached per device. A kernel that needs more than the default 48 KB of dynamic
+// shared memory gets its limit raised here, once per device, before it is first queried or launched.
 template <auto Kernel, int kThreads, int kSmem = 0>
 inline Status blocks_per_sm(int device, int& out) {
   static std::atomic<int> cache[detail::kMaxDevices] = {};
@@ -90,6 +91,11 @@ inline Status blocks_per_sm(int device, int& out) {
   }
   int v = cache[device].load(std::memory_order_relaxed);
   if (v == 0) {
+    if constexpr (kSmem > 48 * 1024) {
+      const cudaError_t e =
+          cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+      if (e != cudaSuccess) return Status::from_cuda(e, "blocks_per_sm", "cudaFuncSetAttribute");
+    }
     const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, Kernel, kThreads, kSmem);
     if (e != cudaSuccess) return Status::from_cuda(e, "blocks_per_sm", "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
     if (v < 1) {

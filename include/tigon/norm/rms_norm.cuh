@@ -20,6 +20,7 @@
 #include "../core/validate.hpp"
 
 #if defined(__CUDACC__)
+#include "../core/async_copy.cuh"
 #include "../core/colsum.cuh"
 #include "../core/device.hpp"
 #include "../core/reduce.cuh"
@@ -228,16 +229,16 @@ Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op) {
 
 // Tuning knobs of the compiled (fixed hidden size) kernels. A trainer may pass its own policy.
 template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
-          int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 2, bool kWeightInRegisters_ = false>
+          int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3>
 struct RmsNormPolicy {
-  // Keep the thread's slice of the weight in registers for all its rows (true) or re-read it from
-  // L1 for every row (false: fewer registers, more rows in flight).
-  static constexpr bool kWeightInRegisters = kWeightInRegisters_;
   static constexpr int kFwdVecPerThread = kFwdVecPerThread_;  // 16-byte vectors per thread per row
   static constexpr int kFwdBlockThreads = kFwdBlockThreads_;  // target block size (rows side by side)
   static constexpr int kBwdVecPerThread = kBwdVecPerThread_;
   static constexpr int kBwdBlockThreads = kBwdBlockThreads_;
   static constexpr int kBwdMinBlocksPerSm = kBwdMinBlocksPerSm_;  // caps registers for occupancy
+  // Rows each row group keeps in flight through shared memory (cp.async), lowered automatically
+  // when the rows do not fit.
+  static constexpr int kStages = kStages_;
 };
 using RmsNormDefaultPolicy = RmsNormPolicy<>;
 
@@ -263,6 +264,9 @@ struct RowShape {
   static constexpr bool kExact = kNumVec % kGroupThreads == 0;  // no thread idles in the last vector
   static constexpr int kGroups = kBlockTarget > kGroupThreads ? kBlockTarget / kGroupThreads : 1;
   static constexpr int kThreads = kGroupThreads * kGroups;
+  static constexpr int kAccessBytes = kVec * static_cast<int>(sizeof(T));
+  // Compiled kernels stage rows through cp.async, which moves 4, 8 or 16 bytes.
+  static constexpr bool kCompilable = kAccessBytes >= 4;
   static_assert(kVecPerThread <= 32,
                 "hidden size too large to hold a row in registers: use the runtime launcher");
   static_assert(kGroupThreads <= 32 || kGroups <= 15, "too many row groups per block");
@@ -273,9 +277,35 @@ using RmsFwdShape = RowShape<T, kCols, P::kFwdVecPerThread, P::kFwdBlockThreads>
 template <class T, int kCols, class P>
 using RmsBwdShape = RowShape<T, kCols, P::kBwdVecPerThread, P::kBwdBlockThreads>;
 
+inline constexpr int kMaxSmemPerBlock = 227 * 1024;  // Hopper / Ampere opt-in limit
+
+// Shared-memory pipeline of a compiled kernel: kTensors row buffers per stage per row group.
+template <class Shape, class T, int kCols, int kTensors, int kStagesWanted>
+struct RowPipeline {
+  static constexpr int kRowBytes = kCols * static_cast<int>(sizeof(T));
+  static constexpr int kPerStage = Shape::kGroups * kTensors * kRowBytes;
+  static constexpr int kFit = kMaxSmemPerBlock / kPerStage;
+  static constexpr int kStages = kFit < 1 ? 1 : (kFit < kStagesWanted ? kFit : kStagesWanted);
+  static constexpr int kSmemBytes = kStages * kPerStage;
+};
+// Whether a compiled instance exists for kCols (0 means "general kernels only").
+template <template <class, int, class> class Shape, class T, int kCols, class P>
+constexpr bool compiled_available() {
+  if constexpr (kCols <= 0) {
+    return false;
+  } else {
+    return Shape<T, kCols, P>::kCompilable;
+  }
+}
+
+template <class T, int kCols, class P>
+using RmsFwdPipe = RowPipeline<RmsFwdShape<T, kCols, P>, T, kCols, 1, P::kStages>;
+template <class T, int kCols, class P>
+using RmsBwdPipe = RowPipeline<RmsBwdShape<T, kCols, P>, T, kCols, 2, P::kStages>;
+
 inline constexpr int kRmsGeneralThreads = 256;     // block of the general (any size) kernels
 inline constexpr int kRmsGeneralBwdBlocksPerSm = 2;
-inline constexpr std::int64_t kRmsGeneralSmemAccCols = 12288;  // dW accumulated in shared memory up to here
+inline constexpr std::int64_t kRmsGeneralSmemAccCols = 11264;  // 44 KB: under the 48 KB default  // dW accumulated in shared memory up to here
 
 // Workspace of the backward: one fp32 partial dW row per block, 256-byte aligned.
 constexpr std::size_t rms_norm_partials_bytes(std::int64_t blocks, std::int64_t cols) {
@@ -321,46 +351,65 @@ struct RmsBwdParams {
   RmsNormCasting casting;
 };
 
-// Fixed hidden size: each row lives in registers of one row group; kGroups rows per block.
+// Issue the copies of one row (this thread's chunks) into a shared-memory stage, then commit the
+// group (an empty group past the last row keeps the per-thread group count uniform).
+template <class S, class T>
+TIGON_DEVICE void stage_row(T* dst, const T* src, int t, bool valid) {
+  if (valid) {
+#pragma unroll
+    for (int v = 0; v < S::kVecPerThread; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) cp_async<S::kAccessBytes>(dst + i * S::kVec, src + i * S::kVec);
+    }
+  }
+}
+
+// Fixed hidden size: a row group of kGroupThreads threads owns one row at a time and keeps the
+// next kStages-1 rows of its sequence in flight through shared memory; kGroups groups per block;
+// a persistent grid walks all rows. Each thread reads back only the chunks it copied itself.
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
     rms_norm_fwd_kernel(const RmsFwdParams<T, W> p) {
   using S = RmsFwdShape<T, kCols, P>;
+  using Pipe = RmsFwdPipe<T, kCols, P>;
   constexpr int kV = S::kVec;
+  constexpr int kStages = Pipe::kStages;
   using Reduce = GroupAllReduce<S::kGroupThreads, S::kGroups, 1>;
   __shared__ typename Reduce::TempStorage tmp;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
 
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
   const bool has_w = p.w != nullptr;
+  T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * kCols;
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
+  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * S::kGroups;
 
-  AlignedVec<W, kV> w[S::kVecPerThread];
-  if constexpr (P::kWeightInRegisters) {
 #pragma unroll
-    for (int v = 0; v < S::kVecPerThread; ++v) {
-      const int i = v * S::kGroupThreads + t;
-      if (has_w && (S::kExact || i < S::kNumVec)) w[v] = load_vec<kV>(p.w + i * kV);
-    }
+  for (int s = 0; s < kStages - 1; ++s) {
+    const std::int64_t r = first + s * step;
+    stage_row<S>(stages + s * kCols, p.x + r * p.xs, t, r < p.rows);
+    cp_async_commit();
   }
 
   int parity = 0;
-  for (std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g; row < p.rows;
-       row += static_cast<std::int64_t>(gridDim.x) * S::kGroups) {
-    const T* xr = p.x + row * p.xs;
+  int k = 0;
+  for (std::int64_t row = first; row < p.rows; row += step, ++k) {
+    const std::int64_t ahead = row + (kStages - 1) * step;
+    stage_row<S>(stages + ((k + kStages - 1) % kStages) * kCols, p.x + ahead * p.xs, t, ahead < p.rows);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    const T* xr = stages + (k % kStages) * kCols;
     AlignedVec<T, kV> xv[S::kVecPerThread];
-#pragma unroll
-    for (int v = 0; v < S::kVecPerThread; ++v) {
-      const int i = v * S::kGroupThreads + t;
-      if (S::kExact || i < S::kNumVec) xv[v] = load_vec<kV>(xr + i * kV);
-    }
     float ss[1] = {0.0f};
 #pragma unroll
     for (int v = 0; v < S::kVecPerThread; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
+        xv[v] = load_vec<kV>(xr + i * kV);
 #pragma unroll
-        for (int k = 0; k < kV; ++k) {
-          const float f = to_float(xv[v].v[k]);
+        for (int c = 0; c < kV; ++c) {
+          const float f = to_float(xv[v].v[c]);
           ss[0] += f * f;
         }
       }
@@ -375,66 +424,67 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
     for (int v = 0; v < S::kVecPerThread; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
-        if constexpr (!P::kWeightInRegisters) {
-          if (has_w) w[v] = load_vec<kV>(p.w + i * kV);
-        }
+        AlignedVec<W, kV> wv;
+        if (has_w) wv = load_vec<kV>(p.w + i * kV);
         AlignedVec<T, kV> yv;
 #pragma unroll
-        for (int k = 0; k < kV; ++k) {
-          const float s = rms_norm_math::scale<T>(has_w ? to_float(w[v].v[k]) : 0.0f, has_w,
-                                                  p.offset, p.casting);
-          yv.v[k] = from_float<T>(rms_norm_math::forward<T>(to_float(xv[v].v[k]), r, s, p.casting));
+        for (int c = 0; c < kV; ++c) {
+          const float s = rms_norm_math::scale<T>(has_w ? to_float(wv.v[c]) : 0.0f, has_w, p.offset,
+                                                  p.casting);
+          yv.v[c] = from_float<T>(rms_norm_math::forward<T>(to_float(xv[v].v[c]), r, s, p.casting));
         }
         store_vec(yr + i * kV, yv);
       }
     }
   }
+  cp_async_wait<0>();
 }
 
-// Fixed hidden size backward: persistent blocks; each thread keeps its columns' dW in registers
-// across all the rows it visits; the block's row groups are combined in shared memory in a fixed
-// order and one partial row per block goes to the workspace.
+// Fixed hidden size backward: the same pipeline over x and dy; each thread keeps its columns' dW
+// in registers across all the rows it visits; at the end the block's row groups are combined in
+// shared memory in a fixed order and one partial row per block goes to the workspace.
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdMinBlocksPerSm)
     rms_norm_bwd_kernel(const RmsBwdParams<T, W> p) {
   using S = RmsBwdShape<T, kCols, P>;
+  using Pipe = RmsBwdPipe<T, kCols, P>;
   constexpr int kV = S::kVec;
   constexpr int kVPT = S::kVecPerThread;
+  constexpr int kStages = Pipe::kStages;
   using Reduce = GroupAllReduce<S::kGroupThreads, S::kGroups, 2>;
   __shared__ typename Reduce::TempStorage tmp;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
 
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
   const bool has_w = p.w != nullptr;
   const bool want_dw = p.partials != nullptr;
+  // [group][stage][x | dy][kCols]
+  T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * 2 * kCols;
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
+  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * S::kGroups;
+  auto issue = [&](std::int64_t r, int stage) {
+    stage_row<S>(stages + (stage * 2) * kCols, p.x + r * p.xs, t, r < p.rows);
+    stage_row<S>(stages + (stage * 2 + 1) * kCols, p.dy + r * p.dys, t, r < p.rows);
+    cp_async_commit();
+  };
 
-  AlignedVec<W, kV> w[kVPT];
   float acc[kVPT][kV];
 #pragma unroll
   for (int v = 0; v < kVPT; ++v) {
-    const int i = v * S::kGroupThreads + t;
-    if (P::kWeightInRegisters && has_w && (S::kExact || i < S::kNumVec)) {
-      w[v] = load_vec<kV>(p.w + i * kV);
-    }
 #pragma unroll
-    for (int k = 0; k < kV; ++k) acc[v][k] = 0.0f;
+    for (int c = 0; c < kV; ++c) acc[v][c] = 0.0f;
   }
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue(first + s * step, s);
 
   int parity = 0;
-  for (std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g; row < p.rows;
-       row += static_cast<std::int64_t>(gridDim.x) * S::kGroups) {
-    const T* dyr = p.dy + row * p.dys;
-    const T* xr = p.x + row * p.xs;
-    AlignedVec<T, kV> dyv[kVPT], xv[kVPT];
-#pragma unroll
-    for (int v = 0; v < kVPT; ++v) {
-      const int i = v * S::kGroupThreads + t;
-      if (S::kExact || i < S::kNumVec) {
-        dyv[v] = load_vec<kV>(dyr + i * kV);
-        xv[v] = load_vec<kV>(xr + i * kV);
-        if (!P::kWeightInRegisters && has_w) w[v] = load_vec<kV>(p.w + i * kV);
-      }
-    }
+  int k = 0;
+  for (std::int64_t row = first; row < p.rows; row += step, ++k) {
+    issue(row + (kStages - 1) * step, (k + kStages - 1) % kStages);
+    cp_async_wait<kStages - 1>();
+    const T* xr = stages + ((k % kStages) * 2) * kCols;
+    const T* dyr = xr + kCols;
     const float saved = p.rstd != nullptr ? p.rstd[row] : 0.0f;
     // s[0] = sum(dn * x), s[1] = sum(x^2) (for the rstd when it was not saved)
     float s[2] = {0.0f, 0.0f};
@@ -442,10 +492,14 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
     for (int v = 0; v < kVPT; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
+        const AlignedVec<T, kV> xv = load_vec<kV>(xr + i * kV);
+        const AlignedVec<T, kV> dyv = load_vec<kV>(dyr + i * kV);
+        AlignedVec<W, kV> wv;
+        if (has_w) wv = load_vec<kV>(p.w + i * kV);
 #pragma unroll
-        for (int k = 0; k < kV; ++k) {
-          const float xf = to_float(xv[v].v[k]);
-          const float dn = to_float(dyv[v].v[k]) * (has_w ? p.offset + to_float(w[v].v[k]) : 1.0f);
+        for (int c = 0; c < kV; ++c) {
+          const float xf = to_float(xv.v[c]);
+          const float dn = to_float(dyv.v[c]) * (has_w ? p.offset + to_float(wv.v[c]) : 1.0f);
           s[0] += dn * xf;
           s[1] += xf * xf;
         }
@@ -460,57 +514,56 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
     for (int v = 0; v < kVPT; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
+        const AlignedVec<T, kV> xv = load_vec<kV>(xr + i * kV);
+        const AlignedVec<T, kV> dyv = load_vec<kV>(dyr + i * kV);
+        AlignedVec<W, kV> wv;
+        if (has_w) wv = load_vec<kV>(p.w + i * kV);
         AlignedVec<T, kV> dxv;
 #pragma unroll
-        for (int k = 0; k < kV; ++k) {
-          const float xhat = to_float(xv[v].v[k]) * rstd;
-          const float dyf = to_float(dyv[v].v[k]);
-          const float dn = dyf * (has_w ? p.offset + to_float(w[v].v[k]) : 1.0f);
-          dxv.v[k] = from_float<T>(rms_norm_math::dx(dn, xhat, rstd, mean_dot));
-          if (want_dw) acc[v][k] += rms_norm_math::dweight_term<T>(dyf, xhat, p.casting);
+        for (int c = 0; c < kV; ++c) {
+          const float xhat = to_float(xv.v[c]) * rstd;
+          const float dyf = to_float(dyv.v[c]);
+          const float dn = dyf * (has_w ? p.offset + to_float(wv.v[c]) : 1.0f);
+          dxv.v[c] = from_float<T>(rms_norm_math::dx(dn, xhat, rstd, mean_dot));
+          if (want_dw) acc[v][c] += rms_norm_math::dweight_term<T>(dyf, xhat, p.casting);
         }
         store_vec(dxr + i * kV, dxv);
       }
     }
   }
+  cp_async_wait<0>();
 
   if (!want_dw) return;
-  // Combine the row groups of this block in order 0, 1, ..., kGroups-1 through one shared row.
-  if constexpr (S::kGroups > 1) {
-    __shared__ float other[kCols];
-    for (int o = 1; o < S::kGroups; ++o) {
-      if (g == o) {
-#pragma unroll
-        for (int v = 0; v < kVPT; ++v) {
-          const int i = v * S::kGroupThreads + t;
-          if (S::kExact || i < S::kNumVec) {
-#pragma unroll
-            for (int k = 0; k < kV; ++k) other[i * kV + k] = acc[v][k];
-          }
-        }
-      }
-      __syncthreads();
-      if (g == 0) {
-#pragma unroll
-        for (int v = 0; v < kVPT; ++v) {
-          const int i = v * S::kGroupThreads + t;
-          if (S::kExact || i < S::kNumVec) {
-#pragma unroll
-            for (int k = 0; k < kV; ++k) acc[v][k] += other[i * kV + k];
-          }
-        }
-      }
-      __syncthreads();
-    }
-    if (g > 0) return;
-  }
   float* part = p.partials + static_cast<std::int64_t>(blockIdx.x) * kCols;
+  if constexpr (S::kGroups > 1) {
+    // Combine the row groups in order 0, 1, ..., kGroups-1 through the (now idle) stage buffers.
+    static_assert(S::kGroups * kCols * 4 <= Pipe::kSmemBytes);
+    float* comb = reinterpret_cast<float*>(smem_raw);
+    __syncthreads();  // every group is done with its stages
 #pragma unroll
-  for (int v = 0; v < kVPT; ++v) {
-    const int i = v * S::kGroupThreads + t;
-    if (S::kExact || i < S::kNumVec) {
+    for (int v = 0; v < kVPT; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) {
 #pragma unroll
-      for (int k = 0; k < kV; ++k) part[i * kV + k] = acc[v][k];
+        for (int c = 0; c < kV; ++c) comb[g * kCols + i * kV + c] = acc[v][c];
+      }
+    }
+    __syncthreads();
+    // All threads of the block sum their share of the columns over the groups, in group order.
+    for (int col = threadIdx.x; col < kCols; col += S::kThreads) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int o = 0; o < S::kGroups; ++o) sum += comb[o * kCols + col];
+      part[col] = sum;
+    }
+  } else {
+#pragma unroll
+    for (int v = 0; v < kVPT; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) {
+#pragma unroll
+        for (int c = 0; c < kV; ++c) part[i * kV + c] = acc[v][c];
+      }
     }
   }
 }
@@ -672,11 +725,12 @@ RmsBwdParams<T, W> bwd_params(const RmsNormBackwardArgs<T, W>& a) {
 // kCols == 0: only the general kernels are candidates.
 template <class T, class W, int kCols, class P>
 Status plan_forward(const RmsFwdParams<T, W>& p, const DeviceInfo& dev, RmsPlan& plan) {
-  if constexpr (kCols > 0) {
+  if constexpr (compiled_available<RmsFwdShape, T, kCols, P>()) {
     using S = RmsFwdShape<T, kCols, P>;
     if (fwd_vectorizable<T, W, S::kVec>(p)) {
       int occ = 0;
-      TIGON_CHECK((blocks_per_sm<rms_norm_fwd_kernel<T, W, kCols, P>, S::kThreads>(dev.device, occ)));
+      TIGON_CHECK((blocks_per_sm<rms_norm_fwd_kernel<T, W, kCols, P>, S::kThreads,
+                                 RmsFwdPipe<T, kCols, P>::kSmemBytes>(dev.device, occ)));
       plan.kernel = RmsKernel::compiled;
       plan.grid = static_cast<int>(
           std::min<std::int64_t>(ceil_div<std::int64_t>(p.rows, S::kGroups),
@@ -703,11 +757,12 @@ Status plan_backward(const RmsBwdParams<T, W>& p, bool want_dw, const DeviceInfo
                      RmsPlan& plan) {
   plan = RmsPlan{};
   bool compiled = false;
-  if constexpr (kCols > 0) {
+  if constexpr (compiled_available<RmsBwdShape, T, kCols, P>()) {
     using S = RmsBwdShape<T, kCols, P>;
     if (bwd_vectorizable<T, W, S::kVec>(p)) {
       int occ = 0;
-      TIGON_CHECK((blocks_per_sm<rms_norm_bwd_kernel<T, W, kCols, P>, S::kThreads>(dev.device, occ)));
+      TIGON_CHECK((blocks_per_sm<rms_norm_bwd_kernel<T, W, kCols, P>, S::kThreads,
+                                 RmsBwdPipe<T, kCols, P>::kSmemBytes>(dev.device, occ)));
       plan.kernel = RmsKernel::compiled;
       plan.grid = static_cast<int>(
           std::min<std::int64_t>(ceil_div<std::int64_t>(p.rows, S::kGroups),
@@ -729,9 +784,10 @@ template <class T, class W, int kCols, class P>
 Status launch_forward(const RmsFwdParams<T, W>& p, const RmsPlan& plan, cudaStream_t stream) {
   switch (plan.kernel) {
     case RmsKernel::compiled:
-      if constexpr (kCols > 0) {
+      if constexpr (compiled_available<RmsFwdShape, T, kCols, P>()) {
         using S = RmsFwdShape<T, kCols, P>;
-        rms_norm_fwd_kernel<T, W, kCols, P><<<plan.grid, S::kThreads, 0, stream>>>(p);
+        rms_norm_fwd_kernel<T, W, kCols, P>
+            <<<plan.grid, S::kThreads, RmsFwdPipe<T, kCols, P>::kSmemBytes, stream>>>(p);
       }
       break;
     case RmsKernel::general_vec:
@@ -749,9 +805,10 @@ Status launch_backward(const RmsBwdParams<T, W>& p, const RmsPlan& plan, W* dwei
                        bool accumulate, cudaStream_t stream) {
   constexpr const char* kOp = "rms_norm_backward";
   if (plan.kernel == RmsKernel::compiled) {
-    if constexpr (kCols > 0) {
+    if constexpr (compiled_available<RmsBwdShape, T, kCols, P>()) {
       using S = RmsBwdShape<T, kCols, P>;
-      rms_norm_bwd_kernel<T, W, kCols, P><<<plan.grid, S::kThreads, 0, stream>>>(p);
+      rms_norm_bwd_kernel<T, W, kCols, P>
+          <<<plan.grid, S::kThreads, RmsBwdPipe<T, kCols, P>::kSmemBytes, stream>>>(p);
     }
   } else {
     const bool smem_acc = p.partials != nullptr && p.cols <= kRmsGeneralSmemAccCols;

@@ -82,7 +82,7 @@ inline Status current_device_info(DeviceInfo& out) {
 
 // Resident blocks per multiprocessor of one kernel instance at a fixed block size and dynamic
 // shared memory, cached per device. A kernel that needs more than the default 48 KB of dynamic
-// shared memory gets its limit raised here, once per device, before it is first queried or launched.
+// shared memory (static + dynamic) gets its limit raised here, once per device, before it is first queried or launched.
 template <auto Kernel, int kThreads, int kSmem = 0>
 inline Status blocks_per_sm(int device, int& out) {
   static std::atomic<int> cache[detail::kMaxDevices] = {};
@@ -91,7 +91,7 @@ inline Status blocks_per_sm(int device, int& out) {
   }
   int v = cache[device].load(std::memory_order_relaxed);
   if (v == 0) {
-    if constexpr (kSmem > 48 * 1024) {
+    if constexpr (kSmem > 0) {  // static shared memory counts against the same 48 KB default
       const cudaError_t e =
           cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
       if (e != cudaSuccess) return Status::from_cuda(e, "blocks_per_sm", "cudaFuncSetAttribute");

@@ -108,7 +108,26 @@ void BM_backward_policy(benchmark::State& st, const char* label) {
 
 using tigon::RmsNormPolicy;
 
+// What a launcher costs the host (validation, dispatch, launch): 1 x 4096, 2000 calls.
+void BM_host_overhead(benchmark::State& st) {
+  Data d(1, 4096);
+  auto a = d.bwd(0);
+  check(tigon::rms_norm_backward_workspace_bytes(a, d.ws_bytes));
+  BENCH_CUDA(cudaMalloc(&d.ws, d.ws_bytes));
+  double fwd_us = 0, bwd_us = 0;
+  for (auto _ : st) {
+    fwd_us = bench::host_us_per_call([&] { check(tigon::rms_norm_forward(d.fwd(0), nullptr)); }, 2000);
+    bwd_us = bench::host_us_per_call([&] { check(tigon::rms_norm_backward(d.bwd(0), nullptr)); }, 2000);
+  }
+  st.counters["fwd_host_us"] = fwd_us;
+  st.counters["bwd_host_us"] = bwd_us;
+  std::printf("host cost per call: rms_norm_forward %.2f us, rms_norm_backward %.2f us (two launches)\n",
+              fwd_us, bwd_us);
+}
+
 }  // namespace
+
+BENCHMARK(BM_host_overhead)->Iterations(1);
 
 #define SHAPES ->Args({16384, 2048})->Args({16384, 4096})->Args({16384, 8192})->Args({32768, 4096})
 BENCHMARK(BM_forward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
@@ -125,16 +144,12 @@ BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark:
 FWD_VARIANT(v4_b256_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
 FWD_VARIANT(v4_b256_s3, RmsNormPolicy<4, 256, 2, 512, 1, 3>)
 FWD_VARIANT(v4_b256_s4, RmsNormPolicy<4, 256, 2, 512, 1, 4>)
-FWD_VARIANT(v2_b256_s3, RmsNormPolicy<2, 256, 2, 512, 1, 3>)
-FWD_VARIANT(v8_b256_s3, RmsNormPolicy<8, 256, 2, 512, 1, 3>)
 FWD_VARIANT(v4_b128_s3, RmsNormPolicy<4, 128, 2, 512, 1, 3>)
 FWD_VARIANT(v4_b512_s2, RmsNormPolicy<4, 512, 2, 512, 1, 2>)
 BWD_VARIANT(v2_b512_m1_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
 BWD_VARIANT(v2_b512_m1_s3, RmsNormPolicy<4, 256, 2, 512, 1, 3>)
 BWD_VARIANT(v2_b512_m1_s4, RmsNormPolicy<4, 256, 2, 512, 1, 4>)
 BWD_VARIANT(v2_b256_m2_s3, RmsNormPolicy<4, 256, 2, 256, 2, 3>)
-BWD_VARIANT(v4_b256_m1_s3, RmsNormPolicy<4, 256, 4, 256, 1, 3>)
-BWD_VARIANT(v1_b512_m1_s3, RmsNormPolicy<4, 256, 1, 512, 1, 3>)
 BWD_VARIANT(v2_b1024_m1_s2, RmsNormPolicy<4, 256, 2, 1024, 1, 2>)
 BWD_VARIANT(v4_b128_m2_s3, RmsNormPolicy<4, 256, 4, 128, 2, 3>)
 

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -73,10 +74,12 @@ inline std::vector<double> time_calls(const std::function<void(int)>& fn, int wa
   return ms;
 }
 
-// Google Benchmark loop with manual (event) time; reports the median as counters and in the summary.
-// fn(i) runs one iteration on input set i.
+// Google Benchmark loop with manual (event) time. Each sample times a batch of `batch` calls
+// enqueued back to back (as a training step enqueues them), so the host's launch cost overlaps
+// the device work and the number is the device time per call; the median sample is reported as
+// counters and in the summary. fn(i) runs one call on input set i.
 inline void run(benchmark::State& state, const std::string& name, double bytes,
-                const std::function<void(int)>& fn) {
+                const std::function<void(int)>& fn, int batch = 20) {
   cudaEvent_t a, b;
   BENCH_CUDA(cudaEventCreate(&a));
   BENCH_CUDA(cudaEventCreate(&b));
@@ -86,13 +89,13 @@ inline void run(benchmark::State& state, const std::string& name, double bytes,
   int i = 0;
   for (auto _ : state) {
     BENCH_CUDA(cudaEventRecord(a));
-    fn(i++);
+    for (int k = 0; k < batch; ++k) fn(i++);
     BENCH_CUDA(cudaEventRecord(b));
     BENCH_CUDA(cudaEventSynchronize(b));
     float t = 0;
     BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
-    state.SetIterationTime(t / 1e3);
-    ms.push_back(t);
+    state.SetIterationTime(t / 1e3 / batch);
+    ms.push_back(t / batch);
   }
   BENCH_CUDA(cudaGetLastError());
   cudaEventDestroy(a);
@@ -105,6 +108,17 @@ inline void run(benchmark::State& state, const std::string& name, double bytes,
   state.counters["pct_of_copy"] = pct;
   state.counters["bytes"] = bytes;
   summary().push_back({name, med, gbs, pct});
+}
+
+// Host cost of one launcher call: `calls` calls of a tiny problem, timed on the host.
+inline double host_us_per_call(const std::function<void()>& fn, int calls) {
+  fn();
+  BENCH_CUDA(cudaDeviceSynchronize());
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < calls; ++i) fn();
+  const auto t1 = std::chrono::steady_clock::now();
+  BENCH_CUDA(cudaDeviceSynchronize());
+  return std::chrono::duration<double, std::micro>(t1 - t0).count() / calls;
 }
 
 // ---- device data ----

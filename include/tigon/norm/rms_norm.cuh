@@ -307,7 +307,8 @@ inline constexpr int kRmsGeneralThreads = 256;     // block of the general (any 
 inline constexpr int kRmsGeneralBwdBlocksPerSm = 2;
 inline constexpr std::int64_t kRmsGeneralSmemAccCols = 11264;  // 44 KB: under the 48 KB default  // dW accumulated in shared memory up to here
 
-// Workspace of the backward: one fp32 partial dW row per block, 256-byte aligned.
+// Workspace of the backward: one fp32 partial dW row per block (per row group in the compiled
+// kernels), 256-byte aligned.
 constexpr std::size_t rms_norm_partials_bytes(std::int64_t blocks, std::int64_t cols) {
   return round_up<std::size_t>(static_cast<std::size_t>(blocks) * static_cast<std::size_t>(cols) * 4u,
                                256u);
@@ -441,8 +442,8 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
 }
 
 // Fixed hidden size backward: the same pipeline over x and dy; each thread keeps its columns' dW
-// in registers across all the rows it visits; at the end the block's row groups are combined in
-// shared memory in a fixed order and one partial row per block goes to the workspace.
+// in registers across all the rows it visits, and each row group writes one partial dW row to the
+// workspace at the end (summed in a fixed order by column_sum).
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdMinBlocksPerSm)
     rms_norm_bwd_kernel(const RmsBwdParams<T, W> p) {
@@ -534,36 +535,14 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
   cp_async_wait<0>();
 
   if (!want_dw) return;
-  float* part = p.partials + static_cast<std::int64_t>(blockIdx.x) * kCols;
-  if constexpr (S::kGroups > 1) {
-    // Combine the row groups in order 0, 1, ..., kGroups-1 through the (now idle) stage buffers.
-    static_assert(S::kGroups * kCols * 4 <= Pipe::kSmemBytes);
-    float* comb = reinterpret_cast<float*>(smem_raw);
-    __syncthreads();  // every group is done with its stages
+  // One partial row per row group (no cross-group combine, so no block-wide barrier here).
+  float* part = p.partials + (static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g) * kCols;
 #pragma unroll
-    for (int v = 0; v < kVPT; ++v) {
-      const int i = v * S::kGroupThreads + t;
-      if (S::kExact || i < S::kNumVec) {
+  for (int v = 0; v < kVPT; ++v) {
+    const int i = v * S::kGroupThreads + t;
+    if (S::kExact || i < S::kNumVec) {
 #pragma unroll
-        for (int c = 0; c < kV; ++c) comb[g * kCols + i * kV + c] = acc[v][c];
-      }
-    }
-    __syncthreads();
-    // All threads of the block sum their share of the columns over the groups, in group order.
-    for (int col = threadIdx.x; col < kCols; col += S::kThreads) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int o = 0; o < S::kGroups; ++o) sum += comb[o * kCols + col];
-      part[col] = sum;
-    }
-  } else {
-#pragma unroll
-    for (int v = 0; v < kVPT; ++v) {
-      const int i = v * S::kGroupThreads + t;
-      if (S::kExact || i < S::kNumVec) {
-#pragma unroll
-        for (int c = 0; c < kV; ++c) part[i * kV + c] = acc[v][c];
-      }
+      for (int c = 0; c < kV; ++c) part[i * kV + c] = acc[v][c];
     }
   }
 }
@@ -687,6 +666,7 @@ enum class RmsKernel { compiled, general_vec, general_scalar };
 struct RmsPlan {
   RmsKernel kernel = RmsKernel::general_scalar;
   int grid = 0;
+  int parts = 0;  // partial dW rows the kernel writes (backward)
   std::size_t workspace_bytes = 0;
 };
 
@@ -767,6 +747,7 @@ Status plan_backward(const RmsBwdParams<T, W>& p, bool want_dw, const DeviceInfo
       plan.grid = static_cast<int>(
           std::min<std::int64_t>(ceil_div<std::int64_t>(p.rows, S::kGroups),
                                  static_cast<std::int64_t>(occ) * dev.sm_count));
+      plan.parts = plan.grid * S::kGroups;
       compiled = true;
     }
   }
@@ -775,8 +756,9 @@ Status plan_backward(const RmsBwdParams<T, W>& p, bool want_dw, const DeviceInfo
                                                           : RmsKernel::general_scalar;
     plan.grid = static_cast<int>(std::min<std::int64_t>(
         p.rows, static_cast<std::int64_t>(kRmsGeneralBwdBlocksPerSm) * dev.sm_count));
+    plan.parts = plan.grid;
   }
-  plan.workspace_bytes = want_dw ? rms_norm_partials_bytes(plan.grid, p.cols) : 0;
+  plan.workspace_bytes = want_dw ? rms_norm_partials_bytes(plan.parts, p.cols) : 0;
   return Status();
 }
 
@@ -822,7 +804,7 @@ Status launch_backward(const RmsBwdParams<T, W>& p, const RmsPlan& plan, W* dwei
   }
   TIGON_CHECK(check_launch(kOp));
   if (dweight == nullptr) return Status();
-  return column_sum(p.partials, plan.grid, p.cols, dweight, accumulate, stream, kOp);
+  return column_sum(p.partials, plan.parts, p.cols, dweight, accumulate, stream, kOp);
 }
 
 // Forward for one candidate size (0: general only).
@@ -897,7 +879,7 @@ template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
 }
 
 // Bytes of workspace rms_norm_backward(args) needs: 0 without dweight, else one fp32 row of
-// partial sums per block of the launch the call will make (a function of the device, the shape
+// partial sums per row group of the launch the call will make (a function of the device, the shape
 // and the pointers' alignment; the same arguments always give the same answer).
 template <class T, class W>
 [[nodiscard]] Status rms_norm_backward_workspace_bytes(const RmsNormBackwardArgs<T, W>& args,

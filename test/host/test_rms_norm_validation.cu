@@ -72,6 +72,10 @@ TEST_CASE("rms_norm_forward rejects bad arguments by name", "[rms_norm][validati
   // The compile-time launcher checks the compiled size too.
   a = good_fwd();
   expect(rms_norm_forward<bf16, 4096>(a, nullptr), Errc::invalid_size, "cols");
+  // A policy that fixes the casting mode at compile time rejects arguments with another mode.
+  using GemmaOnly = RmsNormPolicy<4, 256, 2, 512, 1, 3, static_cast<int>(RmsNormCasting::gemma)>;
+  a = good_fwd();
+  expect(rms_norm_forward<bf16, 256, GemmaOnly>(a, nullptr), Errc::invalid_value, "casting");
 }
 
 TEST_CASE("rms_norm_backward rejects bad arguments by name", "[rms_norm][validation]") {

@@ -229,8 +229,12 @@ Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op) {
 
 // Tuning knobs of the compiled (fixed hidden size) kernels. A trainer may pass its own policy.
 template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
-          int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3>
+          int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
+          int kCasting_ = -1>
 struct RmsNormPolicy {
+  // -1: the casting mode is read from the arguments at run time; 0, 1, 2: fixed at compile time
+  // to llama, gemma, none (arguments with another mode are rejected).
+  static constexpr int kCasting = kCasting_;
   static constexpr int kFwdVecPerThread = kFwdVecPerThread_;  // 16-byte vectors per thread per row
   static constexpr int kFwdBlockThreads = kFwdBlockThreads_;  // target block size (rows side by side)
   static constexpr int kBwdVecPerThread = kBwdVecPerThread_;
@@ -382,6 +386,8 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
   const bool has_w = p.w != nullptr;
+  const RmsNormCasting casting =
+      P::kCasting < 0 ? casting : static_cast<RmsNormCasting>(P::kCasting);
   T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * kCols;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * S::kGroups;
@@ -419,7 +425,7 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
     parity ^= 1;
     const float rstd = rms_norm_math::rstd(ss[0], kCols, p.eps);
     if (t == 0 && p.rstd != nullptr) p.rstd[row] = rstd;
-    const float r = rms_norm_math::effective_rstd<T>(rstd, p.casting);
+    const float r = rms_norm_math::effective_rstd<T>(rstd, casting);
     T* yr = p.y + row * p.ys;
 #pragma unroll
     for (int v = 0; v < S::kVecPerThread; ++v) {
@@ -431,8 +437,8 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
           const float s = rms_norm_math::scale<T>(has_w ? to_float(wv.v[c]) : 0.0f, has_w, p.offset,
-                                                  p.casting);
-          yv.v[c] = from_float<T>(rms_norm_math::forward<T>(to_float(xv[v].v[c]), r, s, p.casting));
+                                                  casting);
+          yv.v[c] = from_float<T>(rms_norm_math::forward<T>(to_float(xv[v].v[c]), r, s, casting));
         }
         store_vec(yr + i * kV, yv);
       }
@@ -459,6 +465,8 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
   const bool has_w = p.w != nullptr;
+  const RmsNormCasting casting =
+      P::kCasting < 0 ? casting : static_cast<RmsNormCasting>(P::kCasting);
   const bool want_dw = p.partials != nullptr;
   // [group][stage][x | dy][kCols]
   T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * 2 * kCols;
@@ -526,7 +534,7 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
           const float dyf = to_float(dyv.v[c]);
           const float dn = dyf * (has_w ? p.offset + to_float(wv.v[c]) : 1.0f);
           dxv.v[c] = from_float<T>(rms_norm_math::dx(dn, xhat, rstd, mean_dot));
-          if (want_dw) acc[v][c] += rms_norm_math::dweight_term<T>(dyf, xhat, p.casting);
+          if (want_dw) acc[v][c] += rms_norm_math::dweight_term<T>(dyf, xhat, casting);
         }
         store_vec(dxr + i * kV, dxv);
       }
@@ -841,12 +849,19 @@ Status backward_impl(const RmsNormBackwardArgs<T, W>& a, cudaStream_t stream) {
   return launch_backward<T, W, kCols, P>(p, plan, a.dweight, a.accumulate_dweight, stream);
 }
 
-template <int kCols, class T, class W>
-Status check_compiled_cols(std::int64_t cols, const char* op) {
-  if (cols == kCols) return Status();
-  return Status::error(Errc::invalid_size, op, "cols",
-                       std::to_string(cols) + " does not match the compiled hidden size " +
-                           std::to_string(kCols));
+template <int kCols, class P>
+Status check_compiled(std::int64_t cols, RmsNormCasting casting, const char* op) {
+  if (cols != kCols) {
+    return Status::error(Errc::invalid_size, op, "cols",
+                         std::to_string(cols) + " does not match the compiled hidden size " +
+                             std::to_string(kCols));
+  }
+  if (P::kCasting >= 0 && static_cast<int>(casting) != P::kCasting) {
+    return Status::error(Errc::invalid_value, op, "casting",
+                         std::string(casting_name(casting)) + " given, the policy fixes " +
+                             casting_name(static_cast<RmsNormCasting>(P::kCasting)));
+  }
+  return Status();
 }
 
 }  // namespace detail
@@ -874,7 +889,7 @@ template <class T, class W>
 template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
 [[nodiscard]] Status rms_norm_forward(const RmsNormForwardArgs<T, W>& args, cudaStream_t stream) {
   TIGON_CHECK(detail::validate(args, "rms_norm_forward"));
-  TIGON_CHECK((detail::check_compiled_cols<kCols, T, W>(args.cols, "rms_norm_forward")));
+  TIGON_CHECK((detail::check_compiled<kCols, Policy>(args.cols, args.casting, "rms_norm_forward")));
   return detail::forward_impl<T, W, kCols, Policy>(args, stream);
 }
 
@@ -899,7 +914,7 @@ template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
                                                        std::size_t& bytes) {
   bytes = 0;
   TIGON_CHECK(detail::validate(args, "rms_norm_backward_workspace_bytes"));
-  TIGON_CHECK((detail::check_compiled_cols<kCols, T, W>(args.cols, "rms_norm_backward_workspace_bytes")));
+  TIGON_CHECK((detail::check_compiled<kCols, Policy>(args.cols, args.casting, "rms_norm_backward_workspace_bytes")));
   return detail::backward_workspace_impl<T, W, kCols, Policy>(args, bytes);
 }
 
@@ -915,7 +930,7 @@ template <class T, class W>
 template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
 [[nodiscard]] Status rms_norm_backward(const RmsNormBackwardArgs<T, W>& args, cudaStream_t stream) {
   TIGON_CHECK(detail::validate(args, "rms_norm_backward"));
-  TIGON_CHECK((detail::check_compiled_cols<kCols, T, W>(args.cols, "rms_norm_backward")));
+  TIGON_CHECK((detail::check_compiled<kCols, Policy>(args.cols, args.casting, "rms_norm_backward")));
   return detail::backward_impl<T, W, kCols, Policy>(args, stream);
 }
 

@@ -38,7 +38,8 @@ TIGON_DEVICE void group_barrier(int group) {
 // alternate `parity` between consecutive calls.
 template <int kThreads, int kGroups, int N = 1>
 struct GroupAllReduce {
-  static_assert(kGroups >= 1 && kGroups <= 15, "at most 15 named barriers are available");
+  static_assert(kGroups >= 1 && (kThreads <= 32 || kGroups <= 15),
+                "row groups of whole warps synchronise on named barriers: at most 15 of them");
   static_assert((kThreads <= 32 && (kThreads & (kThreads - 1)) == 0) ||
                     (kThreads % 32 == 0 && kThreads <= 1024),
                 "a row group is a power of two up to a warp, or whole warps");

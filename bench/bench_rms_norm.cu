@@ -86,8 +86,7 @@ void BM_backward(benchmark::State& st) {
              [&](int i) { check(tigon::rms_norm_backward(d.bwd(i), nullptr)); });
 }
 
-// Tuning variants of the compiled kernels at 4096 (policy: fwd vpt, fwd block, bwd vpt, bwd block,
-// bwd min blocks/SM, weight in registers).
+// Tuning variants of the compiled kernels at 4096 (the policy's parameters are listed below).
 template <class P>
 void BM_forward_policy(benchmark::State& st, const char* label) {
   Data d(st.range(0), 4096);
@@ -140,7 +139,8 @@ BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark:
   void BM_bwd_##label(benchmark::State& st) { BM_backward_policy<__VA_ARGS__>(st, #label); } \
   BENCHMARK(BM_bwd_##label)->Arg(16384)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 
-// RmsNormPolicy<fwd vec/thread, fwd block, bwd vec/thread, bwd block, bwd min blocks/SM, stages>
+// RmsNormPolicy<fwd vec/thread, fwd block, bwd vec/thread, bwd block, bwd min blocks/SM, stages,
+//               casting (-1: chosen at run time)>
 FWD_VARIANT(v4_b256_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
 FWD_VARIANT(v4_b256_s3, RmsNormPolicy<4, 256, 2, 512, 1, 3>)
 FWD_VARIANT(v4_b256_s4, RmsNormPolicy<4, 256, 2, 512, 1, 4>)

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "../core/config.hpp"
 #include "../core/dispatch.hpp"
@@ -232,8 +233,8 @@ template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPer
           int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
           int kCasting_ = -1>
 struct RmsNormPolicy {
-  // -1: the casting mode is read from the arguments at run time; 0, 1, 2: fixed at compile time
-  // to llama, gemma, none (arguments with another mode are rejected).
+  // -1: one instance per casting mode, chosen from the arguments at run time; 0, 1, 2: only the
+  // llama, gemma or none instance (arguments with another mode are rejected).
   static constexpr int kCasting = kCasting_;
   static constexpr int kFwdVecPerThread = kFwdVecPerThread_;  // 16-byte vectors per thread per row
   static constexpr int kFwdBlockThreads = kFwdBlockThreads_;  // target block size (rows side by side)
@@ -387,7 +388,7 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
   const int g = threadIdx.x / S::kGroupThreads;
   const bool has_w = p.w != nullptr;
   const RmsNormCasting casting =
-      P::kCasting < 0 ? casting : static_cast<RmsNormCasting>(P::kCasting);
+      P::kCasting < 0 ? p.casting : static_cast<RmsNormCasting>(P::kCasting);
   T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * kCols;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * S::kGroups;
@@ -466,7 +467,7 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
   const int g = threadIdx.x / S::kGroupThreads;
   const bool has_w = p.w != nullptr;
   const RmsNormCasting casting =
-      P::kCasting < 0 ? casting : static_cast<RmsNormCasting>(P::kCasting);
+      P::kCasting < 0 ? p.casting : static_cast<RmsNormCasting>(P::kCasting);
   const bool want_dw = p.partials != nullptr;
   // [group][stage][x | dy][kCols]
   T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * 2 * kCols;
@@ -815,9 +816,31 @@ Status launch_backward(const RmsBwdParams<T, W>& p, const RmsPlan& plan, W* dwei
   return column_sum(p.partials, plan.parts, p.cols, dweight, accumulate, stream, kOp);
 }
 
+// The compiled kernels take the casting mode as a compile-time constant (a runtime select per
+// element measurably slowed the backward); a policy that leaves it open (-1) is specialised here
+// for the mode in the arguments.
+template <class P, int kMode>
+struct WithCasting : P {
+  static constexpr int kCasting = kMode;
+};
+
+template <class P, class F>
+Status with_casting(RmsNormCasting c, F&& f) {
+  if constexpr (P::kCasting >= 0) {
+    return f(std::type_identity<P>{});
+  } else {
+    switch (c) {
+      case RmsNormCasting::llama: return f(std::type_identity<WithCasting<P, 0>>{});
+      case RmsNormCasting::gemma: return f(std::type_identity<WithCasting<P, 1>>{});
+      case RmsNormCasting::none: return f(std::type_identity<WithCasting<P, 2>>{});
+    }
+    return Status::error(Errc::invalid_value, "rms_norm", "casting", "unknown casting mode");
+  }
+}
+
 // Forward for one candidate size (0: general only).
 template <class T, class W, int kCols, class P>
-Status forward_impl(const RmsNormForwardArgs<T, W>& a, cudaStream_t stream) {
+Status forward_fixed(const RmsNormForwardArgs<T, W>& a, cudaStream_t stream) {
   const RmsFwdParams<T, W> p = fwd_params(a);
   DeviceInfo dev;
   TIGON_CHECK(current_device_info(dev));
@@ -827,7 +850,7 @@ Status forward_impl(const RmsNormForwardArgs<T, W>& a, cudaStream_t stream) {
 }
 
 template <class T, class W, int kCols, class P>
-Status backward_workspace_impl(const RmsNormBackwardArgs<T, W>& a, std::size_t& bytes) {
+Status backward_workspace_fixed(const RmsNormBackwardArgs<T, W>& a, std::size_t& bytes) {
   DeviceInfo dev;
   TIGON_CHECK(current_device_info(dev));
   RmsPlan plan;
@@ -837,7 +860,7 @@ Status backward_workspace_impl(const RmsNormBackwardArgs<T, W>& a, std::size_t& 
 }
 
 template <class T, class W, int kCols, class P>
-Status backward_impl(const RmsNormBackwardArgs<T, W>& a, cudaStream_t stream) {
+Status backward_fixed(const RmsNormBackwardArgs<T, W>& a, cudaStream_t stream) {
   constexpr const char* kOp = "rms_norm_backward";
   RmsBwdParams<T, W> p = bwd_params(a);
   DeviceInfo dev;
@@ -847,6 +870,39 @@ Status backward_impl(const RmsNormBackwardArgs<T, W>& a, cudaStream_t stream) {
   TIGON_CHECK(check::workspace(a.workspace, a.workspace_bytes, plan.workspace_bytes, kOp));
   if (a.dweight != nullptr) p.partials = static_cast<float*>(a.workspace);
   return launch_backward<T, W, kCols, P>(p, plan, a.dweight, a.accumulate_dweight, stream);
+}
+
+template <class T, class W, int kCols, class P>
+Status forward_impl(const RmsNormForwardArgs<T, W>& a, cudaStream_t stream) {
+  if constexpr (kCols == 0) {
+    return forward_fixed<T, W, 0, P>(a, stream);
+  } else {
+    return with_casting<P>(a.casting, [&](auto q) {
+      return forward_fixed<T, W, kCols, typename decltype(q)::type>(a, stream);
+    });
+  }
+}
+
+template <class T, class W, int kCols, class P>
+Status backward_workspace_impl(const RmsNormBackwardArgs<T, W>& a, std::size_t& bytes) {
+  if constexpr (kCols == 0) {
+    return backward_workspace_fixed<T, W, 0, P>(a, bytes);
+  } else {
+    return with_casting<P>(a.casting, [&](auto q) {
+      return backward_workspace_fixed<T, W, kCols, typename decltype(q)::type>(a, bytes);
+    });
+  }
+}
+
+template <class T, class W, int kCols, class P>
+Status backward_impl(const RmsNormBackwardArgs<T, W>& a, cudaStream_t stream) {
+  if constexpr (kCols == 0) {
+    return backward_fixed<T, W, 0, P>(a, stream);
+  } else {
+    return with_casting<P>(a.casting, [&](auto q) {
+      return backward_fixed<T, W, kCols, typename decltype(q)::type>(a, stream);
+    });
+  }
 }
 
 template <int kCols, class P>

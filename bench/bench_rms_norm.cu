@@ -140,13 +140,20 @@ BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark:
   BENCHMARK(BM_bwd_##label)->Arg(16384)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 
 // RmsNormPolicy<fwd vec/thread, fwd block, bwd vec/thread, bwd block, bwd min blocks/SM, stages,
-//               casting (-1: chosen at run time)>
+//               casting (-1: chosen at run time), persistent forward grid, streaming stores>
 FWD_VARIANT(v4_b256_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
 FWD_VARIANT(v4_b256_s3, RmsNormPolicy<4, 256, 2, 512, 1, 3>)
 FWD_VARIANT(v4_b256_s4, RmsNormPolicy<4, 256, 2, 512, 1, 4>)
 FWD_VARIANT(v4_b128_s3, RmsNormPolicy<4, 128, 2, 512, 1, 3>)
 FWD_VARIANT(v4_b512_s2, RmsNormPolicy<4, 512, 2, 512, 1, 2>)
 FWD_VARIANT(v4_b256_s3_llama_fixed, RmsNormPolicy<4, 256, 2, 512, 1, 3, 0>)
+FWD_VARIANT(v4_b128_s3_cs, RmsNormPolicy<4, 128, 2, 512, 1, 3, -1, true, true>)
+FWD_VARIANT(v4_b128_s1_nonpersistent, RmsNormPolicy<4, 128, 2, 512, 1, 1, -1, false>)
+FWD_VARIANT(v4_b256_s1_nonpersistent, RmsNormPolicy<4, 256, 2, 512, 1, 1, -1, false>)
+FWD_VARIANT(v8_b128_s1_nonpersistent, RmsNormPolicy<8, 128, 2, 512, 1, 1, -1, false>)
+FWD_VARIANT(v2_b128_s1_nonpersistent, RmsNormPolicy<2, 128, 2, 512, 1, 1, -1, false>)
+BWD_VARIANT(v2_b512_m1_s3_cs, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, true>)
+BWD_VARIANT(v2_b256_m2_s3_cs, RmsNormPolicy<4, 256, 2, 256, 2, 3, -1, true, true>)
 BWD_VARIANT(v2_b512_m1_s3_llama_fixed, RmsNormPolicy<4, 256, 2, 512, 1, 3, 0>)
 BWD_VARIANT(v2_b512_m1_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
 BWD_VARIANT(v2_b512_m1_s3, RmsNormPolicy<4, 256, 2, 512, 1, 3>)

@@ -32,9 +32,16 @@ if(MODE STREQUAL "find_package")
       -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
   run(${CMAKE_COMMAND} --build ${WORK_DIR}/consumer)
   run(${WORK_DIR}/consumer/rms_norm_step)
-elseif(MODE STREQUAL "add_subdirectory" OR MODE STREQUAL "fetchcontent")
+elseif(MODE STREQUAL "add_subdirectory")
   run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/test/packaging/consumer -B ${WORK_DIR}/consumer ${common}
       -DTIGON_MODE=${MODE} -DTIGON_SOURCE_DIR=${SOURCE_DIR})
+  run(${CMAKE_COMMAND} --build ${WORK_DIR}/consumer)
+  run(${WORK_DIR}/consumer/rms_norm_step)
+elseif(MODE STREQUAL "fetchcontent")
+  # Also checks that a list of hidden sizes given at configure time reaches the consumer.
+  run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/test/packaging/consumer -B ${WORK_DIR}/consumer ${common}
+      -DTIGON_MODE=${MODE} -DTIGON_SOURCE_DIR=${SOURCE_DIR}
+      "-DTIGON_HIDDEN_SIZES=2048,4096" -DTIGON_EXPECT_SIZES=ON -DTIGON_EXPECT_COUNT=2)
   run(${CMAKE_COMMAND} --build ${WORK_DIR}/consumer)
   run(${WORK_DIR}/consumer/rms_norm_step)
 elseif(MODE STREQUAL "copy_include")

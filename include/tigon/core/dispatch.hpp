@@ -12,7 +12,11 @@
 
 // Hidden sizes (row lengths) that get a fully unrolled instance in the runtime-dispatch launchers
 // of the normalisation ops. Define before including tigon (or set the CMake cache variable
-// TIGON_HIDDEN_SIZES) to change it; an empty definition compiles only the general kernels.
+// TIGON_HIDDEN_SIZES, which generates tigon/hidden_sizes.hpp) to change it; an empty definition
+// compiles only the general kernels.
+#if defined(TIGON_HAS_HIDDEN_SIZES_HEADER) && !defined(TIGON_HIDDEN_SIZES)
+#include <tigon/hidden_sizes.hpp>
+#endif
 #ifndef TIGON_HIDDEN_SIZES
 #define TIGON_HIDDEN_SIZES 1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192
 #endif

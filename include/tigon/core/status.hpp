@@ -38,7 +38,8 @@ constexpr const char* errc_name(Errc e) noexcept {
 }
 
 // A status names the operation, the argument at fault and why, so that a message reads
-// "tigon::rms_norm_backward: argument 'dy': row stride 100 is smaller than the row (4096)".
+// "tigon::rms_norm_backward: invalid stride: argument 'dy_stride': row stride 100 is smaller than
+// the row (4096)".
 // The strings it points to are string literals (op, argument) or held inline (detail).
 // Launchers are [[nodiscard]]: a status is meant to be looked at.
 class Status {

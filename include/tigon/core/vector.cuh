@@ -46,6 +46,17 @@ TIGON_DEVICE AlignedVec<T, N> load_vec_stream(const T* p) {
   }
   return out;
 }
+
+// Store with the streaming hint (evict first): for outputs this kernel will not read again.
+template <class T, int N>
+TIGON_DEVICE void store_vec_stream(T* p, const AlignedVec<T, N>& v) {
+  constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
+  if constexpr (kBytes == 16) {
+    __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
+  } else {
+    store_vec(p, v);
+  }
+}
 #endif
 
 // True when p is aligned for an access of `bytes` bytes.

@@ -231,8 +231,12 @@ Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op) {
 // Tuning knobs of the compiled (fixed hidden size) kernels. A trainer may pass its own policy.
 template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
           int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
-          int kCasting_ = -1>
+          int kCasting_ = -1, bool kFwdPersistent_ = true, bool kStreamingStores_ = false>
 struct RmsNormPolicy {
+  // Forward grid: resident blocks walking all rows (true), or one block per kGroups rows (false).
+  static constexpr bool kFwdPersistent = kFwdPersistent_;
+  // Store y / dx with the streaming (evict-first) cache hint.
+  static constexpr bool kStreamingStores = kStreamingStores_;
   // -1: one instance per casting mode, chosen from the arguments at run time; 0, 1, 2: only the
   // llama, gemma or none instance (arguments with another mode are rejected).
   static constexpr int kCasting = kCasting_;
@@ -282,7 +286,9 @@ using RmsFwdShape = RowShape<T, kCols, P::kFwdVecPerThread, P::kFwdBlockThreads>
 template <class T, int kCols, class P>
 using RmsBwdShape = RowShape<T, kCols, P::kBwdVecPerThread, P::kBwdBlockThreads>;
 
-inline constexpr int kMaxSmemPerBlock = 227 * 1024;  // Hopper / Ampere opt-in limit
+// Hopper / Ampere opt-in limit (227 KB) less 1 KB for the kernels' static shared memory; the plan
+// also checks the device's own limit.
+inline constexpr int kMaxSmemPerBlock = 226 * 1024;
 
 // Shared-memory pipeline of a compiled kernel: kTensors row buffers per stage per row group.
 template <class Shape, class T, int kCols, int kTensors, int kStagesWanted>
@@ -310,7 +316,9 @@ using RmsBwdPipe = RowPipeline<RmsBwdShape<T, kCols, P>, T, kCols, 2, P::kStages
 
 inline constexpr int kRmsGeneralThreads = 256;     // block of the general (any size) kernels
 inline constexpr int kRmsGeneralBwdBlocksPerSm = 2;
-inline constexpr std::int64_t kRmsGeneralSmemAccCols = 11264;  // 44 KB: under the 48 KB default  // dW accumulated in shared memory up to here
+// The general backward accumulates dW in shared memory up to this row length (44 KB, under the
+// 48 KB default), in the workspace beyond it.
+inline constexpr std::int64_t kRmsGeneralSmemAccCols = 11264;
 
 // Workspace of the backward: one fp32 partial dW row per block (per row group in the compiled
 // kernels), 256-byte aligned.
@@ -349,13 +357,22 @@ struct RmsBwdParams {
   const W* w;
   const float* rstd;
   T* dx;
-  float* partials;  // [gridDim.x, cols], or null when dW is not wanted
+  float* partials;  // [partial rows, cols] (RmsPlan::parts), or null when dW is not wanted
   std::int64_t rows;
   std::int64_t cols;
   std::int64_t dys, xs, dxs;
   float eps, offset;
   RmsNormCasting casting;
 };
+
+template <bool kStreaming, class T, int N>
+TIGON_DEVICE void store_row_vec(T* p, const AlignedVec<T, N>& v) {
+  if constexpr (kStreaming) {
+    store_vec_stream(p, v);
+  } else {
+    store_vec(p, v);
+  }
+}
 
 // Issue the copies of one row (this thread's chunks) into a shared-memory stage, then commit the
 // group (an empty group past the last row keeps the per-thread group count uniform).
@@ -441,7 +458,7 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
                                                   casting);
           yv.v[c] = from_float<T>(rms_norm_math::forward<T>(to_float(xv[v].v[c]), r, s, casting));
         }
-        store_vec(yr + i * kV, yv);
+        store_row_vec<P::kStreamingStores>(yr + i * kV, yv);
       }
     }
   }
@@ -537,7 +554,7 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
           dxv.v[c] = from_float<T>(rms_norm_math::dx(dn, xhat, rstd, mean_dot));
           if (want_dw) acc[v][c] += rms_norm_math::dweight_term<T>(dyf, xhat, casting);
         }
-        store_vec(dxr + i * kV, dxv);
+        store_row_vec<P::kStreamingStores>(dxr + i * kV, dxv);
       }
     }
   }
@@ -716,14 +733,17 @@ template <class T, class W, int kCols, class P>
 Status plan_forward(const RmsFwdParams<T, W>& p, const DeviceInfo& dev, RmsPlan& plan) {
   if constexpr (compiled_available<RmsFwdShape, T, kCols, P>()) {
     using S = RmsFwdShape<T, kCols, P>;
-    if (fwd_vectorizable<T, W, S::kVec>(p)) {
+    // The compiled kernel's shared-memory pipeline must fit this device's per-block limit.
+    if (fwd_vectorizable<T, W, S::kVec>(p) &&
+        RmsFwdPipe<T, kCols, P>::kSmemBytes + 1024 <= dev.smem_per_block_optin) {
       int occ = 0;
       TIGON_CHECK((blocks_per_sm<rms_norm_fwd_kernel<T, W, kCols, P>, S::kThreads,
                                  RmsFwdPipe<T, kCols, P>::kSmemBytes>(dev.device, occ)));
       plan.kernel = RmsKernel::compiled;
+      const std::int64_t blocks = ceil_div<std::int64_t>(p.rows, S::kGroups);
       plan.grid = static_cast<int>(
-          std::min<std::int64_t>(ceil_div<std::int64_t>(p.rows, S::kGroups),
-                                 static_cast<std::int64_t>(occ) * dev.sm_count));
+          P::kFwdPersistent ? std::min<std::int64_t>(blocks, static_cast<std::int64_t>(occ) * dev.sm_count)
+                            : std::min<std::int64_t>(blocks, 0x7fffffff));
       return Status();
     }
   }
@@ -748,7 +768,8 @@ Status plan_backward(const RmsBwdParams<T, W>& p, bool want_dw, const DeviceInfo
   bool compiled = false;
   if constexpr (compiled_available<RmsBwdShape, T, kCols, P>()) {
     using S = RmsBwdShape<T, kCols, P>;
-    if (bwd_vectorizable<T, W, S::kVec>(p)) {
+    if (bwd_vectorizable<T, W, S::kVec>(p) &&
+        RmsBwdPipe<T, kCols, P>::kSmemBytes + 1024 <= dev.smem_per_block_optin) {
       int occ = 0;
       TIGON_CHECK((blocks_per_sm<rms_norm_bwd_kernel<T, W, kCols, P>, S::kThreads,
                                  RmsBwdPipe<T, kCols, P>::kSmemBytes>(dev.device, occ)));

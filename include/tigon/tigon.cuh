@@ -8,6 +8,7 @@
 #include "core/status.hpp"
 #include "core/validate.hpp"
 #include "norm/rms_norm.cuh"
+#include "rope/rope.cuh"
 
 #if defined(__CUDACC__)
 #include "core/colsum.cuh"

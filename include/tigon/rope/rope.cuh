@@ -1,0 +1,405 @@
+// tigon/rope/rope.cuh - rotary position embedding of q and k in one launch, forward and backward.
+//
+// For each token (b, t) the cos / sin row is cos[b][pos][0 : rotary_dim] (pos = t, or
+// position_ids[b][t]); channel pairs (i, j) of every head are rotated:
+//   y_i = cos_i * x_i - sin_i * x_j          (i the first member of its pair)
+//   y_j = cos_j * x_j + sin_j * x_i
+// with pairs (d, d + rotary_dim/2) in the half-split style (Hugging Face rotate_half: Llama,
+// Mistral, Qwen, ...) and (2d, 2d + 1) in the interleaved style (GPT-J). Channels from rotary_dim
+// to head_dim pass through unchanged (partial rotary). The backward applies the transposed
+// rotation (by -theta for HF's tables). Layouts are strides, so [B, T, H, D] and [B, H, T, D]
+// (or any other with a contiguous last dimension) work for q and k independently.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "../core/config.hpp"
+#include "../core/dtype.hpp"
+#include "../core/math.hpp"
+#include "../core/status.hpp"
+#include "../core/validate.hpp"
+
+#if defined(__CUDACC__)
+#include "../core/device.hpp"
+#include "../core/vector.cuh"
+#endif
+
+TIGON_NAMESPACE_BEGIN
+
+// ------------------------------------------------------------------------------------------------
+// 1. Arguments
+// ------------------------------------------------------------------------------------------------
+
+// Styles: compile-time policies naming each channel's partner.
+struct RopeHalfSplit {
+  static constexpr const char* name = "half_split";
+};
+struct RopeInterleaved {
+  static constexpr const char* name = "interleaved";
+};
+
+// One of q or k: element (b, t, h, d) lives at ptr[b*stride_b + t*stride_t + h*stride_h + d].
+template <class T>
+struct RopeTensor {
+  const T* in = nullptr;
+  T* out = nullptr;  // may be `in` itself (in place, same strides)
+  std::int64_t heads = 0;
+  std::int64_t stride_b = 0, stride_t = 0, stride_h = 0;              // of `in`
+  std::int64_t out_stride_b = 0, out_stride_t = 0, out_stride_h = 0;  // of `out`; all 0: as `in`
+};
+
+template <class T, class C = T>
+struct RopeArgs {
+  RopeTensor<T> q;
+  RopeTensor<T> k;  // k.in == nullptr: rotate q only
+  std::int64_t batch = 0;
+  std::int64_t seq = 0;
+  std::int64_t head_dim = 0;
+  std::int64_t rotary_dim = 0;  // 0: head_dim
+  // Tables: row r of batch b at cos + b*table_stride_b + r*table_stride_t (table_stride_b 0: one
+  // table shared by the batch; table_stride_t 0: rotary_dim). sin has the same layout.
+  const C* cos = nullptr;
+  const C* sin = nullptr;
+  std::int64_t table_rows = 0;  // rows per batch entry (>= seq without position ids)
+  std::int64_t table_stride_b = 0;
+  std::int64_t table_stride_t = 0;
+  // Optional [batch, seq] row index into the table (packed or shifted sequences); at most one of
+  // the two. A position outside [0, table_rows) writes NaN for that token (no out-of-bounds read).
+  const std::int64_t* position_ids = nullptr;
+  const std::int32_t* position_ids_i32 = nullptr;
+};
+
+// ------------------------------------------------------------------------------------------------
+// 2. Math
+// ------------------------------------------------------------------------------------------------
+
+namespace rope_math {
+
+// Rotate one pair (i first, j second). Forward: y = R x; backward: dx = R^T dy.
+TIGON_HD void rotate(float xi, float xj, float ci, float cj, float si, float sj, bool backward,
+                     float& yi, float& yj) {
+  if (!backward) {
+    yi = ci * xi - si * xj;
+    yj = cj * xj + sj * xi;
+  } else {
+    yi = ci * xi + sj * xj;
+    yj = cj * xj - si * xi;
+  }
+}
+
+}  // namespace rope_math
+
+// ------------------------------------------------------------------------------------------------
+// Validation
+// ------------------------------------------------------------------------------------------------
+
+namespace detail {
+
+inline constexpr std::int64_t kRopeMaxHeadDim = 1024;
+
+template <class T>
+struct RopeResolved {  // strides with defaults applied
+  std::int64_t sb, st, sh, osb, ost, osh;
+};
+
+template <class T>
+RopeResolved<T> resolve(const RopeTensor<T>& x) {
+  const bool out_given = x.out_stride_b != 0 || x.out_stride_t != 0 || x.out_stride_h != 0;
+  return {x.stride_b, x.stride_t, x.stride_h,
+          out_given ? x.out_stride_b : x.stride_b, out_given ? x.out_stride_t : x.stride_t,
+          out_given ? x.out_stride_h : x.stride_h};
+}
+
+// Byte range [begin, end) of a strided [B, T, H, D] tensor with non-negative strides.
+inline std::pair<std::uintptr_t, std::uintptr_t> rope_range(const void* p, std::int64_t b,
+                                                            std::int64_t t, std::int64_t h,
+                                                            std::int64_t d, std::int64_t sb,
+                                                            std::int64_t st, std::int64_t sh,
+                                                            int elem) {
+  const auto begin = reinterpret_cast<std::uintptr_t>(p);
+  const std::int64_t last = (b - 1) * sb + (t - 1) * st + (h - 1) * sh + d;
+  return {begin, begin + static_cast<std::uintptr_t>(last * elem)};
+}
+
+template <class T, class C>
+Status validate_tensor(const RopeArgs<T, C>& a, const RopeTensor<T>& x, const char* op,
+                       const char* in_name, const char* out_name, const char* heads_name,
+                       const char* stride_name) {
+  using namespace check;
+  TIGON_CHECK(not_null(x.in, op, in_name));
+  TIGON_CHECK(not_null(x.out, op, out_name));
+  TIGON_CHECK(positive(x.heads, op, heads_name));
+  const RopeResolved<T> r = resolve(x);
+  const std::int64_t strides[] = {r.sb, r.st, r.sh, r.osb, r.ost, r.osh};
+  for (const std::int64_t s : strides) {
+    if (s < 0) return Status::error(Errc::invalid_stride, op, stride_name, "strides must be >= 0");
+  }
+  if ((x.heads > 1 && std::min(r.sh, r.osh) < a.head_dim) ||
+      (a.seq > 1 && std::min(r.st, r.ost) < a.head_dim) ||
+      (a.batch > 1 && std::min(r.sb, r.osb) < a.head_dim)) {
+    return Status::error(Errc::invalid_stride, op, stride_name,
+                         "a stride smaller than head_dim (" + std::to_string(a.head_dim) +
+                             ") would overlap heads");
+  }
+  const auto in = rope_range(x.in, a.batch, a.seq, x.heads, a.head_dim, r.sb, r.st, r.sh, sizeof(T));
+  const auto out = rope_range(x.out, a.batch, a.seq, x.heads, a.head_dim, r.osb, r.ost, r.osh, sizeof(T));
+  const bool same = x.in == x.out && r.sb == r.osb && r.st == r.ost && r.sh == r.osh;
+  if (!same && in.first < out.second && out.first < in.second) {
+    return Status::error(Errc::aliasing, op, out_name,
+                         std::string("overlaps '") + in_name +
+                             "' without being the same tensor (in place needs the same pointer and "
+                             "strides)");
+  }
+  return Status();
+}
+
+template <class T, class C>
+Status validate(const RopeArgs<T, C>& a, const char* op) {
+  using namespace check;
+  TIGON_CHECK(positive(a.batch, op, "batch"));
+  TIGON_CHECK(positive(a.seq, op, "seq"));
+  TIGON_CHECK(positive(a.head_dim, op, "head_dim"));
+  TIGON_CHECK(at_most(a.head_dim, kRopeMaxHeadDim, op, "head_dim"));
+  const std::int64_t rd = a.rotary_dim == 0 ? a.head_dim : a.rotary_dim;
+  if (rd < 2 || rd > a.head_dim || rd % 2 != 0) {
+    return Status::error(Errc::invalid_size, op, "rotary_dim",
+                         "must be even and in [2, head_dim], got " + std::to_string(rd));
+  }
+  TIGON_CHECK(not_null(a.cos, op, "cos"));
+  TIGON_CHECK(not_null(a.sin, op, "sin"));
+  TIGON_CHECK(positive(a.table_rows, op, "table_rows"));
+  if (a.position_ids == nullptr && a.position_ids_i32 == nullptr && a.table_rows < a.seq) {
+    return Status::error(Errc::invalid_size, op, "table_rows",
+                         "without position ids the table needs seq (" + std::to_string(a.seq) +
+                             ") rows, has " + std::to_string(a.table_rows));
+  }
+  if (a.position_ids != nullptr && a.position_ids_i32 != nullptr) {
+    return Status::error(Errc::invalid_value, op, "position_ids", "give int64 or int32 ids, not both");
+  }
+  if (a.table_stride_b < 0) {
+    return Status::error(Errc::invalid_stride, op, "table_stride_b", "must be >= 0");
+  }
+  TIGON_CHECK(row_stride(a.table_stride_t, rd, op, "table_stride_t"));
+  TIGON_CHECK(validate_tensor(a, a.q, op, "q.in", "q.out", "q.heads", "q.stride"));
+  if (a.k.in != nullptr || a.k.out != nullptr) {
+    TIGON_CHECK(validate_tensor(a, a.k, op, "k.in", "k.out", "k.heads", "k.stride"));
+    const RopeResolved<T> rq = resolve(a.q), rk = resolve(a.k);
+    const auto qo = rope_range(a.q.out, a.batch, a.seq, a.q.heads, a.head_dim, rq.osb, rq.ost, rq.osh, sizeof(T));
+    const auto ko = rope_range(a.k.out, a.batch, a.seq, a.k.heads, a.head_dim, rk.osb, rk.ost, rk.osh, sizeof(T));
+    const auto ki = rope_range(a.k.in, a.batch, a.seq, a.k.heads, a.head_dim, rk.sb, rk.st, rk.sh, sizeof(T));
+    const auto qi = rope_range(a.q.in, a.batch, a.seq, a.q.heads, a.head_dim, rq.sb, rq.st, rq.sh, sizeof(T));
+    auto overlap = [](auto x, auto y) { return x.first < y.second && y.first < x.second; };
+    if (overlap(qo, ko) || overlap(qo, ki) || overlap(ko, qi)) {
+      return Status::error(Errc::aliasing, op, "k.out", "q and k outputs must not overlap each other's data");
+    }
+  }
+  return Status();
+}
+
+}  // namespace detail
+
+#if defined(__CUDACC__)
+
+// ------------------------------------------------------------------------------------------------
+// 3. Kernels
+// ------------------------------------------------------------------------------------------------
+
+namespace detail {
+
+template <class T, class C>
+struct RopeParams {
+  const T* in[2];
+  T* out[2];
+  std::int64_t sb[2], st[2], sh[2], osb[2], ost[2], osh[2];
+  int heads[2];  // heads[1] == 0: no k
+  int seq;
+  std::int64_t tokens;
+  int head_dim, rotary_dim;
+  const C* cos;
+  const C* sin;
+  std::int64_t table_rows, tsb, tst;
+  const std::int64_t* pos64;
+  const std::int32_t* pos32;
+  bool backward;
+};
+
+inline constexpr int kRopeThreads = 256;
+
+// One work item = one kV-wide chunk of one head of one token: a rotated chunk pair (half split),
+// a rotated chunk of pairs (interleaved), or a pass-through chunk (partial rotary, out of place).
+template <class T, class C, class Style, int kV>
+TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T, C> p) {
+  constexpr bool kHalf = std::is_same_v<Style, RopeHalfSplit>;
+  const int rd = p.rotary_dim;
+  const int half = rd / 2;
+  // Interleaved items hold whole pairs: kV elements, or one pair on the scalar path.
+  constexpr int kPairW = kV < 2 ? 2 : kV;
+  const int rot_chunks = kHalf ? half / kV : rd / kPairW;
+  const int pass_chunks = (p.head_dim - rd) / kV;
+  const int per_head = rot_chunks + pass_chunks;
+  const std::int64_t per_token = static_cast<std::int64_t>(p.heads[0] + p.heads[1]) * per_head;
+  const std::int64_t total = p.tokens * per_token;
+  for (std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kRopeThreads + threadIdx.x;
+       item < total; item += static_cast<std::int64_t>(gridDim.x) * kRopeThreads) {
+    const std::int64_t token = item / per_token;
+    const int rem = static_cast<int>(item - token * per_token);
+    int head = rem / per_head;
+    const int chunk = rem - head * per_head;
+    const int which = head < p.heads[0] ? 0 : 1;
+    if (which == 1) head -= p.heads[0];
+    const std::int64_t b = token / p.seq;
+    const std::int64_t t = token - b * p.seq;
+    const T* x = p.in[which] + b * p.sb[which] + t * p.st[which] + head * p.sh[which];
+    T* y = p.out[which] + b * p.osb[which] + t * p.ost[which] + head * p.osh[which];
+    if (chunk >= rot_chunks) {  // partial rotary: channels past rotary_dim pass through
+      const int d = rd + (chunk - rot_chunks) * kV;
+      if (x != y) store_vec(y + d, load_vec<kV>(x + d));
+      continue;
+    }
+    std::int64_t row = t;
+    if (p.pos64 != nullptr) row = p.pos64[b * p.seq + t];
+    if (p.pos32 != nullptr) row = p.pos32[b * p.seq + t];
+    const bool bad = row < 0 || row >= p.table_rows;
+    const C* cr = p.cos + b * p.tsb + (bad ? 0 : row) * p.tst;
+    const C* sr = p.sin + b * p.tsb + (bad ? 0 : row) * p.tst;
+    if constexpr (kHalf) {
+      const int d = chunk * kV;
+      const AlignedVec<T, kV> x1 = load_vec<kV>(x + d), x2 = load_vec<kV>(x + d + half);
+      const AlignedVec<C, kV> c1 = load_vec<kV>(cr + d), c2 = load_vec<kV>(cr + d + half);
+      const AlignedVec<C, kV> s1 = load_vec<kV>(sr + d), s2 = load_vec<kV>(sr + d + half);
+      AlignedVec<T, kV> y1, y2;
+#pragma unroll
+      for (int e = 0; e < kV; ++e) {
+        float a, c;
+        rope_math::rotate(to_float(x1.v[e]), to_float(x2.v[e]), to_float(c1.v[e]), to_float(c2.v[e]),
+                          to_float(s1.v[e]), to_float(s2.v[e]), p.backward, a, c);
+        if (bad) a = c = __int_as_float(0x7fc00000);
+        y1.v[e] = from_float<T>(a);
+        y2.v[e] = from_float<T>(c);
+      }
+      store_vec(y + d, y1);
+      store_vec(y + d + half, y2);
+    } else if constexpr (kV == 1) {  // one pair, element by element (any alignment)
+      const int d = chunk * 2;
+      float a, c;
+      rope_math::rotate(to_float(x[d]), to_float(x[d + 1]), to_float(cr[d]), to_float(cr[d + 1]),
+                        to_float(sr[d]), to_float(sr[d + 1]), p.backward, a, c);
+      if (bad) a = c = __int_as_float(0x7fc00000);
+      y[d] = from_float<T>(a);
+      y[d + 1] = from_float<T>(c);
+    } else {
+      static_assert(kV % 2 == 0, "interleaved chunks hold whole pairs");
+      const int d = chunk * kV;
+      const AlignedVec<T, kV> xv = load_vec<kV>(x + d);
+      const AlignedVec<C, kV> cv = load_vec<kV>(cr + d), sv = load_vec<kV>(sr + d);
+      AlignedVec<T, kV> yv;
+#pragma unroll
+      for (int e = 0; e < kV; e += 2) {
+        float a, c;
+        rope_math::rotate(to_float(xv.v[e]), to_float(xv.v[e + 1]), to_float(cv.v[e]),
+                          to_float(cv.v[e + 1]), to_float(sv.v[e]), to_float(sv.v[e + 1]), p.backward,
+                          a, c);
+        if (bad) a = c = __int_as_float(0x7fc00000);
+        yv.v[e] = from_float<T>(a);
+        yv.v[e + 1] = from_float<T>(c);
+      }
+      store_vec(y + d, yv);
+    }
+  }
+}
+
+template <class T, class C>
+RopeParams<T, C> rope_params(const RopeArgs<T, C>& a, bool backward) {
+  RopeParams<T, C> p{};
+  const RopeTensor<T>* xs[2] = {&a.q, &a.k};
+  for (int i = 0; i < 2; ++i) {
+    const bool present = xs[i]->in != nullptr;
+    const RopeResolved<T> r = resolve(*xs[i]);
+    p.in[i] = xs[i]->in;
+    p.out[i] = xs[i]->out;
+    p.sb[i] = r.sb; p.st[i] = r.st; p.sh[i] = r.sh;
+    p.osb[i] = r.osb; p.ost[i] = r.ost; p.osh[i] = r.osh;
+    p.heads[i] = present ? static_cast<int>(xs[i]->heads) : 0;
+  }
+  p.seq = static_cast<int>(a.seq);
+  p.tokens = a.batch * a.seq;
+  p.head_dim = static_cast<int>(a.head_dim);
+  p.rotary_dim = static_cast<int>(a.rotary_dim == 0 ? a.head_dim : a.rotary_dim);
+  p.cos = a.cos;
+  p.sin = a.sin;
+  p.table_rows = a.table_rows;
+  p.tsb = a.table_stride_b;
+  p.tst = a.table_stride_t == 0 ? p.rotary_dim : a.table_stride_t;
+  p.pos64 = a.position_ids;
+  p.pos32 = a.position_ids_i32;
+  p.backward = backward;
+  return p;
+}
+
+// Width of the accesses every pointer, stride and size allows (elements of T).
+template <class T, class C, class Style>
+int rope_vec(const RopeParams<T, C>& p) {
+  constexpr int kV = kVecElems<T>;
+  const bool half = std::is_same_v<Style, RopeHalfSplit>;
+  auto ok = [&](std::int64_t v) { return v % kV == 0; };
+  bool vec = ok(p.head_dim) && ok(p.rotary_dim) && (!half || ok(p.rotary_dim / 2)) && ok(p.tst) &&
+             ok(p.tsb) && is_aligned(p.cos, kV * sizeof(C)) && is_aligned(p.sin, kV * sizeof(C));
+  for (int i = 0; i < 2; ++i) {
+    if (p.heads[i] == 0) continue;
+    vec = vec && ok(p.sb[i]) && ok(p.st[i]) && ok(p.sh[i]) && ok(p.osb[i]) && ok(p.ost[i]) &&
+          ok(p.osh[i]) && is_aligned(p.in[i], kV * sizeof(T)) && is_aligned(p.out[i], kV * sizeof(T));
+  }
+  return vec ? kV : 1;
+}
+
+template <class T, class C, class Style, int kV>
+Status launch_rope(const RopeParams<T, C>& p, cudaStream_t stream, const char* op) {
+  DeviceInfo dev;
+  TIGON_CHECK(current_device_info(dev));
+  int occ = 0;
+  TIGON_CHECK((blocks_per_sm<rope_kernel<T, C, Style, kV>, kRopeThreads>(dev.device, occ)));
+  const int chunks = std::is_same_v<Style, RopeHalfSplit> ? p.rotary_dim / 2 / kV
+                                                          : p.rotary_dim / (kV < 2 ? 2 : kV);
+  const std::int64_t items =
+      p.tokens * (p.heads[0] + p.heads[1]) * (chunks + (p.head_dim - p.rotary_dim) / kV);
+  const std::int64_t blocks = std::min<std::int64_t>(ceil_div<std::int64_t>(items, kRopeThreads),
+                                                     static_cast<std::int64_t>(occ) * dev.sm_count);
+  rope_kernel<T, C, Style, kV><<<static_cast<unsigned>(blocks), kRopeThreads, 0, stream>>>(p);
+  return check_launch(op);
+}
+
+template <class Style, class T, class C>
+Status rope_impl(const RopeArgs<T, C>& a, bool backward, cudaStream_t stream, const char* op) {
+  TIGON_CHECK(validate(a, op));
+  const RopeParams<T, C> p = rope_params(a, backward);
+  const int v = rope_vec<T, C, Style>(p);
+  if (v == kVecElems<T>) return launch_rope<T, C, Style, kVecElems<T>>(p, stream, op);
+  return launch_rope<T, C, Style, 1>(p, stream, op);
+}
+
+}  // namespace detail
+
+// ------------------------------------------------------------------------------------------------
+// 4. Launchers
+// ------------------------------------------------------------------------------------------------
+
+// Rotate q and k (k optional) by the table's angles. In place when out == in (same strides).
+template <class Style = RopeHalfSplit, class T, class C>
+[[nodiscard]] Status rope_forward(const RopeArgs<T, C>& args, cudaStream_t stream) {
+  return detail::rope_impl<Style>(args, false, stream, "rope_forward");
+}
+
+// Gradient of rope_forward: args.q / args.k hold dq / dk (in) and their gradients (out).
+template <class Style = RopeHalfSplit, class T, class C>
+[[nodiscard]] Status rope_backward(const RopeArgs<T, C>& args, cudaStream_t stream) {
+  return detail::rope_impl<Style>(args, true, stream, "rope_backward");
+}
+
+#endif  // __CUDACC__
+
+TIGON_NAMESPACE_END

@@ -1,0 +1,266 @@
+// RoPE on the GPU against the Hugging Face formula in double precision: shapes with GQA / MQA and
+// odd sizes, both layouts for q and k independently, half-split and interleaved, partial rotary,
+// position ids (int64 / int32), per-batch tables, tables in another dtype, in place and out of
+// place, forward and backward; out-of-range positions give NaN without out-of-bounds reads.
+#include "gpu_test.cuh"
+
+#include <cmath>
+
+#include <tigon/rope/rope.cuh>
+
+#include "../reference/rope_ref.hpp"
+
+using namespace tigon;
+using gpu_test::DeviceBuffer;
+
+namespace {
+
+struct Case {
+  std::int64_t B = 1, T = 1, Hq = 1, Hk = 1, D = 64, rd = 0;
+  bool interleaved = false;
+  bool q_bhtd = false, k_bhtd = false;  // layouts: [B, T, H, D] (false) or [B, H, T, D]
+  int pos_ids = 0;                      // 0: none, 64: int64 ids, 32: int32 ids
+  bool batch_tables = false;            // [B, rows, rd] tables instead of one shared table
+  bool in_place = true;
+  bool backward = false;
+  bool with_k = true;
+};
+
+std::string describe(const Case& c) {
+  return "B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " Hq" + std::to_string(c.Hq) +
+         " Hk" + std::to_string(c.Hk) + " D" + std::to_string(c.D) + " rd" + std::to_string(c.rd) +
+         (c.interleaved ? " interleaved" : " half-split") + (c.q_bhtd ? " q:BHTD" : " q:BTHD") +
+         (c.k_bhtd ? " k:BHTD" : " k:BTHD") + " pos" + std::to_string(c.pos_ids) +
+         (c.batch_tables ? " batch-tables" : "") + (c.in_place ? " in-place" : " out-of-place") +
+         (c.backward ? " backward" : " forward") + (c.with_k ? "" : " q-only");
+}
+
+template <class T>
+double tol() {
+  if constexpr (std::is_same_v<T, float>) return 2e-6;
+  if constexpr (std::is_same_v<T, half>) return 0x1p-10;
+  return 0x1p-7;
+}
+
+struct Layout {
+  std::int64_t sb, st, sh;
+};
+Layout layout(const Case& c, std::int64_t H, bool bhtd) {
+  return bhtd ? Layout{H * c.T * c.D, c.D, c.T * c.D} : Layout{c.T * H * c.D, H * c.D, c.D};
+}
+
+template <class T, class C = T>
+void run_case(const Case& c) {
+  INFO(describe(c) << " T=" << dtype_traits<T>::name << " C=" << dtype_traits<C>::name);
+  const std::int64_t rd = c.rd == 0 ? c.D : c.rd;
+  const std::int64_t rows = c.pos_ids ? c.T + 17 : c.T;
+  const std::int64_t tables = c.batch_tables ? c.B : 1;
+  // HF tables: inv_freq_i = 10000^(-2i/rd), cos = cos(pos * inv_freq) duplicated per the style.
+  std::vector<C> cos_h(static_cast<std::size_t>(tables * rows * rd)), sin_h(cos_h.size());
+  std::vector<double> cos_d(cos_h.size()), sin_d(cos_h.size());
+  for (std::int64_t b = 0; b < tables; ++b)
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t d = 0; d < rd; ++d) {
+        const std::int64_t i = c.interleaved ? d / 2 : d % (rd / 2);
+        const double inv = std::pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(rd));
+        const double ang = static_cast<double>(r + 3 * b) * inv;
+        const std::size_t k = static_cast<std::size_t>((b * rows + r) * rd + d);
+        cos_h[k] = from_float<C>(static_cast<float>(std::cos(ang)));
+        sin_h[k] = from_float<C>(static_cast<float>(std::sin(ang)));
+        cos_d[k] = to_float(cos_h[k]);
+        sin_d[k] = to_float(sin_h[k]);
+      }
+  std::vector<std::int64_t> pos(static_cast<std::size_t>(c.B * c.T));
+  std::uniform_int_distribution<std::int64_t> pd(0, rows - 1);
+  for (auto& p : pos) p = c.pos_ids ? pd(gpu_test::rng()) : 0;
+  std::vector<std::int32_t> pos32(pos.begin(), pos.end());
+
+  const std::int64_t nq = c.B * c.T * c.Hq * c.D, nk = c.with_k ? c.B * c.T * c.Hk * c.D : 0;
+  std::vector<double> qd, kd;
+  const auto qh = gpu_test::random_values<T>(static_cast<std::size_t>(nq), 0, 1, &qd);
+  const auto kh = gpu_test::random_values<T>(static_cast<std::size_t>(std::max<std::int64_t>(nk, 1)), 0, 1, &kd);
+  DeviceBuffer<T> q(nq), k(std::max<std::int64_t>(nk, 1)), qo(nq), ko(std::max<std::int64_t>(nk, 1));
+  DeviceBuffer<C> cosb(cos_h.size()), sinb(sin_h.size());
+  DeviceBuffer<std::int64_t> posb(pos.size());
+  DeviceBuffer<std::int32_t> pos32b(pos32.size());
+  q.upload(qh);
+  k.upload(kh);
+  qo.poison();
+  ko.poison();
+  cosb.upload(cos_h);
+  sinb.upload(sin_h);
+  posb.upload(pos);
+  pos32b.upload(pos32);
+
+  const Layout lq = layout(c, c.Hq, c.q_bhtd), lk = layout(c, c.Hk, c.k_bhtd);
+  RopeArgs<T, C> a;
+  a.q = {.in = q.ptr, .out = c.in_place ? q.ptr : qo.ptr, .heads = c.Hq,
+         .stride_b = lq.sb, .stride_t = lq.st, .stride_h = lq.sh};
+  if (c.with_k) {
+    a.k = {.in = k.ptr, .out = c.in_place ? k.ptr : ko.ptr, .heads = c.Hk,
+           .stride_b = lk.sb, .stride_t = lk.st, .stride_h = lk.sh};
+  }
+  a.batch = c.B;
+  a.seq = c.T;
+  a.head_dim = c.D;
+  a.rotary_dim = c.rd;
+  a.cos = cosb.ptr;
+  a.sin = sinb.ptr;
+  a.table_rows = rows;
+  a.table_stride_b = c.batch_tables ? rows * rd : 0;
+  if (c.pos_ids == 64) a.position_ids = posb.ptr;
+  if (c.pos_ids == 32) a.position_ids_i32 = pos32b.ptr;
+
+  Status s;
+  if (c.interleaved) {
+    s = c.backward ? rope_backward<RopeInterleaved>(a, nullptr) : rope_forward<RopeInterleaved>(a, nullptr);
+  } else {
+    s = c.backward ? rope_backward(a, nullptr) : rope_forward(a, nullptr);
+  }
+  INFO(s.message());
+  REQUIRE(s.ok());
+  CUDA_OK(cudaDeviceSynchronize());
+
+  auto check_tensor = [&](const std::vector<T>& got, const std::vector<double>& in, std::int64_t H,
+                          const Layout& l, const char* what) {
+    std::vector<double> ref(static_cast<std::size_t>(c.B * c.T * H * c.D));
+    std::vector<std::size_t> where(ref.size());
+    std::size_t n = 0;
+    for (std::int64_t b = 0; b < c.B; ++b)
+      for (std::int64_t t = 0; t < c.T; ++t)
+        for (std::int64_t h = 0; h < H; ++h) {
+          const std::int64_t base = b * l.sb + t * l.st + h * l.sh;
+          const std::int64_t row = c.pos_ids ? pos[static_cast<std::size_t>(b * c.T + t)] : t;
+          const std::size_t tb = static_cast<std::size_t>(((c.batch_tables ? b : 0) * rows + row) * rd);
+          const auto y = c.backward
+                             ? tigon_ref::rope_head_backward(&in[base], &cos_d[tb], &sin_d[tb],
+                                                             int(c.D), int(rd), c.interleaved)
+                             : tigon_ref::rope_head(&in[base], &cos_d[tb], &sin_d[tb], int(c.D),
+                                                    int(rd), c.interleaved);
+          for (std::int64_t d = 0; d < c.D; ++d) {
+            ref[n] = y[d];
+            where[n++] = static_cast<std::size_t>(base + d);
+          }
+        }
+    double rms = 0;
+    for (double v : ref) rms += v * v;
+    rms = std::sqrt(rms / static_cast<double>(ref.size()));
+    const auto cmp = gpu_test::compare(
+        ref.size(), [&](std::size_t i) { return static_cast<double>(to_float(got[where[i]])); }, ref,
+        tol<T>() * rms, tol<T>());
+    INFO(what << ": " << cmp.bad << " of " << cmp.n << " out of tolerance, worst #" << cmp.worst
+              << " score " << cmp.worst_err << ", rel L2 " << cmp.rel_l2);
+    CHECK(cmp.ok(tol<T>()));
+  };
+  check_tensor((c.in_place ? q : qo).download(), qd, c.Hq, lq, "q");
+  if (c.with_k) check_tensor((c.in_place ? k : ko).download(), kd, c.Hk, lk, "k");
+  if (!c.with_k) CHECK(gpu_test::all_bytes_ff(ko.download().data(), sizeof(T)));  // k untouched
+}
+
+template <class T, class C = T>
+void both_directions(Case c) {
+  c.backward = false;
+  run_case<T, C>(c);
+  c.backward = true;
+  run_case<T, C>(c);
+}
+
+}  // namespace
+
+TEST_CASE("rope: the issue's shapes, every dtype, both styles", "[rope][gpu]") {
+  const Case shapes[] = {
+      {.B = 1, .T = 128, .Hq = 32, .Hk = 32, .D = 64},
+      {.B = 2, .T = 128, .Hq = 32, .Hk = 8, .D = 64},
+      {.B = 3, .T = 423, .Hq = 73, .Hk = 213, .D = 92},  // odd: scalar path
+      {.B = 1, .T = 8192, .Hq = 32, .Hk = 8, .D = 128},
+      {.B = 2, .T = 33, .Hq = 4, .Hk = 1, .D = 256},     // MQA, largest common head_dim
+      {.B = 1, .T = 7, .Hq = 3, .Hk = 2, .D = 80},
+  };
+  for (Case c : shapes) {
+    for (bool inter : {false, true}) {
+      c.interleaved = inter;
+      both_directions<bf16>(c);
+      if (c.T * (c.Hq + c.Hk) <= 128 * 64) {
+        both_directions<half>(c);
+        both_directions<float>(c);
+      }
+    }
+  }
+}
+
+TEST_CASE("rope: layouts, partial rotary, position ids, tables, out of place", "[rope][gpu]") {
+  const Case base{.B = 2, .T = 50, .Hq = 8, .Hk = 2, .D = 128};
+  for (bool inter : {false, true}) {
+    Case c = base;
+    c.interleaved = inter;
+    SECTION(std::string("q BHTD, k BTHD ") + (inter ? "interleaved" : "half")) {
+      c.q_bhtd = true;
+      both_directions<bf16>(c);
+      c.k_bhtd = true;
+      both_directions<float>(c);
+    }
+    SECTION(std::string("partial rotary ") + (inter ? "interleaved" : "half")) {
+      c.rd = 64;
+      both_directions<bf16>(c);
+      c.in_place = false;  // the pass-through channels are copied
+      both_directions<bf16>(c);
+      c.rd = 32;
+      c.D = 80;  // Phi-style: rotary 32 of 80
+      both_directions<half>(c);
+      c.rd = 24;  // half-split chunks not a multiple of the vector width: scalar path
+      both_directions<bf16>(c);
+    }
+    SECTION(std::string("position ids ") + (inter ? "interleaved" : "half")) {
+      c.pos_ids = 64;
+      both_directions<bf16>(c);
+      c.pos_ids = 32;
+      c.batch_tables = true;
+      both_directions<bf16>(c);
+    }
+    SECTION(std::string("fp32 tables with bf16 q, k ") + (inter ? "interleaved" : "half")) {
+      both_directions<bf16, float>(c);
+      c.in_place = false;
+      both_directions<half, float>(c);
+    }
+    SECTION(std::string("out of place, q only ") + (inter ? "interleaved" : "half")) {
+      c.in_place = false;
+      both_directions<bf16>(c);
+      c.with_k = false;
+      both_directions<float>(c);
+    }
+  }
+}
+
+TEST_CASE("rope: an out-of-range position gives NaN for its token only", "[rope][gpu]") {
+  const std::int64_t B = 1, T = 4, H = 2, D = 64;
+  DeviceBuffer<bf16> q(B * T * H * D), cs(T * D), sn(T * D);
+  q.upload(gpu_test::random_values<bf16>(B * T * H * D, 0, 1, nullptr));
+  cs.upload(gpu_test::random_values<bf16>(T * D, 0, 1, nullptr));
+  sn.upload(gpu_test::random_values<bf16>(T * D, 0, 1, nullptr));
+  const std::vector<std::int64_t> pos = {0, 1, 99, 3};
+  DeviceBuffer<std::int64_t> pb(4);
+  pb.upload(pos);
+  RopeArgs<bf16> a;
+  a.q = {.in = q.ptr, .out = q.ptr, .heads = H, .stride_b = T * H * D, .stride_t = H * D, .stride_h = D};
+  a.batch = B;
+  a.seq = T;
+  a.head_dim = D;
+  a.cos = cs.ptr;
+  a.sin = sn.ptr;
+  a.table_rows = T;
+  a.position_ids = pb.ptr;
+  TIGON_OK(rope_forward(a, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto out = q.download();
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t i = 0; i < H * D; ++i) {
+      const float v = to_float(out[t * H * D + i]);
+      if (t == 2) {
+        CHECK(std::isnan(v));
+      } else {
+        CHECK(std::isfinite(v));
+      }
+    }
+}
+
+GPU_TEST_MAIN

@@ -1,0 +1,85 @@
+// Argument validation of the RoPE launchers; runs without a GPU (bad calls never reach the device).
+#include <catch2/catch.hpp>
+
+#include <string>
+
+#include <tigon/rope/rope.cuh>
+
+using namespace tigon;
+
+namespace {
+alignas(256) bf16 qbuf[2 * 4 * 4 * 64];
+alignas(256) bf16 kbuf[2 * 4 * 2 * 64];
+alignas(256) bf16 cbuf[4 * 64];
+alignas(256) bf16 sbuf[4 * 64];
+
+RopeArgs<bf16> good() {
+  RopeArgs<bf16> a;
+  a.q = {.in = qbuf, .out = qbuf, .heads = 4, .stride_b = 4 * 4 * 64, .stride_t = 4 * 64, .stride_h = 64};
+  a.k = {.in = kbuf, .out = kbuf, .heads = 2, .stride_b = 4 * 2 * 64, .stride_t = 2 * 64, .stride_h = 64};
+  a.batch = 2;
+  a.seq = 4;
+  a.head_dim = 64;
+  a.cos = cbuf;
+  a.sin = sbuf;
+  a.table_rows = 4;
+  return a;
+}
+
+void expect(const Status& s, Errc code, const char* arg) {
+  INFO(s.message());
+  CHECK(s.code() == code);
+  CHECK(std::string(s.argument()) == arg);
+}
+}  // namespace
+
+TEST_CASE("rope rejects bad arguments by name", "[rope][validation]") {
+  CHECK(detail::validate(good(), "rope_forward").ok());
+  auto a = good();
+  a.q.in = nullptr;
+  expect(rope_forward(a, nullptr), Errc::null_pointer, "q.in");
+  a = good();
+  a.k.out = nullptr;
+  expect(rope_backward(a, nullptr), Errc::null_pointer, "k.out");
+  a = good();
+  a.cos = nullptr;
+  expect(rope_forward(a, nullptr), Errc::null_pointer, "cos");
+  a = good();
+  a.seq = 0;
+  expect(rope_forward(a, nullptr), Errc::invalid_size, "seq");
+  a = good();
+  a.rotary_dim = 63;
+  expect(rope_forward(a, nullptr), Errc::invalid_size, "rotary_dim");
+  a = good();
+  a.rotary_dim = 128;
+  expect(rope_forward(a, nullptr), Errc::invalid_size, "rotary_dim");
+  a = good();
+  a.head_dim = 2048;
+  expect(rope_forward(a, nullptr), Errc::unsupported, "head_dim");
+  a = good();
+  a.table_rows = 3;  // fewer rows than positions, and no position ids
+  expect(rope_forward(a, nullptr), Errc::invalid_size, "table_rows");
+  a = good();
+  a.q.stride_h = 32;  // heads would overlap
+  expect(rope_forward(a, nullptr), Errc::invalid_stride, "q.stride");
+  a = good();
+  a.q.out = qbuf + 1;  // overlaps q.in, not the same tensor
+  expect(rope_forward<RopeInterleaved>(a, nullptr), Errc::aliasing, "q.out");
+  a = good();
+  a.k.out = qbuf;  // k's output over q's data
+  a.k.in = qbuf;
+  expect(rope_forward(a, nullptr), Errc::aliasing, "k.out");
+  a = good();
+  static const std::int64_t pos64[8] = {};
+  static const std::int32_t pos32[8] = {};
+  a.position_ids = pos64;
+  a.position_ids_i32 = pos32;
+  expect(rope_forward(a, nullptr), Errc::invalid_value, "position_ids");
+  a = good();
+  a.table_stride_t = 10;
+  expect(rope_forward(a, nullptr), Errc::invalid_stride, "table_stride_t");
+  // k is optional.
+  a = good();
+  a.k = {};
+  CHECK(detail::validate(a, "rope_forward").ok());
+}

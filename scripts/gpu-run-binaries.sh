@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Run already-built GPU test and benchmark binaries on a GPU machine (when the build happened
+# elsewhere): the GPU tests, compute-sanitizer memcheck and racecheck on them (without [large]),
+# then the benchmarks. Logs to OUTDIR; a summary is printed last.
+#   scripts/gpu-run-binaries.sh BINDIR OUTDIR [seconds per step, default 120]
+set -uo pipefail
+bin=${1:?usage: scripts/gpu-run-binaries.sh BINDIR OUTDIR [seconds]}
+out=${2:?usage: scripts/gpu-run-binaries.sh BINDIR OUTDIR [seconds]}
+limit=${3:-120}
+mkdir -p "$out"
+summary() { echo "$*" | tee -a "$out/summary.txt"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/nvidia-smi.txt" 2>&1
+t0=$(date +%s)
+for t in "$bin"/tigon_gpu_tests_*; do
+  n=$(basename "$t")
+  timeout "$limit" "$t" > "$out/$n.log" 2>&1
+  summary "$n: rc=$? :: $(grep -E 'All tests passed|test cases:|assertions:' "$out/$n.log" | tr '\n' ' ')"
+done
+for b in "$bin"/tigon_bench_*; do
+  n=$(basename "$b")
+  timeout "$limit" "$b" --benchmark_out="$out/$n.json" --benchmark_out_format=json > "$out/$n.log" 2>&1
+  summary "$n: rc=$?"
+  grep -E "^ceiling|^host cost" "$out/$n.log" | tee -a "$out/summary.txt"
+  sed -n '/^benchmark (median/,$p' "$out/$n.log" | tee -a "$out/summary.txt"
+done
+for tool in memcheck racecheck; do
+  for t in "$bin"/tigon_gpu_tests_*; do
+    n=$(basename "$t")
+    timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 9 "$t" "~[large]" > "$out/$tool-$n.log" 2>&1
+    summary "compute-sanitizer $tool $n: rc=$? :: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|All tests passed|test cases:' "$out/$tool-$n.log" | tr '\n' ' ')"
+  done
+done
+summary "total: $(( $(date +%s) - t0 )) s"

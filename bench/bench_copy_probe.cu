@@ -1,0 +1,208 @@
+// Copy probes: how close different ways of streaming memory get to cudaMemcpy's device-to-device
+// rate on this GPU. Every memory-bound op in tigon is measured against that rate; these probes say
+// which access technique can reach it (per-thread 16-byte accesses, several loads in flight per
+// thread, block-contiguous chunks, cache hints, or the bulk-copy engine through shared memory).
+// 1 GiB read + 1 GiB written per call; bytes counted = read + written.
+#include "harness.cuh"
+
+#include <cstdint>
+
+namespace {
+
+constexpr std::size_t kBytes = std::size_t{1} << 30;
+
+// a. grid-stride, one 16-byte load and store per iteration
+__global__ void copy_v1(const int4* __restrict__ s, int4* __restrict__ d, std::size_t n) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
+    d[i] = s[i];
+}
+
+// b. grid-stride, kU independent 16-byte loads in flight per thread, then the stores
+template <int kU, bool kHints>
+__global__ void copy_unrolled(const int4* __restrict__ s, int4* __restrict__ d, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t base = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; base < n;
+       base += stride * kU) {
+    int4 v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const std::size_t i = base + u * stride;
+      if (i < n) v[u] = kHints ? __ldcs(s + i) : s[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const std::size_t i = base + u * stride;
+      if (i < n) {
+        if (kHints) {
+          __stcs(d + i, v[u]);
+        } else {
+          d[i] = v[u];
+        }
+      }
+    }
+  }
+}
+
+// c. each block copies contiguous chunks of kChunk vectors, kU loads in flight per thread
+template <int kU>
+__global__ void copy_block_chunks(const int4* __restrict__ s, int4* __restrict__ d, std::size_t n) {
+  const std::size_t chunk = static_cast<std::size_t>(blockDim.x) * kU;
+  for (std::size_t c = blockIdx.x; c * chunk < n; c += gridDim.x) {
+    int4 v[kU];
+    const std::size_t base = c * chunk + threadIdx.x;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const std::size_t i = base + static_cast<std::size_t>(u) * blockDim.x;
+      if (i < n) v[u] = s[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const std::size_t i = base + static_cast<std::size_t>(u) * blockDim.x;
+      if (i < n) d[i] = v[u];
+    }
+  }
+}
+
+// d. the bulk-copy engine: one thread per block streams kChunk-byte pieces global -> shared ->
+// global through kStages shared-memory stages (cp.async.bulk with mbarrier completion, then
+// cp.async.bulk stores).
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+template <int kChunk, int kStages>
+__global__ void __launch_bounds__(32) copy_bulk(const char* __restrict__ s, char* __restrict__ d,
+                                                std::size_t bytes) {
+  extern __shared__ __align__(128) char buf[];
+  __shared__ __align__(8) std::uint64_t bar[kStages];
+  if (threadIdx.x != 0) return;
+  for (int i = 0; i < kStages; ++i) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bar[i])));
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  const std::size_t chunks = bytes / kChunk;
+  // this block's chunks: blockIdx.x, blockIdx.x + gridDim.x, ...
+  auto chunk_of = [&](std::size_t k) { return blockIdx.x + k * gridDim.x; };
+  std::size_t mine = chunks > blockIdx.x ? (chunks - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  auto load = [&](std::size_t k) {
+    const int st = static_cast<int>(k % kStages);
+    const unsigned b = smem_addr(&bar[st]);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(kChunk) : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            smem_addr(buf + st * kChunk)),
+        "l"(s + chunk_of(k) * kChunk), "r"(kChunk), "r"(b)
+        : "memory");
+  };
+  for (std::size_t k = 0; k < mine && k < kStages; ++k) load(k);
+  for (std::size_t k = 0; k < mine; ++k) {
+    const int st = static_cast<int>(k % kStages);
+    const unsigned parity = static_cast<unsigned>((k / kStages) & 1);
+    const unsigned b = smem_addr(&bar[st]);
+    unsigned done = 0;
+    while (!done) {
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+          : "=r"(done)
+          : "r"(b), "r"(parity)
+          : "memory");
+    }
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d + chunk_of(k) * kChunk),
+                 "r"(smem_addr(buf + st * kChunk)), "r"(kChunk)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    // The stage of chunk k - 1 is free once its store has read it; refill it with chunk k-1+S.
+    if (k >= 1 && k - 1 + kStages < mine) {
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      load(k - 1 + kStages);
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+void report(benchmark::State& st, const std::string& name, const std::function<void()>& launch) {
+  bench::run(st, name, 2.0 * kBytes, [&](int) { launch(); }, 5);
+}
+
+struct Buffers {
+  char* src = nullptr;
+  char* dst = nullptr;
+  Buffers() {
+    src = bench::alloc<char>(kBytes);
+    dst = bench::alloc<char>(kBytes);
+    bench::fill_random(reinterpret_cast<float*>(src), kBytes / 4, 17);
+  }
+  ~Buffers() {
+    cudaFree(src);
+    cudaFree(dst);
+  }
+};
+
+int sms() {
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, 0);
+  return n;
+}
+
+void BM_memcpy(benchmark::State& st) {
+  Buffers b;
+  report(st, "probe cudaMemcpyAsync D2D", [&] { cudaMemcpyAsync(b.dst, b.src, kBytes, cudaMemcpyDeviceToDevice); });
+}
+void BM_v1(benchmark::State& st) {
+  Buffers b;
+  const int g = sms() * 8;
+  report(st, "probe grid-stride 16 B/thread", [&] {
+    copy_v1<<<g, 256>>>(reinterpret_cast<const int4*>(b.src), reinterpret_cast<int4*>(b.dst), kBytes / 16);
+  });
+}
+template <int kU, bool kHints>
+void BM_unrolled(benchmark::State& st) {
+  Buffers b;
+  const int g = sms() * 8;
+  report(st, std::string("probe grid-stride ") + std::to_string(kU) + "x16 B/thread" + (kHints ? " .cs hints" : ""), [&] {
+    copy_unrolled<kU, kHints><<<g, 256>>>(reinterpret_cast<const int4*>(b.src), reinterpret_cast<int4*>(b.dst), kBytes / 16);
+  });
+}
+template <int kU>
+void BM_chunks(benchmark::State& st) {
+  Buffers b;
+  const int g = sms() * 8;
+  report(st, std::string("probe block chunks ") + std::to_string(kU) + "x16 B/thread", [&] {
+    copy_block_chunks<kU><<<g, 256>>>(reinterpret_cast<const int4*>(b.src), reinterpret_cast<int4*>(b.dst), kBytes / 16);
+  });
+}
+template <int kChunk, int kStages, int kPerSm>
+void BM_bulk(benchmark::State& st) {
+  Buffers b;
+  const int smem = kChunk * kStages;
+  BENCH_CUDA(cudaFuncSetAttribute(copy_bulk<kChunk, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int g = sms() * kPerSm;
+  report(st, "probe bulk copy " + std::to_string(kChunk / 1024) + " KB x " + std::to_string(kStages) +
+                 " stages, " + std::to_string(kPerSm) + " blocks/SM", [&] {
+    copy_bulk<kChunk, kStages><<<g, 32, smem>>>(b.src, b.dst, kBytes);
+  });
+  // The copy must be exact.
+  std::vector<char> a(1 << 20), c(1 << 20);
+  BENCH_CUDA(cudaMemcpy(a.data(), b.src + (kBytes / 2), a.size(), cudaMemcpyDeviceToHost));
+  BENCH_CUDA(cudaMemcpy(c.data(), b.dst + (kBytes / 2), c.size(), cudaMemcpyDeviceToHost));
+  if (a != c) st.SkipWithError("bulk copy produced wrong data");
+}
+
+}  // namespace
+
+#define PROBE(f) BENCHMARK(f)->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond)
+PROBE(BM_memcpy);
+PROBE(BM_v1);
+PROBE((BM_unrolled<4, false>));
+PROBE((BM_unrolled<4, true>));
+PROBE((BM_unrolled<8, false>));
+PROBE((BM_chunks<4>));
+PROBE((BM_chunks<8>));
+PROBE((BM_bulk<16384, 4, 2>));
+PROBE((BM_bulk<32768, 3, 2>));
+PROBE((BM_bulk<16384, 8, 1>));
+PROBE((BM_bulk<8192, 4, 4>));
+
+BENCH_MAIN

@@ -1,0 +1,59 @@
+// Cross-entropy benchmarks, bf16, int64 targets, mean reduction: loss + gradient written in place
+// (useful bytes: read the logits once, write the gradient once; against the copy rate) and loss
+// only (read once; against the read-only rate measured in the same process).
+#include "harness.cuh"
+
+#include <tigon/loss/cross_entropy.cuh>
+
+using tigon::bf16;
+
+namespace {
+
+void check(const tigon::Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s\n", s.message().c_str());
+    std::exit(1);
+  }
+}
+
+void BM_ce(benchmark::State& st, bool grad) {
+  const std::int64_t rows = st.range(0), V = st.range(1);
+  const std::size_t n = static_cast<std::size_t>(rows * V);
+  const int sets = bench::rotation(2.0 * n * sizeof(bf16));
+  std::vector<bf16*> x;
+  for (int s = 0; s < sets; ++s) {
+    x.push_back(bench::alloc<bf16>(n));
+    bench::fill_random(x.back(), n, 77 + s, 0.0f, 2.0f);
+  }
+  std::vector<std::int64_t> th(rows);
+  for (std::int64_t r = 0; r < rows; ++r) th[r] = (r * 7919) % V;
+  std::int64_t* t = bench::alloc<std::int64_t>(rows);
+  BENCH_CUDA(cudaMemcpy(t, th.data(), rows * sizeof(std::int64_t), cudaMemcpyHostToDevice));
+  float* loss = bench::alloc<float>(1);
+  const std::size_t wsb = tigon::cross_entropy_workspace_bytes(rows);
+  void* ws = bench::alloc<unsigned char>(wsb);
+  const double bytes = (grad ? 2.0 : 1.0) * n * sizeof(bf16);
+  const std::string name = std::string("cross_entropy ") + (grad ? "loss+grad" : "loss only") + " bf16 " +
+                           std::to_string(rows) + "x" + std::to_string(V);
+  bench::run(st, name, bytes, [&](int i) {
+    tigon::CrossEntropyArgs<bf16> a{.logits = x[i % sets], .targets = t, .rows = rows, .vocab = V,
+                                    .dlogits = grad ? x[i % sets] : nullptr, .loss = loss,
+                                    .workspace = ws, .workspace_bytes = wsb};
+    check(tigon::cross_entropy(a, nullptr));
+  }, 10, grad ? bench::Ceiling::copy : bench::Ceiling::read);
+  for (bf16* p : x) cudaFree(p);
+  cudaFree(t);
+  cudaFree(loss);
+  cudaFree(ws);
+}
+
+void BM_grad(benchmark::State& st) { BM_ce(st, true); }
+void BM_loss(benchmark::State& st) { BM_ce(st, false); }
+
+}  // namespace
+
+#define SHAPES ->Args({8192, 32000})->Args({8192, 128256})->Args({8192, 262144})->Args({16384, 32000})
+BENCHMARK(BM_grad) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_loss) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+
+BENCH_MAIN

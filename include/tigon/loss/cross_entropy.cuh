@@ -1,0 +1,622 @@
+// tigon/loss/cross_entropy.cuh - cross-entropy loss over logits [rows, vocab] with the gradient
+// written in place over the logits (or into its own buffer), and the split-vocabulary pieces a
+// tensor-parallel trainer combines with its own collective.
+//
+// Per row with target t (all in fp32):
+//   x_i    = logit_i, or c * tanh(logit_i / c) with a softcap c
+//   lse    = log(sum_i exp(x_i))
+//   loss   = (1 - eps) * w_t * (lse - x_t) + eps / V * sum_i w_i * (lse - x_i) + z * lse^2
+//   dloss/dx_i = (1 - eps) * w_t * (p_i - [i == t]) + eps / V * (p_i * sum_j w_j - w_i)
+//                + 2 z lse p_i,       p_i = exp(x_i - lse)
+// times (1 - (x_i / c)^2) through the softcap, times the upstream gradient, divided by the mean's
+// denominator. w are the class weights (1 without), eps the label smoothing, z the z-loss scale.
+// Rows whose target is ignore_index contribute nothing; the mean divides by the sum of w_t over
+// the other rows, counted on the device (no host synchronisation anywhere).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "../core/config.hpp"
+#include "../core/dtype.hpp"
+#include "../core/math.hpp"
+#include "../core/status.hpp"
+#include "../core/validate.hpp"
+
+#if defined(__CUDACC__)
+#include "../core/device.hpp"
+#include "../core/reduce.cuh"
+#include "../core/vector.cuh"
+#endif
+
+TIGON_NAMESPACE_BEGIN
+
+// ------------------------------------------------------------------------------------------------
+// 1. Arguments
+// ------------------------------------------------------------------------------------------------
+
+enum class Reduction : int { none = 0, sum = 1, mean = 2 };
+
+template <class T, class I = std::int64_t>
+struct CrossEntropyArgs {
+  const T* logits = nullptr;  // [rows, vocab], row stride logits_stride (0: vocab)
+  const I* targets = nullptr; // [rows], int32 or int64
+  std::int64_t rows = 0;
+  std::int64_t vocab = 0;
+  std::int64_t logits_stride = 0;
+  // Gradient: null computes the loss only; may be `logits` itself (in place, same stride).
+  T* dlogits = nullptr;
+  std::int64_t dlogits_stride = 0;
+  const float* class_weights = nullptr;  // [vocab], or null
+  std::int64_t ignore_index = -100;
+  float label_smoothing = 0.0f;
+  float z_loss_scale = 0.0f;  // adds z_loss_scale * lse^2 per (non-ignored) row
+  float softcap = 0.0f;       // > 0: logits pass through softcap * tanh(x / softcap)
+  Reduction reduction = Reduction::mean;
+  // Upstream gradient: grad_scale (a host scalar folded into the gradient) times, when given,
+  // grad_output on the device: one value for mean / sum, [rows] values for reduction none.
+  float grad_scale = 1.0f;
+  const float* grad_output = nullptr;
+  // Outputs, each optional.
+  float* loss = nullptr;        // [1]: the reduced loss (mean / sum); z-loss included
+  float* loss_rows = nullptr;   // [rows]: each row's loss (z-loss included), before reduction
+  float* z_loss = nullptr;      // [1]: the z-loss part of `loss`, reduced the same way
+  float* lse = nullptr;         // [rows]: logsumexp of the (softcapped) logits
+  std::int64_t* argmax = nullptr;  // [rows]: index of the largest logit (first one on ties)
+  int* error_count = nullptr;   // incremented once per row whose target is outside [0, vocab)
+  void* workspace = nullptr;    // cross_entropy_workspace_bytes(), 16-byte aligned
+  std::size_t workspace_bytes = 0;
+};
+
+// Per-row statistics of one vocabulary shard (or of the whole vocabulary, once merged).
+struct CrossEntropyStats {
+  float max;           // max_i x_i
+  float sumexp;        // sum_i exp(x_i - max)
+  float target_logit;  // x_t when the target lies in this shard
+  float sum_wx;        // sum_i w_i x_i (label smoothing)
+  float sum_w;         // sum_i w_i
+  float argmax_value;
+  std::int64_t argmax;  // global column of the largest logit
+  int has_target;       // 1 when the target lies in this shard
+  float target_weight;  // w_t when the target lies in this shard (1 without class weights)
+};
+
+// ------------------------------------------------------------------------------------------------
+// 2. Math
+// ------------------------------------------------------------------------------------------------
+
+namespace ce_math {
+
+TIGON_HD float softcap(float x, float c) { return c > 0.0f ? c * tanhf(x / c) : x; }
+// d softcap / d x expressed through the capped value y.
+TIGON_HD float softcap_grad(float y, float c) { return c > 0.0f ? 1.0f - (y / c) * (y / c) : 1.0f; }
+
+// Merge two (max, sum of exp relative to max) pairs.
+TIGON_HD void merge(float& m, float& s, float m2, float s2) {
+  const float mm = m > m2 ? m : m2;
+  if (mm == -__builtin_huge_valf()) return;  // both empty
+  s = s * expf(m - mm) + s2 * expf(m2 - mm);
+  m = mm;
+}
+
+struct RowTerms {
+  float w_t;      // weight of the target
+  float sum_w;    // sum of all weights (vocab without weights)
+  float sum_wx;   // sum of w_i x_i
+  float x_t;
+  float lse;
+};
+
+// Row loss without the z term, and the z term.
+TIGON_HD float row_loss(const RowTerms& r, float eps, std::int64_t vocab) {
+  const float nll = r.lse - r.x_t;
+  const float smooth = (r.lse * r.sum_w - r.sum_wx) / static_cast<float>(vocab);
+  return (1.0f - eps) * r.w_t * nll + eps * smooth;
+}
+
+// d loss / d x_i before the softcap, upstream and mean factors.
+TIGON_HD float grad(float p, bool is_target, float w_i, const RowTerms& r, float eps, float z,
+                    std::int64_t vocab) {
+  return (1.0f - eps) * r.w_t * (p - (is_target ? 1.0f : 0.0f)) +
+         eps / static_cast<float>(vocab) * (p * r.sum_w - w_i) + 2.0f * z * r.lse * p;
+}
+
+}  // namespace ce_math
+
+// ------------------------------------------------------------------------------------------------
+// Validation and workspace
+// ------------------------------------------------------------------------------------------------
+
+namespace detail {
+
+// Workspace: the mean's denominator, the reduced sums, and per-row loss / z scratch.
+inline std::size_t ce_workspace_bytes(std::int64_t rows) {
+  return round_up<std::size_t>(16 + static_cast<std::size_t>(rows) * 8u, 256u);
+}
+
+template <class T, class I>
+Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
+  using namespace check;
+  static_assert(std::is_same_v<I, std::int64_t> || std::is_same_v<I, std::int32_t>,
+                "targets are int32 or int64");
+  TIGON_CHECK(not_null(a.logits, op, "logits"));
+  TIGON_CHECK(not_null(a.targets, op, "targets"));
+  TIGON_CHECK(positive(a.rows, op, "rows"));
+  TIGON_CHECK(positive(a.vocab, op, "vocab"));
+  TIGON_CHECK(at_most(a.vocab, std::int64_t{1} << 31, op, "vocab"));
+  TIGON_CHECK(row_stride(a.logits_stride, a.vocab, op, "logits_stride"));
+  TIGON_CHECK(row_stride(a.dlogits_stride, a.vocab, op, "dlogits_stride"));
+  if (!(a.label_smoothing >= 0.0f && a.label_smoothing <= 1.0f)) {
+    return Status::error(Errc::invalid_value, op, "label_smoothing", "must be in [0, 1]");
+  }
+  if (!(a.z_loss_scale >= 0.0f) || a.z_loss_scale == __builtin_inff()) {
+    return Status::error(Errc::invalid_value, op, "z_loss_scale", "must be finite and >= 0");
+  }
+  if (!(a.softcap >= 0.0f) || a.softcap == __builtin_inff()) {
+    return Status::error(Errc::invalid_value, op, "softcap", "must be finite and >= 0 (0: off)");
+  }
+  if (a.reduction != Reduction::none && a.reduction != Reduction::sum && a.reduction != Reduction::mean) {
+    return Status::error(Errc::invalid_value, op, "reduction", "unknown reduction");
+  }
+  if (a.reduction == Reduction::none && (a.loss != nullptr || a.z_loss != nullptr)) {
+    return Status::error(Errc::invalid_value, op, "loss",
+                         "reduction none has no reduced loss: use loss_rows");
+  }
+  const MatrixView x{a.logits, a.rows, a.vocab, a.logits_stride, static_cast<int>(sizeof(T))};
+  if (a.dlogits != nullptr) {
+    const MatrixView d{a.dlogits, a.rows, a.vocab, a.dlogits_stride, static_cast<int>(sizeof(T))};
+    TIGON_CHECK(same_or_disjoint(d, x, op, "dlogits", "logits"));
+    const MatrixView t{a.targets, 1, a.rows, 0, static_cast<int>(sizeof(I))};
+    TIGON_CHECK(disjoint(d, t, op, "dlogits", "targets"));
+  }
+  float* const outs[] = {a.loss, a.loss_rows, a.z_loss, a.lse};
+  const std::int64_t lens[] = {1, a.rows, 1, a.rows};
+  const char* names[] = {"loss", "loss_rows", "z_loss", "lse"};
+  for (int i = 0; i < 4; ++i) {
+    if (outs[i] == nullptr) continue;
+    const MatrixView o{outs[i], 1, lens[i], 0, 4};
+    TIGON_CHECK(disjoint(o, x, op, names[i], "logits"));
+  }
+  return Status();
+}
+
+}  // namespace detail
+
+#if defined(__CUDACC__)
+
+// ------------------------------------------------------------------------------------------------
+// 3. Kernels
+// ------------------------------------------------------------------------------------------------
+
+namespace detail {
+
+template <class T, class I>
+struct CeParams {
+  const T* x;
+  const I* targets;
+  T* dx;
+  std::int64_t rows, vocab, xs, dxs;
+  const float* weights;
+  std::int64_t ignore_index;
+  float eps, z, cap, grad_scale;
+  const float* grad_output;
+  Reduction reduction;
+  float* loss_rows;   // caller's or workspace scratch
+  float* z_rows;      // workspace scratch
+  float* lse;
+  std::int64_t* argmax;
+  int* error_count;
+  const float* denom;  // workspace: the mean's denominator
+  // Split vocabulary: this shard's columns are [col0, col0 + vocab) of total_vocab.
+  std::int64_t col0, total_vocab;
+  const CrossEntropyStats* stats;  // merged statistics (finalize), or null: compute them here
+  CrossEntropyStats* stats_out;    // shard statistics (stats pass), or null
+};
+
+struct CeAcc {  // one thread's (or a block's) running statistics
+  float m, s, sum_wx, sum_w, best;
+  std::int64_t best_i;
+};
+
+struct CeAccMerge {
+  TIGON_DEVICE CeAcc operator()(const CeAcc& a, const CeAcc& b) const {
+    CeAcc r = a;
+    ce_math::merge(r.m, r.s, b.m, b.s);
+    r.sum_wx = a.sum_wx + b.sum_wx;
+    r.sum_w = a.sum_w + b.sum_w;
+    if (b.best > a.best || (b.best == a.best && b.best_i < a.best_i)) {
+      r.best = b.best;
+      r.best_i = b.best_i;
+    }
+    return r;
+  }
+};
+
+template <int kThreads>
+struct CeShared {
+  typename cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>::TempStorage reduce;
+  CeAcc total;
+  float x_t;
+};
+
+template <class T, int kV>
+TIGON_DEVICE void load_x(const T* row, std::int64_t c, float cap, float (&x)[kV]) {
+  const AlignedVec<T, kV> v = load_vec<kV>(row + c);
+#pragma unroll
+  for (int k = 0; k < kV; ++k) x[k] = ce_math::softcap(to_float(v.v[k]), cap);
+}
+
+// One row per block (grid-stride over rows). Pass 1 (unless merged statistics are given): max,
+// sum of exp, smoothing sums and argmax over the row. Then the row's loss, and pass 2 (with a
+// gradient): the row again (from L2: a block's row is re-read soon after the first pass) and the
+// gradient written in place or to dx.
+template <class T, class I, int kV, int kThreads>
+TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I> p) {
+  using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
+  __shared__ CeShared<kThreads> sh;
+  const std::int64_t nvec = p.vocab / kV;
+  const bool smooth = p.eps > 0.0f;
+  for (std::int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* xr = p.x + row * p.xs;
+    const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
+    const std::int64_t t = t_raw - p.col0;  // target column within this shard
+    const bool ignored = t_raw == p.ignore_index;
+    const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
+    CeAcc total;
+    if (p.stats == nullptr) {
+      CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+#pragma unroll 4
+      for (std::int64_t i = threadIdx.x; i < nvec; i += kThreads) {
+        float x[kV];
+        load_x<T, kV>(xr, i * kV, p.cap, x);
+        float vm = x[0];
+        int vi = 0;
+#pragma unroll
+        for (int k = 1; k < kV; ++k) {
+          if (x[k] > vm) {
+            vm = x[k];
+            vi = k;
+          }
+        }
+        const float mm = vm > acc.m ? vm : acc.m;
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kV; ++k) s += expf(x[k] - mm);
+        acc.s = acc.s * expf(acc.m - mm) + s;
+        acc.m = mm;
+        if (vm > acc.best) {
+          acc.best = vm;
+          acc.best_i = p.col0 + i * kV + vi;
+        }
+        if (smooth) {
+#pragma unroll
+          for (int k = 0; k < kV; ++k) {
+            const float w = p.weights != nullptr ? p.weights[p.col0 + i * kV + k] : 1.0f;
+            acc.sum_wx += w * x[k];
+            acc.sum_w += w;
+          }
+        }
+      }
+      const CeAcc r = Reduce(sh.reduce).Reduce(acc, CeAccMerge{});
+      if (threadIdx.x == 0) {
+        sh.total = r;
+        sh.x_t = (t >= 0 && t < p.vocab) ? ce_math::softcap(to_float(xr[t]), p.cap) : 0.0f;
+      }
+      __syncthreads();
+      total = sh.total;
+      if (p.stats_out != nullptr) {  // shard statistics: pass 1 only
+        if (threadIdx.x == 0) {
+          CrossEntropyStats st{};
+          st.max = total.m;
+          st.sumexp = total.s;
+          st.has_target = (t >= 0 && t < p.vocab) ? 1 : 0;
+          st.target_logit = sh.x_t;
+          st.target_weight =
+              (st.has_target && p.weights != nullptr) ? p.weights[t_raw] : 1.0f;
+          st.sum_wx = total.sum_wx;
+          st.sum_w = total.sum_w;
+          st.argmax_value = total.best;
+          st.argmax = total.best_i;
+          p.stats_out[row] = st;
+        }
+        __syncthreads();
+        continue;
+      }
+    } else {
+      const CrossEntropyStats& st = p.stats[row];
+      total = {st.max, st.sumexp, st.sum_wx, st.sum_w, st.argmax_value, st.argmax};
+      if (threadIdx.x == 0) sh.x_t = st.target_logit;
+      __syncthreads();
+    }
+    const float lse = total.m + logf(total.s);
+    ce_math::RowTerms terms{};
+    terms.lse = lse;
+    terms.x_t = sh.x_t;
+    if (ignored || bad) {
+      terms.w_t = 0.0f;
+    } else if (p.weights == nullptr) {
+      terms.w_t = 1.0f;
+    } else {  // merged statistics carry the target's weight from the shard that holds it
+      terms.w_t = p.stats != nullptr ? p.stats[row].target_weight : p.weights[t_raw];
+    }
+    terms.sum_w = p.weights != nullptr ? total.sum_w : static_cast<float>(p.total_vocab);
+    terms.sum_wx = total.sum_wx;
+    if (threadIdx.x == 0) {
+      float l = 0.0f, zl = 0.0f;
+      if (bad) {
+        l = __int_as_float(0x7fc00000);
+        if (p.error_count != nullptr) atomicAdd(p.error_count, 1);
+      } else if (!ignored) {
+        zl = p.z * lse * lse;
+        l = ce_math::row_loss(terms, p.eps, p.total_vocab) + zl;
+      }
+      p.loss_rows[row] = l;
+      if (p.z_rows != nullptr) p.z_rows[row] = zl;
+      if (p.lse != nullptr) p.lse[row] = lse;
+      if (p.argmax != nullptr) p.argmax[row] = total.best_i;
+    }
+    if (p.dx != nullptr) {
+      T* dr = p.dx + row * p.dxs;
+      float scale = 0.0f;
+      if (!ignored && !bad) {
+        const float up = p.grad_output == nullptr
+                             ? 1.0f
+                             : p.grad_output[p.reduction == Reduction::none ? row : 0];
+        const float den = p.reduction == Reduction::mean ? *p.denom : 1.0f;
+        scale = p.grad_scale * up / den;
+      }
+#pragma unroll 4
+      for (std::int64_t i = threadIdx.x; i < nvec; i += kThreads) {
+        float x[kV];
+        load_x<T, kV>(xr, i * kV, p.cap, x);
+        AlignedVec<T, kV> g;
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          const std::int64_t c = i * kV + k;
+          float v = 0.0f;
+          if (scale != 0.0f) {
+            const float pr = expf(x[k] - lse);
+            const float w = p.weights != nullptr ? p.weights[p.col0 + c] : 1.0f;
+            v = ce_math::grad(pr, c == t, w, terms, p.eps, p.z, p.total_vocab) *
+                ce_math::softcap_grad(x[k], p.cap) * scale;
+          }
+          g.v[k] = from_float<T>(v);
+        }
+        store_vec(dr + i * kV, g);
+      }
+    }
+    __syncthreads();  // sh is reused by the next row
+  }
+}
+
+// The mean's denominator: sum over non-ignored rows of w_t (1 without weights). One block, fixed
+// order. Also clears nothing else: the reduce kernel overwrites its outputs.
+template <class I>
+TIGON_KERNEL void __launch_bounds__(1024)
+    ce_denominator_kernel(const I* targets, std::int64_t rows, std::int64_t ignore_index,
+                          const float* weights, std::int64_t vocab, float* denom) {
+  using Reduce = BlockAllReduce<1024, 1>;
+  __shared__ typename Reduce::TempStorage tmp;
+  float s[1] = {0.0f};
+  for (std::int64_t r = threadIdx.x; r < rows; r += 1024) {
+    const std::int64_t t = static_cast<std::int64_t>(targets[r]);
+    if (t == ignore_index) continue;
+    s[0] += (weights != nullptr && t >= 0 && t < vocab) ? weights[t] : 1.0f;
+  }
+  Reduce::sum(s, tmp);
+  if (threadIdx.x == 0) *denom = s[0];
+}
+
+// loss = sum(loss_rows) (/ denominator), z_loss likewise; an all-ignored batch gives 0.
+TIGON_KERNEL void __launch_bounds__(1024)
+    ce_reduce_kernel(const float* loss_rows, const float* z_rows, std::int64_t rows,
+                     const float* denom, bool mean, float* loss, float* z_loss) {
+  using Reduce = BlockAllReduce<1024, 2>;
+  __shared__ typename Reduce::TempStorage tmp;
+  float s[2] = {0.0f, 0.0f};
+  for (std::int64_t r = threadIdx.x; r < rows; r += 1024) {
+    s[0] += loss_rows[r];
+    s[1] += z_rows[r];
+  }
+  Reduce::sum(s, tmp);
+  if (threadIdx.x == 0) {
+    const float d = mean ? *denom : 1.0f;
+    const float f = (mean && d == 0.0f) ? 0.0f : 1.0f / d;
+    if (loss != nullptr) loss[0] = (mean && d == 0.0f) ? 0.0f : s[0] * f;
+    if (z_loss != nullptr) z_loss[0] = (mean && d == 0.0f) ? 0.0f : s[1] * f;
+  }
+}
+
+// Merge per-shard statistics [shards][rows] into [rows].
+TIGON_KERNEL void __launch_bounds__(256)
+    ce_merge_kernel(const CrossEntropyStats* shards, int nshards, std::int64_t rows,
+                    CrossEntropyStats* out) {
+  for (std::int64_t r = blockIdx.x * 256ll + threadIdx.x; r < rows; r += gridDim.x * 256ll) {
+    CrossEntropyStats m = shards[r];
+    for (int k = 1; k < nshards; ++k) {
+      const CrossEntropyStats& o = shards[static_cast<std::int64_t>(k) * rows + r];
+      ce_math::merge(m.max, m.sumexp, o.max, o.sumexp);
+      m.sum_wx += o.sum_wx;
+      m.sum_w += o.sum_w;
+      if (o.has_target) {
+        m.target_logit = o.target_logit;
+        m.target_weight = o.target_weight;
+        m.has_target = 1;
+      }
+      if (o.argmax_value > m.argmax_value ||
+          (o.argmax_value == m.argmax_value && o.argmax < m.argmax)) {
+        m.argmax_value = o.argmax_value;
+        m.argmax = o.argmax;
+      }
+    }
+    out[r] = m;
+  }
+}
+
+template <class T, class I>
+CeParams<T, I> ce_params(const CrossEntropyArgs<T, I>& a) {
+  CeParams<T, I> p{};
+  p.x = a.logits;
+  p.targets = a.targets;
+  p.dx = a.dlogits;
+  p.rows = a.rows;
+  p.vocab = a.vocab;
+  p.xs = a.logits_stride ? a.logits_stride : a.vocab;
+  p.dxs = a.dlogits_stride ? a.dlogits_stride : a.vocab;
+  p.weights = a.class_weights;
+  p.ignore_index = a.ignore_index;
+  p.eps = a.label_smoothing;
+  p.z = a.z_loss_scale;
+  p.cap = a.softcap;
+  p.grad_scale = a.grad_scale;
+  p.grad_output = a.grad_output;
+  p.reduction = a.reduction;
+  p.lse = a.lse;
+  p.argmax = a.argmax;
+  p.error_count = a.error_count;
+  p.col0 = 0;
+  p.total_vocab = a.vocab;
+  return p;
+}
+
+template <class T, class I>
+bool ce_vectorizable(const CeParams<T, I>& p) {
+  constexpr int kV = kVecElems<T>;
+  return p.vocab % kV == 0 && p.xs % kV == 0 && is_aligned(p.x, 16) &&
+         (p.dx == nullptr || (p.dxs % kV == 0 && is_aligned(p.dx, 16)));
+}
+
+template <class T, class I, int kV, int kThreads>
+Status launch_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
+  DeviceInfo dev;
+  TIGON_CHECK(current_device_info(dev));
+  int occ = 0;
+  TIGON_CHECK((blocks_per_sm<ce_row_kernel<T, I, kV, kThreads>, kThreads>(dev.device, occ)));
+  // Rows in flight stay few enough for the second pass to find them in L2.
+  const std::int64_t grid = std::min<std::int64_t>(p.rows, static_cast<std::int64_t>(occ) * dev.sm_count);
+  ce_row_kernel<T, I, kV, kThreads><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(p);
+  return check_launch(op);
+}
+
+template <class T, class I>
+Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
+  constexpr int kV = kVecElems<T>;
+  const bool vec = ce_vectorizable(p);
+  if (p.vocab > 16384) {
+    return vec ? launch_ce_rows<T, I, kV, 1024>(p, stream, op) : launch_ce_rows<T, I, 1, 1024>(p, stream, op);
+  }
+  return vec ? launch_ce_rows<T, I, kV, 256>(p, stream, op) : launch_ce_rows<T, I, 1, 256>(p, stream, op);
+}
+
+// Denominator (mean), rows, reduction: the three launches of a loss.
+template <class T, class I>
+Status ce_impl(const CrossEntropyArgs<T, I>& a, CeParams<T, I> p, cudaStream_t stream, const char* op) {
+  TIGON_CHECK(check::workspace(a.workspace, a.workspace_bytes, ce_workspace_bytes(a.rows), op));
+  float* ws = static_cast<float*>(a.workspace);
+  float* denom = ws;
+  p.denom = denom;
+  p.loss_rows = a.loss_rows != nullptr ? a.loss_rows : ws + 4;
+  p.z_rows = ws + 4 + a.rows;
+  if (a.reduction == Reduction::mean) {
+    ce_denominator_kernel<I><<<1, 1024, 0, stream>>>(a.targets, a.rows, a.ignore_index, a.class_weights,
+                                                     p.total_vocab, denom);
+    TIGON_CHECK(check_launch(op));
+  }
+  TIGON_CHECK(run_ce_rows(p, stream, op));
+  if (p.stats_out == nullptr && a.reduction != Reduction::none && (a.loss != nullptr || a.z_loss != nullptr)) {
+    ce_reduce_kernel<<<1, 1024, 0, stream>>>(p.loss_rows, p.z_rows, a.rows, denom,
+                                             a.reduction == Reduction::mean, a.loss, a.z_loss);
+    TIGON_CHECK(check_launch(op));
+  }
+  return Status();
+}
+
+}  // namespace detail
+
+// ------------------------------------------------------------------------------------------------
+// 4. Launchers
+// ------------------------------------------------------------------------------------------------
+
+// Bytes of workspace a cross-entropy call needs (a function of rows only).
+inline std::size_t cross_entropy_workspace_bytes(std::int64_t rows) {
+  return detail::ce_workspace_bytes(rows);
+}
+
+// Loss (and the gradient when args.dlogits is set) over the whole vocabulary.
+template <class T, class I>
+[[nodiscard]] Status cross_entropy(const CrossEntropyArgs<T, I>& args, cudaStream_t stream) {
+  constexpr const char* kOp = "cross_entropy";
+  TIGON_CHECK(detail::validate(args, kOp));
+  return detail::ce_impl(args, detail::ce_params(args), stream, kOp);
+}
+
+// Split vocabulary, step 1: statistics of this shard ([rows, vocab] holding the columns
+// [vocab_offset, vocab_offset + vocab) of a total_vocab-wide vocabulary) into stats[rows]. Targets
+// are global column indices; class weights, when given, are this shard's [vocab] slice.
+template <class T, class I>
+[[nodiscard]] Status cross_entropy_shard_stats(const CrossEntropyArgs<T, I>& args,
+                                               std::int64_t vocab_offset, std::int64_t total_vocab,
+                                               CrossEntropyStats* stats, cudaStream_t stream) {
+  constexpr const char* kOp = "cross_entropy_shard_stats";
+  TIGON_CHECK(detail::validate(args, kOp));
+  TIGON_CHECK(check::not_null(stats, kOp, "stats"));
+  if (vocab_offset < 0 || vocab_offset + args.vocab > total_vocab) {
+    return Status::error(Errc::invalid_size, kOp, "vocab_offset", "the shard must lie inside total_vocab");
+  }
+  auto p = detail::ce_params(args);
+  p.dx = nullptr;
+  p.col0 = vocab_offset;
+  p.total_vocab = total_vocab;
+  p.weights = args.class_weights != nullptr ? args.class_weights - vocab_offset : nullptr;
+  p.stats_out = stats;
+  p.loss_rows = nullptr;
+  return detail::run_ce_rows(p, stream, kOp);
+}
+
+// Split vocabulary, step 2: merge the statistics of `shards` shards, laid out [shards][rows]
+// (after the trainer's all-gather), into merged[rows].
+[[nodiscard]] inline Status cross_entropy_merge_stats(const CrossEntropyStats* shards, int nshards,
+                                                      std::int64_t rows, CrossEntropyStats* merged,
+                                                      cudaStream_t stream) {
+  constexpr const char* kOp = "cross_entropy_merge_stats";
+  TIGON_CHECK(check::not_null(shards, kOp, "shards"));
+  TIGON_CHECK(check::not_null(merged, kOp, "merged"));
+  TIGON_CHECK(check::positive(nshards, kOp, "nshards"));
+  TIGON_CHECK(check::positive(rows, kOp, "rows"));
+  const unsigned grid = static_cast<unsigned>(std::min<std::int64_t>(ceil_div<std::int64_t>(rows, 256), 4096));
+  detail::ce_merge_kernel<<<grid, 256, 0, stream>>>(shards, nshards, rows, merged);
+  return check_launch(kOp);
+}
+
+// Split vocabulary, step 3: with the merged statistics, this shard's loss outputs (every shard
+// computes the same loss) and its slice of the gradient. Class weights: the shard's slice.
+template <class T, class I>
+[[nodiscard]] Status cross_entropy_shard_finalize(const CrossEntropyArgs<T, I>& args,
+                                                  std::int64_t vocab_offset, std::int64_t total_vocab,
+                                                  const CrossEntropyStats* merged, cudaStream_t stream) {
+  constexpr const char* kOp = "cross_entropy_shard_finalize";
+  TIGON_CHECK(detail::validate(args, kOp));
+  TIGON_CHECK(check::not_null(merged, kOp, "merged"));
+  if (vocab_offset < 0 || vocab_offset + args.vocab > total_vocab) {
+    return Status::error(Errc::invalid_size, kOp, "vocab_offset", "the shard must lie inside total_vocab");
+  }
+  if (args.class_weights != nullptr && args.reduction == Reduction::mean) {
+    return Status::error(Errc::unsupported, kOp, "class_weights",
+                         "the mean over class weights needs the full weight vector: use "
+                         "reduction sum and divide by the weight total");
+  }
+  auto p = detail::ce_params(args);
+  p.col0 = vocab_offset;
+  p.total_vocab = total_vocab;
+  p.weights = args.class_weights != nullptr ? args.class_weights - vocab_offset : nullptr;
+  p.stats = merged;
+  return detail::ce_impl(args, p, stream, kOp);
+}
+
+#endif  // __CUDACC__
+
+TIGON_NAMESPACE_END

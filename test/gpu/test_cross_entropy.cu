@@ -1,0 +1,315 @@
+// Cross-entropy on the GPU against the double-precision reference: every option alone and
+// combined, the issue's shapes (the 8192 x 128256 case with fewer rows: the kernel's path depends
+// on the vocabulary, not the row count), every dtype, int32 / int64 targets, upstream gradients,
+// in place and out of place, determinism, graph capture, all-ignored batches, bad targets, and the
+// split-vocabulary path against the unsplit op.
+#include "gpu_test.cuh"
+
+#include <cmath>
+
+#include <tigon/loss/cross_entropy.cuh>
+
+#include "../reference/cross_entropy_ref.hpp"
+
+using namespace tigon;
+using gpu_test::DeviceBuffer;
+
+namespace {
+
+struct Case {
+  std::int64_t rows = 4, V = 7;
+  double eps = 0, z = 0, cap = 0;
+  bool weights = false;
+  Reduction red = Reduction::mean;
+  float grad_scale = 1.0f;
+  bool grad_output = false;
+  bool in_place = true;
+  bool grad = true;
+  double ignore_frac = 0.1;
+  std::int64_t pad = 0;  // row stride = V + pad
+};
+
+std::string describe(const Case& c) {
+  return std::to_string(c.rows) + "x" + std::to_string(c.V) + " eps " + std::to_string(c.eps) +
+         " z " + std::to_string(c.z) + " cap " + std::to_string(c.cap) + (c.weights ? " weights" : "") +
+         " red " + std::to_string(int(c.red)) + " scale " + std::to_string(c.grad_scale) +
+         (c.grad_output ? " grad_output" : "") + (c.in_place ? " in-place" : " out-of-place") +
+         (c.grad ? "" : " loss-only") + " pad " + std::to_string(c.pad);
+}
+
+template <class T>
+double tol() {
+  if constexpr (std::is_same_v<T, float>) return 1e-4;
+  if constexpr (std::is_same_v<T, half>) return 0x1p-9;
+  return 0x1p-6;
+}
+
+template <class T, class I = std::int64_t>
+void run_case(const Case& c) {
+  INFO(describe(c) << " T=" << dtype_traits<T>::name << " I=" << sizeof(I) * 8);
+  const std::int64_t ld = c.V + c.pad;
+  std::vector<double> xd_all;
+  const auto xh = gpu_test::random_values<T>(static_cast<std::size_t>(c.rows * ld), 0.0, 2.0, &xd_all);
+  std::vector<double> xd(static_cast<std::size_t>(c.rows * c.V));
+  for (std::int64_t r = 0; r < c.rows; ++r)
+    for (std::int64_t i = 0; i < c.V; ++i) xd[r * c.V + i] = xd_all[r * ld + i];
+  std::vector<std::int64_t> t(c.rows);
+  std::uniform_int_distribution<std::int64_t> td(0, c.V - 1);
+  std::uniform_real_distribution<double> ud(0, 1);
+  for (auto& v : t) v = ud(gpu_test::rng()) < c.ignore_frac ? -100 : td(gpu_test::rng());
+  std::vector<I> ti(t.begin(), t.end());
+
+  tigon_ref::CeOptions o;
+  o.eps = c.eps;
+  o.z = c.z;
+  o.cap = c.cap;
+  o.reduction = int(c.red);
+  o.grad_scale = c.grad_scale;
+  std::vector<float> wh, goh;
+  if (c.weights) {
+    for (std::int64_t i = 0; i < c.V; ++i) wh.push_back(0.25f + float(ud(gpu_test::rng())));
+    o.weights.assign(wh.begin(), wh.end());
+  }
+  if (c.grad_output) {
+    for (std::int64_t i = 0; i < (c.red == Reduction::none ? c.rows : 1); ++i) goh.push_back(float(1 + ud(gpu_test::rng())));
+    o.grad_output.assign(goh.begin(), goh.end());
+  }
+  const auto ref = tigon_ref::cross_entropy(xd, t, c.rows, c.V, o, c.grad);
+
+  DeviceBuffer<T> x(xh.size()), dx(xh.size());
+  DeviceBuffer<I> tb(ti.size());
+  DeviceBuffer<float> w(std::max<std::size_t>(wh.size(), 1)), go(std::max<std::size_t>(goh.size(), 1));
+  DeviceBuffer<float> loss(1), zl(1), rows(c.rows), lse(c.rows);
+  DeviceBuffer<std::int64_t> am(c.rows);
+  DeviceBuffer<int> errs(1);
+  DeviceBuffer<unsigned char> ws(cross_entropy_workspace_bytes(c.rows));
+  x.upload(xh);
+  tb.upload(ti);
+  if (c.weights) w.upload(wh);
+  if (c.grad_output) go.upload(goh);
+  dx.poison();
+  loss.poison();
+  zl.poison();
+  rows.poison();
+  lse.poison();
+  CUDA_OK(cudaMemset(errs.ptr, 0, sizeof(int)));
+
+  CrossEntropyArgs<T, I> a{.logits = x.ptr, .targets = tb.ptr, .rows = c.rows, .vocab = c.V,
+                           .logits_stride = ld,
+                           .dlogits = c.grad ? (c.in_place ? x.ptr : dx.ptr) : nullptr,
+                           .dlogits_stride = ld,
+                           .class_weights = c.weights ? w.ptr : nullptr,
+                           .label_smoothing = float(c.eps), .z_loss_scale = float(c.z),
+                           .softcap = float(c.cap), .reduction = c.red, .grad_scale = c.grad_scale,
+                           .grad_output = c.grad_output ? go.ptr : nullptr,
+                           .loss = c.red == Reduction::none ? nullptr : loss.ptr,
+                           .loss_rows = rows.ptr,
+                           .z_loss = c.red == Reduction::none ? nullptr : zl.ptr,
+                           .lse = lse.ptr, .argmax = am.ptr, .error_count = errs.ptr,
+                           .workspace = ws.ptr, .workspace_bytes = ws.count};
+  TIGON_OK(cross_entropy(a, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+
+  const auto lr = rows.download(), lh = lse.download();
+  const auto ah = am.download();
+  const auto cl = gpu_test::compare(lr.size(), [&](std::size_t i) { return double(lr[i]); }, ref.loss_rows, 1e-4, 1e-4);
+  INFO("loss_rows: " << cl.bad << " bad, worst #" << cl.worst);
+  CHECK(cl.ok(1e-4));
+  const auto cs = gpu_test::compare(lh.size(), [&](std::size_t i) { return double(lh[i]); }, ref.lse, 1e-4, 1e-5);
+  CHECK(cs.ok(1e-5));
+  int am_bad = 0;  // ties in low precision may pick another index holding the same value
+  for (std::int64_t r = 0; r < c.rows; ++r)
+    if (ah[r] != ref.argmax[r] && xd[r * c.V + ah[r]] != xd[r * c.V + ref.argmax[r]]) ++am_bad;
+  CHECK(am_bad == 0);
+  if (c.red != Reduction::none) {
+    const float l = loss.download()[0], z = zl.download()[0];
+    CHECK(std::abs(l - ref.loss) <= 1e-4 * (1 + std::abs(ref.loss)));
+    CHECK(std::abs(z - ref.z_loss) <= 1e-4 * (1 + std::abs(ref.z_loss)));
+  }
+  CHECK(errs.download()[0] == 0);
+  if (c.grad) {
+    const auto gh = (c.in_place ? x : dx).download();
+    double scale = 0;
+    for (double v : ref.grad) scale = std::max(scale, std::abs(v));
+    const auto cg = gpu_test::compare(
+        ref.grad.size(),
+        [&](std::size_t i) { return double(to_float(gh[(i / c.V) * ld + i % c.V])); }, ref.grad,
+        1e-3 * scale + 1e-7, tol<T>());
+    INFO("grad: " << cg.bad << " of " << cg.n << " bad, worst #" << cg.worst << " score " << cg.worst_err
+                  << " rel L2 " << cg.rel_l2);
+    CHECK(cg.ok(2 * tol<T>()));
+    // Padding between rows is untouched.
+    if (c.pad > 0 && !c.in_place) {
+      for (std::int64_t r = 0; r < c.rows; ++r)
+        CHECK(gpu_test::all_bytes_ff(&gh[r * ld + c.V], c.pad * sizeof(T)));
+    }
+    // Bitwise determinism.
+    x.upload(xh);
+    TIGON_OK(cross_entropy(a, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto gh2 = (c.in_place ? x : dx).download();
+    CHECK(std::memcmp(gh.data(), gh2.data(), gh.size() * sizeof(T)) == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce][gpu]") {
+  for (std::int64_t V : {std::int64_t{7}, std::int64_t{1000}, std::int64_t{32000}}) {
+    const std::int64_t rows = V == 32000 ? 64 : 300;
+    const Case base{.rows = rows, .V = V};
+    std::vector<Case> cases = {base};
+    cases.push_back(Case{base}), cases.back().eps = 0.1;
+    cases.push_back(Case{base}), cases.back().z = 1e-4;
+    cases.push_back(Case{base}), cases.back().cap = 30;
+    cases.push_back(Case{base}), cases.back().weights = true;
+    cases.push_back(Case{base}), cases.back().red = Reduction::sum;
+    cases.push_back(Case{base}), cases.back().red = Reduction::none, cases.back().grad_output = true;
+    cases.push_back(Case{base}), cases.back().grad_scale = 0.25f, cases.back().grad_output = true;
+    cases.push_back(Case{base}), cases.back().in_place = false, cases.back().pad = 8;
+    cases.push_back(Case{base}), cases.back().grad = false;
+    Case all{.rows = rows, .V = V, .eps = 0.1, .z = 1e-4, .cap = 30, .weights = true, .grad_scale = 0.5f,
+             .grad_output = true};
+    cases.push_back(all);
+    all.red = Reduction::none;
+    cases.push_back(all);
+    for (const Case& c : cases) {
+      run_case<bf16>(c);
+      run_case<float>(c);
+      run_case<half, std::int32_t>(c);
+    }
+  }
+}
+
+TEST_CASE("cross_entropy: the issue's shapes", "[ce][gpu][large]") {
+  run_case<bf16>({.rows = 8192, .V = 32000});
+  run_case<bf16, std::int32_t>({.rows = 1269, .V = 32000, .eps = 0.1});
+  run_case<bf16>({.rows = 256, .V = 128256, .z = 1e-4});
+  run_case<bf16>({.rows = 2, .V = 262144, .cap = 30});
+  run_case<float>({.rows = 64, .V = 128256, .weights = true});
+}
+
+TEST_CASE("cross_entropy: all ignored gives 0 and a zero gradient; bad targets are counted", "[ce][gpu]") {
+  const std::int64_t rows = 16, V = 100;
+  DeviceBuffer<bf16> x(rows * V);
+  x.upload(gpu_test::random_values<bf16>(rows * V, 0, 1, nullptr));
+  std::vector<std::int64_t> t(rows, -100);
+  DeviceBuffer<std::int64_t> tb(rows);
+  tb.upload(t);
+  DeviceBuffer<float> loss(1), lr(rows);
+  DeviceBuffer<int> errs(1);
+  DeviceBuffer<unsigned char> ws(cross_entropy_workspace_bytes(rows));
+  CUDA_OK(cudaMemset(errs.ptr, 0, sizeof(int)));
+  CrossEntropyArgs<bf16> a{.logits = x.ptr, .targets = tb.ptr, .rows = rows, .vocab = V, .dlogits = x.ptr,
+                           .loss = loss.ptr, .loss_rows = lr.ptr, .error_count = errs.ptr,
+                           .workspace = ws.ptr, .workspace_bytes = ws.count};
+  TIGON_OK(cross_entropy(a, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  CHECK(loss.download()[0] == 0.0f);
+  for (const bf16 g : x.download()) CHECK(to_float(g) == 0.0f);
+  // Two bad targets: counted, their rows' loss NaN, no out-of-bounds access (compute-sanitizer).
+  x.upload(gpu_test::random_values<bf16>(rows * V, 0, 1, nullptr));
+  t.assign(rows, 5);
+  t[3] = V;
+  t[7] = -7;
+  tb.upload(t);
+  TIGON_OK(cross_entropy(a, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  CHECK(errs.download()[0] == 2);
+  const auto l = lr.download();
+  CHECK(std::isnan(l[3]));
+  CHECK(std::isnan(l[7]));
+  CHECK(std::isfinite(l[0]));
+  CHECK(std::isnan(loss.download()[0]));
+}
+
+TEST_CASE("cross_entropy: graph capture matches eager bitwise", "[ce][gpu][graph]") {
+  const std::int64_t rows = 512, V = 32000;
+  DeviceBuffer<bf16> x(rows * V), x0(rows * V);
+  const auto xh = gpu_test::random_values<bf16>(rows * V, 0, 2, nullptr);
+  std::vector<std::int64_t> t(rows);
+  for (std::int64_t r = 0; r < rows; ++r) t[r] = (r * 7919) % V;
+  DeviceBuffer<std::int64_t> tb(rows);
+  tb.upload(t);
+  DeviceBuffer<float> loss(1);
+  DeviceBuffer<unsigned char> ws(cross_entropy_workspace_bytes(rows));
+  CrossEntropyArgs<bf16> a{.logits = x.ptr, .targets = tb.ptr, .rows = rows, .vocab = V, .dlogits = x.ptr,
+                           .label_smoothing = 0.1f, .loss = loss.ptr, .workspace = ws.ptr,
+                           .workspace_bytes = ws.count};
+  x.upload(xh);
+  TIGON_OK(cross_entropy(a, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto g1 = x.download();
+  const float l1 = loss.download()[0];
+  x.upload(xh);
+  loss.poison();
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  TIGON_OK(cross_entropy(a, s));
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_OK(cudaGraphLaunch(exec, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  CHECK(std::memcmp(g1.data(), x.download().data(), g1.size() * sizeof(bf16)) == 0);
+  CHECK(loss.download()[0] == l1);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+TEST_CASE("cross_entropy: split vocabulary equals the unsplit op", "[ce][gpu]") {
+  const std::int64_t rows = 300, V = 10000;
+  const std::int64_t cuts[] = {0, 3000, 3001, 10000};  // three uneven shards, one of width 1
+  const int shards = 3;
+  const auto xh = gpu_test::random_values<float>(rows * V, 0, 2, nullptr);
+  std::vector<std::int64_t> t(rows);
+  for (std::int64_t r = 0; r < rows; ++r) t[r] = r % 11 == 0 ? -100 : (r * 7919) % V;
+  t[5] = 3000;  // the width-1 shard's column
+  DeviceBuffer<float> x(rows * V), xs(rows * V), loss(1), loss_split(1), lr(rows), lr_split(rows);
+  DeviceBuffer<std::int64_t> tb(rows), am(rows), am_split(rows);
+  DeviceBuffer<unsigned char> ws(cross_entropy_workspace_bytes(rows));
+  DeviceBuffer<CrossEntropyStats> stats(shards * rows), merged(rows);
+  x.upload(xh);
+  xs.upload(xh);
+  tb.upload(t);
+  CrossEntropyArgs<float> a{.logits = x.ptr, .targets = tb.ptr, .rows = rows, .vocab = V, .dlogits = x.ptr,
+                            .label_smoothing = 0.05f, .z_loss_scale = 1e-4f, .loss = loss.ptr,
+                            .loss_rows = lr.ptr, .argmax = am.ptr, .workspace = ws.ptr,
+                            .workspace_bytes = ws.count};
+  TIGON_OK(cross_entropy(a, nullptr));
+  for (int k = 0; k < shards; ++k) {
+    CrossEntropyArgs<float> sa = a;
+    sa.logits = xs.ptr + cuts[k];
+    sa.dlogits = nullptr;
+    sa.vocab = cuts[k + 1] - cuts[k];
+    sa.logits_stride = V;
+    TIGON_OK(cross_entropy_shard_stats(sa, cuts[k], V, stats.ptr + k * rows, nullptr));
+  }
+  TIGON_OK(cross_entropy_merge_stats(stats.ptr, shards, rows, merged.ptr, nullptr));
+  for (int k = 0; k < shards; ++k) {
+    CrossEntropyArgs<float> sa = a;
+    sa.logits = xs.ptr + cuts[k];
+    sa.dlogits = xs.ptr + cuts[k];
+    sa.vocab = cuts[k + 1] - cuts[k];
+    sa.logits_stride = sa.dlogits_stride = V;
+    sa.loss = loss_split.ptr;
+    sa.loss_rows = lr_split.ptr;
+    sa.argmax = am_split.ptr;
+    TIGON_OK(cross_entropy_shard_finalize(sa, cuts[k], V, merged.ptr, nullptr));
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  const float l = loss.download()[0], ls = loss_split.download()[0];
+  CHECK(std::abs(l - ls) <= 1e-5f * (1 + std::abs(l)));
+  const auto r1 = lr.download(), r2 = lr_split.download();
+  for (std::int64_t r = 0; r < rows; ++r) CHECK(std::abs(r1[r] - r2[r]) <= 1e-5f * (1 + std::abs(r1[r])));
+  CHECK(am.download() == am_split.download());
+  const auto g1 = x.download(), g2 = xs.download();
+  double worst = 0;
+  for (std::size_t i = 0; i < g1.size(); ++i) worst = std::max(worst, double(std::abs(g1[i] - g2[i])));
+  CHECK(worst < 1e-7);
+}
+
+GPU_TEST_MAIN

@@ -7,8 +7,11 @@
 #include "core/math.hpp"
 #include "core/status.hpp"
 #include "core/validate.hpp"
+#include "activation/activations.hpp"
+#include "activation/gated.cuh"
 #include "norm/rms_norm.cuh"
 #include "rope/rope.cuh"
+#include "loss/cross_entropy.cuh"
 
 #if defined(__CUDACC__)
 #include "core/colsum.cuh"

@@ -1,0 +1,301 @@
+// Argument validation of the gated-activation launchers. Runs without a GPU: every bad call must be
+// rejected before the launcher touches the device (on a machine without one, reaching the device
+// would turn these into CUDA errors and fail the test), naming the argument at fault.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include <tigon/activation/gated.cuh>
+
+using namespace tigon;
+
+// A user activation. At namespace scope with external linkage, not in an anonymous namespace: a
+// kernel instantiated on an internal-linkage type cannot carry tigon's hidden visibility (nvcc
+// warns, #1407).
+namespace gated_validation {
+struct UserAct {
+  static __host__ __device__ float value(float a) { return a * a; }
+  static __host__ __device__ float derivative(float a) { return 2.0f * a; }
+};
+}  // namespace gated_validation
+using gated_validation::UserAct;
+
+namespace {
+constexpr std::int64_t kRows = 8, kCols = 256;
+alignas(256) bf16 abuf[kRows * kCols];
+alignas(256) bf16 bbuf[kRows * kCols];
+alignas(256) bf16 cbuf[kRows * kCols];
+alignas(256) bf16 dcbuf[kRows * kCols];
+alignas(256) bf16 dabuf[kRows * kCols];
+alignas(256) bf16 dbbuf[kRows * kCols];
+alignas(256) bf16 fused[kRows * 2 * kCols];   // gate || up
+alignas(256) bf16 dfused[kRows * 2 * kCols];  // d gate || d up
+
+GatedForwardArgs<bf16> good_fwd() {
+  return {.a = abuf, .b = bbuf, .c = cbuf, .rows = kRows, .cols = kCols};
+}
+GatedBackwardArgs<bf16> good_bwd() {
+  return {.dc = dcbuf, .a = abuf, .b = bbuf, .da = dabuf, .db = dbbuf, .rows = kRows, .cols = kCols};
+}
+
+void expect(const Status& s, Errc code, const char* arg, const char* op) {
+  INFO(s.message());
+  CHECK(s.code() == code);
+  CHECK(std::string(s.argument()) == arg);
+  CHECK(s.message().find(std::string("'") + arg + "'") != std::string::npos);
+  CHECK(std::string(s.op()) == op);
+}
+
+// Every public forward launcher rejects `a` the same way.
+void expect_fwd(const GatedForwardArgs<bf16>& a, Errc code, const char* arg) {
+  expect(swiglu_forward(a, nullptr), code, arg, "gated_forward");
+  expect(geglu_forward(a, nullptr), code, arg, "gated_forward");
+  expect(gated_forward<GeluErf>(a, nullptr), code, arg, "gated_forward");
+  expect(gated_forward<UserAct>(a, nullptr), code, arg, "gated_forward");
+  expect(gated_forward<Silu, GatedPolicy<4, 2, true>>(a, nullptr), code, arg, "gated_forward");
+}
+void expect_bwd(const GatedBackwardArgs<bf16>& a, Errc code, const char* arg) {
+  expect(swiglu_backward(a, nullptr), code, arg, "gated_backward");
+  expect(geglu_backward(a, nullptr), code, arg, "gated_backward");
+  expect(gated_backward<GeluErf>(a, nullptr), code, arg, "gated_backward");
+  expect(gated_backward<UserAct>(a, nullptr), code, arg, "gated_backward");
+  expect(gated_backward<GeluTanh, GatedPolicy<1>>(a, nullptr), code, arg, "gated_backward");
+}
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+}  // namespace
+
+TEST_CASE("gated_forward rejects bad arguments by name", "[gated][validation]") {
+  auto a = good_fwd();
+  a.a = nullptr;
+  expect_fwd(a, Errc::null_pointer, "a");
+  a = good_fwd();
+  a.b = nullptr;
+  expect_fwd(a, Errc::null_pointer, "b");
+  a = good_fwd();
+  a.c = nullptr;
+  expect_fwd(a, Errc::null_pointer, "c");
+  a = good_fwd();
+  a.rows = 0;
+  expect_fwd(a, Errc::invalid_size, "rows");
+  a = good_fwd();
+  a.rows = -3;
+  expect_fwd(a, Errc::invalid_size, "rows");
+  a = good_fwd();
+  a.cols = 0;
+  expect_fwd(a, Errc::invalid_size, "cols");
+  a = good_fwd();
+  a.cols = -5;
+  expect_fwd(a, Errc::invalid_size, "cols");
+  a = good_fwd();
+  a.a_stride = 100;
+  expect_fwd(a, Errc::invalid_stride, "a_stride");
+  a = good_fwd();
+  a.b_stride = kCols - 1;
+  expect_fwd(a, Errc::invalid_stride, "b_stride");
+  a = good_fwd();
+  a.c_stride = -kCols;
+  expect_fwd(a, Errc::invalid_stride, "c_stride");
+  a = good_fwd();
+  a.gate_multiplier = kNaN;
+  expect_fwd(a, Errc::invalid_value, "gate_multiplier");
+  a = good_fwd();
+  a.gate_multiplier = -kInf;
+  expect_fwd(a, Errc::invalid_value, "gate_multiplier");
+  a = good_fwd();
+  a.down_multiplier = kInf;
+  expect_fwd(a, Errc::invalid_value, "down_multiplier");
+  a = good_fwd();
+  a.down_multiplier = kNaN;
+  expect_fwd(a, Errc::invalid_value, "down_multiplier");
+  // c overlapping a or b without being the same matrix.
+  a = good_fwd();
+  a.c = abuf + 3;
+  expect_fwd(a, Errc::aliasing, "c");
+  a = good_fwd();
+  a.c = bbuf + kCols;  // one row down
+  expect_fwd(a, Errc::aliasing, "c");
+  a = good_fwd();
+  a.c = abuf;  // same pointer, different stride
+  a.rows = 4;
+  a.c_stride = 2 * kCols;
+  expect_fwd(a, Errc::aliasing, "c");
+  // Fused layout with halves that share an element: c over the gate half overlaps the up half.
+  a = {.a = fused, .b = fused + kCols - 1, .c = fused, .rows = kRows, .cols = kCols,
+       .a_stride = 2 * kCols, .b_stride = 2 * kCols, .c_stride = 2 * kCols};
+  expect_fwd(a, Errc::aliasing, "c");
+}
+
+TEST_CASE("gated_backward rejects bad arguments by name", "[gated][validation]") {
+  auto a = good_bwd();
+  a.dc = nullptr;
+  expect_bwd(a, Errc::null_pointer, "dc");
+  a = good_bwd();
+  a.a = nullptr;
+  expect_bwd(a, Errc::null_pointer, "a");
+  a = good_bwd();
+  a.b = nullptr;
+  expect_bwd(a, Errc::null_pointer, "b");
+  a = good_bwd();
+  a.da = nullptr;
+  expect_bwd(a, Errc::null_pointer, "da");
+  a = good_bwd();
+  a.db = nullptr;
+  expect_bwd(a, Errc::null_pointer, "db");
+  a = good_bwd();
+  a.rows = 0;
+  expect_bwd(a, Errc::invalid_size, "rows");
+  a = good_bwd();
+  a.cols = -1;
+  expect_bwd(a, Errc::invalid_size, "cols");
+  a = good_bwd();
+  a.dc_stride = 1;
+  expect_bwd(a, Errc::invalid_stride, "dc_stride");
+  a = good_bwd();
+  a.a_stride = -1;
+  expect_bwd(a, Errc::invalid_stride, "a_stride");
+  a = good_bwd();
+  a.b_stride = 17;
+  expect_bwd(a, Errc::invalid_stride, "b_stride");
+  a = good_bwd();
+  a.da_stride = kCols - 1;
+  expect_bwd(a, Errc::invalid_stride, "da_stride");
+  a = good_bwd();
+  a.db_stride = 2;
+  expect_bwd(a, Errc::invalid_stride, "db_stride");
+  a = good_bwd();
+  a.gate_multiplier = kInf;
+  expect_bwd(a, Errc::invalid_value, "gate_multiplier");
+  a = good_bwd();
+  a.down_multiplier = kNaN;
+  expect_bwd(a, Errc::invalid_value, "down_multiplier");
+  // The two outputs: never the same, never overlapping.
+  a = good_bwd();
+  a.db = dabuf;
+  expect_bwd(a, Errc::aliasing, "da");
+  a = good_bwd();
+  a.db = dabuf + 5;
+  expect_bwd(a, Errc::aliasing, "da");
+  a = good_bwd();  // in place over the same input is still two outputs on one matrix
+  a.da = abuf;
+  a.db = abuf;
+  expect_bwd(a, Errc::aliasing, "da");
+  // An output partially overlapping an input.
+  a = good_bwd();
+  a.da = const_cast<bf16*>(a.dc) + 1;
+  expect_bwd(a, Errc::aliasing, "da");
+  a = good_bwd();
+  a.da = abuf + kCols;
+  expect_bwd(a, Errc::aliasing, "da");
+  a = good_bwd();
+  a.da = bbuf + 8;
+  expect_bwd(a, Errc::aliasing, "da");
+  a = good_bwd();
+  a.db = dcbuf + 8;
+  expect_bwd(a, Errc::aliasing, "db");
+  a = good_bwd();
+  a.db = abuf + 1;
+  expect_bwd(a, Errc::aliasing, "db");
+  a = good_bwd();
+  a.db = bbuf + 2 * kCols;
+  expect_bwd(a, Errc::aliasing, "db");
+  // Fused gradient buffer whose halves share an element.
+  a = good_bwd();
+  a.da = dfused;
+  a.db = dfused + kCols - 8;
+  a.da_stride = a.db_stride = 2 * kCols;
+  expect_bwd(a, Errc::aliasing, "da");
+}
+
+TEST_CASE("in-place and fused layouts are valid arguments", "[gated][validation]") {
+  // Validation alone is checked here (no device needed).
+  const char* f = "gated_forward";
+  const char* b = "gated_backward";
+  auto fa = good_fwd();
+  fa.c = abuf;  // c over a
+  CHECK(detail::validate(fa, f).ok());
+  fa.c = bbuf;  // c over b
+  CHECK(detail::validate(fa, f).ok());
+  fa = good_fwd();
+  fa.b = abuf;  // a and b may be the same input
+  CHECK(detail::validate(fa, f).ok());
+  // Fused gate || up: a = buf, b = buf + cols, stride 2 * cols; c separate, or over the gate half.
+  fa = {.a = fused, .b = fused + kCols, .c = cbuf, .rows = kRows, .cols = kCols,
+        .a_stride = 2 * kCols, .b_stride = 2 * kCols};
+  CHECK(detail::validate(fa, f).ok());
+  fa.c = fused;
+  fa.c_stride = 2 * kCols;
+  CHECK(detail::validate(fa, f).ok());
+  // Fused with padded rows.
+  fa = {.a = fused, .b = fused + 100, .c = cbuf, .rows = 4, .cols = 100, .a_stride = 256,
+        .b_stride = 256};
+  CHECK(detail::validate(fa, f).ok());
+  fa.c = fused + 200;  // c interleaved after b, inside the padding: disjoint from both
+  fa.c_stride = 256;
+  fa.cols = 50;
+  CHECK(detail::validate(fa, f).ok());
+
+  auto ba = good_bwd();
+  ba.da = abuf;  // da over a, db over b
+  ba.db = bbuf;
+  CHECK(detail::validate(ba, b).ok());
+  ba.da = dcbuf;  // da over dc
+  CHECK(detail::validate(ba, b).ok());
+  ba.da = bbuf;  // swapped: da over b, db over a
+  ba.db = abuf;
+  CHECK(detail::validate(ba, b).ok());
+  // Fused forward input, fused gradient output.
+  ba = {.dc = dcbuf, .a = fused, .b = fused + kCols, .da = dfused, .db = dfused + kCols,
+        .rows = kRows, .cols = kCols, .a_stride = 2 * kCols, .b_stride = 2 * kCols,
+        .da_stride = 2 * kCols, .db_stride = 2 * kCols};
+  CHECK(detail::validate(ba, b).ok());
+  // ... and in place over the fused input.
+  ba.da = fused;
+  ba.db = fused + kCols;
+  CHECK(detail::validate(ba, b).ok());
+}
+
+TEST_CASE("gated: interleaved matrices and the vector path", "[gated][validation]") {
+  const auto view = [](const bf16* p, std::int64_t rows, std::int64_t cols, std::int64_t stride) {
+    return detail::gated_view(p, rows, cols, stride);
+  };
+  // Interleaved halves of a fused buffer share no element; the byte-range test says they overlap.
+  CHECK(detail::gated_interleaved_disjoint(view(fused, 8, 256, 512), view(fused + 256, 8, 256, 512)));
+  CHECK(check::overlap(view(fused, 8, 256, 512), view(fused + 256, 8, 256, 512)));
+  CHECK_FALSE(detail::gated_interleaved_disjoint(view(fused, 8, 256, 512), view(fused + 255, 8, 256, 512)));
+  CHECK_FALSE(detail::gated_interleaved_disjoint(view(fused, 8, 256, 512), view(fused + 257, 8, 256, 512)));
+  CHECK_FALSE(detail::gated_interleaved_disjoint(view(fused, 8, 256, 512), view(fused, 8, 256, 512)));
+  CHECK_FALSE(detail::gated_interleaved_disjoint(view(fused, 4, 256, 512), view(fused + 256, 4, 256, 256)));
+  // Offsets of whole periods (rows further down) still interleave.
+  CHECK(detail::gated_interleaved_disjoint(view(fused + 512, 4, 256, 512), view(fused + 256, 4, 256, 512)));
+
+  using P = detail::GatedFwdParams<bf16>;
+  const P aligned{abuf, bbuf, cbuf, kRows, kCols, kCols, kCols, kCols, 1.0f, 1.0f};
+  CHECK(detail::gated_vectorizable<bf16, 8>(aligned));
+  P p = aligned;
+  p.b = bbuf + 1;  // misaligned pointer
+  CHECK_FALSE(detail::gated_vectorizable<bf16, 8>(p));
+  p = aligned;
+  p.cs = 260;  // stride not a multiple of the vector
+  CHECK_FALSE(detail::gated_vectorizable<bf16, 8>(p));
+  p = aligned;
+  p.cols = 123;  // cols not a multiple of the vector
+  CHECK_FALSE(detail::gated_vectorizable<bf16, 8>(p));
+  // Fused layout: vectors when cols is a multiple of 8 bf16.
+  const P fused_p{fused, fused + kCols, cbuf, kRows, kCols, 2 * kCols, 2 * kCols, kCols, 1.0f, 1.0f};
+  CHECK(detail::gated_vectorizable<bf16, 8>(fused_p));
+  using B = detail::GatedBwdParams<bf16>;
+  const B bwd{dcbuf, abuf, bbuf, dabuf, dbbuf, kRows, kCols, kCols, kCols, kCols, kCols, kCols, 1.0f, 1.0f};
+  CHECK(detail::gated_vectorizable<bf16, 8>(bwd));
+  B q = bwd;
+  q.db = dbbuf + 4;
+  CHECK_FALSE(detail::gated_vectorizable<bf16, 8>(q));
+  // Params fill zero strides with cols.
+  const auto params = detail::gated_fwd_params(good_fwd());
+  CHECK(params.as == kCols);
+  CHECK(params.bs == kCols);
+  CHECK(params.cs == kCols);
+}

@@ -94,6 +94,17 @@ TEST_CASE("validate: strides, aliasing, workspace", "[core][validate]") {
   CHECK(check::same_or_disjoint(a, shifted, "op", "y", "x").code() == Errc::aliasing);
   CHECK(check::same_or_disjoint(a, strided, "op", "y", "x").code() == Errc::aliasing);
   CHECK(check::disjoint(a, same, "op", "y", "x").code() == Errc::aliasing);
+  // Interleaved halves of one buffer (a fused gate||up layout) share no element.
+  const MatrixView gate{buf, 4, 16, 32, 2}, up{buf + 32, 4, 16, 32, 2}, up_shift{buf + 30, 4, 16, 32, 2};
+  CHECK(check::interleaved_disjoint(gate, up));
+  CHECK_FALSE(check::overlap(gate, up));
+  CHECK(check::disjoint(gate, up, "op", "a", "b").ok());
+  CHECK(check::overlap(gate, up_shift));
+  CHECK(check::disjoint(gate, up_shift, "op", "a", "b").code() == Errc::aliasing);
+  CHECK(MatrixView::of(reinterpret_cast<const float*>(buf), 2, 3).elem_bytes == 4);
+  CHECK(check::finite(1.0f, "op", "v").ok());
+  CHECK(check::finite(std::numeric_limits<float>::infinity(), "op", "v").code() == Errc::invalid_value);
+  CHECK(check::finite(std::numeric_limits<float>::quiet_NaN(), "op", "v").code() == Errc::invalid_value);
   CHECK(check::workspace(nullptr, 0, 0, "op").ok());
   CHECK(check::workspace(nullptr, 0, 16, "op").code() == Errc::null_pointer);
   CHECK(check::workspace(buf, 8, 16, "op").code() == Errc::workspace_too_small);

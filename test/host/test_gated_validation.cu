@@ -260,17 +260,17 @@ TEST_CASE("in-place and fused layouts are valid arguments", "[gated][validation]
 
 TEST_CASE("gated: interleaved matrices and the vector path", "[gated][validation]") {
   const auto view = [](const bf16* p, std::int64_t rows, std::int64_t cols, std::int64_t stride) {
-    return detail::gated_view(p, rows, cols, stride);
+    return MatrixView::of(p, rows, cols, stride);
   };
-  // Interleaved halves of a fused buffer share no element; the byte-range test says they overlap.
-  CHECK(detail::gated_interleaved_disjoint(view(fused, 8, 256, 512), view(fused + 256, 8, 256, 512)));
-  CHECK(check::overlap(view(fused, 8, 256, 512), view(fused + 256, 8, 256, 512)));
-  CHECK_FALSE(detail::gated_interleaved_disjoint(view(fused, 8, 256, 512), view(fused + 255, 8, 256, 512)));
-  CHECK_FALSE(detail::gated_interleaved_disjoint(view(fused, 8, 256, 512), view(fused + 257, 8, 256, 512)));
-  CHECK_FALSE(detail::gated_interleaved_disjoint(view(fused, 8, 256, 512), view(fused, 8, 256, 512)));
-  CHECK_FALSE(detail::gated_interleaved_disjoint(view(fused, 4, 256, 512), view(fused + 256, 4, 256, 256)));
+  // Interleaved halves of a fused buffer share no element, although their byte ranges intersect.
+  CHECK(check::interleaved_disjoint(view(fused, 8, 256, 512), view(fused + 256, 8, 256, 512)));
+  CHECK_FALSE(check::overlap(view(fused, 8, 256, 512), view(fused + 256, 8, 256, 512)));
+  CHECK_FALSE(check::interleaved_disjoint(view(fused, 8, 256, 512), view(fused + 255, 8, 256, 512)));
+  CHECK_FALSE(check::interleaved_disjoint(view(fused, 8, 256, 512), view(fused + 257, 8, 256, 512)));
+  CHECK_FALSE(check::interleaved_disjoint(view(fused, 8, 256, 512), view(fused, 8, 256, 512)));
+  CHECK_FALSE(check::interleaved_disjoint(view(fused, 4, 256, 512), view(fused + 256, 4, 256, 256)));
   // Offsets of whole periods (rows further down) still interleave.
-  CHECK(detail::gated_interleaved_disjoint(view(fused + 512, 4, 256, 512), view(fused + 256, 4, 256, 512)));
+  CHECK(check::interleaved_disjoint(view(fused + 512, 4, 256, 512), view(fused + 256, 4, 256, 512)));
 
   using P = detail::GatedFwdParams<bf16>;
   const P aligned{abuf, bbuf, cbuf, kRows, kCols, kCols, kCols, kCols, 1.0f, 1.0f};

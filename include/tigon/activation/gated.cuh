@@ -175,49 +175,6 @@ constexpr GatedShape gated_shape(std::int64_t rows, std::int64_t nvec, std::int6
 // Validation (host only, before anything touches the device)
 // ------------------------------------------------------------------------------------------------
 
-// True when two matrices of the same element size and row stride interleave without sharing an
-// element: within every period of one row stride, their rows occupy disjoint byte ranges (the fused
-// gate||up layout: a = buf, b = buf + cols, both with stride 2 * cols). The byte-range test of
-// check::overlap sees such matrices as overlapping.
-inline bool gated_interleaved_disjoint(const MatrixView& x, const MatrixView& y) {
-  if (x.ptr == nullptr || y.ptr == nullptr || x.elem_bytes != y.elem_bytes ||
-      x.row_stride() != y.row_stride()) {
-    return false;
-  }
-  const MatrixView& lo = x.begin() <= y.begin() ? x : y;
-  const MatrixView& hi = x.begin() <= y.begin() ? y : x;
-  const std::uintptr_t period = static_cast<std::uintptr_t>(lo.row_stride()) * lo.elem_bytes;
-  const std::uintptr_t lo_len = static_cast<std::uintptr_t>(lo.cols) * lo.elem_bytes;
-  const std::uintptr_t hi_len = static_cast<std::uintptr_t>(hi.cols) * hi.elem_bytes;
-  const std::uintptr_t r = (hi.begin() - lo.begin()) % period;
-  return r >= lo_len && r + hi_len <= period;
-}
-
-// An output against an input: the same matrix (in place), disjoint, or interleaved without a
-// shared element; anything else is aliasing.
-inline Status gated_same_or_disjoint(const MatrixView& out, const MatrixView& in, const char* op,
-                                     const char* out_name, const char* in_name) {
-  if (gated_interleaved_disjoint(out, in)) return Status();
-  return check::same_or_disjoint(out, in, op, out_name, in_name);
-}
-
-// Two outputs: disjoint or interleaved without a shared element.
-inline Status gated_disjoint(const MatrixView& out, const MatrixView& other, const char* op,
-                             const char* out_name, const char* other_name) {
-  if (gated_interleaved_disjoint(out, other)) return Status();
-  return check::disjoint(out, other, op, out_name, other_name);
-}
-
-inline Status gated_finite(float v, const char* op, const char* arg) {
-  if (std::isfinite(v)) return Status();
-  return Status::error(Errc::invalid_value, op, arg, "must be finite");
-}
-
-template <class T>
-MatrixView gated_view(const T* p, std::int64_t rows, std::int64_t cols, std::int64_t stride) {
-  return MatrixView{p, rows, cols, stride, static_cast<int>(sizeof(T))};
-}
-
 template <class T>
 Status validate(const GatedForwardArgs<T>& x, const char* op) {
   using namespace check;
@@ -229,13 +186,13 @@ Status validate(const GatedForwardArgs<T>& x, const char* op) {
   TIGON_CHECK(row_stride(x.a_stride, x.cols, op, "a_stride"));
   TIGON_CHECK(row_stride(x.b_stride, x.cols, op, "b_stride"));
   TIGON_CHECK(row_stride(x.c_stride, x.cols, op, "c_stride"));
-  TIGON_CHECK(gated_finite(x.gate_multiplier, op, "gate_multiplier"));
-  TIGON_CHECK(gated_finite(x.down_multiplier, op, "down_multiplier"));
-  const MatrixView a = gated_view(x.a, x.rows, x.cols, x.a_stride);
-  const MatrixView b = gated_view(x.b, x.rows, x.cols, x.b_stride);
-  const MatrixView c = gated_view(x.c, x.rows, x.cols, x.c_stride);
-  TIGON_CHECK(gated_same_or_disjoint(c, a, op, "c", "a"));
-  TIGON_CHECK(gated_same_or_disjoint(c, b, op, "c", "b"));
+  TIGON_CHECK(finite(x.gate_multiplier, op, "gate_multiplier"));
+  TIGON_CHECK(finite(x.down_multiplier, op, "down_multiplier"));
+  const MatrixView a = MatrixView::of(x.a, x.rows, x.cols, x.a_stride);
+  const MatrixView b = MatrixView::of(x.b, x.rows, x.cols, x.b_stride);
+  const MatrixView c = MatrixView::of(x.c, x.rows, x.cols, x.c_stride);
+  TIGON_CHECK(same_or_disjoint(c, a, op, "c", "a"));
+  TIGON_CHECK(same_or_disjoint(c, b, op, "c", "b"));
   return Status();
 }
 
@@ -254,22 +211,22 @@ Status validate(const GatedBackwardArgs<T>& x, const char* op) {
   TIGON_CHECK(row_stride(x.b_stride, x.cols, op, "b_stride"));
   TIGON_CHECK(row_stride(x.da_stride, x.cols, op, "da_stride"));
   TIGON_CHECK(row_stride(x.db_stride, x.cols, op, "db_stride"));
-  TIGON_CHECK(gated_finite(x.gate_multiplier, op, "gate_multiplier"));
-  TIGON_CHECK(gated_finite(x.down_multiplier, op, "down_multiplier"));
-  const MatrixView dc = gated_view(x.dc, x.rows, x.cols, x.dc_stride);
-  const MatrixView a = gated_view(x.a, x.rows, x.cols, x.a_stride);
-  const MatrixView b = gated_view(x.b, x.rows, x.cols, x.b_stride);
-  const MatrixView da = gated_view(x.da, x.rows, x.cols, x.da_stride);
-  const MatrixView db = gated_view(x.db, x.rows, x.cols, x.db_stride);
+  TIGON_CHECK(finite(x.gate_multiplier, op, "gate_multiplier"));
+  TIGON_CHECK(finite(x.down_multiplier, op, "down_multiplier"));
+  const MatrixView dc = MatrixView::of(x.dc, x.rows, x.cols, x.dc_stride);
+  const MatrixView a = MatrixView::of(x.a, x.rows, x.cols, x.a_stride);
+  const MatrixView b = MatrixView::of(x.b, x.rows, x.cols, x.b_stride);
+  const MatrixView da = MatrixView::of(x.da, x.rows, x.cols, x.da_stride);
+  const MatrixView db = MatrixView::of(x.db, x.rows, x.cols, x.db_stride);
   // Each element's inputs are all read before its outputs are written, so an output may be any
   // input itself; partial overlaps would mix elements, and the two outputs must not share one.
-  TIGON_CHECK(gated_disjoint(da, db, op, "da", "db"));
-  TIGON_CHECK(gated_same_or_disjoint(da, dc, op, "da", "dc"));
-  TIGON_CHECK(gated_same_or_disjoint(da, a, op, "da", "a"));
-  TIGON_CHECK(gated_same_or_disjoint(da, b, op, "da", "b"));
-  TIGON_CHECK(gated_same_or_disjoint(db, dc, op, "db", "dc"));
-  TIGON_CHECK(gated_same_or_disjoint(db, a, op, "db", "a"));
-  TIGON_CHECK(gated_same_or_disjoint(db, b, op, "db", "b"));
+  TIGON_CHECK(disjoint(da, db, op, "da", "db"));
+  TIGON_CHECK(same_or_disjoint(da, dc, op, "da", "dc"));
+  TIGON_CHECK(same_or_disjoint(da, a, op, "da", "a"));
+  TIGON_CHECK(same_or_disjoint(da, b, op, "da", "b"));
+  TIGON_CHECK(same_or_disjoint(db, dc, op, "db", "dc"));
+  TIGON_CHECK(same_or_disjoint(db, a, op, "db", "a"));
+  TIGON_CHECK(same_or_disjoint(db, b, op, "db", "b"));
   return Status();
 }
 
@@ -304,15 +261,6 @@ struct GatedBwdParams {
   std::int64_t dcs, as, bs, das, dbs;
   float gate_mult, down_mult;
 };
-
-template <class P, int kV, class T>
-TIGON_DEVICE void gated_store(T* p, const AlignedVec<T, kV>& v) {
-  if constexpr (P::kStreamStores) {
-    store_vec_stream(p, v);
-  } else {
-    store_vec(p, v);
-  }
-}
 
 // Elementwise over [rows, cols] in vectors of kV elements (16 bytes, or 1 element when pointers,
 // strides or cols do not allow 16-byte accesses). Rows: threadIdx.y + blockDim.y * blockIdx.y,
@@ -351,7 +299,7 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
             cv.v[k] = from_float<T>(gated_math::forward<Act>(to_float(av[u].v[k]), to_float(bv[u].v[k]),
                                                              p.gate_mult, p.down_mult));
           }
-          gated_store<P>(cr + i * kV, cv);
+          store_vec_hinted<P::kStreamStores>(cr + i * kV, cv);
         }
       }
     }
@@ -398,8 +346,8 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
             dav.v[k] = from_float<T>(da);
             dbv.v[k] = from_float<T>(db);
           }
-          gated_store<P>(dar + i * kV, dav);
-          gated_store<P>(dbr + i * kV, dbv);
+          store_vec_hinted<P::kStreamStores>(dar + i * kV, dav);
+          store_vec_hinted<P::kStreamStores>(dbr + i * kV, dbv);
         }
       }
     }

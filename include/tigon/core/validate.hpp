@@ -20,6 +20,11 @@ struct MatrixView {
   std::int64_t stride = 0;
   int elem_bytes = 0;
 
+  template <class T>
+  static MatrixView of(const T* p, std::int64_t rows, std::int64_t cols, std::int64_t stride = 0) {
+    return MatrixView{p, rows, cols, stride, static_cast<int>(sizeof(T))};
+  }
+
   std::int64_t row_stride() const { return stride == 0 ? cols : stride; }
   // Byte range [begin, end) the matrix touches.
   std::uintptr_t begin() const { return reinterpret_cast<std::uintptr_t>(ptr); }
@@ -58,8 +63,26 @@ inline Status row_stride(std::int64_t stride, std::int64_t cols, const char* op,
                            std::to_string(cols) + ")");
 }
 
+// True when two matrices of the same element size and row stride interleave without sharing an
+// element: within every period of one row stride their rows occupy disjoint byte ranges (e.g. the
+// fused gate||up layout: a = buf, b = buf + cols, both with stride 2 * cols).
+inline bool interleaved_disjoint(const MatrixView& x, const MatrixView& y) {
+  if (x.ptr == nullptr || y.ptr == nullptr || x.elem_bytes != y.elem_bytes ||
+      x.row_stride() != y.row_stride()) {
+    return false;
+  }
+  const MatrixView& lo = x.begin() <= y.begin() ? x : y;
+  const MatrixView& hi = x.begin() <= y.begin() ? y : x;
+  const std::uintptr_t period = static_cast<std::uintptr_t>(lo.row_stride()) * lo.elem_bytes;
+  const std::uintptr_t lo_len = static_cast<std::uintptr_t>(lo.cols) * lo.elem_bytes;
+  const std::uintptr_t hi_len = static_cast<std::uintptr_t>(hi.cols) * hi.elem_bytes;
+  const std::uintptr_t r = (hi.begin() - lo.begin()) % period;
+  return r >= lo_len && r + hi_len <= period;
+}
+
+// Whether two matrices share a byte.
 inline bool overlap(const MatrixView& a, const MatrixView& b) {
-  return a.begin() < b.end() && b.begin() < a.end();
+  return a.begin() < b.end() && b.begin() < a.end() && !interleaved_disjoint(a, b);
 }
 
 // An output may be the very same matrix as an input (same pointer, same row stride: the op works
@@ -82,6 +105,11 @@ inline Status disjoint(const MatrixView& out, const MatrixView& in, const char* 
   if (in.ptr == nullptr || out.ptr == nullptr || !overlap(out, in)) return Status();
   return Status::error(Errc::aliasing, op, out_name,
                        std::string("must not overlap '") + in_name + "'");
+}
+
+inline Status finite(float v, const char* op, const char* arg) {
+  if (v - v == 0.0f) return Status();  // false for NaN and +-inf
+  return Status::error(Errc::invalid_value, op, arg, "must be finite");
 }
 
 inline Status workspace(const void* ws, std::size_t have, std::size_t need, const char* op) {

@@ -57,6 +57,16 @@ TIGON_DEVICE void store_vec_stream(T* p, const AlignedVec<T, N>& v) {
     store_vec(p, v);
   }
 }
+
+// A store whose cache hint is a compile-time choice (a policy's "streaming stores" knob).
+template <bool kStreaming, class T, int N>
+TIGON_DEVICE void store_vec_hinted(T* p, const AlignedVec<T, N>& v) {
+  if constexpr (kStreaming) {
+    store_vec_stream(p, v);
+  } else {
+    store_vec(p, v);
+  }
+}
 #endif
 
 // True when p is aligned for an access of `bytes` bytes.

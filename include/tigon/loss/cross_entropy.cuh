@@ -166,11 +166,11 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
     return Status::error(Errc::invalid_value, op, "loss",
                          "reduction none has no reduced loss: use loss_rows");
   }
-  const MatrixView x{a.logits, a.rows, a.vocab, a.logits_stride, static_cast<int>(sizeof(T))};
+  const MatrixView x = MatrixView::of(a.logits, a.rows, a.vocab, a.logits_stride);
   if (a.dlogits != nullptr) {
-    const MatrixView d{a.dlogits, a.rows, a.vocab, a.dlogits_stride, static_cast<int>(sizeof(T))};
+    const MatrixView d = MatrixView::of(a.dlogits, a.rows, a.vocab, a.dlogits_stride);
     TIGON_CHECK(same_or_disjoint(d, x, op, "dlogits", "logits"));
-    const MatrixView t{a.targets, 1, a.rows, 0, static_cast<int>(sizeof(I))};
+    const MatrixView t = MatrixView::of(a.targets, 1, a.rows, 0);
     TIGON_CHECK(disjoint(d, t, op, "dlogits", "targets"));
   }
   float* const outs[] = {a.loss, a.loss_rows, a.z_loss, a.lse};

@@ -165,10 +165,10 @@ Status validate(const RmsNormForwardArgs<T, W>& a, const char* op) {
       a.casting != RmsNormCasting::none) {
     return Status::error(Errc::invalid_value, op, "casting", "unknown casting mode");
   }
-  const MatrixView x{a.x, a.rows, a.cols, a.x_stride, static_cast<int>(sizeof(T))};
-  const MatrixView y{a.y, a.rows, a.cols, a.y_stride, static_cast<int>(sizeof(T))};
-  const MatrixView w{a.weight, 1, a.cols, 0, static_cast<int>(sizeof(W))};
-  const MatrixView r{a.rstd, 1, a.rows, 0, static_cast<int>(sizeof(float))};
+  const MatrixView x = MatrixView::of(a.x, a.rows, a.cols, a.x_stride);
+  const MatrixView y = MatrixView::of(a.y, a.rows, a.cols, a.y_stride);
+  const MatrixView w = MatrixView::of(a.weight, 1, a.cols, 0);
+  const MatrixView r = MatrixView::of(a.rstd, 1, a.rows, 0);
   TIGON_CHECK(same_or_disjoint(y, x, op, "y", "x"));
   TIGON_CHECK(disjoint(y, w, op, "y", "weight"));
   if (a.rstd != nullptr) {
@@ -202,12 +202,12 @@ Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op) {
     return Status::error(Errc::invalid_value, op, "dweight",
                          "requested without a weight (a forward without affine has no dW)");
   }
-  const MatrixView dy{a.dy, a.rows, a.cols, a.dy_stride, static_cast<int>(sizeof(T))};
-  const MatrixView x{a.x, a.rows, a.cols, a.x_stride, static_cast<int>(sizeof(T))};
-  const MatrixView dx{a.dx, a.rows, a.cols, a.dx_stride, static_cast<int>(sizeof(T))};
-  const MatrixView w{a.weight, 1, a.cols, 0, static_cast<int>(sizeof(W))};
-  const MatrixView dw{a.dweight, 1, a.cols, 0, static_cast<int>(sizeof(W))};
-  const MatrixView r{a.rstd, 1, a.rows, 0, static_cast<int>(sizeof(float))};
+  const MatrixView dy = MatrixView::of(a.dy, a.rows, a.cols, a.dy_stride);
+  const MatrixView x = MatrixView::of(a.x, a.rows, a.cols, a.x_stride);
+  const MatrixView dx = MatrixView::of(a.dx, a.rows, a.cols, a.dx_stride);
+  const MatrixView w = MatrixView::of(a.weight, 1, a.cols, 0);
+  const MatrixView dw = MatrixView::of(a.dweight, 1, a.cols, 0);
+  const MatrixView r = MatrixView::of(a.rstd, 1, a.rows, 0);
   TIGON_CHECK(same_or_disjoint(dx, dy, op, "dx", "dy"));
   TIGON_CHECK(same_or_disjoint(dx, x, op, "dx", "x"));
   TIGON_CHECK(disjoint(dx, w, op, "dx", "weight"));
@@ -365,15 +365,6 @@ struct RmsBwdParams {
   RmsNormCasting casting;
 };
 
-template <bool kStreaming, class T, int N>
-TIGON_DEVICE void store_row_vec(T* p, const AlignedVec<T, N>& v) {
-  if constexpr (kStreaming) {
-    store_vec_stream(p, v);
-  } else {
-    store_vec(p, v);
-  }
-}
-
 // Issue the copies of one row (this thread's chunks) into a shared-memory stage, then commit the
 // group (an empty group past the last row keeps the per-thread group count uniform).
 template <class S, class T>
@@ -458,7 +449,7 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
                                                   casting);
           yv.v[c] = from_float<T>(rms_norm_math::forward<T>(to_float(xv[v].v[c]), r, s, casting));
         }
-        store_row_vec<P::kStreamingStores>(yr + i * kV, yv);
+        store_vec_hinted<P::kStreamingStores>(yr + i * kV, yv);
       }
     }
   }
@@ -554,7 +545,7 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
           dxv.v[c] = from_float<T>(rms_norm_math::dx(dn, xhat, rstd, mean_dot));
           if (want_dw) acc[v][c] += rms_norm_math::dweight_term<T>(dyf, xhat, casting);
         }
-        store_row_vec<P::kStreamingStores>(dxr + i * kV, dxv);
+        store_vec_hinted<P::kStreamingStores>(dxr + i * kV, dxv);
       }
     }
   }

@@ -356,22 +356,17 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
 
 // ---- launch planning ---------------------------------------------------------------------------
 
-template <class T>
-inline bool gated_rows_aligned(const T* p, std::int64_t stride, int vec) {
-  return is_aligned(p, static_cast<std::size_t>(vec) * sizeof(T)) && stride % vec == 0;
-}
-
 template <class T, int kV>
 bool gated_vectorizable(const GatedFwdParams<T>& p) {
-  return p.cols % kV == 0 && gated_rows_aligned(p.a, p.as, kV) && gated_rows_aligned(p.b, p.bs, kV) &&
-         gated_rows_aligned(p.c, p.cs, kV);
+  return p.cols % kV == 0 && rows_aligned(p.a, p.as, kV) && rows_aligned(p.b, p.bs, kV) &&
+         rows_aligned(p.c, p.cs, kV);
 }
 
 template <class T, int kV>
 bool gated_vectorizable(const GatedBwdParams<T>& p) {
-  return p.cols % kV == 0 && gated_rows_aligned(p.dc, p.dcs, kV) && gated_rows_aligned(p.a, p.as, kV) &&
-         gated_rows_aligned(p.b, p.bs, kV) && gated_rows_aligned(p.da, p.das, kV) &&
-         gated_rows_aligned(p.db, p.dbs, kV);
+  return p.cols % kV == 0 && rows_aligned(p.dc, p.dcs, kV) && rows_aligned(p.a, p.as, kV) &&
+         rows_aligned(p.b, p.bs, kV) && rows_aligned(p.da, p.das, kV) &&
+         rows_aligned(p.db, p.dbs, kV);
 }
 
 template <class T>

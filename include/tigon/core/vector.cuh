@@ -74,4 +74,10 @@ inline bool is_aligned(const void* p, std::size_t bytes) {
   return (reinterpret_cast<std::uintptr_t>(p) % bytes) == 0;
 }
 
+// True when every row of a strided matrix starts aligned for vec-element accesses.
+template <class T>
+inline bool rows_aligned(const T* p, std::int64_t stride, int vec) {
+  return is_aligned(p, static_cast<std::size_t>(vec) * sizeof(T)) && stride % vec == 0;
+}
+
 TIGON_NAMESPACE_END

@@ -486,8 +486,8 @@ CeParams<T, I> ce_params(const CrossEntropyArgs<T, I>& a) {
 template <class T, class I>
 bool ce_vectorizable(const CeParams<T, I>& p) {
   constexpr int kV = kVecElems<T>;
-  return p.vocab % kV == 0 && p.xs % kV == 0 && is_aligned(p.x, 16) &&
-         (p.dx == nullptr || (p.dxs % kV == 0 && is_aligned(p.dx, 16)));
+  return p.vocab % kV == 0 && rows_aligned(p.x, p.xs, kV) &&
+         (p.dx == nullptr || rows_aligned(p.dx, p.dxs, kV));
 }
 
 template <class T, class I, int kV, int kThreads>

@@ -687,11 +687,6 @@ struct RmsPlan {
   std::size_t workspace_bytes = 0;
 };
 
-template <class T>
-inline bool rows_aligned(const T* p, std::int64_t stride, int vec) {
-  return is_aligned(p, static_cast<std::size_t>(vec) * sizeof(T)) && stride % vec == 0;
-}
-
 template <class T, class W, int kV>
 bool fwd_vectorizable(const RmsFwdParams<T, W>& p) {
   return p.cols % kV == 0 && rows_aligned(p.x, p.xs, kV) && rows_aligned(p.y, p.ys, kV) &&

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <cstdint>
 #include <mutex>
 
 #include "config.hpp"
@@ -105,6 +106,19 @@ inline Status blocks_per_sm(int device, int& out) {
     cache[device].store(v, std::memory_order_relaxed);
   }
   out = v;
+  return Status();
+}
+
+// Grid of a persistent kernel on the current device: `wanted` blocks, capped at the blocks that
+// are resident at once (occupancy x multiprocessors).
+template <auto Kernel, int kThreads, int kSmem = 0>
+inline Status resident_grid(std::int64_t wanted, unsigned& grid) {
+  DeviceInfo dev;
+  TIGON_CHECK(current_device_info(dev));
+  int occ = 0;
+  TIGON_CHECK((blocks_per_sm<Kernel, kThreads, kSmem>(dev.device, occ)));
+  const std::int64_t resident = static_cast<std::int64_t>(occ) * dev.sm_count;
+  grid = static_cast<unsigned>(wanted < resident ? (wanted < 1 ? 1 : wanted) : resident);
   return Status();
 }
 

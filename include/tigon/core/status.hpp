@@ -109,4 +109,11 @@ class Status {
   std::string detail_;
 };
 
+// Run checks in order and return the first failure.
+#define TIGON_CHECK(expr)                  \
+  do {                                     \
+    ::tigon::Status tigon_status_ = (expr); \
+    if (!tigon_status_.ok()) return tigon_status_; \
+  } while (0)
+
 TIGON_NAMESPACE_END

@@ -131,11 +131,4 @@ inline Status workspace(const void* ws, std::size_t have, std::size_t need, cons
 
 }  // namespace check
 
-// Run checks in order and return the first failure.
-#define TIGON_CHECK(expr)                  \
-  do {                                     \
-    ::tigon::Status tigon_status_ = (expr); \
-    if (!tigon_status_.ok()) return tigon_status_; \
-  } while (0)
-
 TIGON_NAMESPACE_END

@@ -492,13 +492,11 @@ bool ce_vectorizable(const CeParams<T, I>& p) {
 
 template <class T, class I, int kV, int kThreads>
 Status launch_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
-  DeviceInfo dev;
-  TIGON_CHECK(current_device_info(dev));
-  int occ = 0;
-  TIGON_CHECK((blocks_per_sm<ce_row_kernel<T, I, kV, kThreads>, kThreads>(dev.device, occ)));
-  // Rows in flight stay few enough for the second pass to find them in L2.
-  const std::int64_t grid = std::min<std::int64_t>(p.rows, static_cast<std::int64_t>(occ) * dev.sm_count);
-  ce_row_kernel<T, I, kV, kThreads><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(p);
+  // One row per resident block: the rows in flight stay few enough for the second pass to find
+  // them in L2.
+  unsigned grid = 0;
+  TIGON_CHECK((resident_grid<ce_row_kernel<T, I, kV, kThreads>, kThreads>(p.rows, grid)));
+  ce_row_kernel<T, I, kV, kThreads><<<grid, kThreads, 0, stream>>>(p);
   return check_launch(op);
 }
 

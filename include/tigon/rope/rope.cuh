@@ -359,17 +359,14 @@ int rope_vec(const RopeParams<T, C>& p) {
 
 template <class T, class C, class Style, int kV>
 Status launch_rope(const RopeParams<T, C>& p, cudaStream_t stream, const char* op) {
-  DeviceInfo dev;
-  TIGON_CHECK(current_device_info(dev));
-  int occ = 0;
-  TIGON_CHECK((blocks_per_sm<rope_kernel<T, C, Style, kV>, kRopeThreads>(dev.device, occ)));
   const int chunks = std::is_same_v<Style, RopeHalfSplit> ? p.rotary_dim / 2 / kV
                                                           : p.rotary_dim / (kV < 2 ? 2 : kV);
   const std::int64_t items =
       p.tokens * (p.heads[0] + p.heads[1]) * (chunks + (p.head_dim - p.rotary_dim) / kV);
-  const std::int64_t blocks = std::min<std::int64_t>(ceil_div<std::int64_t>(items, kRopeThreads),
-                                                     static_cast<std::int64_t>(occ) * dev.sm_count);
-  rope_kernel<T, C, Style, kV><<<static_cast<unsigned>(blocks), kRopeThreads, 0, stream>>>(p);
+  unsigned grid = 0;
+  TIGON_CHECK((resident_grid<rope_kernel<T, C, Style, kV>, kRopeThreads>(
+      ceil_div<std::int64_t>(items, kRopeThreads), grid)));
+  rope_kernel<T, C, Style, kV><<<grid, kRopeThreads, 0, stream>>>(p);
   return check_launch(op);
 }
 

@@ -1,0 +1,220 @@
+// tigon/blas/gemm.cuh - the GEMM the composite ops (linear cross-entropy, the MLP example) are
+// built on, in row-major terms, with cuBLASLt as the default back end:
+//
+//   D[M, N] = alpha * op_a(A) * op_b(B) + beta * C        (fp32 accumulation)
+//
+// A and B are float / half / bfloat16; C and D share a dtype that may be fp32 (so a weight
+// gradient can accumulate in fp32 across chunks with beta = 1). A back end is any type with
+// `Status gemm(const GemmArgs<TAB, TD>&, cudaStream_t)`; templates that compose GEMMs take it as a
+// parameter so a trainer can plug in its own.
+//
+// Link CUDA::cublasLt (the CMake target tigon::blas does).
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <type_traits>
+
+#include "../core/config.hpp"
+#include "../core/dtype.hpp"
+#include "../core/status.hpp"
+#include "../core/validate.hpp"
+
+TIGON_NAMESPACE_BEGIN
+
+enum class Op : int { n = 0, t = 1 };  // op(X) = X or X^T
+
+// Row-major operands: A is [M, K] (op_a n) or [K, M] (op_a t), rows lda elements apart; B is
+// [K, N] (op_b n) or [N, K] (op_b t); C and D are [M, N]. Leading dimensions 0 mean contiguous.
+// C may be D itself (accumulation), or null when beta is 0.
+template <class TAB, class TD = TAB>
+struct GemmArgs {
+  const TAB* a = nullptr;
+  const TAB* b = nullptr;
+  const TD* c = nullptr;
+  TD* d = nullptr;
+  std::int64_t m = 0, n = 0, k = 0;
+  std::int64_t lda = 0, ldb = 0, ldc = 0, ldd = 0;
+  Op op_a = Op::n;
+  Op op_b = Op::n;
+  float alpha = 1.0f;
+  float beta = 0.0f;
+};
+
+namespace detail {
+
+template <class T>
+constexpr cudaDataType_t cuda_type() {
+  if constexpr (std::is_same_v<T, float>) {
+    return CUDA_R_32F;
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return CUDA_R_16F;
+  } else {
+    return CUDA_R_16BF;
+  }
+}
+
+inline Status from_cublas(cublasStatus_t s, const char* op, const char* what) {
+  if (s == CUBLAS_STATUS_SUCCESS) return Status();
+  return Status::error(Errc::cuda_error, op, "",
+                       std::string(what) + ": cuBLAS status " + std::to_string(static_cast<int>(s)));
+}
+
+// Stored (row-major) shape of an operand: rows x cols with leading dimension ld.
+struct Stored {
+  std::int64_t rows, cols, ld;
+};
+
+template <class TAB, class TD>
+Status validate(const GemmArgs<TAB, TD>& g, const char* op) {
+  using namespace check;
+  TIGON_CHECK(not_null(g.a, op, "a"));
+  TIGON_CHECK(not_null(g.b, op, "b"));
+  TIGON_CHECK(not_null(g.d, op, "d"));
+  TIGON_CHECK(positive(g.m, op, "m"));
+  TIGON_CHECK(positive(g.n, op, "n"));
+  TIGON_CHECK(positive(g.k, op, "k"));
+  if (g.beta != 0.0f && g.c == nullptr) {
+    return Status::error(Errc::null_pointer, op, "c", "beta is not 0 but there is no C");
+  }
+  const std::int64_t a_cols = g.op_a == Op::n ? g.k : g.m;
+  const std::int64_t b_cols = g.op_b == Op::n ? g.n : g.k;
+  TIGON_CHECK(row_stride(g.lda, a_cols, op, "lda"));
+  TIGON_CHECK(row_stride(g.ldb, b_cols, op, "ldb"));
+  TIGON_CHECK(row_stride(g.ldc, g.n, op, "ldc"));
+  TIGON_CHECK(row_stride(g.ldd, g.n, op, "ldd"));
+  const MatrixView d = MatrixView::of(g.d, g.m, g.n, g.ldd);
+  TIGON_CHECK(disjoint(d, MatrixView::of(g.a, g.op_a == Op::n ? g.m : g.k, a_cols, g.lda), op, "d", "a"));
+  TIGON_CHECK(disjoint(d, MatrixView::of(g.b, g.op_b == Op::n ? g.k : g.n, b_cols, g.ldb), op, "d", "b"));
+  if (g.c != nullptr) TIGON_CHECK(same_or_disjoint(d, MatrixView::of(g.c, g.m, g.n, g.ldc), op, "d", "c"));
+  return Status();
+}
+
+}  // namespace detail
+
+// The default back end: cuBLASLt with fp32 accumulation. Owns a cuBLASLt handle and borrows the
+// caller's workspace (a few MB; 32 MB is what cuBLAS recommends on Hopper). The algorithm chosen
+// for each shape is cached, so after the first call of a shape a call only enqueues the product:
+// no allocation, no synchronisation, graph-capturable. Construct it once per device, outside any
+// capture (creating the handle may allocate). One instance may be used by one thread at a time.
+class CublasLtGemm {
+ public:
+  CublasLtGemm(void* workspace, std::size_t workspace_bytes)
+      : workspace_(workspace), workspace_bytes_(workspace_bytes) {
+    status_ = detail::from_cublas(cublasLtCreate(&handle_), "CublasLtGemm", "cublasLtCreate");
+  }
+  CublasLtGemm(const CublasLtGemm&) = delete;
+  CublasLtGemm& operator=(const CublasLtGemm&) = delete;
+  ~CublasLtGemm() {
+    for (auto& [key, plan] : plans_) plan.destroy();
+    if (handle_ != nullptr) cublasLtDestroy(handle_);
+  }
+
+  // The handle's creation status: check it once after construction.
+  const Status& status() const { return status_; }
+
+  template <class TAB, class TD>
+  [[nodiscard]] Status gemm(const GemmArgs<TAB, TD>& g, cudaStream_t stream) {
+    constexpr const char* kOp = "gemm";
+    TIGON_CHECK(status_);
+    TIGON_CHECK(detail::validate(g, kOp));
+    const std::int64_t a_cols = g.op_a == Op::n ? g.k : g.m;
+    const std::int64_t b_cols = g.op_b == Op::n ? g.n : g.k;
+    const std::int64_t lda = g.lda ? g.lda : a_cols, ldb = g.ldb ? g.ldb : b_cols;
+    const std::int64_t ldc = g.ldc ? g.ldc : g.n, ldd = g.ldd ? g.ldd : g.n;
+    // Row-major D = op_a(A) op_b(B) is column-major D^T = op_b(B)^T op_a(A)^T: cuBLASLt's first
+    // operand is B (stored column-major as B^T) with op_b, its second is A with op_a.
+    const Key key{static_cast<int>(detail::cuda_type<TAB>()), static_cast<int>(detail::cuda_type<TD>()),
+                  g.m, g.n, g.k, lda, ldb, ldc, ldd, static_cast<int>(g.op_a), static_cast<int>(g.op_b),
+                  g.beta != 0.0f};
+    Plan* plan = nullptr;
+    TIGON_CHECK((find_plan<TAB, TD>(key, g, plan)));
+    const float alpha = g.alpha, beta = g.beta;
+    const void* c = g.c != nullptr ? static_cast<const void*>(g.c) : static_cast<const void*>(g.d);
+    return detail::from_cublas(
+        cublasLtMatmul(handle_, plan->desc, &alpha, g.b, plan->first, g.a, plan->second, &beta, c,
+                       plan->c, g.d, plan->d, &plan->algo, workspace_, workspace_bytes_, stream),
+        kOp, "cublasLtMatmul");
+  }
+
+ private:
+  using Key = std::tuple<int, int, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+                         std::int64_t, std::int64_t, int, int, bool>;
+  struct Plan {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t first = nullptr, second = nullptr, c = nullptr, d = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+    void destroy() {
+      if (desc) cublasLtMatmulDescDestroy(desc);
+      for (auto l : {first, second, c, d})
+        if (l) cublasLtMatrixLayoutDestroy(l);
+    }
+  };
+
+  template <class TAB, class TD>
+  Status find_plan(const Key& key, const GemmArgs<TAB, TD>& g, Plan*& out) {
+    const auto it = plans_.find(key);
+    if (it != plans_.end()) {
+      out = &it->second;
+      return Status();
+    }
+    constexpr const char* kOp = "gemm";
+    const auto [tab, td, m, n, k, lda, ldb, ldc, ldd, opa, opb, acc] = key;
+    (void)tab, (void)td, (void)acc;
+    Plan p;
+    auto fail = [&](cublasStatus_t s, const char* what) {
+      p.destroy();
+      return detail::from_cublas(s, kOp, what);
+    };
+    cublasStatus_t s = cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    if (s != CUBLAS_STATUS_SUCCESS) return fail(s, "cublasLtMatmulDescCreate");
+    const cublasOperation_t t_first = opb == 1 ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t t_second = opa == 1 ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &t_first, sizeof(t_first));
+    cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &t_second, sizeof(t_second));
+    // Column-major views: B^T is [b_cols, b_rows], A^T is [a_cols, a_rows], D^T is [n, m].
+    const std::uint64_t b_rows = opb == 0 ? k : n, b_cols = opb == 0 ? n : k;
+    const std::uint64_t a_rows = opa == 0 ? m : k, a_cols = opa == 0 ? k : m;
+    s = cublasLtMatrixLayoutCreate(&p.first, detail::cuda_type<TAB>(), b_cols, b_rows, ldb);
+    if (s != CUBLAS_STATUS_SUCCESS) return fail(s, "cublasLtMatrixLayoutCreate");
+    s = cublasLtMatrixLayoutCreate(&p.second, detail::cuda_type<TAB>(), a_cols, a_rows, lda);
+    if (s != CUBLAS_STATUS_SUCCESS) return fail(s, "cublasLtMatrixLayoutCreate");
+    s = cublasLtMatrixLayoutCreate(&p.c, detail::cuda_type<TD>(), n, m, ldc);
+    if (s != CUBLAS_STATUS_SUCCESS) return fail(s, "cublasLtMatrixLayoutCreate");
+    s = cublasLtMatrixLayoutCreate(&p.d, detail::cuda_type<TD>(), n, m, ldd);
+    if (s != CUBLAS_STATUS_SUCCESS) return fail(s, "cublasLtMatrixLayoutCreate");
+    cublasLtMatmulPreference_t pref = nullptr;
+    s = cublasLtMatmulPreferenceCreate(&pref);
+    if (s != CUBLAS_STATUS_SUCCESS) return fail(s, "cublasLtMatmulPreferenceCreate");
+    const std::size_t ws = workspace_bytes_;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    s = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.first, p.second, p.c, p.d, pref, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (s != CUBLAS_STATUS_SUCCESS) return fail(s, "cublasLtMatmulAlgoGetHeuristic");
+    if (found == 0) {
+      p.destroy();
+      return Status::error(Errc::unsupported, kOp, "", "cuBLASLt has no algorithm for this GEMM");
+    }
+    p.algo = result.algo;
+    out = &plans_.emplace(key, p).first->second;
+    (void)g;
+    return Status();
+  }
+
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  std::size_t workspace_bytes_ = 0;
+  Status status_;
+  std::map<Key, Plan> plans_;
+};
+
+TIGON_NAMESPACE_END

@@ -12,6 +12,7 @@
 #include "norm/rms_norm.cuh"
 #include "rope/rope.cuh"
 #include "loss/cross_entropy.cuh"
+#include "loss/linear_cross_entropy.cuh"
 
 #if defined(__CUDACC__)
 #include "core/colsum.cuh"

@@ -4,6 +4,7 @@
 #include <string>
 
 #include <tigon/loss/cross_entropy.cuh>
+#include <tigon/loss/linear_cross_entropy.cuh>
 
 using namespace tigon;
 
@@ -65,4 +66,40 @@ TEST_CASE("cross_entropy rejects bad arguments by name", "[ce][validation]") {
   CrossEntropyStats st[8];
   expect(cross_entropy_shard_stats(a, 10, 70, st, nullptr), Errc::invalid_size, "vocab_offset");
   expect(cross_entropy_merge_stats(st, 0, 8, st, nullptr), Errc::invalid_size, "nshards");
+}
+
+TEST_CASE("linear_cross_entropy workspace query rejects bad arguments by name", "[lce][validation]") {
+  LinearCrossEntropyArgs<bf16> a;
+  a.x = logits;
+  a.weight = logits + 64;
+  a.hidden = 8;
+  a.loss.targets = targets;
+  a.loss.rows = 8;
+  a.loss.vocab = 8;
+  std::size_t bytes = 0;
+  CHECK(linear_cross_entropy_workspace_bytes(a, bytes).ok());
+  // One logits chunk (all 8 tokens x 8 classes) after the loss's per-token scratch.
+  CHECK(bytes == cross_entropy_workspace_bytes(8) + 256);
+  a.chunk = 3;
+  a.dbias = loss;
+  CHECK(linear_cross_entropy_workspace_bytes(a, bytes).ok());
+  CHECK(bytes == cross_entropy_workspace_bytes(8) + 256 + 256);
+  auto bad = a;
+  bad.x = nullptr;
+  expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::null_pointer, "x");
+  CHECK(bytes == 0);
+  bad = a;
+  bad.hidden = 0;
+  expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::invalid_size, "hidden");
+  bad = a;
+  bad.loss.dlogits = logits;
+  expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::invalid_value, "loss.logits");
+  bad = a;
+  bad.chunk = -1;
+  expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::invalid_size, "chunk");
+  bad = a;
+  bad.dx = const_cast<bf16*>(a.x);
+  expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::aliasing, "dx");
+  CHECK(linear_cross_entropy_default_chunk(100000, 128256, 2) == 4096);
+  CHECK(linear_cross_entropy_default_chunk(1000, 128256, 2) == 1000);
 }

@@ -138,18 +138,17 @@ inline std::size_t ce_workspace_bytes(std::int64_t rows) {
   return round_up<std::size_t>(16 + static_cast<std::size_t>(rows) * 8u, 256u);
 }
 
+// The loss options and sizes (everything but the logits and their gradient): shared with the ops
+// that compose cross-entropy.
 template <class T, class I>
-Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
+Status validate_options(const CrossEntropyArgs<T, I>& a, const char* op) {
   using namespace check;
   static_assert(std::is_same_v<I, std::int64_t> || std::is_same_v<I, std::int32_t>,
                 "targets are int32 or int64");
-  TIGON_CHECK(not_null(a.logits, op, "logits"));
   TIGON_CHECK(not_null(a.targets, op, "targets"));
   TIGON_CHECK(positive(a.rows, op, "rows"));
   TIGON_CHECK(positive(a.vocab, op, "vocab"));
   TIGON_CHECK(at_most(a.vocab, std::int64_t{1} << 31, op, "vocab"));
-  TIGON_CHECK(row_stride(a.logits_stride, a.vocab, op, "logits_stride"));
-  TIGON_CHECK(row_stride(a.dlogits_stride, a.vocab, op, "dlogits_stride"));
   if (!(a.label_smoothing >= 0.0f && a.label_smoothing <= 1.0f)) {
     return Status::error(Errc::invalid_value, op, "label_smoothing", "must be in [0, 1]");
   }
@@ -166,6 +165,16 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
     return Status::error(Errc::invalid_value, op, "loss",
                          "reduction none has no reduced loss: use loss_rows");
   }
+  return Status();
+}
+
+template <class T, class I>
+Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
+  using namespace check;
+  TIGON_CHECK(not_null(a.logits, op, "logits"));
+  TIGON_CHECK(validate_options(a, op));
+  TIGON_CHECK(row_stride(a.logits_stride, a.vocab, op, "logits_stride"));
+  TIGON_CHECK(row_stride(a.dlogits_stride, a.vocab, op, "dlogits_stride"));
   const MatrixView x = MatrixView::of(a.logits, a.rows, a.vocab, a.logits_stride);
   if (a.dlogits != nullptr) {
     const MatrixView d = MatrixView::of(a.dlogits, a.rows, a.vocab, a.dlogits_stride);
@@ -215,6 +224,7 @@ struct CeParams {
   std::int64_t col0, total_vocab;
   const CrossEntropyStats* stats;  // merged statistics (finalize), or null: compute them here
   CrossEntropyStats* stats_out;    // shard statistics (stats pass), or null
+  const T* bias;                   // [vocab] added to the logits before the softcap, or null
 };
 
 struct CeAcc {  // one thread's (or a block's) running statistics
@@ -244,10 +254,14 @@ struct CeShared {
 };
 
 template <class T, int kV>
-TIGON_DEVICE void load_x(const T* row, std::int64_t c, float cap, float (&x)[kV]) {
+TIGON_DEVICE void load_x(const T* row, const T* bias, std::int64_t c, float cap, float (&x)[kV]) {
   const AlignedVec<T, kV> v = load_vec<kV>(row + c);
+  AlignedVec<T, kV> b;
+  if (bias != nullptr) b = load_vec<kV>(bias + c);
 #pragma unroll
-  for (int k = 0; k < kV; ++k) x[k] = ce_math::softcap(to_float(v.v[k]), cap);
+  for (int k = 0; k < kV; ++k) {
+    x[k] = ce_math::softcap(to_float(v.v[k]) + (bias != nullptr ? to_float(b.v[k]) : 0.0f), cap);
+  }
 }
 
 // One row per block (grid-stride over rows). Pass 1 (unless merged statistics are given): max,
@@ -272,7 +286,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
 #pragma unroll 4
       for (std::int64_t i = threadIdx.x; i < nvec; i += kThreads) {
         float x[kV];
-        load_x<T, kV>(xr, i * kV, p.cap, x);
+        load_x<T, kV>(xr, p.bias, i * kV, p.cap, x);
         float vm = x[0];
         int vi = 0;
 #pragma unroll
@@ -304,7 +318,9 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
       const CeAcc r = Reduce(sh.reduce).Reduce(acc, CeAccMerge{});
       if (threadIdx.x == 0) {
         sh.total = r;
-        sh.x_t = (t >= 0 && t < p.vocab) ? ce_math::softcap(to_float(xr[t]), p.cap) : 0.0f;
+        sh.x_t = (t >= 0 && t < p.vocab)
+                     ? ce_math::softcap(to_float(xr[t]) + (p.bias != nullptr ? to_float(p.bias[t]) : 0.0f), p.cap)
+                     : 0.0f;
       }
       __syncthreads();
       total = sh.total;
@@ -372,7 +388,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
 #pragma unroll 4
       for (std::int64_t i = threadIdx.x; i < nvec; i += kThreads) {
         float x[kV];
-        load_x<T, kV>(xr, i * kV, p.cap, x);
+        load_x<T, kV>(xr, p.bias, i * kV, p.cap, x);
         AlignedVec<T, kV> g;
 #pragma unroll
         for (int k = 0; k < kV; ++k) {
@@ -487,7 +503,8 @@ template <class T, class I>
 bool ce_vectorizable(const CeParams<T, I>& p) {
   constexpr int kV = kVecElems<T>;
   return p.vocab % kV == 0 && rows_aligned(p.x, p.xs, kV) &&
-         (p.dx == nullptr || rows_aligned(p.dx, p.dxs, kV));
+         (p.dx == nullptr || rows_aligned(p.dx, p.dxs, kV)) &&
+         (p.bias == nullptr || is_aligned(p.bias, 16));
 }
 
 template <class T, class I, int kV, int kThreads>
@@ -510,25 +527,49 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
   return vec ? launch_ce_rows<T, I, kV, 256>(p, stream, op) : launch_ce_rows<T, I, 1, 256>(p, stream, op);
 }
 
-// Denominator (mean), rows, reduction: the three launches of a loss.
+// The three launches of a loss, usable one by one by ops that compose cross-entropy (the chunked
+// linear cross-entropy runs the row kernel once per chunk between one denominator and one reduce).
+template <class I>
+Status ce_denominator(const I* targets, std::int64_t rows, std::int64_t ignore_index,
+                      const float* weights, std::int64_t vocab, float* denom, cudaStream_t stream,
+                      const char* op) {
+  ce_denominator_kernel<I><<<1, 1024, 0, stream>>>(targets, rows, ignore_index, weights, vocab, denom);
+  return check_launch(op);
+}
+
+inline Status ce_reduce(const float* loss_rows, const float* z_rows, std::int64_t rows, const float* denom,
+                        bool mean, float* loss, float* z_loss, cudaStream_t stream, const char* op) {
+  if (loss == nullptr && z_loss == nullptr) return Status();
+  ce_reduce_kernel<<<1, 1024, 0, stream>>>(loss_rows, z_rows, rows, denom, mean, loss, z_loss);
+  return check_launch(op);
+}
+
+// Workspace layout of a loss: [denominator | 3 spare floats | loss rows | z rows].
+struct CeScratch {
+  float* denom;
+  float* loss_rows;
+  float* z_rows;
+};
+inline CeScratch ce_scratch(void* ws, std::int64_t rows) {
+  float* f = static_cast<float*>(ws);
+  return {f, f + 4, f + 4 + rows};
+}
+
 template <class T, class I>
 Status ce_impl(const CrossEntropyArgs<T, I>& a, CeParams<T, I> p, cudaStream_t stream, const char* op) {
   TIGON_CHECK(check::workspace(a.workspace, a.workspace_bytes, ce_workspace_bytes(a.rows), op));
-  float* ws = static_cast<float*>(a.workspace);
-  float* denom = ws;
-  p.denom = denom;
-  p.loss_rows = a.loss_rows != nullptr ? a.loss_rows : ws + 4;
-  p.z_rows = ws + 4 + a.rows;
+  const CeScratch ws = ce_scratch(a.workspace, a.rows);
+  p.denom = ws.denom;
+  p.loss_rows = a.loss_rows != nullptr ? a.loss_rows : ws.loss_rows;
+  p.z_rows = ws.z_rows;
   if (a.reduction == Reduction::mean) {
-    ce_denominator_kernel<I><<<1, 1024, 0, stream>>>(a.targets, a.rows, a.ignore_index, a.class_weights,
-                                                     p.total_vocab, denom);
-    TIGON_CHECK(check_launch(op));
+    TIGON_CHECK(ce_denominator(a.targets, a.rows, a.ignore_index, a.class_weights, p.total_vocab,
+                               ws.denom, stream, op));
   }
   TIGON_CHECK(run_ce_rows(p, stream, op));
-  if (p.stats_out == nullptr && a.reduction != Reduction::none && (a.loss != nullptr || a.z_loss != nullptr)) {
-    ce_reduce_kernel<<<1, 1024, 0, stream>>>(p.loss_rows, p.z_rows, a.rows, denom,
-                                             a.reduction == Reduction::mean, a.loss, a.z_loss);
-    TIGON_CHECK(check_launch(op));
+  if (p.stats_out == nullptr && a.reduction != Reduction::none) {
+    TIGON_CHECK(ce_reduce(p.loss_rows, p.z_rows, a.rows, ws.denom, a.reduction == Reduction::mean, a.loss,
+                          a.z_loss, stream, op));
   }
   return Status();
 }

@@ -1,0 +1,243 @@
+// Chunked linear cross-entropy on the GPU: against a double-precision reference at small shapes
+// (bf16 and fp32, bias on and off, cross-entropy options, several chunk sizes, forward only), and
+// against the unfused composition (one logits GEMM, cross-entropy, the gradient GEMMs) at a larger
+// shape; bad arguments rejected by name.
+#include "gpu_test.cuh"
+
+#include <cmath>
+
+#include <tigon/loss/linear_cross_entropy.cuh>
+
+#include "../reference/cross_entropy_ref.hpp"
+
+using namespace tigon;
+using gpu_test::DeviceBuffer;
+
+// The value a tensor of dtype T holds for v.
+template <class T>
+double tigon_ref_round(double v) {
+  return tigon::round_to<T>(static_cast<float>(v));
+}
+
+namespace {
+
+struct Case {
+  std::int64_t N = 47, D = 31, V = 123;
+  bool bias = false;
+  double eps = 0, z = 0, cap = 0;
+  Reduction red = Reduction::mean;
+  std::int64_t chunk = 0;
+  bool grads = true;
+};
+
+template <class T>
+double tol() {
+  return std::is_same_v<T, float> ? 2e-3 : 2e-2;  // relative L2 (GEMMs on tensor cores)
+}
+
+template <class T>
+double rel_l2(const std::vector<double>& got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    num += std::isfinite(got[i]) ? (got[i] - ref[i]) * (got[i] - ref[i]) : INFINITY;
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / (den > 0 ? den : 1));
+}
+
+template <class T>
+void run_case(const Case& c, CublasLtGemm& blas) {
+  INFO("N " << c.N << " D " << c.D << " V " << c.V << (c.bias ? " bias" : "") << " eps " << c.eps << " z " << c.z
+            << " cap " << c.cap << " red " << int(c.red) << " chunk " << c.chunk << (c.grads ? "" : " forward-only")
+            << " T=" << dtype_traits<T>::name);
+  std::vector<double> xd, wd, bd;
+  const auto xh = gpu_test::random_values<T>(c.N * c.D, 0, 1, &xd);
+  const auto wh = gpu_test::random_values<T>(c.V * c.D, 0, 1 / std::sqrt(double(c.D)), &wd);
+  const auto bh = gpu_test::random_values<T>(c.V, 0, 0.5, &bd);
+  std::vector<std::int64_t> t(c.N);
+  for (std::int64_t i = 0; i < c.N; ++i) t[i] = i % 9 == 4 ? -100 : (i * 7919) % c.V;
+
+  // Reference: logits rounded to T (the GEMM's output), loss and dlogits in double, dlogits
+  // rounded to T (the buffer the gradient GEMMs read), then the gradient products.
+  std::vector<double> logits(c.N * c.V);
+  for (std::int64_t n = 0; n < c.N; ++n)
+    for (std::int64_t v = 0; v < c.V; ++v) {
+      double s = 0;
+      for (std::int64_t d = 0; d < c.D; ++d) s += xd[n * c.D + d] * wd[v * c.D + d];
+      logits[n * c.V + v] = tigon_ref_round<T>(s) + (c.bias ? bd[v] : 0.0);
+    }
+  tigon_ref::CeOptions o;
+  o.eps = c.eps;
+  o.z = c.z;
+  o.cap = c.cap;
+  o.reduction = int(c.red);
+  const auto ref = tigon_ref::cross_entropy(logits, t, c.N, c.V, o, true);
+  std::vector<double> g(ref.grad.size());
+  for (std::size_t i = 0; i < g.size(); ++i) g[i] = tigon_ref_round<T>(ref.grad[i]);
+  std::vector<double> dx(c.N * c.D, 0), dw(c.V * c.D, 0), db(c.V, 0);
+  for (std::int64_t n = 0; n < c.N; ++n)
+    for (std::int64_t v = 0; v < c.V; ++v) {
+      const double gv = g[n * c.V + v];
+      if (gv == 0) continue;
+      db[v] += gv;
+      for (std::int64_t d = 0; d < c.D; ++d) {
+        dx[n * c.D + d] += gv * wd[v * c.D + d];
+        dw[v * c.D + d] += gv * xd[n * c.D + d];
+      }
+    }
+
+  DeviceBuffer<T> x(xh.size()), w(wh.size()), b(bh.size()), dxb(xh.size());
+  DeviceBuffer<float> dwb(wh.size()), dbb(bh.size()), loss(1), lrows(c.N);
+  DeviceBuffer<std::int64_t> tb(c.N);
+  x.upload(xh);
+  w.upload(wh);
+  b.upload(bh);
+  tb.upload(t);
+  dxb.poison();
+  dwb.poison();
+  dbb.poison();
+  LinearCrossEntropyArgs<T> a;
+  a.x = x.ptr;
+  a.weight = w.ptr;
+  a.bias = c.bias ? b.ptr : nullptr;
+  a.hidden = c.D;
+  a.loss.targets = tb.ptr;
+  a.loss.rows = c.N;
+  a.loss.vocab = c.V;
+  a.loss.label_smoothing = float(c.eps);
+  a.loss.z_loss_scale = float(c.z);
+  a.loss.softcap = float(c.cap);
+  a.loss.reduction = c.red;
+  a.loss.loss = c.red == Reduction::none ? nullptr : loss.ptr;
+  a.loss.loss_rows = lrows.ptr;
+  if (c.grads) {
+    a.dx = dxb.ptr;
+    a.dweight = dwb.ptr;
+    a.dbias = c.bias ? dbb.ptr : nullptr;
+  }
+  a.chunk = c.chunk;
+  std::size_t bytes = 0;
+  TIGON_OK(linear_cross_entropy_workspace_bytes(a, bytes));
+  DeviceBuffer<unsigned char> ws(bytes);
+  a.workspace = ws.ptr;
+  a.workspace_bytes = bytes;
+  TIGON_OK(linear_cross_entropy(a, blas, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+
+  const auto lr = lrows.download();
+  std::vector<double> lrd(lr.begin(), lr.end());
+  CHECK(rel_l2<T>(lrd, ref.loss_rows) < tol<T>());
+  if (c.red != Reduction::none) CHECK(std::abs(loss.download()[0] - ref.loss) <= tol<T>() * (1 + std::abs(ref.loss)));
+  if (c.grads) {
+    auto as_double = [](const auto& v) {
+      std::vector<double> o;
+      for (const auto& e : v) o.push_back(double(to_float(e)));
+      return o;
+    };
+    CHECK(rel_l2<T>(as_double(dxb.download()), dx) < tol<T>());
+    CHECK(rel_l2<T>(as_double(dwb.download()), dw) < tol<T>());
+    if (c.bias) CHECK(rel_l2<T>(as_double(dbb.download()), db) < tol<T>());
+  } else {
+    CHECK(gpu_test::all_bytes_ff(dxb.download().data(), sizeof(T)));  // nothing written
+  }
+}
+
+}  // namespace
+
+TEST_CASE("linear_cross_entropy: small shapes against the double reference", "[lce][gpu]") {
+  DeviceBuffer<unsigned char> ws(32u << 20);
+  CublasLtGemm blas(ws.ptr, ws.count);
+  TIGON_OK(blas.status());
+  for (std::int64_t chunk : {std::int64_t{0}, std::int64_t{1}, std::int64_t{17}}) {
+    run_case<bf16>({.chunk = chunk}, blas);
+    run_case<float>({.bias = true, .chunk = chunk}, blas);
+  }
+  run_case<bf16>({.bias = true, .eps = 0.1, .z = 1e-4, .cap = 15, .chunk = 20}, blas);
+  run_case<bf16>({.red = Reduction::sum, .chunk = 16}, blas);
+  run_case<bf16>({.red = Reduction::none, .chunk = 16}, blas);
+  run_case<bf16>({.grads = false}, blas);
+  run_case<bf16>({.N = 1024, .D = 1024, .V = 4096, .bias = true, .chunk = 256}, blas);
+  run_case<float>({.N = 1024, .D = 1024, .V = 4096, .eps = 0.1}, blas);
+}
+
+TEST_CASE("linear_cross_entropy: equals the unfused composition", "[lce][gpu]") {
+  const std::int64_t N = 2048, D = 1024, V = 32000;
+  DeviceBuffer<unsigned char> gws(32u << 20);
+  CublasLtGemm blas(gws.ptr, gws.count);
+  DeviceBuffer<bf16> x(N * D), w(V * D), logits(N * V), dx1(N * D), dx2(N * D);
+  DeviceBuffer<float> dw1(V * D), dw2(V * D), l1(1), l2(1);
+  DeviceBuffer<std::int64_t> tb(N);
+  x.upload(gpu_test::random_values<bf16>(N * D, 0, 1, nullptr));
+  w.upload(gpu_test::random_values<bf16>(V * D, 0, 0.03, nullptr));
+  std::vector<std::int64_t> t(N);
+  for (std::int64_t i = 0; i < N; ++i) t[i] = (i * 7919) % V;
+  tb.upload(t);
+  // Unfused: all the logits, cross-entropy in place, the two gradient GEMMs.
+  TIGON_OK(blas.gemm(GemmArgs<bf16>{.a = x.ptr, .b = w.ptr, .d = logits.ptr, .m = N, .n = V, .k = D, .op_b = Op::t},
+                     nullptr));
+  DeviceBuffer<unsigned char> cws(cross_entropy_workspace_bytes(N));
+  TIGON_OK(cross_entropy(CrossEntropyArgs<bf16>{.logits = logits.ptr, .targets = tb.ptr, .rows = N, .vocab = V,
+                                                .dlogits = logits.ptr, .loss = l1.ptr, .workspace = cws.ptr,
+                                                .workspace_bytes = cws.count},
+                         nullptr));
+  TIGON_OK(blas.gemm(GemmArgs<bf16>{.a = logits.ptr, .b = w.ptr, .d = dx1.ptr, .m = N, .n = D, .k = V}, nullptr));
+  TIGON_OK(blas.gemm(GemmArgs<bf16, float>{.a = logits.ptr, .b = x.ptr, .d = dw1.ptr, .m = V, .n = D, .k = N,
+                                           .op_a = Op::t},
+                     nullptr));
+  // Fused, in chunks of 512 tokens.
+  LinearCrossEntropyArgs<bf16> a;
+  a.x = x.ptr;
+  a.weight = w.ptr;
+  a.hidden = D;
+  a.loss.targets = tb.ptr;
+  a.loss.rows = N;
+  a.loss.vocab = V;
+  a.loss.loss = l2.ptr;
+  a.dx = dx2.ptr;
+  a.dweight = dw2.ptr;
+  a.chunk = 512;
+  std::size_t bytes = 0;
+  TIGON_OK(linear_cross_entropy_workspace_bytes(a, bytes));
+  CHECK(bytes < 512u * V * 2 + (4u << 20));  // one logits chunk plus a few MB
+  DeviceBuffer<unsigned char> ws(bytes);
+  a.workspace = ws.ptr;
+  a.workspace_bytes = bytes;
+  TIGON_OK(linear_cross_entropy(a, blas, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  CHECK(std::abs(l1.download()[0] - l2.download()[0]) <= 1e-5f * std::abs(l1.download()[0]));
+  // dx rows do not depend on the chunking: bitwise equal. dW sums the chunks in another order.
+  CHECK(std::memcmp(dx1.download().data(), dx2.download().data(), N * D * sizeof(bf16)) == 0);
+  const auto w1 = dw1.download(), w2 = dw2.download();
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < w1.size(); ++i) {
+    num += (w1[i] - w2[i]) * (w1[i] - w2[i]);
+    den += w1[i] * w1[i];
+  }
+  CHECK(std::sqrt(num / den) < 1e-5);
+}
+
+TEST_CASE("linear_cross_entropy: bad arguments are rejected by name", "[lce][gpu]") {
+  DeviceBuffer<unsigned char> gws(1u << 20);
+  CublasLtGemm blas(gws.ptr, gws.count);
+  DeviceBuffer<bf16> x(64), w(64);
+  DeviceBuffer<std::int64_t> t(8);
+  LinearCrossEntropyArgs<bf16> a;
+  a.x = x.ptr;
+  a.weight = w.ptr;
+  a.hidden = 8;
+  a.loss.targets = t.ptr;
+  a.loss.rows = 8;
+  a.loss.vocab = 8;
+  auto bad = a;
+  bad.x = nullptr;
+  CHECK(std::string(linear_cross_entropy(bad, blas, nullptr).argument()) == "x");
+  bad = a;
+  bad.loss.logits = x.ptr;
+  CHECK(std::string(linear_cross_entropy(bad, blas, nullptr).argument()) == "loss.logits");
+  bad = a;
+  bad.loss.label_smoothing = 2.0f;
+  CHECK(std::string(linear_cross_entropy(bad, blas, nullptr).argument()) == "label_smoothing");
+  CHECK(linear_cross_entropy(a, blas, nullptr).code() == Errc::null_pointer);  // no workspace
+}
+
+GPU_TEST_MAIN

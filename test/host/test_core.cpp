@@ -39,6 +39,8 @@ TEST_CASE("dtype: names, sizes, round-to-nearest-even conversions", "[core][dtyp
   CHECK(std::string(dtype_traits<bf16>::name) == "bfloat16");
   CHECK(dtype_traits<half>::id == DType::f16);
   CHECK(dtype_size(DType::f32) == 4);
+  CHECK(std::string(dtype_name(DType::bf16)) == "bfloat16");
+  CHECK(std::string(errc_name(Errc::aliasing)) == "aliasing");
   CHECK(kVecElems<bf16> == 8);
   CHECK(kVecElems<float> == 4);
   // bf16 has 8 significant bits: 1 + 2^-8 is a tie between 1 and 1 + 2^-7 -> even (1).

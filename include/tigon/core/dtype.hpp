@@ -81,8 +81,10 @@ TIGON_HD float round_to(float v) {
   return to_float(from_float<T>(v));
 }
 
-// Elements of T in one 16-byte access (8 for half / bfloat16, 4 for float).
+// The widest single access a thread makes, and the elements of T it holds (8 for half / bfloat16,
+// 4 for float).
+inline constexpr int kMaxAccessBytes = 16;
 template <class T>
-inline constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
+inline constexpr int kVecElems = kMaxAccessBytes / static_cast<int>(sizeof(T));
 
 TIGON_NAMESPACE_END

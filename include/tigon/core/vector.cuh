@@ -10,9 +10,6 @@
 
 TIGON_NAMESPACE_BEGIN
 
-// The widest single access a thread makes: 16 bytes.
-inline constexpr int kMaxAccessBytes = 16;
-
 
 // N elements of T stored together and aligned to their size, so that one load or store moves them
 // (two when N * sizeof(T) is 32, e.g. fp32 weights beside bf16 activations).

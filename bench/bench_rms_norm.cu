@@ -140,7 +140,8 @@ BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark:
   BENCHMARK(BM_bwd_##label)->Arg(16384)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 
 // RmsNormPolicy<fwd vec/thread, fwd block, bwd vec/thread, bwd block, bwd min blocks/SM, stages,
-//               casting (-1: chosen at run time), persistent forward grid, streaming stores>
+//               casting (-1: chosen at run time), persistent forward grid, streaming stores,
+//               backward keeps rows in registers>
 FWD_VARIANT(v4_b256_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
 FWD_VARIANT(v4_b256_s3, RmsNormPolicy<4, 256, 2, 512, 1, 3>)
 FWD_VARIANT(v4_b256_s4, RmsNormPolicy<4, 256, 2, 512, 1, 4>)
@@ -153,6 +154,8 @@ FWD_VARIANT(v4_b256_s1_nonpersistent, RmsNormPolicy<4, 256, 2, 512, 1, 1, -1, fa
 FWD_VARIANT(v8_b128_s1_nonpersistent, RmsNormPolicy<8, 128, 2, 512, 1, 1, -1, false>)
 FWD_VARIANT(v2_b128_s1_nonpersistent, RmsNormPolicy<2, 128, 2, 512, 1, 1, -1, false>)
 BWD_VARIANT(v2_b512_m1_s3_cs, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, true>)
+BWD_VARIANT(v2_b512_m1_s3_keep, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, false, true>)
+BWD_VARIANT(v2_b256_m2_s3_keep_cs, RmsNormPolicy<4, 256, 2, 256, 2, 3, -1, true, true, true>)
 BWD_VARIANT(v2_b256_m2_s3_cs, RmsNormPolicy<4, 256, 2, 256, 2, 3, -1, true, true>)
 BWD_VARIANT(v2_b512_m1_s3_llama_fixed, RmsNormPolicy<4, 256, 2, 512, 1, 3, 0>)
 BWD_VARIANT(v2_b512_m1_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)

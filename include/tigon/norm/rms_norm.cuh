@@ -231,8 +231,12 @@ Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op) {
 // Tuning knobs of the compiled (fixed hidden size) kernels. A trainer may pass its own policy.
 template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
           int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
-          int kCasting_ = -1, bool kFwdPersistent_ = true, bool kStreamingStores_ = false>
+          int kCasting_ = -1, bool kFwdPersistent_ = true, bool kStreamingStores_ = false,
+          bool kBwdKeepRows_ = false>
 struct RmsNormPolicy {
+  // Backward: keep the row's x, dy and w in registers between the row sums and dx (true), or read
+  // them again from shared memory / L1 (false: fewer registers).
+  static constexpr bool kBwdKeepRows = kBwdKeepRows_;
   // Forward grid: resident blocks walking all rows (true), or one block per kGroups rows (false).
   static constexpr bool kFwdPersistent = kFwdPersistent_;
   // Store y / dx with the streaming (evict-first) cache hint.
@@ -504,16 +508,20 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
     const T* xr = stages + ((k % kStages) * 2) * kCols;
     const T* dyr = xr + kCols;
     const float saved = p.rstd != nullptr ? p.rstd[row] : 0.0f;
+    AlignedVec<T, kV> xk[kVPT], dyk[kVPT];
+    AlignedVec<W, kV> wk[kVPT];
     // s[0] = sum(dn * x), s[1] = sum(x^2) (for the rstd when it was not saved)
     float s[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int v = 0; v < kVPT; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
-        const AlignedVec<T, kV> xv = load_vec<kV>(xr + i * kV);
-        const AlignedVec<T, kV> dyv = load_vec<kV>(dyr + i * kV);
-        AlignedVec<W, kV> wv;
-        if (has_w) wv = load_vec<kV>(p.w + i * kV);
+        xk[v] = load_vec<kV>(xr + i * kV);
+        dyk[v] = load_vec<kV>(dyr + i * kV);
+        if (has_w) wk[v] = load_vec<kV>(p.w + i * kV);
+        const AlignedVec<T, kV>& xv = xk[v];
+        const AlignedVec<T, kV>& dyv = dyk[v];
+        const AlignedVec<W, kV>& wv = wk[v];
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
           const float xf = to_float(xv.v[c]);
@@ -532,10 +540,18 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
     for (int v = 0; v < kVPT; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
-        const AlignedVec<T, kV> xv = load_vec<kV>(xr + i * kV);
-        const AlignedVec<T, kV> dyv = load_vec<kV>(dyr + i * kV);
+        // The row again: from the registers of the first loop, or re-read from shared memory.
+        AlignedVec<T, kV> xv, dyv;
         AlignedVec<W, kV> wv;
-        if (has_w) wv = load_vec<kV>(p.w + i * kV);
+        if constexpr (P::kBwdKeepRows) {
+          xv = xk[v];
+          dyv = dyk[v];
+          wv = wk[v];
+        } else {
+          xv = load_vec<kV>(xr + i * kV);
+          dyv = load_vec<kV>(dyr + i * kV);
+          if (has_w) wv = load_vec<kV>(p.w + i * kV);
+        }
         AlignedVec<T, kV> dxv;
 #pragma unroll
         for (int c = 0; c < kV; ++c) {

@@ -69,7 +69,7 @@ std::vector<double> dense(const std::vector<T>& h, std::int64_t off, std::int64_
     CHECK((cmp).ok(l2));                                                                         \
   } while (0)
 
-template <class T, class W = T>
+template <class T, class W = T, class Policy = RmsNormDefaultPolicy>
 void run_case(const Case& c) {
   INFO(describe(c) << " T=" << dtype_traits<T>::name << " W=" << dtype_traits<W>::name);
   const std::int64_t stride = c.cols + c.pad;
@@ -106,7 +106,7 @@ void run_case(const Case& c) {
                               .offset = c.offset,
                               .casting = c.mode};
   if (c.compile_time) {
-    TIGON_OK((rms_norm_forward<T, 4096>(fa, nullptr)));
+    TIGON_OK((rms_norm_forward<T, 4096, Policy>(fa, nullptr)));
   } else {
     TIGON_OK(rms_norm_forward(fa, nullptr));
   }
@@ -155,7 +155,7 @@ void run_case(const Case& c) {
                                .accumulate_dweight = c.accumulate};
   std::size_t ws_bytes = 0;
   if (c.compile_time) {
-    TIGON_OK((rms_norm_backward_workspace_bytes<T, 4096>(ba, ws_bytes)));
+    TIGON_OK((rms_norm_backward_workspace_bytes<T, 4096, Policy>(ba, ws_bytes)));
   } else {
     TIGON_OK(rms_norm_backward_workspace_bytes(ba, ws_bytes));
   }
@@ -179,7 +179,7 @@ void run_case(const Case& c) {
     }
     std::vector<W> dw_before = c.weight ? dw.download() : std::vector<W>{};
     if (c.compile_time) {
-      TIGON_OK((rms_norm_backward<T, 4096>(ba, nullptr)));
+      TIGON_OK((rms_norm_backward<T, 4096, Policy>(ba, nullptr)));
     } else {
       TIGON_OK(rms_norm_backward(ba, nullptr));
     }
@@ -288,6 +288,20 @@ TEST_CASE("rms_norm: compile-time hidden size <T, 4096>", "[rms_norm][gpu]") {
   run_case<bf16>({.rows = 300, .cols = 4096, .compile_time = true});
   run_case<bf16, float>({.rows = 300, .cols = 4096, .mode = RmsNormCasting::gemma, .compile_time = true});
   run_case<half>({.rows = 3, .cols = 4096, .misalign = 1, .compile_time = true});  // falls back, correct
+}
+
+TEST_CASE("rms_norm: every policy knob computes the same function", "[rms_norm][gpu]") {
+  // <fwd vpt, fwd block, bwd vpt, bwd block, bwd min blocks, stages, casting, persistent, streaming, keep>
+  const Case c{.rows = 300, .cols = 4096, .compile_time = true};
+  run_case<bf16, bf16, RmsNormPolicy<4, 128, 2, 256, 2, 2>>(c);
+  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 1, -1, false>>(c);               // non-persistent
+  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, true>>(c);          // streaming stores
+  run_case<bf16, float, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, false, true>>(c);  // keep rows
+  run_case<bf16, bf16, RmsNormPolicy<8, 256, 4, 256, 1, 4, 0>>(c);                        // llama only
+  Case g = c;
+  g.mode = RmsNormCasting::gemma;
+  g.offset = 1.0f;
+  run_case<half, half, RmsNormPolicy<2, 512, 1, 1024, 1, 3, 1, false, true, true>>(g);    // gemma only
 }
 
 TEST_CASE("rms_norm: large 16384 x 8192 and 16384 x 4096", "[rms_norm][gpu][large]") {

@@ -2,14 +2,14 @@
 // rate on this GPU. Every memory-bound op in tigon is measured against that rate; these probes say
 // which access technique can reach it (per-thread 16-byte accesses, several loads in flight per
 // thread, block-contiguous chunks, cache hints, or the bulk-copy engine through shared memory).
-// 1 GiB read + 1 GiB written per call; bytes counted = read + written.
+// Sizes: 1 GiB (the ceiling's size) and 128 MiB (an op the size of RMSNorm 16384 x 4096 bf16), read
+// and written per call; bytes counted = read + written.
 #include "harness.cuh"
 
 #include <cstdint>
 
 namespace {
 
-constexpr std::size_t kBytes = std::size_t{1} << 30;
 
 // a. grid-stride, one 16-byte load and store per iteration
 __global__ void copy_v1(const int4* __restrict__ s, int4* __restrict__ d, std::size_t n) {
@@ -61,6 +61,24 @@ __global__ void copy_block_chunks(const int4* __restrict__ s, int4* __restrict__
       const std::size_t i = base + static_cast<std::size_t>(u) * blockDim.x;
       if (i < n) d[i] = v[u];
     }
+  }
+}
+
+// e. no grid stride: one block per contiguous chunk of kU * blockDim vectors, as many blocks as
+// chunks (the shape of a one-row-per-block kernel)
+template <int kU>
+__global__ void copy_oneshot(const int4* __restrict__ s, int4* __restrict__ d, std::size_t n) {
+  const std::size_t base = blockIdx.x * static_cast<std::size_t>(blockDim.x) * kU + threadIdx.x;
+  int4 v[kU];
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const std::size_t i = base + static_cast<std::size_t>(u) * blockDim.x;
+    if (i < n) v[u] = s[i];
+  }
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const std::size_t i = base + static_cast<std::size_t>(u) * blockDim.x;
+    if (i < n) d[i] = v[u];
   }
 }
 
@@ -122,14 +140,18 @@ __global__ void __launch_bounds__(32) copy_bulk(const char* __restrict__ s, char
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+std::string mib(std::size_t bytes) { return " " + std::to_string(bytes >> 20) + " MiB"; }
+
 void report(benchmark::State& st, const std::string& name, const std::function<void()>& launch) {
-  bench::run(st, name, 2.0 * kBytes, [&](int) { launch(); }, 5);
+  const std::size_t bytes = static_cast<std::size_t>(st.range(0)) << 20;
+  bench::run(st, name + mib(bytes), 2.0 * bytes, [&](int) { launch(); }, 5);
 }
 
 struct Buffers {
+  std::size_t kBytes = 0;
   char* src = nullptr;
   char* dst = nullptr;
-  Buffers() {
+  explicit Buffers(const benchmark::State& st) : kBytes(static_cast<std::size_t>(st.range(0)) << 20) {
     src = bench::alloc<char>(kBytes);
     dst = bench::alloc<char>(kBytes);
     bench::fill_random(reinterpret_cast<float*>(src), kBytes / 4, 17);
@@ -147,52 +169,62 @@ int sms() {
 }
 
 void BM_memcpy(benchmark::State& st) {
-  Buffers b;
-  report(st, "probe cudaMemcpyAsync D2D", [&] { cudaMemcpyAsync(b.dst, b.src, kBytes, cudaMemcpyDeviceToDevice); });
+  Buffers b(st);
+  report(st, "probe cudaMemcpyAsync D2D", [&] { cudaMemcpyAsync(b.dst, b.src, b.kBytes, cudaMemcpyDeviceToDevice); });
 }
 void BM_v1(benchmark::State& st) {
-  Buffers b;
+  Buffers b(st);
   const int g = sms() * 8;
   report(st, "probe grid-stride 16 B/thread", [&] {
-    copy_v1<<<g, 256>>>(reinterpret_cast<const int4*>(b.src), reinterpret_cast<int4*>(b.dst), kBytes / 16);
+    copy_v1<<<g, 256>>>(reinterpret_cast<const int4*>(b.src), reinterpret_cast<int4*>(b.dst), b.kBytes / 16);
   });
 }
 template <int kU, bool kHints>
 void BM_unrolled(benchmark::State& st) {
-  Buffers b;
+  Buffers b(st);
   const int g = sms() * 8;
   report(st, std::string("probe grid-stride ") + std::to_string(kU) + "x16 B/thread" + (kHints ? " .cs hints" : ""), [&] {
-    copy_unrolled<kU, kHints><<<g, 256>>>(reinterpret_cast<const int4*>(b.src), reinterpret_cast<int4*>(b.dst), kBytes / 16);
+    copy_unrolled<kU, kHints><<<g, 256>>>(reinterpret_cast<const int4*>(b.src), reinterpret_cast<int4*>(b.dst), b.kBytes / 16);
   });
 }
 template <int kU>
 void BM_chunks(benchmark::State& st) {
-  Buffers b;
+  Buffers b(st);
   const int g = sms() * 8;
   report(st, std::string("probe block chunks ") + std::to_string(kU) + "x16 B/thread", [&] {
-    copy_block_chunks<kU><<<g, 256>>>(reinterpret_cast<const int4*>(b.src), reinterpret_cast<int4*>(b.dst), kBytes / 16);
+    copy_block_chunks<kU><<<g, 256>>>(reinterpret_cast<const int4*>(b.src), reinterpret_cast<int4*>(b.dst), b.kBytes / 16);
+  });
+}
+template <int kU, int kThreads>
+void BM_oneshot(benchmark::State& st) {
+  Buffers b(st);
+  const std::size_t n = b.kBytes / 16;
+  const auto g = static_cast<unsigned>((n + kThreads * kU - 1) / (kThreads * kU));
+  report(st, "probe one block per chunk " + std::to_string(kU) + "x16 B/thread, " + std::to_string(kThreads) +
+                 " threads", [&] {
+    copy_oneshot<kU><<<g, kThreads>>>(reinterpret_cast<const int4*>(b.src), reinterpret_cast<int4*>(b.dst), n);
   });
 }
 template <int kChunk, int kStages, int kPerSm>
 void BM_bulk(benchmark::State& st) {
-  Buffers b;
+  Buffers b(st);
   const int smem = kChunk * kStages;
   BENCH_CUDA(cudaFuncSetAttribute(copy_bulk<kChunk, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int g = sms() * kPerSm;
   report(st, "probe bulk copy " + std::to_string(kChunk / 1024) + " KB x " + std::to_string(kStages) +
                  " stages, " + std::to_string(kPerSm) + " blocks/SM", [&] {
-    copy_bulk<kChunk, kStages><<<g, 32, smem>>>(b.src, b.dst, kBytes);
+    copy_bulk<kChunk, kStages><<<g, 32, smem>>>(b.src, b.dst, b.kBytes);
   });
   // The copy must be exact.
   std::vector<char> a(1 << 20), c(1 << 20);
-  BENCH_CUDA(cudaMemcpy(a.data(), b.src + (kBytes / 2), a.size(), cudaMemcpyDeviceToHost));
-  BENCH_CUDA(cudaMemcpy(c.data(), b.dst + (kBytes / 2), c.size(), cudaMemcpyDeviceToHost));
+  BENCH_CUDA(cudaMemcpy(a.data(), b.src + (b.kBytes / 2), a.size(), cudaMemcpyDeviceToHost));
+  BENCH_CUDA(cudaMemcpy(c.data(), b.dst + (b.kBytes / 2), c.size(), cudaMemcpyDeviceToHost));
   if (a != c) st.SkipWithError("bulk copy produced wrong data");
 }
 
 }  // namespace
 
-#define PROBE(f) BENCHMARK(f)->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond)
+#define PROBE(f) BENCHMARK(f)->Arg(1024)->Arg(128)->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond)
 PROBE(BM_memcpy);
 PROBE(BM_v1);
 PROBE((BM_unrolled<4, false>));
@@ -200,6 +232,9 @@ PROBE((BM_unrolled<4, true>));
 PROBE((BM_unrolled<8, false>));
 PROBE((BM_chunks<4>));
 PROBE((BM_chunks<8>));
+PROBE((BM_oneshot<2, 256>));
+PROBE((BM_oneshot<4, 256>));
+PROBE((BM_oneshot<8, 128>));
 PROBE((BM_bulk<16384, 4, 2>));
 PROBE((BM_bulk<32768, 3, 2>));
 PROBE((BM_bulk<16384, 8, 1>));

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run already-built GPU test and benchmark binaries on a GPU machine (when the build happened
+# Run already-built GPU test, example and benchmark binaries on a GPU machine (when the build happened
 # elsewhere): the GPU tests, compute-sanitizer memcheck and racecheck on them (without [large]),
 # then the benchmarks. Logs to OUTDIR; a summary is printed last.
 #   scripts/gpu-run-binaries.sh BINDIR OUTDIR [seconds per step, default 120]
@@ -15,6 +15,12 @@ for t in "$bin"/tigon_gpu_tests_*; do
   n=$(basename "$t")
   timeout "$limit" "$t" > "$out/$n.log" 2>&1
   summary "$n: rc=$? :: $(grep -E 'All tests passed|test cases:|assertions:' "$out/$n.log" | tr '\n' ' ')"
+done
+for e in "$bin"/example_*; do
+  [ -x "$e" ] || continue
+  n=$(basename "$e")
+  timeout "$limit" "$e" > "$out/$n.log" 2>&1
+  summary "$n: rc=$? :: $(tail -n 3 "$out/$n.log" | tr '\n' ' ')"
 done
 for b in "$bin"/tigon_bench_*; do
   n=$(basename "$b")

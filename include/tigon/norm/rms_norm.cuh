@@ -19,6 +19,7 @@
 #include "../core/math.hpp"
 #include "../core/status.hpp"
 #include "../core/validate.hpp"
+#include "row_kernel.cuh"
 
 #if defined(__CUDACC__)
 #include "../core/async_copy.cuh"
@@ -257,61 +258,10 @@ using RmsNormDefaultPolicy = RmsNormPolicy<>;
 
 namespace detail {
 
-// Threads that share one row: ceil(vectors / vpt), as a power of two up to a warp or whole warps.
-constexpr int row_group_threads(int num_vec, int vec_per_thread) {
-  int t = ceil_div(num_vec, vec_per_thread);
-  if (t <= 32) return next_pow2(t);
-  t = round_up(t, 32);
-  return t > 1024 ? 1024 : t;
-}
-
-// Every constant of one compiled row shape: kCols columns of T, vpt vectors per thread, a block of
-// about kBlockTarget threads holding kGroups rows side by side.
-template <class T, int kCols, int kVecPerThreadTarget, int kBlockTarget>
-struct RowShape {
-  static_assert(kCols > 0, "the hidden size must be positive");
-  static constexpr int kVec = pow2_divisor(kCols, kVecElems<T>);  // elements per access
-  static constexpr int kNumVec = kCols / kVec;
-  static constexpr int kGroupThreads = row_group_threads(kNumVec, kVecPerThreadTarget);
-  static constexpr int kVecPerThread = ceil_div(kNumVec, kGroupThreads);
-  static constexpr bool kExact = kNumVec % kGroupThreads == 0;  // no thread idles in the last vector
-  static constexpr int kGroups = kBlockTarget > kGroupThreads ? kBlockTarget / kGroupThreads : 1;
-  static constexpr int kThreads = kGroupThreads * kGroups;
-  static constexpr int kAccessBytes = kVec * static_cast<int>(sizeof(T));
-  // Compiled kernels stage rows through cp.async, which moves 4, 8 or 16 bytes.
-  static constexpr bool kCompilable = kAccessBytes >= 4;
-  static_assert(kVecPerThread <= 32,
-                "hidden size too large to hold a row in registers: use the runtime launcher");
-  static_assert(kGroupThreads <= 32 || kGroups <= 15, "too many row groups per block");
-};
-
 template <class T, int kCols, class P>
 using RmsFwdShape = RowShape<T, kCols, P::kFwdVecPerThread, P::kFwdBlockThreads>;
 template <class T, int kCols, class P>
 using RmsBwdShape = RowShape<T, kCols, P::kBwdVecPerThread, P::kBwdBlockThreads>;
-
-// Hopper / Ampere opt-in limit (227 KB) less 1 KB for the kernels' static shared memory; the plan
-// also checks the device's own limit.
-inline constexpr int kMaxSmemPerBlock = 226 * 1024;
-
-// Shared-memory pipeline of a compiled kernel: kTensors row buffers per stage per row group.
-template <class Shape, class T, int kCols, int kTensors, int kStagesWanted>
-struct RowPipeline {
-  static constexpr int kRowBytes = kCols * static_cast<int>(sizeof(T));
-  static constexpr int kPerStage = Shape::kGroups * kTensors * kRowBytes;
-  static constexpr int kFit = kMaxSmemPerBlock / kPerStage;
-  static constexpr int kStages = kFit < 1 ? 1 : (kFit < kStagesWanted ? kFit : kStagesWanted);
-  static constexpr int kSmemBytes = kStages * kPerStage;
-};
-// Whether a compiled instance exists for kCols (0 means "general kernels only").
-template <template <class, int, class> class Shape, class T, int kCols, class P>
-constexpr bool compiled_available() {
-  if constexpr (kCols <= 0) {
-    return false;
-  } else {
-    return Shape<T, kCols, P>::kCompilable;
-  }
-}
 
 template <class T, int kCols, class P>
 using RmsFwdPipe = RowPipeline<RmsFwdShape<T, kCols, P>, T, kCols, 1, P::kStages>;
@@ -327,8 +277,7 @@ inline constexpr std::int64_t kRmsGeneralSmemAccCols = 11264;
 // Workspace of the backward: one fp32 partial dW row per block (per row group in the compiled
 // kernels), 256-byte aligned.
 constexpr std::size_t rms_norm_partials_bytes(std::int64_t blocks, std::int64_t cols) {
-  return round_up<std::size_t>(static_cast<std::size_t>(blocks) * static_cast<std::size_t>(cols) * 4u,
-                               256u);
+  return partial_rows_bytes(blocks, cols);
 }
 
 }  // namespace detail
@@ -368,19 +317,6 @@ struct RmsBwdParams {
   float eps, offset;
   RmsNormCasting casting;
 };
-
-// Issue the copies of one row (this thread's chunks) into a shared-memory stage, then commit the
-// group (an empty group past the last row keeps the per-thread group count uniform).
-template <class S, class T>
-TIGON_DEVICE void stage_row(T* dst, const T* src, int t, bool valid) {
-  if (valid) {
-#pragma unroll
-    for (int v = 0; v < S::kVecPerThread; ++v) {
-      const int i = v * S::kGroupThreads + t;
-      if (S::kExact || i < S::kNumVec) cp_async<S::kAccessBytes>(dst + i * S::kVec, src + i * S::kVec);
-    }
-  }
-}
 
 // Fixed hidden size: a row group of kGroupThreads threads owns one row at a time and keeps the
 // next kStages-1 rows of its sequence in flight through shared memory; kGroups groups per block;
@@ -694,14 +630,8 @@ TIGON_KERNEL void __launch_bounds__(kRmsGeneralThreads)
 
 // ---- launch planning: which kernel, what grid, how much workspace -----------------------------
 
-enum class RmsKernel { compiled, general_vec, general_scalar };
-
-struct RmsPlan {
-  RmsKernel kernel = RmsKernel::general_scalar;
-  int grid = 0;
-  int parts = 0;  // partial dW rows the kernel writes (backward)
-  std::size_t workspace_bytes = 0;
-};
+using RmsKernel = RowKernel;  // norm/row_kernel.cuh
+using RmsPlan = RowPlan;
 
 template <class T, class W, int kV>
 bool fwd_vectorizable(const RmsFwdParams<T, W>& p) {

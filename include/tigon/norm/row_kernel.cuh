@@ -1,0 +1,170 @@
+// tigon/norm/row_kernel.cuh - the machinery the row-wise normalisation kernels share (RMSNorm,
+// LayerNorm, fused residual-add + RMSNorm):
+//
+//   - RowShape: every constant of a compiled row layout (vector width, row-group width, vectors
+//     per thread, row groups per block);
+//   - RowPipeline: the shared-memory stages of a compiled kernel, lowered to what fits;
+//   - RowPlan: which kernel a launch uses, its grid and its partial weight-gradient rows;
+//   - stage_row / pipelined_rows: a row group's walk over its rows with the next kStages - 1 rows
+//     of each input in flight through shared memory (cp.async);
+//   - store_partial_row: one fp32 partial weight-gradient row per row group, summed afterwards in
+//     a fixed order by column_sum (core/colsum.cuh).
+//
+// The shape traits compile under any C++20 compiler (the host tests check them); the device
+// helpers need nvcc.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../core/config.hpp"
+#include "../core/dtype.hpp"
+#include "../core/math.hpp"
+
+#if defined(__CUDACC__)
+#include "../core/async_copy.cuh"
+#include "../core/vector.cuh"
+#endif
+
+TIGON_NAMESPACE_BEGIN
+
+namespace detail {
+
+// Threads that share one row: ceil(vectors / vpt), as a power of two up to a warp or whole warps.
+constexpr int row_group_threads(int num_vec, int vec_per_thread) {
+  int t = ceil_div(num_vec, vec_per_thread);
+  if (t <= 32) return next_pow2(t);
+  t = round_up(t, 32);
+  return t > 1024 ? 1024 : t;
+}
+
+// Every constant of one compiled row shape: kCols columns of T, vpt vectors per thread, a block of
+// about kBlockTarget threads holding kGroups rows side by side.
+template <class T, int kCols, int kVecPerThreadTarget, int kBlockTarget>
+struct RowShape {
+  static_assert(kCols > 0, "the hidden size must be positive");
+  static constexpr int kVec = pow2_divisor(kCols, kVecElems<T>);  // elements per access
+  static constexpr int kNumVec = kCols / kVec;
+  static constexpr int kGroupThreads = row_group_threads(kNumVec, kVecPerThreadTarget);
+  static constexpr int kVecPerThread = ceil_div(kNumVec, kGroupThreads);
+  static constexpr bool kExact = kNumVec % kGroupThreads == 0;  // no thread idles in the last vector
+  static constexpr int kGroups = kBlockTarget > kGroupThreads ? kBlockTarget / kGroupThreads : 1;
+  static constexpr int kThreads = kGroupThreads * kGroups;
+  static constexpr int kAccessBytes = kVec * static_cast<int>(sizeof(T));
+  // Compiled kernels stage rows through cp.async, which moves 4, 8 or 16 bytes.
+  static constexpr bool kCompilable = kAccessBytes >= 4;
+  static_assert(kVecPerThread <= 32,
+                "hidden size too large to hold a row in registers: use the runtime launcher");
+  static_assert(kGroupThreads <= 32 || kGroups <= 15, "too many row groups per block");
+};
+
+// Hopper / Ampere opt-in limit (227 KB) less 1 KB for the kernels' static shared memory; the plan
+// also checks the device's own limit.
+inline constexpr int kMaxSmemPerBlock = 226 * 1024;
+
+// Shared-memory pipeline of a compiled kernel: kTensors row buffers per stage per row group.
+template <class Shape, class T, int kCols, int kTensors, int kStagesWanted>
+struct RowPipeline {
+  static constexpr int kRowBytes = kCols * static_cast<int>(sizeof(T));
+  static constexpr int kPerStage = Shape::kGroups * kTensors * kRowBytes;
+  static constexpr int kFit = kMaxSmemPerBlock / kPerStage;
+  static constexpr int kStages = kFit < 1 ? 1 : (kFit < kStagesWanted ? kFit : kStagesWanted);
+  static constexpr int kSmemBytes = kStages * kPerStage;
+};
+
+// Whether a compiled instance exists for kCols (0 means "general kernels only").
+template <template <class, int, class> class Shape, class T, int kCols, class P>
+constexpr bool compiled_available() {
+  if constexpr (kCols <= 0) {
+    return false;
+  } else {
+    return Shape<T, kCols, P>::kCompilable;
+  }
+}
+
+// Which kernel a launch uses: the compiled instance of its hidden size, or the general (any size)
+// kernel with 16-byte vectors or with single elements.
+enum class RowKernel { compiled, general_vec, general_scalar };
+
+struct RowPlan {
+  RowKernel kernel = RowKernel::general_scalar;
+  int grid = 0;
+  int parts = 0;  // partial weight-gradient rows the kernel writes per gradient (backward)
+  std::size_t workspace_bytes = 0;
+};
+
+// Workspace of `parts` fp32 partial rows of `cols` columns, 256-byte aligned.
+constexpr std::size_t partial_rows_bytes(std::int64_t parts, std::int64_t cols) {
+  return round_up<std::size_t>(static_cast<std::size_t>(parts) * static_cast<std::size_t>(cols) * 4u,
+                               256u);
+}
+
+}  // namespace detail
+
+#if defined(__CUDACC__)
+
+namespace detail {
+
+// Issue the copies of one row (this thread's chunks) into a shared-memory stage, then commit the
+// group (an empty group past the last row keeps the per-thread group count uniform).
+template <class S, class T>
+TIGON_DEVICE void stage_row(T* dst, const T* src, int t, bool valid) {
+  if (valid) {
+#pragma unroll
+    for (int v = 0; v < S::kVecPerThread; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) cp_async<S::kAccessBytes>(dst + i * S::kVec, src + i * S::kVec);
+    }
+  }
+}
+
+// One row group's walk over the rows first, first + step, ... < rows, with the next kStages - 1
+// rows of each of kTensors inputs in flight through the group's shared-memory stages, laid out
+// [stage][tensor][kCols]. body(row, buf) runs once per row after this thread's copies of it have
+// landed; input i of the row is at buf + i * kCols. Each thread must read back only the chunks it
+// copied itself (vectors v * kGroupThreads + t): waiting on its own copy groups is then enough and
+// no barrier guards the buffers. A null source is not staged (its buffer holds garbage).
+template <class S, int kCols, int kStages, int kTensors, class T, class Body>
+TIGON_DEVICE void pipelined_rows(T* stages, const T* const (&src)[kTensors],
+                                 const std::int64_t (&stride)[kTensors], std::int64_t rows,
+                                 std::int64_t first, std::int64_t step, int t, Body&& body) {
+  auto issue = [&](std::int64_t r, int stage) {
+    const bool valid = r < rows;
+#pragma unroll
+    for (int i = 0; i < kTensors; ++i) {
+      if (src[i] != nullptr) {
+        stage_row<S>(stages + (stage * kTensors + i) * kCols, src[i] + r * stride[i], t, valid);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue(first + s * step, s);
+  int k = 0;
+  for (std::int64_t row = first; row < rows; row += step, ++k) {
+    issue(row + (kStages - 1) * step, (k + kStages - 1) % kStages);
+    cp_async_wait<kStages - 1>();
+    body(row, static_cast<const T*>(stages + (k % kStages) * kTensors * kCols));
+  }
+  cp_async_wait<0>();
+}
+
+// Write this thread's columns of a row group's fp32 partial row (acc[v][c] is column
+// (v * kGroupThreads + t) * kVec + c).
+template <class S>
+TIGON_DEVICE void store_partial_row(float* part, const float (&acc)[S::kVecPerThread][S::kVec], int t) {
+#pragma unroll
+  for (int v = 0; v < S::kVecPerThread; ++v) {
+    const int i = v * S::kGroupThreads + t;
+    if (S::kExact || i < S::kNumVec) {
+#pragma unroll
+      for (int c = 0; c < S::kVec; ++c) part[i * S::kVec + c] = acc[v][c];
+    }
+  }
+}
+
+}  // namespace detail
+
+#endif  // __CUDACC__
+
+TIGON_NAMESPACE_END

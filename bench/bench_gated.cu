@@ -137,5 +137,14 @@ GATED_VARIANT(u1_plain_stores, GatedPolicy<1, 1, false>)
 GATED_VARIANT(u1_stream_persistent, GatedPolicy<1, 1, true, true>)
 GATED_VARIANT(u1_stream_nonpersistent, GatedPolicy<1, 1, true, false>)
 GATED_VARIANT(u2_stream, GatedPolicy<2, 1, true>)
+GATED_VARIANT(u1_plain_nonpersistent, GatedPolicy<1, 1, false, false>)
+GATED_VARIANT(u2_plain_nonpersistent, GatedPolicy<2, 1, false, false>)
+GATED_VARIANT(u2_stream_nonpersistent, GatedPolicy<2, 1, true, false>)
+GATED_VARIANT(u4_plain_nonpersistent, GatedPolicy<4, 1, false, false>)
+// The defaults once more, last: the spread between this row and the first ones is the noise.
+void BM_swiglu_fwd_again(benchmark::State& st) { BM_forward<tigon::Silu>(st, "swiglu (again)", false); }
+void BM_swiglu_bwd_again(benchmark::State& st) { BM_backward<tigon::Silu>(st, "swiglu (again)", false); }
+BENCHMARK(BM_swiglu_fwd_again) GATED_SHAPES;
+BENCHMARK(BM_swiglu_bwd_again) GATED_SHAPES;
 
 BENCH_MAIN

@@ -102,7 +102,7 @@ double floor_abs() {
 }
 template <class T>
 double tol_l2() {
-  if constexpr (std::is_same_v<T, float>) return 1e-6;
+  if constexpr (std::is_same_v<T, float>) return 4e-6;  // erff / tanhf / expf: a few ulp
   if constexpr (std::is_same_v<T, half>) return 5e-4;
   return 4e-3;
 }

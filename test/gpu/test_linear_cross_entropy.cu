@@ -205,8 +205,19 @@ TEST_CASE("linear_cross_entropy: equals the unfused composition", "[lce][gpu]") 
   TIGON_OK(linear_cross_entropy(a, blas, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
   CHECK(std::abs(l1.download()[0] - l2.download()[0]) <= 1e-5f * std::abs(l1.download()[0]));
-  // dx rows do not depend on the chunking: bitwise equal. dW sums the chunks in another order.
-  CHECK(std::memcmp(dx1.download().data(), dx2.download().data(), N * D * sizeof(bf16)) == 0);
+  // dx: the same products, but cuBLAS may pick another algorithm (split-K) for a 512-row chunk
+  // than for all 2048 rows, so the bf16 results agree to rounding, not bitwise. dW sums the chunks
+  // in another order.
+  {
+    const auto a1 = dx1.download(), a2 = dx2.download();
+    double num = 0, den = 0;
+    for (std::size_t i = 0; i < a1.size(); ++i) {
+      const double r = to_float(a1[i]), d = r - to_float(a2[i]);
+      num += d * d;
+      den += r * r;
+    }
+    CHECK(std::sqrt(num / den) <= 4e-3);
+  }
   const auto w1 = dw1.download(), w2 = dw2.download();
   double num = 0, den = 0;
   for (std::size_t i = 0; i < w1.size(); ++i) {

@@ -64,6 +64,60 @@ TIGON_DEVICE void store_vec_hinted(T* p, const AlignedVec<T, N>& v) {
     store_vec(p, v);
   }
 }
+
+// L2 eviction priorities (sm_80+): a kernel that reads data twice marks the first read
+// evict-last so the second finds it in L2, and the second read (and the store over it)
+// evict-first so the lines make room once done. Other widths and older targets: plain accesses.
+enum class L2Hint { evict_last, evict_first };
+
+template <L2Hint kHint>
+TIGON_DEVICE std::uint64_t l2_policy() {
+  std::uint64_t pol = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kHint == L2Hint::evict_last) {
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  } else {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  }
+#endif
+  return pol;
+}
+
+template <int N, class T>
+TIGON_DEVICE AlignedVec<T, N> load_vec_policy(const T* p, std::uint64_t pol) {
+  constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kBytes == 16) {
+    unsigned r[4];
+    asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "l"(p), "l"(pol));
+    AlignedVec<T, N> out;
+    static_assert(sizeof(out) == sizeof(r));
+    __builtin_memcpy(&out, r, sizeof(r));
+    return out;
+  }
+#endif
+  (void)pol;
+  return load_vec<N>(p);
+}
+
+template <class T, int N>
+TIGON_DEVICE void store_vec_policy(T* p, const AlignedVec<T, N>& v, std::uint64_t pol) {
+  constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kBytes == 16) {
+    unsigned r[4];
+    __builtin_memcpy(r, &v, sizeof(r));
+    asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3]), "l"(pol)
+                 : "memory");
+    return;
+  }
+#endif
+  (void)pol;
+  store_vec(p, v);
+}
 #endif
 
 // True when p is aligned for an access of `bytes` bytes.

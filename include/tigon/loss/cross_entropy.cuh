@@ -253,9 +253,9 @@ struct CeShared {
   float x_t;
 };
 
+// The logits of one raw vector (with bias and softcap) in fp32.
 template <class T, int kV>
-TIGON_DEVICE void load_x(const T* row, const T* bias, std::int64_t c, float cap, float (&x)[kV]) {
-  const AlignedVec<T, kV> v = load_vec<kV>(row + c);
+TIGON_DEVICE void to_x(const AlignedVec<T, kV>& v, const T* bias, std::int64_t c, float cap, float* x) {
   AlignedVec<T, kV> b;
   if (bias != nullptr) b = load_vec<kV>(bias + c);
 #pragma unroll
@@ -264,16 +264,61 @@ TIGON_DEVICE void load_x(const T* row, const T* bias, std::int64_t c, float cap,
   }
 }
 
+inline constexpr float kLog2e = 1.4426950408889634f;
+
+// Vectors in flight per thread in each pass of the row kernel.
+inline constexpr int kCeUnroll = 4;
+
+// Fold n fp32 logits (columns col, col + 1, ...: the first index wins ties) into a thread's
+// running statistics: one rescale per batch, exp2 with the log2(e) factor folded into an FMA.
+template <int kN>
+TIGON_DEVICE void ce_accumulate(CeAcc& acc, const float* x, const std::int64_t* col, bool want_arg,
+                                bool smooth, const float* weights) {
+  float vm = x[0];
+#pragma unroll
+  for (int k = 1; k < kN; ++k) vm = fmaxf(vm, x[k]);
+  const float mm = fmaxf(vm, acc.m);
+  const float mb = mm * kLog2e;
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) s += exp2f(fmaf(x[k], kLog2e, -mb));
+  acc.s = acc.s * exp2f(fmaf(acc.m, kLog2e, -mb)) + s;
+  acc.m = mm;
+  if (want_arg && vm > acc.best) {
+    std::int64_t bi = col[0];
+#pragma unroll
+    for (int k = kN - 1; k >= 0; --k) {
+      if (x[k] == vm) bi = col[k];
+    }
+    acc.best = vm;
+    acc.best_i = bi;
+  }
+  if (smooth) {
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      const float w = weights != nullptr ? weights[col[k]] : 1.0f;
+      acc.sum_wx += w * x[k];
+      acc.sum_w += w;
+    }
+  }
+}
+
 // One row per block (grid-stride over rows). Pass 1 (unless merged statistics are given): max,
-// sum of exp, smoothing sums and argmax over the row. Then the row's loss, and pass 2 (with a
-// gradient): the row again (from L2: a block's row is re-read soon after the first pass) and the
+// sum of exp, smoothing sums and argmax over the row, kCeUnroll vectors in flight per thread, read
+// with the evict-last L2 priority. Then the row's loss, and pass 2 (with a gradient): the row
+// again, from L2 (the launch keeps the rows in flight within L2), newest lines first, and the
 // gradient written in place or to dx.
 template <class T, class I, int kV, int kThreads>
 TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I> p) {
   using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
+  constexpr int kU = kCeUnroll;
   __shared__ CeShared<kThreads> sh;
-  const std::int64_t nvec = p.vocab / kV;
+  const int nvec = static_cast<int>(p.vocab / kV);
   const bool smooth = p.eps > 0.0f;
+  const bool want_arg = p.argmax != nullptr || p.stats_out != nullptr;
+  const std::uint64_t keep = l2_policy<L2Hint::evict_last>();
+  const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
+  const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
   for (std::int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* xr = p.x + row * p.xs;
     const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
@@ -283,38 +328,32 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
     CeAcc total;
     if (p.stats == nullptr) {
       CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
-#pragma unroll 4
-      for (std::int64_t i = threadIdx.x; i < nvec; i += kThreads) {
-        float x[kV];
-        load_x<T, kV>(xr, p.bias, i * kV, p.cap, x);
-        float vm = x[0];
-        int vi = 0;
+      int i = threadIdx.x;
+      for (; i + (kU - 1) * kThreads < nvec; i += kU * kThreads) {
+        AlignedVec<T, kV> raw[kU];
 #pragma unroll
-        for (int k = 1; k < kV; ++k) {
-          if (x[k] > vm) {
-            vm = x[k];
-            vi = k;
-          }
-        }
-        const float mm = vm > acc.m ? vm : acc.m;
-        float s = 0.0f;
+        for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i + u * kThreads) * kV, keep);
+        float x[kU * kV];
+        std::int64_t col[kU * kV];
 #pragma unroll
-        for (int k = 0; k < kV; ++k) s += expf(x[k] - mm);
-        acc.s = acc.s * expf(acc.m - mm) + s;
-        acc.m = mm;
-        if (vm > acc.best) {
-          acc.best = vm;
-          acc.best_i = p.col0 + i * kV + vi;
-        }
-        if (smooth) {
+        for (int u = 0; u < kU; ++u) {
+          const std::int64_t c0 = static_cast<std::int64_t>(i + u * kThreads) * kV;
+          to_x<T, kV>(raw[u], p.bias, c0, p.cap, x + u * kV);
 #pragma unroll
-          for (int k = 0; k < kV; ++k) {
-            const float w = p.weights != nullptr ? p.weights[p.col0 + i * kV + k] : 1.0f;
-            acc.sum_wx += w * x[k];
-            acc.sum_w += w;
-          }
+          for (int k = 0; k < kV; ++k) col[u * kV + k] = c0 + k;
         }
+        ce_accumulate<kU * kV>(acc, x, col, want_arg, smooth, wcol);
       }
+      for (; i < nvec; i += kThreads) {
+        const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
+        float x[kV];
+        std::int64_t col[kV];
+        to_x<T, kV>(load_vec_policy<kV>(xr + c0, keep), p.bias, c0, p.cap, x);
+#pragma unroll
+        for (int k = 0; k < kV; ++k) col[k] = c0 + k;
+        ce_accumulate<kV>(acc, x, col, want_arg, smooth, wcol);
+      }
+      acc.best_i += p.col0;
       const CeAcc r = Reduce(sh.reduce).Reduce(acc, CeAccMerge{});
       if (threadIdx.x == 0) {
         sh.total = r;
@@ -385,25 +424,35 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
         const float den = p.reduction == Reduction::mean ? *p.denom : 1.0f;
         scale = p.grad_scale * up / den;
       }
-#pragma unroll 4
-      for (std::int64_t i = threadIdx.x; i < nvec; i += kThreads) {
+      // Newest lines first: the end of the row was read last and is the likeliest still in L2.
+      auto grad_vec = [&](const AlignedVec<T, kV>& raw, int i) {
+        const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
         float x[kV];
-        load_x<T, kV>(xr, p.bias, i * kV, p.cap, x);
+        to_x<T, kV>(raw, p.bias, c0, p.cap, x);
         AlignedVec<T, kV> g;
 #pragma unroll
         for (int k = 0; k < kV; ++k) {
-          const std::int64_t c = i * kV + k;
+          const std::int64_t c = c0 + k;
           float v = 0.0f;
           if (scale != 0.0f) {
-            const float pr = expf(x[k] - lse);
-            const float w = p.weights != nullptr ? p.weights[p.col0 + c] : 1.0f;
+            const float pr = exp2f(fmaf(x[k], kLog2e, -lse * kLog2e));
+            const float w = wcol != nullptr ? wcol[c] : 1.0f;
             v = ce_math::grad(pr, c == t, w, terms, p.eps, p.z, p.total_vocab) *
                 ce_math::softcap_grad(x[k], p.cap) * scale;
           }
           g.v[k] = from_float<T>(v);
         }
-        store_vec(dr + i * kV, g);
+        store_vec_policy(dr + c0, g, drop);
+      };
+      int i = nvec - 1 - static_cast<int>(threadIdx.x);
+      for (; i - (kU - 1) * kThreads >= 0; i -= kU * kThreads) {
+        AlignedVec<T, kV> raw[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i - u * kThreads) * kV, drop);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) grad_vec(raw[u], i - u * kThreads);
       }
+      for (; i >= 0; i -= kThreads) grad_vec(load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop), i);
     }
     __syncthreads();  // sh is reused by the next row
   }
@@ -509,10 +558,19 @@ bool ce_vectorizable(const CeParams<T, I>& p) {
 
 template <class T, class I, int kV, int kThreads>
 Status launch_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
-  // One row per resident block: the rows in flight stay few enough for the second pass to find
-  // them in L2.
-  unsigned grid = 0;
-  TIGON_CHECK((resident_grid<ce_row_kernel<T, I, kV, kThreads>, kThreads>(p.rows, grid)));
+  // One row per resident block. With a gradient, the rows in flight stay within half the L2 so
+  // that the second pass finds its row there (at least one block per SM).
+  DeviceInfo dev;
+  TIGON_CHECK(current_device_info(dev));
+  int occ = 0;
+  TIGON_CHECK((blocks_per_sm<ce_row_kernel<T, I, kV, kThreads>, kThreads>(dev.device, occ)));
+  std::int64_t per_sm = occ;
+  if (p.dx != nullptr) {
+    const std::int64_t row_bytes = p.vocab * static_cast<std::int64_t>(sizeof(T));
+    const std::int64_t fit = static_cast<std::int64_t>(dev.l2_bytes) / 2 / (row_bytes * dev.sm_count);
+    per_sm = std::clamp<std::int64_t>(fit, 1, occ);
+  }
+  const auto grid = static_cast<unsigned>(std::clamp<std::int64_t>(per_sm * dev.sm_count, 1, std::max<std::int64_t>(p.rows, 1)));
   ce_row_kernel<T, I, kV, kThreads><<<grid, kThreads, 0, stream>>>(p);
   return check_launch(op);
 }

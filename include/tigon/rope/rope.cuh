@@ -246,14 +246,27 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
   const std::int64_t total = p.tokens * per_token;
   for (std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kRopeThreads + threadIdx.x;
        item < total; item += static_cast<std::int64_t>(gridDim.x) * kRopeThreads) {
-    const std::int64_t token = item / per_token;
-    const int rem = static_cast<int>(item - token * per_token);
+    // 32-bit index arithmetic whenever the sizes allow it (64-bit division is a long sequence).
+    std::int64_t b, t;
+    int rem;
+    if (total <= 0x7fffffff) {
+      const auto it = static_cast<unsigned>(item), pt = static_cast<unsigned>(per_token);
+      const unsigned tk = it / pt;
+      rem = static_cast<int>(it - tk * pt);
+      const auto sq = static_cast<unsigned>(p.seq);
+      const unsigned bb = tk / sq;
+      b = bb;
+      t = tk - bb * sq;
+    } else {
+      const std::int64_t token = item / per_token;
+      rem = static_cast<int>(item - token * per_token);
+      b = token / p.seq;
+      t = token - b * p.seq;
+    }
     int head = rem / per_head;
     const int chunk = rem - head * per_head;
     const int which = head < p.heads[0] ? 0 : 1;
     if (which == 1) head -= p.heads[0];
-    const std::int64_t b = token / p.seq;
-    const std::int64_t t = token - b * p.seq;
     const T* x = p.in[which] + b * p.sb[which] + t * p.st[which] + head * p.sh[which];
     T* y = p.out[which] + b * p.osb[which] + t * p.ost[which] + head * p.osh[which];
     if (chunk >= rot_chunks) {  // partial rotary: channels past rotary_dim pass through
@@ -363,9 +376,11 @@ Status launch_rope(const RopeParams<T, C>& p, cudaStream_t stream, const char* o
                                                           : p.rotary_dim / (kV < 2 ? 2 : kV);
   const std::int64_t items =
       p.tokens * (p.heads[0] + p.heads[1]) * (chunks + (p.head_dim - p.rotary_dim) / kV);
-  unsigned grid = 0;
-  TIGON_CHECK((resident_grid<rope_kernel<T, C, Style, kV>, kRopeThreads>(
-      ceil_div<std::int64_t>(items, kRopeThreads), grid)));
+  // One item per thread, as many blocks as it takes (a grid-stride loop covers the rest only past
+  // 2^31 - 1 blocks): freshly scheduled blocks stream closer to the copy rate than resident ones
+  // looping over the tensor (measured on the H200).
+  const auto grid = static_cast<unsigned>(
+      std::clamp<std::int64_t>(ceil_div<std::int64_t>(items, kRopeThreads), 1, 0x7fffffff));
   rope_kernel<T, C, Style, kV><<<grid, kRopeThreads, 0, stream>>>(p);
   return check_launch(op);
 }

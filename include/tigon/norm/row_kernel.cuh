@@ -4,7 +4,8 @@
 //   - RowShape: every constant of a compiled row layout (vector width, row-group width, vectors
 //     per thread, row groups per block);
 //   - RowPipeline: the shared-memory stages of a compiled kernel, lowered to what fits;
-//   - RowPlan: which kernel a launch uses, its grid and its partial weight-gradient rows;
+//   - RowPlan / plan_compiled_rows: which kernel a launch uses, its grid (persistent or one block
+//     per row-group set) and its partial weight-gradient rows;
 //   - stage_row / pipelined_rows: a row group's walk over its rows with the next kStages - 1 rows
 //     of each input in flight through shared memory (cp.async);
 //   - store_partial_row: one fp32 partial weight-gradient row per row group, summed afterwards in
@@ -22,7 +23,11 @@
 #include "../core/math.hpp"
 
 #if defined(__CUDACC__)
+#include <algorithm>
+
 #include "../core/async_copy.cuh"
+#include "../core/device.hpp"
+#include "../core/status.hpp"
 #include "../core/vector.cuh"
 #endif
 
@@ -57,6 +62,16 @@ struct RowShape {
                 "hidden size too large to hold a row in registers: use the runtime launcher");
   static_assert(kGroupThreads <= 32 || kGroups <= 15, "too many row groups per block");
 };
+
+// The forward and backward shapes of a policy with the members kFwdVecPerThread, kFwdBlockThreads,
+// kBwdVecPerThread and kBwdBlockThreads (RmsNormPolicy, LayerNormPolicy).
+template <class T, int kCols, class P>
+using FwdRowShape = RowShape<T, kCols, P::kFwdVecPerThread, P::kFwdBlockThreads>;
+template <class T, int kCols, class P>
+using BwdRowShape = RowShape<T, kCols, P::kBwdVecPerThread, P::kBwdBlockThreads>;
+
+// Row lengths are indexed with 32-bit integers inside a row.
+inline constexpr std::int64_t kRowMaxCols = std::int64_t{1} << 30;
 
 // Hopper / Ampere opt-in limit (227 KB) less 1 KB for the kernels' static shared memory; the plan
 // also checks the device's own limit.
@@ -161,6 +176,23 @@ TIGON_DEVICE void store_partial_row(float* part, const float (&acc)[S::kVecPerTh
       for (int c = 0; c < S::kVec; ++c) part[i * S::kVec + c] = acc[v][c];
     }
   }
+}
+
+// Plan of a compiled row kernel with `groups` row groups per block: a persistent grid (the blocks
+// resident at once, at most one per `groups` rows) or one block per `groups` rows. parts: the row
+// groups of a persistent launch, each writing one partial weight-gradient row (backward kernels
+// run persistent, so that this stays a few hundred rows); 0 for a non-persistent one.
+template <auto Kernel, int kThreads, int kSmem>
+Status plan_compiled_rows(std::int64_t rows, int groups, bool persistent, const DeviceInfo& dev,
+                          RowPlan& plan) {
+  int occ = 0;
+  TIGON_CHECK((blocks_per_sm<Kernel, kThreads, kSmem>(dev.device, occ)));
+  const std::int64_t blocks = ceil_div<std::int64_t>(rows, groups);
+  const std::int64_t resident = static_cast<std::int64_t>(occ) * dev.sm_count;
+  plan.kernel = RowKernel::compiled;
+  plan.grid = static_cast<int>(std::min<std::int64_t>(blocks, persistent ? resident : 0x7fffffff));
+  plan.parts = persistent ? plan.grid * groups : 0;
+  return Status();
 }
 
 }  // namespace detail

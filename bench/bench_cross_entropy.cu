@@ -16,7 +16,8 @@ void check(const tigon::Status& s) {
   }
 }
 
-void BM_ce(benchmark::State& st, bool grad) {
+template <class P = tigon::CrossEntropyDefaultPolicy>
+void BM_ce(benchmark::State& st, bool grad, const std::string& label = "") {
   const std::int64_t rows = st.range(0), V = st.range(1);
   const std::size_t n = static_cast<std::size_t>(rows * V);
   const int sets = bench::rotation(2.0 * n * sizeof(bf16));
@@ -33,13 +34,14 @@ void BM_ce(benchmark::State& st, bool grad) {
   const std::size_t wsb = tigon::cross_entropy_workspace_bytes(rows);
   void* ws = bench::alloc<unsigned char>(wsb);
   const double bytes = (grad ? 2.0 : 1.0) * n * sizeof(bf16);
-  const std::string name = std::string("cross_entropy ") + (grad ? "loss+grad" : "loss only") + " bf16 " +
-                           std::to_string(rows) + "x" + std::to_string(V);
+  const std::string name = (label.empty() ? std::string("cross_entropy ") : "  policy " + label + " ") +
+                           (grad ? "loss+grad" : "loss only") + " bf16 " + std::to_string(rows) + "x" +
+                           std::to_string(V);
   bench::run(st, name, bytes, [&](int i) {
     tigon::CrossEntropyArgs<bf16> a{.logits = x[i % sets], .targets = t, .rows = rows, .vocab = V,
                                     .dlogits = grad ? x[i % sets] : nullptr, .loss = loss,
                                     .workspace = ws, .workspace_bytes = wsb};
-    check(tigon::cross_entropy(a, nullptr));
+    check(tigon::cross_entropy<P>(a, nullptr));
   }, 10, grad ? bench::Ceiling::copy : bench::Ceiling::read);
   for (bf16* p : x) cudaFree(p);
   cudaFree(t);
@@ -55,5 +57,20 @@ void BM_loss(benchmark::State& st) { BM_ce(st, false); }
 #define SHAPES ->Args({8192, 32000})->Args({8192, 128256})->Args({8192, 262144})->Args({16384, 32000})
 BENCHMARK(BM_grad) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_loss) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+
+// Policy variants at 8192 x 128256: CrossEntropyPolicy<wide block, narrow block, vectors in flight
+// per thread, rows per SM (0: as many as fit in half the L2 with a gradient)>.
+#define CE_VARIANT(label, ...)                                                                   \
+  void BM_grad_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, true, #label); }           \
+  void BM_loss_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, false, #label); }          \
+  BENCHMARK(BM_grad_##label)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond); \
+  BENCHMARK(BM_loss_##label)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+using tigon::CrossEntropyPolicy;
+CE_VARIANT(b1024_u2, CrossEntropyPolicy<1024, 256, 2, 0>)
+CE_VARIANT(b1024_u8, CrossEntropyPolicy<1024, 256, 8, 0>)
+CE_VARIANT(b1024_u4_2_per_sm, CrossEntropyPolicy<1024, 256, 4, 2>)
+CE_VARIANT(b512_u4_2_per_sm, CrossEntropyPolicy<512, 256, 4, 2>)
+CE_VARIANT(b512_u4_4_per_sm, CrossEntropyPolicy<512, 256, 4, 4>)
+CE_VARIANT(b256_u4_8_per_sm, CrossEntropyPolicy<256, 256, 4, 8>)
 
 BENCH_MAIN

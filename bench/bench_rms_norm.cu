@@ -141,7 +141,7 @@ BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark:
 
 // RmsNormPolicy<fwd vec/thread, fwd block, bwd vec/thread, bwd block, bwd min blocks/SM, stages,
 //               casting (-1: chosen at run time), persistent forward grid, streaming stores,
-//               backward keeps rows in registers, backward rows per row group (0: persistent)>
+//               backward keeps rows in registers>
 FWD_VARIANT(v4_b256_s3_persistent, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true>)
 FWD_VARIANT(v4_b128, RmsNormPolicy<4, 128>)
 FWD_VARIANT(v4_b512, RmsNormPolicy<4, 512>)
@@ -149,17 +149,8 @@ FWD_VARIANT(v8_b128, RmsNormPolicy<8, 128>)
 FWD_VARIANT(v2_b256, RmsNormPolicy<2, 256>)
 FWD_VARIANT(v4_b256_cs, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, true>)
 FWD_VARIANT(v4_b256_llama_fixed, RmsNormPolicy<4, 256, 2, 512, 1, 3, 0>)
-BWD_VARIANT(v2_b512_m1_s3_persistent_keep, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true>)
+BWD_VARIANT(v2_b512_m1_s3_reread, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false>)
 BWD_VARIANT(v2_b512_m1_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
 BWD_VARIANT(v2_b256_m2_s3, RmsNormPolicy<4, 256, 2, 256, 2, 3>)
-BWD_VARIANT(v2_b512_s2_r2, RmsNormPolicy<4, 256, 2, 512, 1, 2, -1, false, false, false, 2>)
-BWD_VARIANT(v2_b512_s2_r4, RmsNormPolicy<4, 256, 2, 512, 1, 2, -1, false, false, false, 4>)
-BWD_VARIANT(v2_b512_s3_r8, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false, 8>)
-BWD_VARIANT(v2_b512_s3_r16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false, 16>)
-BWD_VARIANT(v2_b1024_s2_r4, RmsNormPolicy<4, 256, 2, 1024, 1, 2, -1, false, false, false, 4>)
-BWD_VARIANT(v2_b1024_s2_r8, RmsNormPolicy<4, 256, 2, 1024, 1, 2, -1, false, false, false, 8>)
-BWD_VARIANT(v2_b256_m2_s2_r8, RmsNormPolicy<4, 256, 2, 256, 2, 2, -1, false, false, false, 8>)
-BWD_VARIANT(v2_b512_s1_r8, RmsNormPolicy<4, 256, 2, 512, 1, 1, -1, false, false, false, 8>)
-BWD_VARIANT(v2_b512_s2_r8_keep, RmsNormPolicy<4, 256, 2, 512, 1, 2, -1, false, false, true, 8>)
 
 BENCH_MAIN

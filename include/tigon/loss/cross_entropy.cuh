@@ -197,6 +197,23 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
 
 #if defined(__CUDACC__)
 
+// Tuning knobs of the row kernel. A trainer may pass its own policy to cross_entropy<P>().
+//   kWideThreads:  block size for rows longer than 16384 columns (one row per block at a time);
+//   kNarrowThreads: block size for shorter rows;
+//   kUnroll:       16-byte vectors each thread has in flight per trip of either pass;
+//   kRowsPerSm:    0: resident blocks fill the device, and with a gradient only as many rows are
+//                  in flight as fit in half the L2 (the second pass re-reads its row from there);
+//                  n > 0: n blocks per SM (at most the occupancy), whatever the L2.
+template <int kWideThreads_ = 1024, int kNarrowThreads_ = 256, int kUnroll_ = 4, int kRowsPerSm_ = 0>
+struct CrossEntropyPolicy {
+  static_assert(kUnroll_ >= 1 && kUnroll_ <= 8, "1 to 8 vectors in flight per thread");
+  static constexpr int kWideThreads = kWideThreads_;
+  static constexpr int kNarrowThreads = kNarrowThreads_;
+  static constexpr int kUnroll = kUnroll_;
+  static constexpr int kRowsPerSm = kRowsPerSm_;
+};
+using CrossEntropyDefaultPolicy = CrossEntropyPolicy<>;
+
 // ------------------------------------------------------------------------------------------------
 // 3. Kernels
 // ------------------------------------------------------------------------------------------------
@@ -266,9 +283,6 @@ TIGON_DEVICE void to_x(const AlignedVec<T, kV>& v, const T* bias, std::int64_t c
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 
-// Vectors in flight per thread in each pass of the row kernel.
-inline constexpr int kCeUnroll = 4;
-
 // Fold n fp32 logits (columns col, col + 1, ...: the first index wins ties) into a thread's
 // running statistics: one rescale per batch, exp2 with the log2(e) factor folded into an FMA.
 template <int kN>
@@ -304,14 +318,13 @@ TIGON_DEVICE void ce_accumulate(CeAcc& acc, const float* x, const std::int64_t* 
 }
 
 // One row per block (grid-stride over rows). Pass 1 (unless merged statistics are given): max,
-// sum of exp, smoothing sums and argmax over the row, kCeUnroll vectors in flight per thread, read
+// sum of exp, smoothing sums and argmax over the row, kU vectors in flight per thread, read
 // with the evict-last L2 priority. Then the row's loss, and pass 2 (with a gradient): the row
 // again, from L2 (the launch keeps the rows in flight within L2), newest lines first, and the
 // gradient written in place or to dx.
-template <class T, class I, int kV, int kThreads>
+template <class T, class I, int kV, int kThreads, int kU>
 TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I> p) {
   using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
-  constexpr int kU = kCeUnroll;
   __shared__ CeShared<kThreads> sh;
   const int nvec = static_cast<int>(p.vocab / kV);
   const bool smooth = p.eps > 0.0f;
@@ -556,33 +569,39 @@ bool ce_vectorizable(const CeParams<T, I>& p) {
          (p.bias == nullptr || is_aligned(p.bias, 16));
 }
 
-template <class T, class I, int kV, int kThreads>
+template <class T, class I, int kV, int kThreads, class P>
 Status launch_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   // One row per resident block. With a gradient, the rows in flight stay within half the L2 so
   // that the second pass finds its row there (at least one block per SM).
+  constexpr auto kernel = ce_row_kernel<T, I, kV, kThreads, P::kUnroll>;
   DeviceInfo dev;
   TIGON_CHECK(current_device_info(dev));
   int occ = 0;
-  TIGON_CHECK((blocks_per_sm<ce_row_kernel<T, I, kV, kThreads>, kThreads>(dev.device, occ)));
+  TIGON_CHECK((blocks_per_sm<kernel, kThreads>(dev.device, occ)));
   std::int64_t per_sm = occ;
-  if (p.dx != nullptr) {
+  if constexpr (P::kRowsPerSm > 0) {
+    per_sm = std::min<std::int64_t>(P::kRowsPerSm, occ);
+  } else if (p.dx != nullptr) {
     const std::int64_t row_bytes = p.vocab * static_cast<std::int64_t>(sizeof(T));
     const std::int64_t fit = static_cast<std::int64_t>(dev.l2_bytes) / 2 / (row_bytes * dev.sm_count);
     per_sm = std::clamp<std::int64_t>(fit, 1, occ);
   }
-  const auto grid = static_cast<unsigned>(std::clamp<std::int64_t>(per_sm * dev.sm_count, 1, std::max<std::int64_t>(p.rows, 1)));
-  ce_row_kernel<T, I, kV, kThreads><<<grid, kThreads, 0, stream>>>(p);
+  const auto grid = static_cast<unsigned>(
+      std::clamp<std::int64_t>(per_sm * dev.sm_count, 1, std::max<std::int64_t>(p.rows, 1)));
+  kernel<<<grid, kThreads, 0, stream>>>(p);
   return check_launch(op);
 }
 
-template <class T, class I>
+template <class P = CrossEntropyDefaultPolicy, class T, class I>
 Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   constexpr int kV = kVecElems<T>;
   const bool vec = ce_vectorizable(p);
   if (p.vocab > 16384) {
-    return vec ? launch_ce_rows<T, I, kV, 1024>(p, stream, op) : launch_ce_rows<T, I, 1, 1024>(p, stream, op);
+    return vec ? launch_ce_rows<T, I, kV, P::kWideThreads, P>(p, stream, op)
+               : launch_ce_rows<T, I, 1, P::kWideThreads, P>(p, stream, op);
   }
-  return vec ? launch_ce_rows<T, I, kV, 256>(p, stream, op) : launch_ce_rows<T, I, 1, 256>(p, stream, op);
+  return vec ? launch_ce_rows<T, I, kV, P::kNarrowThreads, P>(p, stream, op)
+             : launch_ce_rows<T, I, 1, P::kNarrowThreads, P>(p, stream, op);
 }
 
 // The three launches of a loss, usable one by one by ops that compose cross-entropy (the chunked
@@ -613,7 +632,7 @@ inline CeScratch ce_scratch(void* ws, std::int64_t rows) {
   return {f, f + 4, f + 4 + rows};
 }
 
-template <class T, class I>
+template <class P = CrossEntropyDefaultPolicy, class T, class I>
 Status ce_impl(const CrossEntropyArgs<T, I>& a, CeParams<T, I> p, cudaStream_t stream, const char* op) {
   TIGON_CHECK(check::workspace(a.workspace, a.workspace_bytes, ce_workspace_bytes(a.rows), op));
   const CeScratch ws = ce_scratch(a.workspace, a.rows);
@@ -624,7 +643,7 @@ Status ce_impl(const CrossEntropyArgs<T, I>& a, CeParams<T, I> p, cudaStream_t s
     TIGON_CHECK(ce_denominator(a.targets, a.rows, a.ignore_index, a.class_weights, p.total_vocab,
                                ws.denom, stream, op));
   }
-  TIGON_CHECK(run_ce_rows(p, stream, op));
+  TIGON_CHECK(run_ce_rows<P>(p, stream, op));
   if (p.stats_out == nullptr && a.reduction != Reduction::none) {
     TIGON_CHECK(ce_reduce(p.loss_rows, p.z_rows, a.rows, ws.denom, a.reduction == Reduction::mean, a.loss,
                           a.z_loss, stream, op));
@@ -643,12 +662,13 @@ inline std::size_t cross_entropy_workspace_bytes(std::int64_t rows) {
   return detail::ce_workspace_bytes(rows);
 }
 
-// Loss (and the gradient when args.dlogits is set) over the whole vocabulary.
-template <class T, class I>
+// Loss (and the gradient when args.dlogits is set) over the whole vocabulary. P: the row
+// kernel's tuning (CrossEntropyPolicy); the default suits the H200.
+template <class P = CrossEntropyDefaultPolicy, class T, class I>
 [[nodiscard]] Status cross_entropy(const CrossEntropyArgs<T, I>& args, cudaStream_t stream) {
   constexpr const char* kOp = "cross_entropy";
   TIGON_CHECK(detail::validate(args, kOp));
-  return detail::ce_impl(args, detail::ce_params(args), stream, kOp);
+  return detail::ce_impl<P>(args, detail::ce_params(args), stream, kOp);
 }
 
 // Split vocabulary, step 1: statistics of this shard ([rows, vocab] holding the columns

@@ -150,22 +150,25 @@ BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark:
 
 // LayerNormPolicy<fwd vec/thread, fwd block, bwd vec/thread, bwd block, bwd min blocks/SM, stages,
 //                 persistent forward grid, streaming stores, backward keeps rows in registers>
-FWD_VARIANT(v4_b256_s3_default, LayerNormPolicy<4, 256, 2, 512, 1, 3>)
-FWD_VARIANT(v4_b256_s2, LayerNormPolicy<4, 256, 2, 512, 1, 2>)
-FWD_VARIANT(v4_b256_s4, LayerNormPolicy<4, 256, 2, 512, 1, 4>)
-FWD_VARIANT(v4_b128_s3, LayerNormPolicy<4, 128, 2, 512, 1, 3>)
-FWD_VARIANT(v4_b512_s2, LayerNormPolicy<4, 512, 2, 512, 1, 2>)
-FWD_VARIANT(v2_b256_s3, LayerNormPolicy<2, 256, 2, 512, 1, 3>)
-FWD_VARIANT(v8_b256_s3, LayerNormPolicy<8, 256, 2, 512, 1, 3>)
-FWD_VARIANT(v16_b256_s2_warp_per_row, LayerNormPolicy<16, 256, 2, 512, 1, 2>)
-FWD_VARIANT(v4_b256_s3_cs, LayerNormPolicy<4, 256, 2, 512, 1, 3, true, true>)
-FWD_VARIANT(v4_b256_s1_nonpersistent, LayerNormPolicy<4, 256, 2, 512, 1, 1, false>)
+// Non-persistent forwards (the default; one stage, whatever the policy says):
+FWD_VARIANT(v4_b256_default, LayerNormPolicy<4, 256, 2, 512, 1, 3>)
+FWD_VARIANT(v4_b128, LayerNormPolicy<4, 128, 2, 512, 1, 3>)
+FWD_VARIANT(v4_b512, LayerNormPolicy<4, 512, 2, 512, 1, 3>)
+FWD_VARIANT(v2_b256, LayerNormPolicy<2, 256, 2, 512, 1, 3>)
+FWD_VARIANT(v8_b256, LayerNormPolicy<8, 256, 2, 512, 1, 3>)
+FWD_VARIANT(v16_b256_warp_per_row, LayerNormPolicy<16, 256, 2, 512, 1, 3>)
+FWD_VARIANT(v4_b256_cs, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, true>)
+// Persistent forwards, rows in flight through kStages stages:
+FWD_VARIANT(v4_b256_s2_persistent, LayerNormPolicy<4, 256, 2, 512, 1, 2, true>)
+FWD_VARIANT(v4_b256_s3_persistent, LayerNormPolicy<4, 256, 2, 512, 1, 3, true>)
+FWD_VARIANT(v4_b256_s4_persistent, LayerNormPolicy<4, 256, 2, 512, 1, 4, true>)
+FWD_VARIANT(v16_b256_s2_persistent_warp_per_row, LayerNormPolicy<16, 256, 2, 512, 1, 2, true>)
 BWD_VARIANT(v2_b512_m1_s3_default, LayerNormPolicy<4, 256, 2, 512, 1, 3>)
 BWD_VARIANT(v2_b512_m1_s2, LayerNormPolicy<4, 256, 2, 512, 1, 2>)
 BWD_VARIANT(v2_b512_m1_s4, LayerNormPolicy<4, 256, 2, 512, 1, 4>)
 BWD_VARIANT(v2_b256_m2_s3, LayerNormPolicy<4, 256, 2, 256, 2, 3>)
-BWD_VARIANT(v2_b512_m1_s3_keep, LayerNormPolicy<4, 256, 2, 512, 1, 3, true, false, true>)
-BWD_VARIANT(v2_b256_m2_s3_keep_cs, LayerNormPolicy<4, 256, 2, 256, 2, 3, true, true, true>)
+BWD_VARIANT(v2_b512_m1_s3_keep, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true>)
+BWD_VARIANT(v2_b256_m2_s3_keep_cs, LayerNormPolicy<4, 256, 2, 256, 2, 3, false, true, true>)
 BWD_VARIANT(v4_b256_m1_s3, LayerNormPolicy<4, 256, 4, 256, 1, 3>)
 BWD_VARIANT(v1_b1024_m1_s2, LayerNormPolicy<4, 256, 1, 1024, 1, 2>)
 

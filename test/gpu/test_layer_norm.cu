@@ -352,10 +352,11 @@ TEST_CASE("layer_norm: compile-time hidden size <T, 4096> and policies", "[layer
   // <fwd vpt, fwd block, bwd vpt, bwd block, bwd min blocks, stages, persistent, streaming, keep>
   const Case c{.rows = 300, .cols = 4096, .compile_time = true};
   run_case<bf16, bf16, LayerNormPolicy<4, 128, 2, 256, 2, 2>>(c);
-  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 1, false>>(c);               // non-persistent
-  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, true, true>>(c);          // streaming stores
-  run_case<bf16, float, LayerNormPolicy<4, 256, 2, 512, 1, 3, true, false, true>>(c);  // keep rows
-  run_case<float, float, LayerNormPolicy<8, 256, 4, 256, 1, 4>>(c);
+  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, true>>(c);                 // persistent forward
+  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 1, true>>(c);                 // ditto, one stage
+  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, true>>(c);          // streaming stores
+  run_case<bf16, float, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true>>(c);  // keep rows
+  run_case<float, float, LayerNormPolicy<8, 256, 4, 256, 1, 4, true>>(c);
   run_case<half, half, LayerNormPolicy<16, 256, 8, 256, 1, 3, true, true, true>>(c);  // fwd: a warp per row
 }
 

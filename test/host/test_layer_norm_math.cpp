@@ -167,8 +167,10 @@ TEST_CASE("layer_norm shapes: compiled row layouts and the workspace", "[layer_n
   using Pipe = detail::LnBwdPipe<float, 8192, P>;
   STATIC_REQUIRE(Pipe::kSmemBytes <= detail::kMaxSmemPerBlock);
   STATIC_REQUIRE(Pipe::kPerStage == detail::BwdRowShape<float, 8192, P>::kGroups * 2 * 8192 * 4);
-  STATIC_REQUIRE(detail::LnFwdPipe<bf16, 4096, P>::kStages == P::kStages);
-  // A non-persistent forward walks one row per group: one stage.
+  // A persistent forward keeps kStages rows in flight; a non-persistent one (the default) walks one
+  // row per group: one stage.
+  STATIC_REQUIRE(detail::LnFwdPipe<bf16, 4096, LayerNormPolicy<4, 256, 2, 512, 1, 3, true>>::kStages == 3);
+  STATIC_REQUIRE(detail::LnFwdPipe<bf16, 4096, P>::kStages == (P::kFwdPersistent ? P::kStages : 1));
   STATIC_REQUIRE(detail::LnFwdPipe<bf16, 4096, LayerNormPolicy<4, 256, 2, 512, 1, 3, false>>::kStages == 1);
   // A policy with more stages than fit is lowered, never over the limit.
   using Deep = LayerNormPolicy<4, 256, 2, 1024, 1, 8>;

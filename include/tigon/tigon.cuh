@@ -10,6 +10,8 @@
 #include "activation/activations.hpp"
 #include "activation/gated.cuh"
 #include "norm/rms_norm.cuh"
+#include "norm/layer_norm.cuh"
+#include "norm/add_rms_norm.cuh"
 #include "rope/rope.cuh"
 #include "loss/cross_entropy.cuh"
 #include "loss/linear_cross_entropy.cuh"

@@ -163,13 +163,15 @@ FWD_VARIANT(v4_b256_s2_persistent, LayerNormPolicy<4, 256, 2, 512, 1, 2, true>)
 FWD_VARIANT(v4_b256_s3_persistent, LayerNormPolicy<4, 256, 2, 512, 1, 3, true>)
 FWD_VARIANT(v4_b256_s4_persistent, LayerNormPolicy<4, 256, 2, 512, 1, 4, true>)
 FWD_VARIANT(v16_b256_s2_persistent_warp_per_row, LayerNormPolicy<16, 256, 2, 512, 1, 2, true>)
+// Backwards keep the row in registers between the row sums and dx unless marked "reread".
 BWD_VARIANT(v2_b512_m1_s3_default, LayerNormPolicy<4, 256, 2, 512, 1, 3>)
+BWD_VARIANT(v2_b512_m1_s3_reread, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false>)
 BWD_VARIANT(v2_b512_m1_s2, LayerNormPolicy<4, 256, 2, 512, 1, 2>)
 BWD_VARIANT(v2_b512_m1_s4, LayerNormPolicy<4, 256, 2, 512, 1, 4>)
 BWD_VARIANT(v2_b256_m2_s3, LayerNormPolicy<4, 256, 2, 256, 2, 3>)
-BWD_VARIANT(v2_b512_m1_s3_keep, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true>)
-BWD_VARIANT(v2_b256_m2_s3_keep_cs, LayerNormPolicy<4, 256, 2, 256, 2, 3, false, true, true>)
-BWD_VARIANT(v4_b256_m1_s3, LayerNormPolicy<4, 256, 4, 256, 1, 3>)
+BWD_VARIANT(v2_b256_m2_s3_reread, LayerNormPolicy<4, 256, 2, 256, 2, 3, false, false, false>)
+BWD_VARIANT(v2_b256_m2_s3_cs, LayerNormPolicy<4, 256, 2, 256, 2, 3, false, true>)
+BWD_VARIANT(v4_b256_m1_s3_reread, LayerNormPolicy<4, 256, 4, 256, 1, 3, false, false, false>)
 BWD_VARIANT(v1_b1024_m1_s2, LayerNormPolicy<4, 256, 1, 1024, 1, 2>)
 
 BENCH_MAIN

@@ -59,8 +59,7 @@ BENCHMARK(BM_grad) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMic
 BENCHMARK(BM_loss) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 
 // Policy variants at 8192 x 128256: CrossEntropyPolicy<wide block, narrow block, vectors in flight
-// per thread, rows per SM (0: as many as fit in half the L2 with a gradient), shared-memory stages
-// (0: registers)>.
+// per thread, rows per SM (0: as many as fit in half the L2 with a gradient)>.
 #define CE_VARIANT(label, ...)                                                                   \
   void BM_grad_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, true, #label); }           \
   void BM_loss_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, false, #label); }          \
@@ -73,10 +72,5 @@ CE_VARIANT(b1024_u4_2_per_sm, CrossEntropyPolicy<1024, 256, 4, 2>)
 CE_VARIANT(b512_u4_2_per_sm, CrossEntropyPolicy<512, 256, 4, 2>)
 CE_VARIANT(b512_u4_4_per_sm, CrossEntropyPolicy<512, 256, 4, 4>)
 CE_VARIANT(b256_u4_8_per_sm, CrossEntropyPolicy<256, 256, 4, 8>)
-CE_VARIANT(b1024_s4, CrossEntropyPolicy<1024, 256, 4, 0, 4>)
-CE_VARIANT(b1024_s8, CrossEntropyPolicy<1024, 256, 4, 0, 8>)
-CE_VARIANT(b1024_s12, CrossEntropyPolicy<1024, 256, 4, 0, 12>)
-CE_VARIANT(b512_s8_2_per_sm, CrossEntropyPolicy<512, 256, 4, 2, 8>)
-CE_VARIANT(b512_s12_1_per_sm, CrossEntropyPolicy<512, 256, 4, 1, 12>)
 
 BENCH_MAIN

@@ -20,14 +20,6 @@ TIGON_DEVICE void cp_async(void* smem, const void* gmem) {
   }
 }
 
-// 16 bytes global -> shared with an L2 eviction-priority policy (createpolicy; sm_80+).
-TIGON_DEVICE void cp_async16_policy(void* smem, const void* gmem, unsigned long long policy) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
-               "l"(policy)
-               : "memory");
-}
-
 // Close the group of copies issued since the last commit.
 TIGON_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 

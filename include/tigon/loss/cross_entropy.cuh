@@ -28,7 +28,6 @@
 #include "../core/validate.hpp"
 
 #if defined(__CUDACC__)
-#include "../core/async_copy.cuh"
 #include "../core/device.hpp"
 #include "../core/reduce.cuh"
 #include "../core/vector.cuh"
@@ -204,16 +203,10 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
 //   kUnroll:       16-byte vectors each thread has in flight per trip of either pass;
 //   kRowsPerSm:    0: resident blocks fill the device, and with a gradient only as many rows are
 //                  in flight as fit in half the L2 (the second pass re-reads its row from there);
-//                  n > 0: n blocks per SM (at most the occupancy), whatever the L2;
-//   kStages:       0: each thread loads kUnroll vectors into registers per trip; s > 0: the
-//                  vectors go through a ring of s shared-memory stages (cp.async), s - 1 trips in
-//                  flight per thread without holding them in registers (kUnroll is then unused).
-template <int kWideThreads_ = 1024, int kNarrowThreads_ = 256, int kUnroll_ = 4, int kRowsPerSm_ = 0,
-          int kStages_ = 0>
+//                  n > 0: n blocks per SM (at most the occupancy), whatever the L2.
+template <int kWideThreads_ = 1024, int kNarrowThreads_ = 256, int kUnroll_ = 4, int kRowsPerSm_ = 0>
 struct CrossEntropyPolicy {
   static_assert(kUnroll_ >= 1 && kUnroll_ <= 8, "1 to 8 vectors in flight per thread");
-  static_assert(kStages_ == 0 || (kStages_ >= 2 && kStages_ <= 16), "0, or 2 to 16 stages");
-  static constexpr int kStages = kStages_;
   static constexpr int kWideThreads = kWideThreads_;
   static constexpr int kNarrowThreads = kNarrowThreads_;
   static constexpr int kUnroll = kUnroll_;
@@ -329,15 +322,9 @@ TIGON_DEVICE void ce_accumulate(CeAcc& acc, const float* x, const std::int64_t* 
 // with the evict-last L2 priority. Then the row's loss, and pass 2 (with a gradient): the row
 // again, from L2 (the launch keeps the rows in flight within L2), newest lines first, and the
 // gradient written in place or to dx.
-template <class T, class I, int kV, int kThreads, int kU, int kStages>
+template <class T, class I, int kV, int kThreads, int kU>
 TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I> p) {
   using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
-  using Raw = AlignedVec<T, kV>;
-  // Staged path: ring[stage][thread], one vector per thread per stage; each thread reads back only
-  // the slots it filled itself, so waiting on its own copy groups is the only synchronisation.
-  extern __shared__ __align__(16) unsigned char ce_smem[];
-  [[maybe_unused]] Raw* ring = reinterpret_cast<Raw*>(ce_smem);
-  [[maybe_unused]] const int trips = static_cast<int>((p.vocab / kV + kThreads - 1) / kThreads);
   __shared__ CeShared<kThreads> sh;
   const int nvec = static_cast<int>(p.vocab / kV);
   const bool smooth = p.eps > 0.0f;
@@ -354,57 +341,30 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
     CeAcc total;
     if (p.stats == nullptr) {
       CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
-      if constexpr (kStages > 0) {
-        auto issue = [&](int j) {
-          const int i = j * kThreads + static_cast<int>(threadIdx.x);
-          if (j < trips && i < nvec) {
-            cp_async16_policy(ring + (j % kStages) * kThreads + threadIdx.x, xr + static_cast<std::int64_t>(i) * kV, keep);
-          }
-          cp_async_commit();
-        };
+      int i = threadIdx.x;
+      for (; i + (kU - 1) * kThreads < nvec; i += kU * kThreads) {
+        AlignedVec<T, kV> raw[kU];
 #pragma unroll
-        for (int j = 0; j < kStages - 1; ++j) issue(j);
-        for (int j = 0; j < trips; ++j) {
-          issue(j + kStages - 1);
-          cp_async_wait<kStages - 1>();
-          const int i = j * kThreads + static_cast<int>(threadIdx.x);
-          if (i < nvec) {
-            const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
-            float x[kV];
-            std::int64_t col[kV];
-            to_x<T, kV>(ring[(j % kStages) * kThreads + threadIdx.x], p.bias, c0, p.cap, x);
+        for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i + u * kThreads) * kV, keep);
+        float x[kU * kV];
+        std::int64_t col[kU * kV];
 #pragma unroll
-            for (int k = 0; k < kV; ++k) col[k] = c0 + k;
-            ce_accumulate<kV>(acc, x, col, want_arg, smooth, wcol);
-          }
+        for (int u = 0; u < kU; ++u) {
+          const std::int64_t c0 = static_cast<std::int64_t>(i + u * kThreads) * kV;
+          to_x<T, kV>(raw[u], p.bias, c0, p.cap, x + u * kV);
+#pragma unroll
+          for (int k = 0; k < kV; ++k) col[u * kV + k] = c0 + k;
         }
-        cp_async_wait<0>();
-      } else {
-        int i = threadIdx.x;
-        for (; i + (kU - 1) * kThreads < nvec; i += kU * kThreads) {
-          AlignedVec<T, kV> raw[kU];
+        ce_accumulate<kU * kV>(acc, x, col, want_arg, smooth, wcol);
+      }
+      for (; i < nvec; i += kThreads) {
+        const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
+        float x[kV];
+        std::int64_t col[kV];
+        to_x<T, kV>(load_vec_policy<kV>(xr + c0, keep), p.bias, c0, p.cap, x);
 #pragma unroll
-          for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i + u * kThreads) * kV, keep);
-          float x[kU * kV];
-          std::int64_t col[kU * kV];
-#pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            const std::int64_t c0 = static_cast<std::int64_t>(i + u * kThreads) * kV;
-            to_x<T, kV>(raw[u], p.bias, c0, p.cap, x + u * kV);
-#pragma unroll
-            for (int k = 0; k < kV; ++k) col[u * kV + k] = c0 + k;
-          }
-          ce_accumulate<kU * kV>(acc, x, col, want_arg, smooth, wcol);
-        }
-        for (; i < nvec; i += kThreads) {
-          const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
-          float x[kV];
-          std::int64_t col[kV];
-          to_x<T, kV>(load_vec_policy<kV>(xr + c0, keep), p.bias, c0, p.cap, x);
-#pragma unroll
-          for (int k = 0; k < kV; ++k) col[k] = c0 + k;
-          ce_accumulate<kV>(acc, x, col, want_arg, smooth, wcol);
-        }
+        for (int k = 0; k < kV; ++k) col[k] = c0 + k;
+        ce_accumulate<kV>(acc, x, col, want_arg, smooth, wcol);
       }
       acc.best_i += p.col0;
       const CeAcc r = Reduce(sh.reduce).Reduce(acc, CeAccMerge{});
@@ -497,36 +457,15 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
         }
         store_vec_policy(dr + c0, g, drop);
       };
-      if constexpr (kStages > 0) {
-        // Trips in reverse (newest lines first); trip j covers vectors j * kThreads + thread.
-        auto issue = [&](int q) {  // q-th trip of this pass
-          const int j = trips - 1 - q;
-          const int i = j * kThreads + static_cast<int>(threadIdx.x);
-          if (q < trips && i < nvec) {
-            cp_async16_policy(ring + (q % kStages) * kThreads + threadIdx.x, xr + static_cast<std::int64_t>(i) * kV, drop);
-          }
-          cp_async_commit();
-        };
+      int i = nvec - 1 - static_cast<int>(threadIdx.x);
+      for (; i - (kU - 1) * kThreads >= 0; i -= kU * kThreads) {
+        AlignedVec<T, kV> raw[kU];
 #pragma unroll
-        for (int q = 0; q < kStages - 1; ++q) issue(q);
-        for (int q = 0; q < trips; ++q) {
-          issue(q + kStages - 1);
-          cp_async_wait<kStages - 1>();
-          const int i = (trips - 1 - q) * kThreads + static_cast<int>(threadIdx.x);
-          if (i < nvec) grad_vec(ring[(q % kStages) * kThreads + threadIdx.x], i);
-        }
-        cp_async_wait<0>();
-      } else {
-        int i = nvec - 1 - static_cast<int>(threadIdx.x);
-        for (; i - (kU - 1) * kThreads >= 0; i -= kU * kThreads) {
-          AlignedVec<T, kV> raw[kU];
+        for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i - u * kThreads) * kV, drop);
 #pragma unroll
-          for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i - u * kThreads) * kV, drop);
-#pragma unroll
-          for (int u = 0; u < kU; ++u) grad_vec(raw[u], i - u * kThreads);
-        }
-        for (; i >= 0; i -= kThreads) grad_vec(load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop), i);
+        for (int u = 0; u < kU; ++u) grad_vec(raw[u], i - u * kThreads);
       }
+      for (; i >= 0; i -= kThreads) grad_vec(load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop), i);
     }
     __syncthreads();  // sh is reused by the next row
   }
@@ -634,14 +573,11 @@ template <class T, class I, int kV, int kThreads, class P>
 Status launch_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   // One row per resident block. With a gradient, the rows in flight stay within half the L2 so
   // that the second pass finds its row there (at least one block per SM).
-  // The staged path moves 16-byte vectors only; other widths take the register path.
-  constexpr int kStages = static_cast<int>(sizeof(T)) * kV == 16 ? P::kStages : 0;
-  constexpr int kSmem = kStages * kThreads * 16;
-  constexpr auto kernel = ce_row_kernel<T, I, kV, kThreads, P::kUnroll, kStages>;
+  constexpr auto kernel = ce_row_kernel<T, I, kV, kThreads, P::kUnroll>;
   DeviceInfo dev;
   TIGON_CHECK(current_device_info(dev));
   int occ = 0;
-  TIGON_CHECK((blocks_per_sm<kernel, kThreads, kSmem>(dev.device, occ)));
+  TIGON_CHECK((blocks_per_sm<kernel, kThreads>(dev.device, occ)));
   std::int64_t per_sm = occ;
   if constexpr (P::kRowsPerSm > 0) {
     per_sm = std::min<std::int64_t>(P::kRowsPerSm, occ);
@@ -652,7 +588,7 @@ Status launch_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* 
   }
   const auto grid = static_cast<unsigned>(
       std::clamp<std::int64_t>(per_sm * dev.sm_count, 1, std::max<std::int64_t>(p.rows, 1)));
-  kernel<<<grid, kThreads, kSmem, stream>>>(p);
+  kernel<<<grid, kThreads, 0, stream>>>(p);
   return check_launch(op);
 }
 

@@ -67,7 +67,6 @@ BENCHMARK(BM_loss) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMic
   BENCHMARK(BM_loss_##label)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 using tigon::CrossEntropyPolicy;
 CE_VARIANT(b1024_u2, CrossEntropyPolicy<1024, 256, 2, 0>)
-CE_VARIANT(b1024_u8, CrossEntropyPolicy<1024, 256, 8, 0>)
 CE_VARIANT(b1024_u4_2_per_sm, CrossEntropyPolicy<1024, 256, 4, 2>)
 CE_VARIANT(b512_u4_2_per_sm, CrossEntropyPolicy<512, 256, 4, 2>)
 CE_VARIANT(b512_u4_4_per_sm, CrossEntropyPolicy<512, 256, 4, 4>)

@@ -258,7 +258,11 @@ void run_case(const Case& c) {
     const auto cdw = gpu_test::compare(
         dwref.size(), [&](std::size_t i) { return static_cast<double>(to_float(dwh[i])); }, dwref,
         dw_tol * rms(dwref), dw_tol);
-    CHECK_CLOSE(cdw, "dweight", 2 * tol_l2<W>());
+    // The same rounding flips bound dW's relative L2 error: rare (about one term in 10^4 to 10^5
+    // for bf16), each worth one ulp of T on its term.
+    const double dw_tol_l2 =
+        c.mode == RmsNormCasting::gemma ? tol_l2<W>() : std::max(tol_l2<W>(), 0.1 * tol_l2<T>());
+    CHECK_CLOSE(cdw, "dweight", 2 * dw_tol_l2);
   }
   if (!c.accumulate) {
     // Bitwise determinism: the same inputs give the same dx and dW.

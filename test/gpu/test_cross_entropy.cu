@@ -44,7 +44,7 @@ double tol() {
   return 0x1p-6;
 }
 
-template <class T, class I = std::int64_t>
+template <class T, class I = std::int64_t, class P = tigon::CrossEntropyDefaultPolicy>
 void run_case(const Case& c) {
   INFO(describe(c) << " T=" << dtype_traits<T>::name << " I=" << sizeof(I) * 8);
   const std::int64_t ld = c.V + c.pad;
@@ -107,7 +107,7 @@ void run_case(const Case& c) {
                            .z_loss = c.red == Reduction::none ? nullptr : zl.ptr,
                            .lse = lse.ptr, .argmax = am.ptr, .error_count = errs.ptr,
                            .workspace = ws.ptr, .workspace_bytes = ws.count};
-  TIGON_OK(cross_entropy(a, nullptr));
+  TIGON_OK(cross_entropy<P>(a, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
 
   const auto lr = rows.download(), lh = lse.download();
@@ -145,7 +145,7 @@ void run_case(const Case& c) {
     }
     // Bitwise determinism.
     x.upload(xh);
-    TIGON_OK(cross_entropy(a, nullptr));
+    TIGON_OK(cross_entropy<P>(a, nullptr));
     CUDA_OK(cudaDeviceSynchronize());
     const auto gh2 = (c.in_place ? x : dx).download();
     CHECK(std::memcmp(gh.data(), gh2.data(), gh.size() * sizeof(T)) == 0);
@@ -177,6 +177,24 @@ TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce
       run_case<bf16>(c);
       run_case<float>(c);
       run_case<half, std::int32_t>(c);
+    }
+  }
+}
+
+TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]") {
+  // CrossEntropyPolicy<wide block, narrow block, vectors in flight, rows per SM>
+  using tigon::CrossEntropyPolicy;
+  for (std::int64_t V : {std::int64_t{1000}, std::int64_t{32000}, std::int64_t{128256}}) {
+    const std::int64_t rows = V == 128256 ? 16 : 100;
+    const Case base{.rows = rows, .V = V};
+    Case all{.rows = rows, .V = V, .eps = 0.1, .z = 1e-4, .cap = 30, .weights = true, .grad_scale = 0.5f,
+             .grad_output = true};
+    Case sep = base;
+    sep.in_place = false;
+    sep.pad = 8;
+    for (const Case& c : {base, all, sep}) {
+      run_case<bf16, std::int64_t, CrossEntropyPolicy<1024, 256, 8, 2>>(c);  // 8 vectors in flight
+      run_case<half, std::int32_t, CrossEntropyPolicy<256, 64, 1, 8>>(c);    // 1 vector, 8 rows per SM
     }
   }
 }

@@ -150,7 +150,9 @@ void run_case(const Case& c) {
   for (std::size_t i = 0; i < yref.size(); ++i) yref[i] = tigon_ref::round_t<T>(ref.y[i]);
   const auto cy = gpu_test::compare(
       yref.size(), [&](std::size_t i) { return to_float(yh[off + (i / c.cols) * stride + i % c.cols]); },
-      yref, 1e-5, tol<T>());
+      // fp32 statistics of inputs far from zero: the mean's rounding (a few ulp of |mean|) shifts
+      // every centred value by the same absolute amount, whatever the dtype.
+      yref, 1e-5 * (1.0 + std::abs(c.x_mean) / 10.0), tol<T>());
   CHECK_CLOSE(cy, "y", tol_l2<T>());
   const auto cm = gpu_test::compare(
       mh.size(), [&](std::size_t i) { return static_cast<double>(mh[i]); }, ref.mean,

@@ -283,11 +283,19 @@ TIGON_DEVICE void to_x(const AlignedVec<T, kV>& v, const T* bias, std::int64_t c
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 
-// Fold n fp32 logits (columns col, col + 1, ...: the first index wins ties) into a thread's
-// running statistics: one rescale per batch, exp2 with the log2(e) factor folded into an FMA.
+// 2^x on the special-function unit, subnormal results flushed to zero (probabilities under 2^-126
+// of the row's largest are zero in any dtype the gradient is written in).
+TIGON_DEVICE float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Fold kN fp32 logits, columns c0 .. c0 + kN - 1, into a thread's running statistics: one rescale
+// per call, exp2 with the log2(e) factor folded into an FMA; the first index wins ties.
 template <int kN>
-TIGON_DEVICE void ce_accumulate(CeAcc& acc, const float* x, const std::int64_t* col, bool want_arg,
-                                bool smooth, const float* weights) {
+TIGON_DEVICE void ce_accumulate(CeAcc& acc, const float* x, std::int64_t c0, bool want_arg, bool smooth,
+                                const float* weights) {
   float vm = x[0];
 #pragma unroll
   for (int k = 1; k < kN; ++k) vm = fmaxf(vm, x[k]);
@@ -295,22 +303,22 @@ TIGON_DEVICE void ce_accumulate(CeAcc& acc, const float* x, const std::int64_t* 
   const float mb = mm * kLog2e;
   float s = 0.0f;
 #pragma unroll
-  for (int k = 0; k < kN; ++k) s += exp2f(fmaf(x[k], kLog2e, -mb));
-  acc.s = acc.s * exp2f(fmaf(acc.m, kLog2e, -mb)) + s;
+  for (int k = 0; k < kN; ++k) s += exp2_ftz(fmaf(x[k], kLog2e, -mb));
+  acc.s = acc.s * exp2_ftz(fmaf(acc.m, kLog2e, -mb)) + s;
   acc.m = mm;
   if (want_arg && vm > acc.best) {
-    std::int64_t bi = col[0];
+    int bk = 0;
 #pragma unroll
     for (int k = kN - 1; k >= 0; --k) {
-      if (x[k] == vm) bi = col[k];
+      if (x[k] == vm) bk = k;
     }
     acc.best = vm;
-    acc.best_i = bi;
+    acc.best_i = c0 + bk;
   }
   if (smooth) {
 #pragma unroll
     for (int k = 0; k < kN; ++k) {
-      const float w = weights != nullptr ? weights[col[k]] : 1.0f;
+      const float w = weights != nullptr ? weights[c0 + k] : 1.0f;
       acc.sum_wx += w * x[k];
       acc.sum_w += w;
     }
@@ -322,8 +330,32 @@ TIGON_DEVICE void ce_accumulate(CeAcc& acc, const float* x, const std::int64_t* 
 // with the evict-last L2 priority. Then the row's loss, and pass 2 (with a gradient): the row
 // again, from L2 (the launch keeps the rows in flight within L2), newest lines first, and the
 // gradient written in place or to dx.
-template <class T, class I, int kV, int kThreads, int kU>
-TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I> p) {
+// The common case (no class weights, smoothing, softcap, bias, argmax or split-vocabulary
+// statistics): those fields as compile-time constants, so their per-element work and registers
+// drop out of the instance.
+template <class T, class I>
+TIGON_HD bool ce_plain(const CeParams<T, I>& p) {
+  return p.weights == nullptr && p.eps == 0.0f && p.cap == 0.0f && p.bias == nullptr && p.argmax == nullptr &&
+         p.stats == nullptr && p.stats_out == nullptr;
+}
+
+template <bool kPlain, class T, class I>
+TIGON_DEVICE CeParams<T, I> ce_specialise(CeParams<T, I> p) {
+  if constexpr (kPlain) {
+    p.weights = nullptr;
+    p.eps = 0.0f;
+    p.cap = 0.0f;
+    p.bias = nullptr;
+    p.argmax = nullptr;
+    p.stats = nullptr;
+    p.stats_out = nullptr;
+  }
+  return p;
+}
+
+template <class T, class I, int kV, int kThreads, int kU, bool kPlain>
+TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I> params) {
+  const CeParams<T, I> p = ce_specialise<kPlain>(params);
   using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
   __shared__ CeShared<kThreads> sh;
   const int nvec = static_cast<int>(p.vocab / kV);
@@ -346,25 +378,20 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
         AlignedVec<T, kV> raw[kU];
 #pragma unroll
         for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i + u * kThreads) * kV, keep);
-        float x[kU * kV];
-        std::int64_t col[kU * kV];
+        // One vector at a time once all kU are in flight: eight fp32 values live, not kU * 8.
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           const std::int64_t c0 = static_cast<std::int64_t>(i + u * kThreads) * kV;
-          to_x<T, kV>(raw[u], p.bias, c0, p.cap, x + u * kV);
-#pragma unroll
-          for (int k = 0; k < kV; ++k) col[u * kV + k] = c0 + k;
+          float x[kV];
+          to_x<T, kV>(raw[u], p.bias, c0, p.cap, x);
+          ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
         }
-        ce_accumulate<kU * kV>(acc, x, col, want_arg, smooth, wcol);
       }
       for (; i < nvec; i += kThreads) {
         const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
         float x[kV];
-        std::int64_t col[kV];
         to_x<T, kV>(load_vec_policy<kV>(xr + c0, keep), p.bias, c0, p.cap, x);
-#pragma unroll
-        for (int k = 0; k < kV; ++k) col[k] = c0 + k;
-        ce_accumulate<kV>(acc, x, col, want_arg, smooth, wcol);
+        ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
       }
       acc.best_i += p.col0;
       const CeAcc r = Reduce(sh.reduce).Reduce(acc, CeAccMerge{});
@@ -448,7 +475,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
           const std::int64_t c = c0 + k;
           float v = 0.0f;
           if (scale != 0.0f) {
-            const float pr = exp2f(fmaf(x[k], kLog2e, -lse * kLog2e));
+            const float pr = exp2_ftz(fmaf(x[k], kLog2e, -lse * kLog2e));
             const float w = wcol != nullptr ? wcol[c] : 1.0f;
             v = ce_math::grad(pr, c == t, w, terms, p.eps, p.z, p.total_vocab) *
                 ce_math::softcap_grad(x[k], p.cap) * scale;
@@ -569,11 +596,20 @@ bool ce_vectorizable(const CeParams<T, I>& p) {
          (p.bias == nullptr || is_aligned(p.bias, 16));
 }
 
+template <class T, class I, int kV, int kThreads, class P, bool kPlain>
+Status launch_ce_rows_as(const CeParams<T, I>& p, cudaStream_t stream, const char* op);
+
 template <class T, class I, int kV, int kThreads, class P>
 Status launch_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
+  if (ce_plain(p)) return launch_ce_rows_as<T, I, kV, kThreads, P, true>(p, stream, op);
+  return launch_ce_rows_as<T, I, kV, kThreads, P, false>(p, stream, op);
+}
+
+template <class T, class I, int kV, int kThreads, class P, bool kPlain>
+Status launch_ce_rows_as(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   // One row per resident block. With a gradient, the rows in flight stay within half the L2 so
   // that the second pass finds its row there (at least one block per SM).
-  constexpr auto kernel = ce_row_kernel<T, I, kV, kThreads, P::kUnroll>;
+  constexpr auto kernel = ce_row_kernel<T, I, kV, kThreads, P::kUnroll, kPlain>;
   DeviceInfo dev;
   TIGON_CHECK(current_device_info(dev));
   int occ = 0;

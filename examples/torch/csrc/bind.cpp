@@ -1,0 +1,45 @@
+// The tigon operator library: schemas of every operator (implementations for CUDA are registered
+// by the .cu files). Outputs are arguments, allocated by the Python side and marked mutable (a!),
+// so the operators return nothing and torch.compile can functionalise them.
+#include <torch/library.h>
+
+TORCH_LIBRARY(tigon, m) {
+  m.def("rms_norm_fwd(Tensor x, Tensor? weight, Tensor(a!) y, Tensor(b!)? rstd, float eps, float offset, "
+        "int casting) -> ()");
+  m.def("rms_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor? rstd, Tensor(a!) dx, Tensor(b!)? dweight, "
+        "float eps, float offset, int casting) -> ()");
+  m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor(a!) y, Tensor(b!) mean, "
+        "Tensor(c!) rstd, float eps) -> ()");
+  m.def("layer_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, Tensor(a!) dx, "
+        "Tensor(b!)? dweight, Tensor(c!)? dbias) -> ()");
+  m.def("add_rms_norm_fwd(Tensor x, Tensor residual, Tensor? weight, Tensor(a!) y, Tensor(b!) sum, "
+        "Tensor(c!)? rstd, float eps, float offset, int casting) -> ()");
+  m.def("add_rms_norm_bwd(Tensor dy, Tensor? dsum, Tensor sum, Tensor? weight, Tensor? rstd, Tensor(a!) dx, "
+        "Tensor(b!)? dweight, float eps, float offset, int casting) -> ()");
+  m.def("rope(Tensor q, Tensor? k, Tensor cos, Tensor sin, Tensor? position_ids, Tensor(a!) q_out, "
+        "Tensor(b!)? k_out, bool backward, bool interleaved) -> ()");
+  m.def("gated_fwd(Tensor a, Tensor b, Tensor(a!) c, int act, float gate_multiplier, "
+        "float down_multiplier) -> ()");
+  m.def("gated_bwd(Tensor dc, Tensor a, Tensor b, Tensor(a!) da, Tensor(b!) db, int act, "
+        "float gate_multiplier, float down_multiplier) -> ()");
+  m.def("cross_entropy(Tensor logits, Tensor target, Tensor? class_weights, Tensor? grad_output, "
+        "Tensor(a!)? dlogits, Tensor(b!)? loss, Tensor(c!)? loss_rows, Tensor(d!)? z_loss, Tensor(e!)? lse, "
+        "Tensor(f!)? argmax, int ignore_index, float label_smoothing, float z_loss_scale, float softcap, "
+        "int reduction, float grad_scale) -> ()");
+  m.def("linear_cross_entropy(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weights, "
+        "Tensor? grad_output, Tensor(a!)? dx, Tensor(b!)? dweight, Tensor(c!)? dbias, Tensor(d!)? loss, "
+        "Tensor(e!)? loss_rows, Tensor(f!)? z_loss, Tensor(g!)? lse, Tensor(h!)? argmax, int ignore_index, "
+        "float label_smoothing, float z_loss_scale, float softcap, int reduction, float grad_scale, "
+        "int chunk) -> ()");
+}
+
+#if defined(TIGON_TORCH_PYTHON_MODULE)
+// Importing tigon_torch._C loads this library, which registers the operators above.
+#include <Python.h>
+
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "tigon operators (torch.ops.tigon)", -1, nullptr,
+                               nullptr, nullptr, nullptr, nullptr};
+  return PyModule_Create(&module);
+}
+#endif

@@ -1,0 +1,109 @@
+// The chunked linear cross-entropy (the LM head's loss without the logits) through
+// tigon/loss/linear_cross_entropy.cuh and its cuBLASLt GEMM back end.
+#include "loss_common.h"
+
+#include <torch/library.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include <tigon/loss/linear_cross_entropy.cuh>
+
+namespace tigon_torch {
+namespace {
+
+// One cuBLASLt back end per (device, stream), with its own 32 MiB workspace from torch's caching
+// allocator: cuBLASLt plans are cached per shape inside it, and a stream never shares its GEMM
+// workspace with another stream's kernels. Kept for the life of the process (never destroyed, so
+// nothing runs at exit after CUDA or the allocator have gone).
+struct GemmSlot {
+  Tensor workspace;
+  std::unique_ptr<tigon::CublasLtGemm> gemm;
+};
+
+constexpr std::size_t kGemmWorkspaceBytes = std::size_t{32} << 20;
+
+std::mutex& gemm_mutex() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+
+tigon::CublasLtGemm& gemm_for(const Tensor& ref, cudaStream_t stream) {
+  static auto* slots = new std::map<std::pair<int, cudaStream_t>, GemmSlot*>;
+  const std::pair<int, cudaStream_t> key{ref.device().index(), stream};
+  auto it = slots->find(key);
+  if (it == slots->end()) {
+    auto* slot = new GemmSlot;
+    slot->workspace = at::empty({static_cast<std::int64_t>(kGemmWorkspaceBytes)}, ref.options().dtype(at::kByte));
+    slot->gemm = std::make_unique<tigon::CublasLtGemm>(slot->workspace.data_ptr(), kGemmWorkspaceBytes);
+    check_status(slot->gemm->status());
+    it = slots->emplace(key, slot).first;
+  }
+  return *it->second->gemm;
+}
+
+void linear_cross_entropy(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& target,
+                          const OptTensor& class_weights, const OptTensor& grad_output, const OptTensor& dx,
+                          const OptTensor& dweight, const OptTensor& dbias, const OptTensor& loss,
+                          const OptTensor& loss_rows, const OptTensor& z_loss, const OptTensor& lse,
+                          const OptTensor& argmax, std::int64_t ignore_index, double label_smoothing,
+                          double z_loss_scale, double softcap, std::int64_t reduction, double grad_scale,
+                          std::int64_t chunk) {
+  constexpr const char* op = "tigon.linear_cross_entropy";
+  const c10::cuda::CUDAGuard guard(x.device());
+  const Rows X = rows_of(x, x, x.scalar_type(), op, "x");
+  const Rows Wm = rows_of(weight, x, x.scalar_type(), op, "weight");
+  TORCH_CHECK_VALUE(Wm.cols == X.cols, op, ": weight is [", Wm.rows, ", ", Wm.cols, "], x has ", X.cols,
+                    " columns");
+  TORCH_CHECK_VALUE(Wm.stride == 0 || Wm.stride == Wm.cols, op, ": weight must be contiguous");
+  if (bias) vector_of(*bias, x, x.scalar_type(), Wm.rows, op, "bias");
+  Rows DX;
+  if (dx) {
+    DX = rows_of(*dx, x, x.scalar_type(), op, "dx");
+    same_shape(X, DX, op, "x", "dx");
+  }
+  if (dweight) {
+    const Rows DW = rows_of(*dweight, x, at::kFloat, op, "dweight");
+    same_shape(Wm, DW, op, "weight", "dweight");
+    TORCH_CHECK_VALUE(DW.stride == 0 || DW.stride == DW.cols, op, ": dweight must be contiguous");
+  }
+  if (dbias) vector_of(*dbias, x, at::kFloat, Wm.rows, op, "dbias");
+  TORCH_CHECK_VALUE(chunk >= 0, op, ": chunk must be >= 0");
+  dispatch_float(x.scalar_type(), op, "x", [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    dispatch_index(target.scalar_type(), op, [&](auto ti) {
+      using I = typename decltype(ti)::type;
+      tigon::LinearCrossEntropyArgs<T, I> a;
+      fill_loss(a.loss, x, X.rows, Wm.rows, target, class_weights, grad_output, loss, loss_rows, z_loss, lse,
+                argmax, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, grad_scale, op);
+      a.x = static_cast<const T*>(X.ptr);
+      a.x_stride = X.stride;
+      a.weight = static_cast<const T*>(Wm.ptr);
+      a.bias = ptr<const T>(bias);
+      a.hidden = X.cols;
+      a.dx = static_cast<T*>(DX.ptr);
+      a.dx_stride = DX.stride;
+      a.dweight = ptr<float>(dweight);
+      a.dbias = ptr<float>(dbias);
+      a.chunk = chunk;
+      std::size_t bytes = 0;
+      check_status(tigon::linear_cross_entropy_workspace_bytes(a, bytes));
+      const Tensor ws = workspace(bytes, x);
+      a.workspace = ws.data_ptr();
+      a.workspace_bytes = bytes;
+      const cudaStream_t stream = current_stream(x);
+      const std::lock_guard<std::mutex> lock(gemm_mutex());
+      check_status(tigon::linear_cross_entropy(a, gemm_for(x, stream), stream));
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tigon, CUDA, m) {
+  m.impl("linear_cross_entropy", &linear_cross_entropy);
+}
+
+}  // namespace tigon_torch

@@ -1,0 +1,61 @@
+"""tigon_torch: PyTorch autograd functions, modules and Hugging Face patches over tigon's fused
+training kernels (RMSNorm, LayerNorm, fused add + RMSNorm, RoPE, SwiGLU / GeGLU, cross-entropy,
+fused linear cross-entropy).
+
+The compiled operators load on first use (tigon_torch.load(): the pip-built extension, or a JIT
+build). Importing the package needs neither a GPU nor the extension.
+"""
+
+from ._ext import load
+from .functional import (
+    tigon_causal_lm_loss,
+    tigon_cross_entropy,
+    tigon_fused_add_rms_norm,
+    tigon_fused_gate_up,
+    tigon_fused_linear_cross_entropy,
+    tigon_geglu,
+    tigon_layer_norm,
+    tigon_rms_norm,
+    tigon_rope,
+    tigon_rotary_pos_emb,
+    tigon_swiglu,
+)
+from .functions import (
+    TigonCrossEntropyFunction,
+    TigonFusedAddRMSNormFunction,
+    TigonFusedGateUpMulFunction,
+    TigonFusedLinearCrossEntropyFunction,
+    TigonGatedMulFunction,
+    TigonGELUMulFunction,
+    TigonLayerNormFunction,
+    TigonRMSNormFunction,
+    TigonRopeFunction,
+    TigonSiLUMulFunction,
+)
+from .modules import (
+    TigonCrossEntropyLoss,
+    TigonFusedAddRMSNorm,
+    TigonFusedLinearCrossEntropyLoss,
+    TigonGEGLUMLP,
+    TigonLayerNorm,
+    TigonPhi3MLP,
+    TigonRMSNorm,
+    TigonSwiGLUMLP,
+)
+from .patch import (
+    apply_tigon_to_gemma,
+    apply_tigon_to_gemma2,
+    apply_tigon_to_gemma3,
+    apply_tigon_to_gemma3_text,
+    apply_tigon_to_llama,
+    apply_tigon_to_mistral,
+    apply_tigon_to_model,
+    apply_tigon_to_phi3,
+    apply_tigon_to_qwen2,
+    apply_tigon_to_qwen3,
+    unpatch,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [name for name in dir() if name.startswith(("Tigon", "tigon_", "apply_tigon_"))] + ["load", "unpatch"]

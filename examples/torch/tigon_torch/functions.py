@@ -1,0 +1,707 @@
+"""Autograd functions over tigon's kernels, each with the forward arguments (same order, same defaults)
+and the return values of its Liger-Kernel counterpart, so that switching is a change of import:
+
+  TigonRMSNormFunction                  LigerRMSNormFunction
+  TigonLayerNormFunction                LigerLayerNormFunction
+  TigonFusedAddRMSNormFunction          LigerFusedAddRMSNormFunction
+  TigonRopeFunction                     LigerRopeFunction
+  TigonSiLUMulFunction                  LigerSiLUMulFunction
+  TigonGELUMulFunction                  LigerGELUMulFunction
+  TigonCrossEntropyFunction             LigerCrossEntropyFunction
+  TigonFusedLinearCrossEntropyFunction  LigerFusedLinearCrossEntropyFunction
+
+plus TigonGatedMulFunction (any of the three activations, exact GELU included) and
+TigonFusedGateUpMulFunction (the gated activation over a fused gate||up projection, Phi-3's layout),
+which have no Liger counterpart of the same signature.
+
+Differences from Liger are listed in docs/torch.md ("Differences from Liger-Kernel"); the ones that
+change a result or raise are also noted at each function below. None of the functions synchronises
+the host: the mean's denominator, the ignored-token count and the upstream gradient stay on the
+device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops as _o
+from .ops import as_rows, empty_rows, ops, row_order, rows_as, vector
+
+
+def _check_cuda(*tensors) -> None:
+    for t in tensors:
+        if t is not None and not t.is_cuda:
+            raise ValueError(f"tigon_torch: expected CUDA tensors, got one on {t.device}")
+
+
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # pragma: no cover
+        return False
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
+
+
+# ------------------------------------------------------------------------------------------------
+# RMSNorm
+# ------------------------------------------------------------------------------------------------
+
+
+class TigonRMSNormFunction(torch.autograd.Function):
+    """y = x * rstd * (offset + W), rstd = 1 / sqrt(mean(x^2) + eps), with Hugging Face's casting modes
+    ("llama", "gemma", "none"). X: [..., H] with any layout whose last dimension is contiguous (rows
+    are read through strides, a transposed view included); W: [H] of X's dtype or float32, or None.
+
+    in_place=True writes dX over dY in the backward (as Liger does): dY must not be needed elsewhere
+    (the patches pass False for norms whose output feeds a residual add, Gemma 2 / 3's). row_mode
+    selects a Triton kernel variant in Liger; tigon picks its kernel itself, so it is accepted and
+    ignored.
+    """
+
+    @staticmethod
+    def forward(ctx, X, W, eps, offset=0.0, casting_mode="llama", in_place=True, row_mode=None):
+        _check_cuda(X, W)
+        casting = _o.casting_mode(casting_mode)
+        order = row_order(X)
+        x2 = as_rows(X, order)
+        y2, Y = empty_rows(X.shape, order, X.dtype, X.device)
+        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=X.device)
+        W = vector(W)
+        if x2.numel() > 0:
+            ops().rms_norm_fwd(x2, W, y2, rstd, float(eps), float(offset), casting)
+        ctx.save_for_backward(x2, W, rstd)
+        ctx.order, ctx.shape = order, X.shape
+        ctx.eps, ctx.offset, ctx.casting, ctx.in_place = float(eps), float(offset), casting, bool(in_place)
+        return Y
+
+    @staticmethod
+    def backward(ctx, dY):
+        x2, W, rstd = ctx.saved_tensors
+        dy2 = as_rows(dY, ctx.order)
+        if ctx.in_place and not _compiling():
+            dx2 = dy2
+            dX = rows_as(dx2, ctx.shape, ctx.order) if dy2.is_contiguous() else None
+        else:
+            dx2, dX = empty_rows(ctx.shape, ctx.order, x2.dtype, x2.device)
+        if dX is None:  # dY's rows are strided: write a fresh, contiguous gradient instead
+            dx2, dX = empty_rows(ctx.shape, ctx.order, x2.dtype, x2.device)
+        dW = None
+        if W is not None and ctx.needs_input_grad[1]:
+            dW = torch.empty_like(W)
+        if x2.numel() > 0:
+            ops().rms_norm_bwd(dy2, x2, W, rstd, dx2, dW, ctx.eps, ctx.offset, ctx.casting)
+        elif dW is not None:
+            dW.zero_()
+        return dX, dW, None, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# LayerNorm
+# ------------------------------------------------------------------------------------------------
+
+
+class TigonLayerNormFunction(torch.autograd.Function):
+    """torch.nn.functional.layer_norm over the last dimension: y = (x - mean) * rstd * W + B, statistics
+    in fp32 (biased variance from centred values), one rounding to X's dtype. W and B: [H] of X's
+    dtype or float32 (the same dtype for both), each optional."""
+
+    @staticmethod
+    def forward(ctx, X, W, B, eps):
+        _check_cuda(X, W, B)
+        order = row_order(X)
+        x2 = as_rows(X, order)
+        y2, Y = empty_rows(X.shape, order, X.dtype, X.device)
+        rows = x2.shape[0]
+        mean = torch.empty(rows, dtype=torch.float32, device=X.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=X.device)
+        W, B = vector(W), vector(B)
+        if x2.numel() > 0:
+            ops().layer_norm_fwd(x2, W, B, y2, mean, rstd, float(eps))
+        ctx.save_for_backward(x2, W, mean, rstd)
+        ctx.has_bias = B is not None
+        ctx.bias_meta = (B.shape, B.dtype) if B is not None else None
+        ctx.order, ctx.shape = order, X.shape
+        return Y
+
+    @staticmethod
+    def backward(ctx, dY):
+        x2, W, mean, rstd = ctx.saved_tensors
+        dy2 = as_rows(dY, ctx.order)
+        dx2, dX = empty_rows(ctx.shape, ctx.order, x2.dtype, x2.device)
+        dW = torch.empty_like(W) if (W is not None and ctx.needs_input_grad[1]) else None
+        dB = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            shape, dtype = ctx.bias_meta
+            dB = torch.empty(shape, dtype=dtype, device=x2.device)
+        if x2.numel() > 0:
+            ops().layer_norm_bwd(dy2, x2, W, mean, rstd, dx2, dW, dB)
+        else:
+            for g in (dW, dB):
+                if g is not None:
+                    g.zero_()
+        return dX, dW, dB, None
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused residual add + RMSNorm
+# ------------------------------------------------------------------------------------------------
+
+
+class TigonFusedAddRMSNormFunction(torch.autograd.Function):
+    """S = X + R (rounded once to the dtype), Y = RMSNorm(S): returns (Y, S), the pre-norm step
+    ``residual = hidden + residual; hidden = norm(residual)`` in one pass. The backward returns one
+    tensor for both dX and dR (they are equal); in_place=True writes it over dY."""
+
+    @staticmethod
+    def forward(ctx, X, R, W, eps, offset=0.0, casting_mode="llama", in_place=False):
+        _check_cuda(X, R, W)
+        if X.shape != R.shape:
+            raise ValueError(f"tigon_torch: X {tuple(X.shape)} and R {tuple(R.shape)} must have one shape")
+        casting = _o.casting_mode(casting_mode)
+        order = row_order(X)
+        x2, r2 = as_rows(X, order), as_rows(R, order)
+        y2, Y = empty_rows(X.shape, order, X.dtype, X.device)
+        s2, S = empty_rows(X.shape, order, X.dtype, X.device)
+        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=X.device)
+        W = vector(W)
+        if x2.numel() > 0:
+            ops().add_rms_norm_fwd(x2, r2, W, y2, s2, rstd, float(eps), float(offset), casting)
+        ctx.save_for_backward(s2, W, rstd)
+        ctx.order, ctx.shape = order, X.shape
+        ctx.eps, ctx.offset, ctx.casting, ctx.in_place = float(eps), float(offset), casting, bool(in_place)
+        return Y, S
+
+    @staticmethod
+    def backward(ctx, dY, dS):
+        s2, W, rstd = ctx.saved_tensors
+        if dY is None:
+            dY = torch.zeros(ctx.shape, dtype=s2.dtype, device=s2.device)
+        dy2 = as_rows(dY, ctx.order)
+        ds2 = as_rows(dS, ctx.order) if dS is not None else None
+        if ctx.in_place and not _compiling() and dy2.is_contiguous():
+            dx2 = dy2
+            dX = rows_as(dx2, ctx.shape, ctx.order)
+        else:
+            dx2, dX = empty_rows(ctx.shape, ctx.order, s2.dtype, s2.device)
+        dW = torch.empty_like(W) if (W is not None and ctx.needs_input_grad[2]) else None
+        if s2.numel() > 0:
+            ops().add_rms_norm_bwd(dy2, ds2, s2, W, rstd, dx2, dW, ctx.eps, ctx.offset, ctx.casting)
+        elif dW is not None:
+            dW.zero_()
+        return dX, dX, dW, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# RoPE
+# ------------------------------------------------------------------------------------------------
+
+
+def _bthd(t: torch.Tensor, unsqueeze_dim: int) -> torch.Tensor:
+    """q / k as a [batch, seq, heads, head_dim] view."""
+    if t.dim() != 4:
+        raise ValueError(f"tigon_torch: q and k must be 4-D, got shape {tuple(t.shape)}")
+    if unsqueeze_dim == 1:  # [batch, heads, seq, head_dim] (Hugging Face's attention layout)
+        t = t.transpose(1, 2)
+    elif unsqueeze_dim != 2:  # 2: already [batch, seq, heads, head_dim]
+        raise ValueError(f"tigon_torch: unsqueeze_dim must be 1 or 2, got {unsqueeze_dim}")
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t
+
+
+def _table(t: torch.Tensor, dtype) -> torch.Tensor:
+    if t.dim() == 2:
+        t = t.unsqueeze(0)
+    if t.dim() != 3:
+        raise ValueError(f"tigon_torch: cos / sin must be [batch or 1, seq, dim] or [seq, dim], got {tuple(t.shape)}")
+    if t.dtype != dtype and t.dtype != torch.float32:
+        t = t.to(dtype)
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t
+
+
+def _rope_call(q, k, cos, sin, position_ids, backward, interleaved, unsqueeze_dim):
+    """Rotates q (and k when given) out of place; outputs keep their inputs' layouts."""
+    q4 = _bthd(q, unsqueeze_dim)
+    k4 = _bthd(k, unsqueeze_dim) if k is not None else None
+    q_out = torch.empty_like(q)
+    k_out = torch.empty_like(k) if k is not None else None
+    qo4 = _bthd(q_out, unsqueeze_dim)
+    ko4 = _bthd(k_out, unsqueeze_dim) if k_out is not None else None
+    if q_out.numel() > 0:
+        ops().rope(q4, k4, cos, sin, position_ids, qo4, ko4, backward, interleaved)
+    return q_out, k_out
+
+
+def _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim):
+    _check_cuda(q, k, cos, sin)
+    if k is not None and k.dtype != q.dtype:
+        raise TypeError(f"tigon_torch: q ({q.dtype}) and k ({k.dtype}) must have one dtype")
+    cos = _table(cos, q.dtype)
+    sin = _table(sin, q.dtype)
+    if sin.dtype != cos.dtype:
+        sin = sin.to(cos.dtype)
+    if sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    seq = q.shape[2] if unsqueeze_dim == 1 else q.shape[1]
+    if position_ids is not None and cos.shape[1] != seq:
+        batch = q.shape[0]
+        position_ids = position_ids.expand(batch, seq) if position_ids.dim() == 2 else position_ids
+        position_ids = position_ids.contiguous()
+    else:
+        position_ids = None  # the tables are already gathered per position (Hugging Face's)
+    return cos, sin, position_ids
+
+
+class TigonRopeFunction(torch.autograd.Function):
+    """Rotary embedding of q and k with Hugging Face's rotate_half convention. q: [batch, heads_q, seq,
+    head_dim], k: [batch, heads_k, seq, head_dim] (unsqueeze_dim=1; with unsqueeze_dim=2 the layout is
+    [batch, seq, heads, head_dim]); any strides with a contiguous last dimension. cos / sin: [1 or
+    batch, seq, rotary_dim] as Hugging Face's rotary embedding returns them; rotary_dim < head_dim
+    rotates the first rotary_dim channels and passes the rest through (Phi-3's partial rotary).
+
+    position_ids: ignored when cos / sin already have seq rows (as in Liger); when the tables have
+    another number of rows they are indexed with position_ids [batch, seq]. Outputs are new tensors
+    (q and k are not modified) with the inputs' layouts."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        cos, sin, pos = _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim)
+        q_out, k_out = _rope_call(q, k, cos, sin, pos, False, False, unsqueeze_dim)
+        ctx.save_for_backward(cos, sin, pos)
+        ctx.unsqueeze_dim = unsqueeze_dim
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin, pos = ctx.saved_tensors
+        u = ctx.unsqueeze_dim
+        if dq is None and dk is None:
+            return None, None, None, None, None, None
+        if dq is None:
+            dk_in, _ = _rope_call(dk, None, cos, sin, pos, True, False, u)
+            return None, dk_in, None, None, None, None
+        if dk is None:
+            dq_in, _ = _rope_call(dq, None, cos, sin, pos, True, False, u)
+            return dq_in, None, None, None, None, None
+        if dk.dtype != dq.dtype:
+            dk = dk.to(dq.dtype)
+        dq_in, dk_in = _rope_call(dq, dk, cos, sin, pos, True, False, u)
+        return dq_in, dk_in, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# Gated activations
+# ------------------------------------------------------------------------------------------------
+
+
+def _gated_forward(ctx, a, b, act, gate_multiplier, down_multiplier):
+    _check_cuda(a, b)
+    if a.shape != b.shape:
+        raise ValueError(f"tigon_torch: a {tuple(a.shape)} and b {tuple(b.shape)} must have one shape")
+    order = row_order(a)
+    a2, b2 = as_rows(a, order), as_rows(b, order)
+    c2, c = empty_rows(a.shape, order, a.dtype, a.device)
+    if a2.numel() > 0:
+        ops().gated_fwd(a2, b2, c2, act, float(gate_multiplier), float(down_multiplier))
+    ctx.save_for_backward(a2, b2)
+    ctx.order, ctx.shape, ctx.act = order, a.shape, act
+    ctx.gate_multiplier, ctx.down_multiplier = float(gate_multiplier), float(down_multiplier)
+    return c
+
+
+def _gated_backward(ctx, dc):
+    a2, b2 = ctx.saved_tensors
+    dc2 = as_rows(dc, ctx.order)
+    da2, da = empty_rows(ctx.shape, ctx.order, a2.dtype, a2.device)
+    db2, db = empty_rows(ctx.shape, ctx.order, a2.dtype, a2.device)
+    if a2.numel() > 0:
+        ops().gated_bwd(dc2, a2, b2, da2, db2, ctx.act, ctx.gate_multiplier, ctx.down_multiplier)
+    return da, db
+
+
+class TigonSiLUMulFunction(torch.autograd.Function):
+    """SwiGLU: c = down_multiplier * silu(gate_multiplier * a) * b, all math in fp32, one rounding."""
+
+    @staticmethod
+    def forward(ctx, a, b, gate_multiplier: float = 1.0, down_multiplier: float = 1.0):
+        return _gated_forward(ctx, a, b, _o.ACTIVATIONS["silu"], gate_multiplier, down_multiplier)
+
+    @staticmethod
+    def backward(ctx, dc):
+        da, db = _gated_backward(ctx, dc)
+        return da, db, None, None
+
+
+class TigonGELUMulFunction(torch.autograd.Function):
+    """GeGLU: c = gelu(a, approximate="tanh") * b (Gemma's gelu_pytorch_tanh), all math in fp32."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return _gated_forward(ctx, a, b, _o.ACTIVATIONS["gelu_tanh"], 1.0, 1.0)
+
+    @staticmethod
+    def backward(ctx, dc):
+        return _gated_backward(ctx, dc)
+
+
+class TigonGatedMulFunction(torch.autograd.Function):
+    """down_multiplier * act(gate_multiplier * a) * b for activation "silu", "gelu_tanh" or "gelu" (exact,
+    erf): the general form behind TigonSiLUMulFunction and TigonGELUMulFunction."""
+
+    @staticmethod
+    def forward(ctx, a, b, activation="silu", gate_multiplier=1.0, down_multiplier=1.0):
+        if activation not in _o.ACTIVATIONS:
+            raise ValueError(f"tigon_torch: activation must be one of {sorted(_o.ACTIVATIONS)}, got {activation!r}")
+        return _gated_forward(ctx, a, b, _o.ACTIVATIONS[activation], gate_multiplier, down_multiplier)
+
+    @staticmethod
+    def backward(ctx, dc):
+        da, db = _gated_backward(ctx, dc)
+        return da, db, None, None, None
+
+
+class TigonFusedGateUpMulFunction(torch.autograd.Function):
+    """act(gate) * up over one fused projection gate_up [..., 2 * I] whose first half is the gate
+    (Phi-3's gate_up_proj): read in place through strides, and the gradient written into one
+    [..., 2 * I] tensor, so neither direction splits or concatenates. activation: "silu", "gelu_tanh"
+    or "gelu" (exact)."""
+
+    @staticmethod
+    def forward(ctx, gate_up, activation="silu"):
+        _check_cuda(gate_up)
+        if activation not in _o.ACTIVATIONS:
+            raise ValueError(f"tigon_torch: activation must be one of {sorted(_o.ACTIVATIONS)}, got {activation!r}")
+        n = gate_up.shape[-1]
+        if n % 2 != 0:
+            raise ValueError(f"tigon_torch: the fused gate||up dimension must be even, got {n}")
+        order = row_order(gate_up)
+        g2 = as_rows(gate_up, order)
+        i = n // 2
+        out_shape = list(gate_up.shape[:-1]) + [i]
+        c2, c = empty_rows(out_shape, order, gate_up.dtype, gate_up.device)
+        act = _o.ACTIVATIONS[activation]
+        if c2.numel() > 0:
+            ops().gated_fwd(g2[:, :i], g2[:, i:], c2, act, 1.0, 1.0)
+        ctx.save_for_backward(g2)
+        ctx.order, ctx.shape, ctx.act = order, gate_up.shape, act
+        return c
+
+    @staticmethod
+    def backward(ctx, dc):
+        (g2,) = ctx.saved_tensors
+        i = g2.shape[1] // 2
+        dc2 = as_rows(dc, ctx.order)
+        dg2, dg = empty_rows(ctx.shape, ctx.order, g2.dtype, g2.device)
+        if g2.numel() > 0:
+            ops().gated_bwd(dc2, g2[:, :i], g2[:, i:], dg2[:, :i], dg2[:, i:], ctx.act, 1.0, 1.0)
+        return dg, None
+
+
+# ------------------------------------------------------------------------------------------------
+# Cross-entropy
+# ------------------------------------------------------------------------------------------------
+
+
+def _ce_flags(return_z_loss, return_token_accuracy, return_predicted_tokens):
+    for name, v in (
+        ("return_z_loss", return_z_loss),
+        ("return_token_accuracy", return_token_accuracy),
+        ("return_predicted_tokens", return_predicted_tokens),
+    ):
+        if not isinstance(v, bool):
+            raise ValueError(f"tigon_torch: {name} must be True or False, got {v!r}")
+
+
+def _class_weights(weight, vocab, device):
+    if weight is None:
+        return None
+    if not torch.is_floating_point(weight):
+        raise ValueError(f"tigon_torch: class weights must be a floating-point tensor, got {weight.dtype}")
+    if weight.dim() != 1 or weight.shape[0] != vocab:
+        raise ValueError(f"tigon_torch: class weights must have shape [{vocab}], got {tuple(weight.shape)}")
+    return weight.to(device=device, dtype=torch.float32).contiguous()
+
+
+def _ce_outputs(rows, device, reduction, want_z, want_argmax, z_scale):
+    """Output buffers of one cross-entropy call (forward, no gradient)."""
+    red = _o.reduction_code(reduction)
+    f32 = dict(dtype=torch.float32, device=device)
+    loss = torch.empty((), **f32) if red != 0 else None
+    loss_rows = torch.empty(rows, **f32) if red == 0 else None
+    z_loss = torch.empty((), **f32) if (want_z and red != 0) else None
+    lse = torch.empty(rows, **f32) if (want_z and red == 0 and z_scale != 0.0) else None
+    argmax = torch.empty(rows, dtype=torch.int64, device=device) if want_argmax else None
+    return red, loss, loss_rows, z_loss, lse, argmax
+
+
+def _ce_extras(target, ignore_index, reduction, out_dtype, z_dtype, loss, loss_rows, z_loss, lse, argmax,
+               z_scale, return_z_loss, return_token_accuracy, return_predicted_tokens):
+    """The four return values (loss, z_loss, token_accuracy, predicted_tokens), all on the device."""
+    valid = target != ignore_index
+    loss_out = (loss_rows if reduction == "none" else loss).to(out_dtype)
+    z_out = None
+    if return_z_loss:
+        if reduction == "none":
+            z_rows = torch.zeros_like(loss_rows) if lse is None else z_scale * lse * lse * valid
+            z_out = z_rows.to(z_dtype)
+        else:
+            z_out = z_loss.to(z_dtype)
+    acc = None
+    if return_token_accuracy:
+        correct = ((argmax == target) & valid).to(torch.float32)
+        acc = correct if reduction == "none" else correct.sum() / valid.sum().clamp_min(1)
+    pred = torch.where(valid, argmax, torch.full_like(argmax, -1)) if return_predicted_tokens else None
+    return loss_out, z_out, acc, pred
+
+
+def _ce_forward(ctx, _input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+                return_z_loss, return_token_accuracy, return_predicted_tokens, loss_dtype):
+    _ce_flags(return_z_loss, return_token_accuracy, return_predicted_tokens)
+    _check_cuda(_input, target)
+    if _input.dim() != 2:
+        raise ValueError(f"tigon_torch: _input must be [BT, V], got shape {tuple(_input.shape)}")
+    x2 = as_rows(_input)
+    target = target.reshape(-1).contiguous()
+    rows, vocab = x2.shape
+    cw = _class_weights(weight, vocab, x2.device)
+    z_scale = float(lse_square_scale)
+    cap = 0.0 if softcap is None else float(softcap)
+    red, loss, loss_rows, z_loss, lse, argmax = _ce_outputs(
+        rows, x2.device, reduction, return_z_loss, return_token_accuracy or return_predicted_tokens, z_scale)
+    if rows > 0:
+        ops().cross_entropy(x2, target, cw, None, None, loss, loss_rows, z_loss, lse, argmax, int(ignore_index),
+                            float(label_smoothing), z_scale, cap, red, 1.0)
+    else:
+        for t in (loss, loss_rows, z_loss):
+            if t is not None:
+                t.zero_()
+    if _input.requires_grad:
+        ctx.save_for_backward(x2, target, cw)
+    ctx.args = (int(ignore_index), float(label_smoothing), z_scale, cap, red)
+    out = _ce_extras(target, ignore_index, reduction, loss_dtype, loss_dtype, loss, loss_rows, z_loss, lse, argmax,
+                     z_scale, return_z_loss, return_token_accuracy, return_predicted_tokens)
+    for t in out[2:]:
+        if t is not None:
+            ctx.mark_non_differentiable(t)
+    return out
+
+
+def _ce_backward(ctx, grad_output):
+    nones = (None,) * 10
+    if grad_output is None or not ctx.needs_input_grad[0]:
+        return (None,) + nones
+    x2, target, cw = ctx.saved_tensors
+    ignore_index, smoothing, z_scale, cap, red = ctx.args
+    go = grad_output.to(torch.float32)
+    go = go.reshape(()) if red != 0 else go.reshape(-1).contiguous()
+    dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    if x2.shape[0] > 0:
+        ops().cross_entropy(x2, target, cw, go, dx, None, None, None, None, None, ignore_index, smoothing, z_scale,
+                            cap, red, 1.0)
+    return (dx,) + nones
+
+
+class TigonCrossEntropyFunction(torch.autograd.Function):
+    """Cross-entropy over logits _input [BT, V] and targets [BT] (int64 or int32), with class weights,
+    ignore_index, label smoothing, z-loss (lse_square_scale * lse^2 per token, included in the loss),
+    a logit softcap and reductions "mean" (over the non-ignored tokens, weighted), "sum", "none".
+    Returns (loss, z_loss, token_accuracy, predicted_tokens); the last three are None unless asked for.
+
+    The forward reads the logits once and computes no gradient; the backward computes dlogits in one
+    pass with the upstream gradient folded in on the device (no comparison with 1.0 on the host, no
+    separate scaling pass). The logits are kept for the backward, not overwritten: _input is never
+    modified. loss and z_loss are returned in _input's dtype (as Liger), computed in fp32.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        _input: torch.Tensor,
+        target: torch.Tensor,
+        weight,
+        ignore_index: int = -100,
+        lse_square_scale: float = 0.0,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        softcap=None,
+        return_z_loss: bool = False,
+        return_token_accuracy: bool = False,
+        return_predicted_tokens: bool = False,
+    ):
+        return _ce_forward(ctx, _input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction,
+                           softcap, return_z_loss, return_token_accuracy, return_predicted_tokens, _input.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_output2, grad_output3, grad_output4):
+        return _ce_backward(ctx, grad_output)
+
+
+class TigonCrossEntropyFP32Function(torch.autograd.Function):
+    """TigonCrossEntropyFunction with the loss returned in fp32 whatever the logits' dtype (Hugging
+    Face's causal-LM loss upcasts to fp32; the patches' cross_entropy=True uses this)."""
+
+    @staticmethod
+    def forward(ctx, _input, target, weight, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
+                reduction="mean", softcap=None, return_z_loss=False, return_token_accuracy=False,
+                return_predicted_tokens=False):
+        return _ce_forward(ctx, _input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction,
+                           softcap, return_z_loss, return_token_accuracy, return_predicted_tokens, torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_output2, grad_output3, grad_output4):
+        return _ce_backward(ctx, grad_output)
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused linear cross-entropy
+# ------------------------------------------------------------------------------------------------
+
+
+def _lce_chunk() -> int:
+    import os
+
+    return int(os.environ.get("TIGON_TORCH_LCE_CHUNK", "0"))
+
+
+class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """The LM head's loss CE(_input @ weight.T + bias, target) without the [BT, V] logits: tigon's
+    chunked linear cross-entropy (one logits chunk of workspace; GEMMs on cuBLASLt with fp32
+    accumulation; dW and dB accumulated in fp32 across chunks, returned in the weight's dtype).
+    _input: [BT, H]; weight: [V, H]; target: [BT]; bias: [V] or None; ce_weight: class weights [V].
+    Returns (loss, z_loss, token_accuracy, predicted_tokens) like Liger; loss is fp32.
+
+    With reduction "mean" / "sum" the gradients are computed in the forward (the loss is the last
+    op) and scaled by the upstream gradient in the backward; with "none" the forward computes only
+    the loss and the backward runs the op again with the per-token upstream gradient.
+
+    Under autocast (CUDA), _input, weight and bias are cast to the autocast dtype, as the matmul of
+    the unfused head would be. accum_dtype is accepted and has no effect: accumulation is always
+    fp32. use_token_scaling=True raises NotImplementedError. The chunk size is tigon's default (about
+    1 GiB of logits) unless the environment sets TIGON_TORCH_LCE_CHUNK (tokens per chunk).
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        _input,
+        weight,
+        target,
+        bias=None,
+        ce_weight=None,
+        ignore_index=-100,
+        lse_square_scale=0.0,
+        label_smoothing=0.0,
+        reduction="mean",
+        softcap=None,
+        return_z_loss: bool = False,
+        accum_dtype=None,
+        use_token_scaling: bool = False,
+        return_token_accuracy: bool = False,
+        return_predicted_tokens: bool = False,
+    ):
+        if use_token_scaling:
+            raise NotImplementedError(
+                "tigon_torch: use_token_scaling (each token's loss scaled by its detached predicted "
+                "probability) has no tigon counterpart; call with use_token_scaling=False")
+        _ce_flags(return_z_loss, return_token_accuracy, return_predicted_tokens)
+        _check_cuda(_input, weight, target, bias)
+        in_dtype, w_dtype = _input.dtype, weight.dtype
+        b_dtype = bias.dtype if bias is not None else None
+        x, w, b = _input, weight, bias
+        if torch.is_autocast_enabled("cuda"):
+            dt = torch.get_autocast_dtype("cuda")
+            x, w = x.to(dt), w.to(dt)
+            b = b.to(dt) if b is not None else None
+        if w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
+            raise TypeError(
+                f"tigon_torch: _input ({x.dtype}), weight ({w.dtype}) and bias must have one dtype "
+                "(or run under autocast)")
+        hidden = x.shape[-1]
+        x2 = as_rows(x.reshape(-1, hidden))
+        w = w.contiguous()
+        b = vector(b)
+        target = target.reshape(-1).contiguous()
+        rows, vocab = x2.shape[0], w.shape[0]
+        if target.shape[0] != rows:
+            raise ValueError(f"tigon_torch: target has {target.shape[0]} tokens, _input {rows}")
+        cw = _class_weights(ce_weight, vocab, x2.device)
+        z_scale = float(lse_square_scale)
+        cap = 0.0 if softcap is None else float(softcap)
+        want_dx = ctx.needs_input_grad[0]
+        want_dw = ctx.needs_input_grad[1]
+        want_db = bias is not None and ctx.needs_input_grad[3]
+        needs_grad = want_dx or want_dw or want_db
+        defer = reduction == "none" and needs_grad
+        red, loss, loss_rows, z_loss, lse, argmax = _ce_outputs(
+            rows, x2.device, reduction, return_z_loss, return_token_accuracy or return_predicted_tokens, z_scale)
+        dx = dw = db = None
+        if needs_grad and not defer:
+            dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
+            dw = torch.empty(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
+            db = torch.empty(vocab, dtype=torch.float32, device=w.device) if want_db else None
+        chunk = _lce_chunk()
+        args = (int(ignore_index), float(label_smoothing), z_scale, cap, red, 1.0, chunk)
+        if rows > 0:
+            ops().linear_cross_entropy(x2, w, b, target, cw, None, dx, dw, db, loss, loss_rows, z_loss, lse, argmax,
+                                       *args)
+        else:
+            for t in (loss, loss_rows, z_loss, dw, db):
+                if t is not None:
+                    t.zero_()
+        ctx.defer = defer
+        ctx.dtypes = (in_dtype, w_dtype, b_dtype)
+        ctx.shape = _input.shape
+        if defer:
+            ctx.save_for_backward(x2, w, b, target, cw)
+            ctx.args = args
+            ctx.wants = (want_dx, want_dw, want_db)
+        elif needs_grad:
+            ctx.save_for_backward(
+                dx.to(in_dtype) if dx is not None else None,
+                dw.to(w_dtype) if dw is not None else None,
+                db.to(b_dtype) if db is not None else None,
+            )
+        out = _ce_extras(target, ignore_index, reduction, torch.float32, in_dtype, loss, loss_rows, z_loss, lse,
+                         argmax, z_scale, return_z_loss, return_token_accuracy, return_predicted_tokens)
+        for t in out[2:]:
+            if t is not None:
+                ctx.mark_non_differentiable(t)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_output2, grad_output3, grad_output4):
+        nones = (None,) * 11
+        if grad_output is None or not any(ctx.needs_input_grad[i] for i in (0, 1, 3)):
+            return (None, None, None, None) + nones
+        in_dtype, w_dtype, b_dtype = ctx.dtypes
+        if ctx.defer:
+            x2, w, b, target, cw = ctx.saved_tensors
+            want_dx, want_dw, want_db = ctx.wants
+            go = grad_output.to(torch.float32).reshape(-1).contiguous()
+            dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
+            dw = torch.empty(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
+            db = torch.empty(w.shape[0], dtype=torch.float32, device=w.device) if want_db else None
+            if x2.shape[0] > 0:
+                ops().linear_cross_entropy(x2, w, b, target, cw, go, dx, dw, db, None, None, None, None, None,
+                                           *ctx.args)
+            else:
+                for t in (dw, db):
+                    if t is not None:
+                        t.zero_()
+            dx = dx.to(in_dtype) if dx is not None else None
+            dw = dw.to(w_dtype) if dw is not None else None
+            db = db.to(b_dtype) if db is not None else None
+        else:
+            dx, dw, db = ctx.saved_tensors
+            go = grad_output.reshape(())
+            dx = dx * go.to(dx.dtype) if dx is not None else None
+            dw = dw * go.to(dw.dtype) if dw is not None else None
+            db = db * go.to(db.dtype) if db is not None else None
+        if dx is not None:
+            dx = dx.view(ctx.shape)
+        return (dx, dw, None, db) + nones

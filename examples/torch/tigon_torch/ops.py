@@ -1,0 +1,138 @@
+"""Thin wrappers over the compiled operators (torch.ops.tigon.*) and the layout helpers the autograd
+functions share.
+
+The operators take every output as an argument: the wrappers here allocate them with torch (so the
+caching allocator serves them), lay inputs out as [rows, cols] matrices with a unit column stride
+(views when the strides allow it, a copy otherwise), and return the outputs. Nothing here
+synchronises the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _ext
+
+CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
+REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+
+_fakes_registered = False
+
+
+def _register_fakes() -> None:
+    """Shape functions for torch.compile: every operator writes only into its arguments."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    names = [
+        "rms_norm_fwd",
+        "rms_norm_bwd",
+        "layer_norm_fwd",
+        "layer_norm_bwd",
+        "add_rms_norm_fwd",
+        "add_rms_norm_bwd",
+        "rope",
+        "gated_fwd",
+        "gated_bwd",
+        "cross_entropy",
+        "linear_cross_entropy",
+    ]
+    for name in names:
+
+        def fake(*args, **kwargs):
+            return None
+
+        torch.library.register_fake(f"tigon::{name}", fake)
+    _fakes_registered = True
+
+
+def ops():
+    """torch.ops.tigon, building or loading the extension on first use."""
+    if not _fakes_registered:
+        _ext.load()
+        _register_fakes()
+    return torch.ops.tigon
+
+
+def casting_mode(mode) -> int:
+    if isinstance(mode, int):
+        if mode not in (0, 1, 2):
+            raise ValueError(f"casting_mode must be 'llama', 'gemma', 'none' or 0, 1, 2; got {mode}")
+        return mode
+    if hasattr(mode, "value") and isinstance(mode.value, int):
+        return casting_mode(mode.value)
+    try:
+        return CASTING_MODES[mode]
+    except KeyError:
+        raise ValueError(f"casting_mode must be one of {sorted(CASTING_MODES)}, got {mode!r}") from None
+
+
+def reduction_code(reduction: str) -> int:
+    try:
+        return REDUCTIONS[reduction]
+    except KeyError:
+        raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, got {reduction!r}") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# Layouts
+# ------------------------------------------------------------------------------------------------
+
+
+def row_order(t: torch.Tensor) -> list[int]:
+    """Leading dimensions by decreasing stride, then the last: the permutation that puts t's rows in
+    memory order, so that a transposed view (Gemma 3's and Qwen 3's q / k norms) still flattens to
+    [rows, cols] without a copy."""
+    n = t.dim()
+    if n <= 1:
+        return list(range(n))
+    lead = sorted(range(n - 1), key=lambda d: -t.stride(d))
+    return lead + [n - 1]
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inv = [0] * len(order)
+    for i, d in enumerate(order):
+        inv[d] = i
+    return inv
+
+
+def as_rows(t: torch.Tensor, order: list[int] | None = None) -> torch.Tensor:
+    """t as a [rows, cols] matrix with unit column stride and a row stride >= cols (a view when t's
+    strides allow it, else a copy). Rows follow `order` (see row_order)."""
+    cols = t.shape[-1] if t.dim() > 0 else 1
+    if t.dim() == 0:
+        t = t.reshape(1)
+    if order is not None and order != list(range(t.dim())):
+        t = t.permute(order)
+    r = t.reshape(-1, cols)
+    if (cols > 1 and r.stride(1) != 1) or (r.shape[0] > 1 and r.stride(0) < cols):
+        r = r.contiguous()
+    return r
+
+
+def empty_rows(shape, order: list[int], dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh [rows, cols] matrix and the same memory as a tensor of `shape` whose rows follow `order`
+    (so an output keeps its input's layout)."""
+    shape = list(shape)
+    if not shape:
+        buf = torch.empty(1, 1, dtype=dtype, device=device)
+        return buf, buf.reshape(())
+    permuted = [shape[d] for d in order]
+    buf = torch.empty(permuted, dtype=dtype, device=device)
+    return buf.view(-1, shape[-1]), buf.permute(_inverse(order))
+
+
+def rows_as(rows: torch.Tensor, shape, order: list[int]) -> torch.Tensor:
+    """The inverse of as_rows for a contiguous [rows, cols] matrix."""
+    shape = list(shape)
+    if not shape:
+        return rows.reshape(())
+    return rows.view([shape[d] for d in order]).permute(_inverse(order))
+
+
+def vector(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t if t.is_contiguous() else t.contiguous()

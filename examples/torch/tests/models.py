@@ -39,6 +39,8 @@ def make_config(family: str, vocab: int | None = None, hidden: int = 64, layers:
     )
     if family != "phi3":
         kwargs["head_dim"] = head_dim
+    else:
+        kwargs["partial_rotary_factor"] = 0.5  # RoPE on half of each head (tigon's partial rotary path)
     if family in ("gemma2", "gemma3_text"):
         kwargs.update(query_pre_attn_scalar=head_dim, sliding_window=16)
     if family == "gemma2":

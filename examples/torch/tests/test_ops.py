@@ -1,0 +1,496 @@
+"""Each tigon function against the Hugging Face module or PyTorch reference it replaces, forward and
+backward, on a CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_elem, assert_rel
+
+import tigon_torch as tt
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEV = "cuda"
+
+
+def _hf_rms(kind: str, hidden: int, eps: float, weight: torch.Tensor):
+    if kind == "llama":
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm as Cls
+
+        m = Cls(hidden, eps=eps)
+    else:
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as Cls
+
+        m = Cls(hidden, eps=eps)
+    m.weight = torch.nn.Parameter(weight.detach().clone())
+    return m
+
+
+def _grads(out, inputs, grad):
+    return torch.autograd.grad(out, inputs, grad)
+
+
+# ------------------------------------------------------------------------------------------------
+# RMSNorm
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 7, 64), (3, 5, 4096), (257, 1000), (4, 2048)])
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_rms_norm_matches_hf(ext, seed, dtype, shape, kind, in_place):
+    hidden, eps = shape[-1], 1e-6
+    x = torch.randn(shape, device=DEV, dtype=dtype, requires_grad=True)
+    w0 = (torch.randn(hidden, device=DEV) * 0.1 + (0.0 if kind == "gemma" else 1.0)).to(dtype)
+    ref = _hf_rms(kind, hidden, eps, w0).to(DEV)
+    y_ref = ref(x)
+    dy = torch.randn_like(y_ref)
+    dx_ref, dw_ref = _grads(y_ref, (x, ref.weight), dy)
+
+    w = w0.clone().requires_grad_(True)
+    offset, casting = (1.0, "gemma") if kind == "gemma" else (0.0, "llama")
+    y = tt.TigonRMSNormFunction.apply(x, w, eps, offset, casting, in_place, None)
+    dx, dw = _grads(y, (x, w), dy.clone())
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_elem(y, y_ref, dtype)
+    assert_rel(dx, dx_ref, dtype, what="dx")
+    assert_rel(dw, dw_ref, dtype, factor=2.0, what="dW")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_fp32_weight(ext, seed, dtype):
+    """Half-precision activations with an fp32 weight (mixed precision): Hugging Face's Llama norm then
+    returns fp32; tigon returns the activations' dtype, equal to HF's result rounded once."""
+    x = torch.randn(64, 2048, device=DEV, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(2048, device=DEV)).requires_grad_(True)
+    ref = _hf_rms("llama", 2048, 1e-5, w).to(DEV)
+    y_ref = ref(x)
+    y = tt.tigon_rms_norm(x, w, 1e-5)
+    assert y.dtype == dtype
+    assert_elem(y, y_ref.to(dtype), dtype)
+    dy = torch.randn_like(y)
+    dx_ref, dw_ref = _grads(y_ref, (x, ref.weight), dy.float())
+    dx, dw = _grads(y, (x, w), dy)
+    assert dw.dtype == torch.float32
+    assert_rel(dx, dx_ref, dtype, what="dx")
+    assert_rel(dw, dw_ref, dtype, what="dW")
+
+
+def test_rms_norm_strided_layouts(ext, seed):
+    """A transposed [B, H, T, D] view (the q / k norms of Qwen 3 and Gemma 3) gives, row for row, the
+    same bits as the contiguous tensor, and the output keeps the input's layout."""
+    base = torch.randn(2, 9, 4, 128, device=DEV, dtype=torch.bfloat16)
+    xt = base.transpose(1, 2).requires_grad_(True)  # [B, H, T, D], not contiguous
+    xc = xt.detach().contiguous().requires_grad_(True)
+    w = torch.randn(128, device=DEV, dtype=torch.bfloat16)
+    yt = tt.tigon_rms_norm(xt, w, 1e-6, 1.0, "gemma", False)
+    yc = tt.tigon_rms_norm(xc, w, 1e-6, 1.0, "gemma", False)
+    assert yt.stride() == xt.stride()
+    torch.testing.assert_close(yt, yc, atol=0, rtol=0)
+    dy = torch.randn_like(yc)
+    (dxt,) = torch.autograd.grad(yt, xt, dy)
+    (dxc,) = torch.autograd.grad(yc, xc, dy)
+    torch.testing.assert_close(dxt, dxc, atol=0, rtol=0)
+
+
+def test_rms_norm_no_weight_and_none_casting(ext, seed):
+    x = torch.randn(33, 320, device=DEV, dtype=torch.float32, requires_grad=True)
+    y = tt.TigonRMSNormFunction.apply(x, None, 1e-6, 0.0, "none", False, None)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert_elem(y, ref, torch.float32)
+    dy = torch.randn_like(y)
+    assert_rel(torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(ref, x, dy)[0], torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# LayerNorm and the fused add + RMSNorm
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 11, 96), (64, 4096)])
+@pytest.mark.parametrize("affine", ["both", "weight", "none"])
+def test_layer_norm_matches_torch(ext, seed, dtype, shape, affine):
+    hidden = shape[-1]
+    x = (torch.randn(shape, device=DEV) * 3 + 5).to(dtype).requires_grad_(True)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEV)).to(dtype).requires_grad_(True) if affine != "none" else None
+    b = (0.1 * torch.randn(hidden, device=DEV)).to(dtype).requires_grad_(True) if affine == "both" else None
+    y_ref = F.layer_norm(x, (hidden,), w, b, 1e-5)
+    y = tt.TigonLayerNormFunction.apply(x, w, b, 1e-5)
+    assert_elem(y, y_ref, dtype)
+    dy = torch.randn_like(y)
+    inputs = [t for t in (x, w, b) if t is not None]
+    for got, want, name in zip(_grads(y, inputs, dy), _grads(y_ref, inputs, dy), ("dx", "dW", "dB")):
+        assert_rel(got, want, dtype, factor=2.0, what=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_fused_add_rms_norm_matches_add_then_hf(ext, seed, dtype, kind, in_place):
+    hidden = 1024
+    x = torch.randn(5, 13, hidden, device=DEV, dtype=dtype, requires_grad=True)
+    r = torch.randn(5, 13, hidden, device=DEV, dtype=dtype, requires_grad=True)
+    w0 = (torch.randn(hidden, device=DEV) * 0.1 + (0.0 if kind == "gemma" else 1.0)).to(dtype)
+    ref = _hf_rms(kind, hidden, 1e-6, w0).to(DEV)
+    s_ref = x + r
+    y_ref = ref(s_ref)
+    w = w0.clone().requires_grad_(True)
+    offset, casting = (1.0, "gemma") if kind == "gemma" else (0.0, "llama")
+    y, s = tt.TigonFusedAddRMSNormFunction.apply(x, r, w, 1e-6, offset, casting, in_place)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    assert_elem(y, y_ref, dtype)
+    gy, gs = torch.randn_like(y), torch.randn_like(s)
+    want = _grads((y_ref, s_ref), (x, r, ref.weight), (gy, gs))
+    got = _grads((y, s), (x, r, w), (gy.clone(), gs.clone()))
+    for g, e, name in zip(got, want, ("dx", "dr", "dW")):
+        assert_rel(g, e, dtype, factor=2.0, what=name)
+
+
+# ------------------------------------------------------------------------------------------------
+# RoPE
+# ------------------------------------------------------------------------------------------------
+
+
+def _hf_rope(q, k, cos, sin, unsqueeze_dim=1):
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb  # handles partial rotary
+
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+def _tables(batch, seq, dim, dtype, per_batch=False):
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=DEV, dtype=torch.float32) / dim))
+    pos = torch.arange(seq, device=DEV, dtype=torch.float32)
+    if per_batch:
+        pos = pos[None, :] + torch.arange(batch, device=DEV)[:, None] * 3
+    else:
+        pos = pos[None, :]
+    freqs = pos[..., None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
+@pytest.mark.parametrize("rotary", ["full", "partial"])
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_rope_matches_hf(ext, seed, dtype, heads, rotary, per_batch):
+    batch, seq, hq, hk, dim = 2, 37, heads[0], heads[1], 128
+    rd = dim if rotary == "full" else dim // 2
+    # Hugging Face's layout: [B, T, H, D] projections viewed as [B, H, T, D].
+    q = torch.randn(batch, seq, hq, dim, device=DEV, dtype=dtype).transpose(1, 2).requires_grad_(True)
+    k = torch.randn(batch, seq, hk, dim, device=DEV, dtype=dtype).transpose(1, 2).requires_grad_(True)
+    cos, sin = _tables(batch, seq, rd, dtype, per_batch)
+    q_ref, k_ref = _hf_rope(q, k, cos, sin)
+    q_out, k_out = tt.TigonRopeFunction.apply(q, k, cos, sin, None, 1)
+    assert q_out.shape == q.shape and q_out.stride() == q.stride()
+    assert_elem(q_out, q_ref, dtype)
+    assert_elem(k_out, k_ref, dtype)
+    gq, gk = torch.randn_like(q_ref), torch.randn_like(k_ref)
+    want = _grads((q_ref, k_ref), (q, k), (gq, gk))
+    got = _grads((q_out, k_out), (q, k), (gq, gk))
+    assert_rel(got[0], want[0], dtype, what="dq")
+    assert_rel(got[1], want[1], dtype, what="dk")
+
+
+def test_rope_unsqueeze_dim_2_fp32_tables_and_position_ids(ext, seed):
+    batch, seq, h, dim = 3, 20, 4, 64
+    dtype = torch.bfloat16
+    q = torch.randn(batch, seq, h, dim, device=DEV, dtype=dtype, requires_grad=True)  # [B, T, H, D]
+    k = torch.randn(batch, seq, h, dim, device=DEV, dtype=dtype, requires_grad=True)
+    cos32, sin32 = _tables(batch, seq, dim, torch.float32)
+    q_ref, k_ref = _hf_rope(q.float(), k.float(), cos32, sin32, unsqueeze_dim=2)
+    q_out, k_out = tt.tigon_rope(q, k, cos32, sin32, None, 2)  # fp32 tables with bf16 q / k
+    assert q_out.dtype == dtype
+    assert_elem(q_out, q_ref.to(dtype), dtype)
+    assert_elem(k_out, k_ref.to(dtype), dtype)
+    # A full table indexed by position ids equals the table gathered beforehand.
+    table_cos, table_sin = _tables(1, 100, dim, dtype)
+    pos = torch.randint(0, 100, (batch, seq), device=DEV)
+    gathered = (table_cos[0][pos], table_sin[0][pos])
+    a = tt.tigon_rope(q, k, table_cos, table_sin, pos, 2)
+    b = tt.tigon_rope(q, k, gathered[0], gathered[1], None, 2)
+    torch.testing.assert_close(a[0], b[0], atol=0, rtol=0)
+    torch.testing.assert_close(a[1], b[1], atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Gated activations
+# ------------------------------------------------------------------------------------------------
+
+
+def _gated_ref(a, b, act, gm=1.0, dm=1.0):
+    a32, b32 = a.float(), b.float()
+    if act == "silu":
+        v = F.silu(gm * a32)
+    elif act == "gelu_tanh":
+        v = F.gelu(gm * a32, approximate="tanh")
+    else:
+        v = F.gelu(gm * a32)
+    return dm * v * b32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 9, 352), (16, 14336), (7, 1001)])
+def test_swiglu_geglu_match_reference(ext, seed, dtype, shape):
+    for act, fn in (("silu", lambda a, b: tt.TigonSiLUMulFunction.apply(a, b)),
+                    ("gelu_tanh", lambda a, b: tt.TigonGELUMulFunction.apply(a, b)),
+                    ("gelu", lambda a, b: tt.TigonGatedMulFunction.apply(a, b, "gelu"))):
+        a = torch.randn(shape, device=DEV, dtype=dtype, requires_grad=True)
+        b = torch.randn(shape, device=DEV, dtype=dtype, requires_grad=True)
+        c = fn(a, b)
+        ref = _gated_ref(a, b, act)
+        assert c.dtype == dtype
+        assert_elem(c, ref.to(dtype), dtype)
+        dc = torch.randn_like(c)
+        want = _grads(ref, (a, b), dc.float())
+        got = _grads(c, (a, b), dc)
+        assert_rel(got[0], want[0], dtype, what=f"{act} da")
+        assert_rel(got[1], want[1], dtype, what=f"{act} db")
+
+
+def test_swiglu_multipliers(ext, seed):
+    a = torch.randn(8, 512, device=DEV, requires_grad=True)
+    b = torch.randn(8, 512, device=DEV, requires_grad=True)
+    c = tt.TigonSiLUMulFunction.apply(a, b, 0.5, 2.0)
+    ref = _gated_ref(a, b, "silu", 0.5, 2.0)
+    assert_elem(c, ref, torch.float32)
+    dc = torch.randn_like(c)
+    for g, e in zip(_grads(c, (a, b), dc), _grads(ref, (a, b), dc)):
+        assert_rel(g, e, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_gate_up_matches_chunk(ext, seed, dtype):
+    gu = torch.randn(3, 17, 2 * 768, device=DEV, dtype=dtype, requires_grad=True)
+    c = tt.TigonFusedGateUpMulFunction.apply(gu, "silu")
+    gate, up = gu.chunk(2, dim=-1)
+    ref = _gated_ref(gate, up, "silu")
+    assert_elem(c, ref.to(dtype), dtype)
+    dc = torch.randn_like(c)
+    assert_rel(torch.autograd.grad(c, gu, dc)[0], torch.autograd.grad(ref, gu, dc.float())[0], dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Cross-entropy
+# ------------------------------------------------------------------------------------------------
+
+
+def _targets(rows, vocab, ignore_frac=0.2, ignore_index=-100):
+    t = torch.randint(0, vocab, (rows,), device=DEV)
+    t[torch.rand(rows, device=DEV) < ignore_frac] = ignore_index
+    return t
+
+
+def _ce_ref(logits, target, weight=None, ignore_index=-100, z=0.0, smoothing=0.0, reduction="mean", softcap=None):
+    x = logits.float()
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    loss = F.cross_entropy(x, target, weight=weight, ignore_index=ignore_index, label_smoothing=smoothing,
+                           reduction="none")
+    valid = target != ignore_index
+    lse = torch.logsumexp(x, dim=-1)
+    zrow = z * lse * lse * valid
+    rows = loss + zrow
+    if reduction == "none":
+        return rows, zrow
+    if reduction == "sum":
+        return rows.sum(), zrow.sum()
+    denom = (weight[target.clamp_min(0)] * valid).sum() if weight is not None else valid.sum()
+    return rows.sum() / denom, zrow.sum() / denom
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", ["plain", "weights_smoothing", "zloss_softcap"])
+def test_cross_entropy_matches_torch(ext, seed, dtype, reduction, options):
+    rows, vocab = 300, 32000
+    logits = (torch.randn(rows, vocab, device=DEV) * 2).to(dtype).requires_grad_(True)
+    target = _targets(rows, vocab)
+    weight = smoothing = None
+    z, cap, smoothing = 0.0, None, 0.0
+    if options == "weights_smoothing":
+        weight = torch.rand(vocab, device=DEV) + 0.5
+        smoothing = 0.1
+    elif options == "zloss_softcap":
+        z, cap = 1e-4, 30.0
+    loss, z_loss, acc, pred = tt.TigonCrossEntropyFunction.apply(
+        logits, target, weight, -100, z, smoothing, reduction, cap, True, True, True)
+    ref, zref = _ce_ref(logits, target, weight, -100, z, smoothing, reduction, cap)
+    assert loss.dtype == dtype  # Liger's convention: the input's dtype
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(loss.float(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(z_loss.float(), zref, atol=tol, rtol=tol)
+    valid = target != -100
+    am = logits.float().argmax(-1)
+    torch.testing.assert_close(pred, torch.where(valid, am, torch.full_like(am, -1)))
+    correct = ((am == target) & valid).float()
+    torch.testing.assert_close(acc, correct if reduction == "none" else correct.sum() / valid.sum())
+    go = torch.rand_like(ref) + 0.5
+    (g,) = torch.autograd.grad(loss, logits, go.to(loss.dtype))
+    (g_ref,) = torch.autograd.grad(ref, logits, go.to(ref.dtype).to(loss.dtype).float())
+    assert_rel(g, g_ref, dtype, factor=2.0, what="dlogits")
+
+
+def test_cross_entropy_all_ignored_and_modules(ext, seed):
+    logits = torch.randn(8, 1000, device=DEV, requires_grad=True)
+    target = torch.full((8,), -100, device=DEV)
+    loss = tt.TigonCrossEntropyLoss()(logits, target)
+    assert float(loss) == 0.0
+    loss.backward()
+    assert float(logits.grad.abs().max()) == 0.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused linear cross-entropy
+# ------------------------------------------------------------------------------------------------
+
+
+def _flce_ref(x, w, target, b=None, **kw):
+    logits = x.float() @ w.float().t()
+    if b is not None:
+        logits = logits + b.float()
+    return _ce_ref(logits, target, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk", [0, 96])
+def test_fused_linear_cross_entropy_matches_reference(ext, seed, monkeypatch, dtype, reduction, bias, chunk):
+    monkeypatch.setenv("TIGON_TORCH_LCE_CHUNK", str(chunk))
+    tokens, hidden, vocab = 300, 256, 32000
+    x = (torch.randn(tokens, hidden, device=DEV) * 0.5).to(dtype).requires_grad_(True)
+    w = (torch.randn(vocab, hidden, device=DEV) * 0.05).to(dtype).requires_grad_(True)
+    b = (torch.randn(vocab, device=DEV) * 0.1).to(dtype).requires_grad_(True) if bias else None
+    target = _targets(tokens, vocab)
+    loss, _, _, _ = tt.TigonFusedLinearCrossEntropyFunction.apply(x, w, target, b, None, -100, 0.0, 0.0, reduction)
+    ref, _ = _flce_ref(x, w, target, b, reduction=reduction)
+    assert loss.dtype == torch.float32
+    tol = 2e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(loss, ref, atol=tol, rtol=tol)
+    go = torch.rand_like(ref) + 0.5
+    inputs = [t for t in (x, w, b) if t is not None]
+    got = _grads(loss, inputs, go)
+    want = _grads(ref, inputs, go)
+    for g, e, name in zip(got, want, ("dx", "dW", "dB")):
+        assert g.dtype == dtype
+        assert_rel(g, e, dtype, factor=3.0, what=name)
+
+
+def test_fused_linear_cross_entropy_softcap_zloss_smoothing(ext, seed):
+    tokens, hidden, vocab = 200, 128, 5000
+    x = torch.randn(tokens, hidden, device=DEV, requires_grad=True)
+    w = (torch.randn(vocab, hidden, device=DEV) * 0.1).requires_grad_(True)
+    target = _targets(tokens, vocab)
+    cw = torch.rand(vocab, device=DEV) + 0.5
+    out = tt.tigon_fused_linear_cross_entropy(x, w, target, None, cw, -100, 1e-4, 0.1, "mean", 20.0, True,
+                                              return_token_accuracy=True)
+    ref, zref = _flce_ref(x, w, target, None, weight=cw, z=1e-4, smoothing=0.1, softcap=20.0)
+    torch.testing.assert_close(out[0], ref, atol=1e-4, rtol=1e-4)
+    got = _grads(out[0], (x, w), None)
+    want = _grads(ref, (x, w), None)
+    for g, e in zip(got, want):
+        assert_rel(g, e, torch.float32, factor=5.0)
+
+
+def test_fused_linear_cross_entropy_autocast(ext, seed):
+    """fp32 parameters under bf16 autocast: the op runs in bf16 like the unfused head's matmul, and the
+    gradients come back in the parameters' dtype."""
+    x = torch.randn(128, 256, device=DEV, requires_grad=True)
+    w = (torch.randn(8000, 256, device=DEV) * 0.05).requires_grad_(True)
+    target = _targets(128, 8000)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = tt.tigon_fused_linear_cross_entropy(x, w, target)
+        ref = F.cross_entropy((x @ w.t()).float(), target)
+    torch.testing.assert_close(loss, ref, atol=2e-2, rtol=2e-2)
+    gx, gw = _grads(loss, (x, w), None)
+    rx, rw = _grads(ref, (x, w), None)
+    assert gx.dtype == torch.float32 and gw.dtype == torch.float32
+    assert_rel(gx, rx, torch.bfloat16, factor=2.0)
+    assert_rel(gw, rw, torch.bfloat16, factor=2.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors, host synchronisation
+# ------------------------------------------------------------------------------------------------
+
+
+def test_tigon_status_becomes_python_exception(ext):
+    x = torch.randn(4, 64, device=DEV)
+    target = torch.randint(0, 64, (4,), device=DEV)
+    with pytest.raises(ValueError, match=r"tigon::cross_entropy.*label_smoothing"):
+        tt.TigonCrossEntropyFunction.apply(x, target, None, -100, 0.0, 1.5)
+    with pytest.raises(ValueError, match=r"tigon::rms_norm_forward.*eps"):
+        tt.TigonRMSNormFunction.apply(x, None, -1.0)
+    with pytest.raises(NotImplementedError, match="use_token_scaling"):
+        tt.TigonFusedLinearCrossEntropyFunction.apply(x, torch.randn(64, 64, device=DEV), target, None, None,
+                                                      -100, 0.0, 0.0, "mean", None, False, None, True)
+    with pytest.raises(ValueError, match="CUDA"):
+        tt.TigonRMSNormFunction.apply(torch.randn(4, 64), None, 1e-6)
+    with pytest.raises(TypeError):
+        tt.TigonRMSNormFunction.apply(x, torch.ones(64, device=DEV, dtype=torch.bfloat16), 1e-6)
+
+
+def test_no_host_synchronisation(ext, seed):
+    """Forward and backward of every function with CUDA's sync debug mode set to error."""
+    dev = DEV
+    x = torch.randn(64, 1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn_like(x, requires_grad=True)
+    w = torch.ones(1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    q = torch.randn(2, 8, 16, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 2, 16, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = _tables(2, 16, 64, torch.bfloat16)
+    head = torch.randn(4000, 1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    target = _targets(64, 4000)
+
+    def step():
+        total = tt.tigon_rms_norm(x, w).float().sum()
+        total = total + tt.tigon_layer_norm(x, w, None).float().sum()
+        y, s = tt.tigon_fused_add_rms_norm(x, r, w)
+        total = total + y.float().sum() + s.float().sum()
+        qo, ko = tt.tigon_rope(q, k, cos, sin)
+        total = total + qo.float().sum() + ko.float().sum()
+        total = total + tt.tigon_swiglu(x, r).float().sum() + tt.tigon_geglu(x, r).float().sum()
+        logits = x @ head.t()
+        total = total + tt.tigon_cross_entropy(logits, target).float()
+        out = tt.tigon_cross_entropy(logits, target, return_token_accuracy=True, return_predicted_tokens=True)
+        total = total + out[0].float()
+        total = total + tt.tigon_fused_linear_cross_entropy(x, head, target)
+        total = total + tt.tigon_fused_linear_cross_entropy(x, head, target, reduction="none").sum()
+        total.backward()
+
+    step()  # first calls: device queries, cuBLASLt plans
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_torch_compile(ext, seed):
+    """The functions inside torch.compile (operators with fake kernels): same values as eager."""
+    x = torch.randn(32, 512, device=DEV, requires_grad=True)
+    w = torch.randn(512, device=DEV, requires_grad=True)
+    head = torch.randn(1000, 512, device=DEV, requires_grad=True)
+    target = _targets(32, 1000)
+
+    def f(x, w, head):
+        h = tt.tigon_rms_norm(x, w, 1e-6, 0.0, "llama", False)
+        h = tt.tigon_swiglu(h, h)
+        return tt.tigon_fused_linear_cross_entropy(h, head, target)
+
+    eager = f(x, w, head)
+    ge = torch.autograd.grad(eager, (x, w, head))
+    compiled = torch.compile(f)(x, w, head)
+    gc = torch.autograd.grad(compiled, (x, w, head))
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b)

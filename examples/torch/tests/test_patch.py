@@ -1,0 +1,205 @@
+"""apply_tigon_to_<family>: what gets replaced (on any machine), and a patched model against the
+unpatched one on a CUDA device (loss, gradients, logits, num_items_in_batch, gradient checkpointing)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from conftest import assert_rel
+from models import FAMILIES, build_model
+
+import tigon_torch as tt
+from tigon_torch import patch
+
+pytest.importorskip("transformers")
+
+
+def _apply_fn(family):
+    return getattr(tt, f"apply_tigon_to_{family}")
+
+
+def _spec(family):
+    spec = patch._FAMILIES[family]
+    return spec, importlib.import_module(spec.module)
+
+
+def _ids(vocab, batch=2, seq=12, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(3, vocab, (batch, seq), generator=g).to(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Structure (any machine): the right classes and forwards are replaced, and unpatch() restores them
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_instance_patch_replaces_forwards(family):
+    spec, mod = _spec(family)
+    ref = build_model(family, vocab=256)
+    model = build_model(family, vocab=256)
+    model.load_state_dict(ref.state_dict())
+    original_rope = mod.apply_rotary_pos_emb
+    _apply_fn(family)(model=model)
+
+    norms = [m for m in model.modules() if type(m).__name__ == spec.norm]
+    mlps = [m for m in model.modules() if type(m).__name__ == spec.mlp]
+    assert norms and all(m.forward.__func__ is patch._rms_norm_forward for m in norms)
+    assert all(m._tigon_offset == spec.offset and m._tigon_casting == spec.casting for m in norms)
+    assert all(m._tigon_in_place == spec.norm_in_place for m in norms)
+    want_mlp = patch._fused_gate_up_mlp_forward if spec.fused_gate_up else patch._gated_mlp_forward
+    assert mlps and all(m.forward.__func__ is want_mlp for m in mlps)
+    assert patch._mlp_kind(mlps[0]) == ("gelu_tanh" if spec.casting == "gemma" else "silu")
+    assert mod.apply_rotary_pos_emb is tt.tigon_rotary_pos_emb
+    assert "forward" in model.__dict__ and model._tigon_flce and not model._tigon_ce
+    assert "forward" not in ref.__dict__  # another instance is left alone
+
+    # On the CPU every patched forward falls back to Hugging Face's code: identical results.
+    ids = _ids(256)
+    model.train(), ref.train()
+    out, want = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.logits, want.logits)
+    torch.testing.assert_close(out.loss, want.loss)
+    n = torch.tensor(9)
+    torch.testing.assert_close(model(input_ids=ids, labels=ids, num_items_in_batch=n).loss,
+                               ref(input_ids=ids, labels=ids, num_items_in_batch=n).loss)
+    assert isinstance(model(input_ids=ids, labels=ids, return_dict=False), tuple)
+
+    tt.unpatch()
+    assert mod.apply_rotary_pos_emb is original_rope
+    assert "forward" not in model.__dict__
+    assert all("forward" not in m.__dict__ for m in norms + mlps)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_class_patch_before_build(family):
+    spec, mod = _spec(family)
+    norm_cls, mlp_cls = getattr(mod, spec.norm), getattr(mod, spec.mlp)
+    lm_cls = getattr(mod, spec.causal_lm[0])
+    lm_forward = lm_cls.forward
+    ref = build_model(family, vocab=256)
+    _apply_fn(family)()
+    assert getattr(mod, spec.norm) is not norm_cls and issubclass(getattr(mod, spec.norm), norm_cls)
+    assert issubclass(getattr(mod, spec.mlp), mlp_cls)
+    assert lm_cls.forward is not lm_forward
+    model = build_model(family, vocab=256)
+    assert all(type(m).__name__ == f"Tigon{spec.norm}" for m in model.modules() if isinstance(m, norm_cls))
+    assert any(type(m).__name__ == f"Tigon{spec.mlp}" for m in model.modules())
+    model.load_state_dict(ref.state_dict())  # same parameters
+    ids = _ids(256)
+    torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    tt.unpatch()
+    assert getattr(mod, spec.norm) is norm_cls and getattr(mod, spec.mlp) is mlp_cls
+    assert lm_cls.forward is lm_forward
+    assert not any(type(m).__name__.startswith("Tigon") for m in build_model(family, vocab=256).modules())
+
+
+def test_switches_and_errors():
+    model = build_model("llama", vocab=256)
+    tt.apply_tigon_to_llama(rope=False, rms_norm=False, swiglu=True, fused_linear_cross_entropy=False, model=model)
+    spec, mod = _spec("llama")
+    assert mod.apply_rotary_pos_emb is not tt.tigon_rotary_pos_emb
+    assert "forward" not in model.model.norm.__dict__
+    assert "forward" in model.model.layers[0].mlp.__dict__
+    assert "forward" not in model.__dict__
+    with pytest.raises(ValueError):
+        tt.apply_tigon_to_llama(cross_entropy=True, fused_linear_cross_entropy=True)
+    tt.apply_tigon_to_model(model)  # the family from config.model_type
+    assert "forward" in model.__dict__
+    with pytest.raises(NotImplementedError):
+        tt.apply_tigon_to_model(torch.nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------------------------------------------
+# On a CUDA device: tigon's kernels in the model
+# ------------------------------------------------------------------------------------------------
+
+
+def _pair(family, dtype, **kw):
+    ref = build_model(family, dtype=dtype, device="cuda", **kw)
+    model = build_model(family, dtype=dtype, device="cuda", **kw)
+    model.load_state_dict(ref.state_dict())
+    return ref, model
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_patched_model_matches_hf(ext, family, dtype):
+    ref, model = _pair(family, dtype, vocab=4096, hidden=256, heads=4, kv_heads=2)
+    _apply_fn(family)(model=model)
+    ids = _ids(4096, batch=3, seq=40, device="cuda")
+    labels = ids.clone()
+    labels[:, :5] = -100
+    ref.train(), model.train()
+    want = ref(input_ids=ids, labels=labels)
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None  # the fused loss skipped the logits
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.loss, want.loss.float(), atol=tol, rtol=tol)
+    want.loss.backward()
+    out.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is None:
+            continue
+        assert_rel(p.grad, q.grad, dtype, factor=10.0, what=f"{family} grad {name}")
+
+    # num_items_in_batch: the sum divided by the count, as Hugging Face's loss does.
+    n = torch.tensor(77, device="cuda")
+    torch.testing.assert_close(model(input_ids=ids, labels=labels, num_items_in_batch=n).loss,
+                               ref(input_ids=ids, labels=labels, num_items_in_batch=n).loss.float(), atol=tol,
+                               rtol=tol)
+    # Inference: logits as Hugging Face computes them (softcap included).
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        lo, lr = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert_rel(lo, lr, dtype, factor=10.0, what=f"{family} logits")
+
+
+@pytest.mark.gpu
+def test_cross_entropy_switch(ext):
+    ref, model = _pair("gemma2", torch.float32, vocab=4096, hidden=256)
+    tt.apply_tigon_to_gemma2(cross_entropy=True, fused_linear_cross_entropy=False, model=model)
+    ids = _ids(4096, device="cuda")
+    ref.train(), model.train()
+    out, want = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    assert out.logits is not None
+    torch.testing.assert_close(out.loss, want.loss, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "phi3"])
+def test_gradient_checkpointing(ext, family):
+    ref, model = _pair(family, torch.float32, vocab=4096, hidden=256)
+    _apply_fn(family)(model=model)
+    model.gradient_checkpointing_enable()
+    ref.train(), model.train()
+    ids = _ids(4096, device="cuda")
+    want = ref(input_ids=ids, labels=ids)
+    out = model(input_ids=ids, labels=ids)
+    want.loss.backward()
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, atol=1e-4, rtol=1e-4)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert_rel(p.grad, q.grad, torch.float32, factor=50.0)
+
+
+@pytest.mark.gpu
+def test_autocast_training_step(ext):
+    ref, model = _pair("llama", torch.float32, vocab=4096, hidden=256)
+    tt.apply_tigon_to_llama(model=model)
+    ids = _ids(4096, device="cuda")
+    ref.train(), model.train()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = ref(input_ids=ids, labels=ids)
+        out = model(input_ids=ids, labels=ids)
+    want.loss.backward()
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss.float(), atol=2e-2, rtol=2e-2)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32
+        assert_rel(p.grad, q.grad, torch.bfloat16, factor=5.0)

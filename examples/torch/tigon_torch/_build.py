@@ -24,8 +24,7 @@ SOURCES = [
     "add_rms_norm.cu",
     "rope.cu",
     "gated.cu",
-    "cross_entropy.cu",
-    "linear_cross_entropy.cu",
+    "loss.cu",
 ]
 DEFAULT_ARCH = "9.0"
 

@@ -1,5 +1,9 @@
-// The chunked linear cross-entropy (the LM head's loss without the logits) through
-// tigon/loss/linear_cross_entropy.cuh and its cuBLASLt GEMM back end.
+// The losses: cross-entropy (tigon/loss/cross_entropy.cuh) and the chunked linear cross-entropy
+// (tigon/loss/linear_cross_entropy.cuh, the LM head's loss without the logits) on tigon's cuBLASLt
+// GEMM back end.
+//
+// One translation unit for both: cross_entropy.cuh defines non-template kernels (ce_merge_kernel,
+// ce_reduce_kernel), so two translation units that include it give the linker two definitions.
 #include "loss_common.h"
 
 #include <torch/library.h>
@@ -9,10 +13,44 @@
 #include <mutex>
 #include <utility>
 
+#include <tigon/loss/cross_entropy.cuh>
 #include <tigon/loss/linear_cross_entropy.cuh>
 
 namespace tigon_torch {
 namespace {
+
+void cross_entropy(const Tensor& logits, const Tensor& target, const OptTensor& class_weights,
+                   const OptTensor& grad_output, const OptTensor& dlogits, const OptTensor& loss,
+                   const OptTensor& loss_rows, const OptTensor& z_loss, const OptTensor& lse,
+                   const OptTensor& argmax, std::int64_t ignore_index, double label_smoothing,
+                   double z_loss_scale, double softcap, std::int64_t reduction, double grad_scale) {
+  constexpr const char* op = "tigon.cross_entropy";
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const Rows X = rows_of(logits, logits, logits.scalar_type(), op, "logits");
+  Rows D;
+  if (dlogits) {
+    D = rows_of(*dlogits, logits, logits.scalar_type(), op, "dlogits");
+    same_shape(X, D, op, "logits", "dlogits");
+  }
+  dispatch_float(logits.scalar_type(), op, "logits", [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    dispatch_index(target.scalar_type(), op, [&](auto ti) {
+      using I = typename decltype(ti)::type;
+      tigon::CrossEntropyArgs<T, I> a;
+      fill_loss(a, logits, X.rows, X.cols, target, class_weights, grad_output, loss, loss_rows, z_loss, lse,
+                argmax, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, grad_scale, op);
+      a.logits = static_cast<const T*>(X.ptr);
+      a.logits_stride = X.stride;
+      a.dlogits = static_cast<T*>(D.ptr);
+      a.dlogits_stride = D.stride;
+      const std::size_t bytes = tigon::cross_entropy_workspace_bytes(X.rows);
+      const Tensor ws = workspace(bytes, logits);
+      a.workspace = ws.data_ptr();
+      a.workspace_bytes = bytes;
+      check_status(tigon::cross_entropy(a, current_stream(logits)));
+    });
+  });
+}
 
 // One cuBLASLt back end per (device, stream), with its own 32 MiB workspace from torch's caching
 // allocator: cuBLASLt plans are cached per shape inside it, and a stream never shares its GEMM
@@ -103,6 +141,7 @@ void linear_cross_entropy(const Tensor& x, const Tensor& weight, const OptTensor
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tigon, CUDA, m) {
+  m.impl("cross_entropy", &cross_entropy);
   m.impl("linear_cross_entropy", &linear_cross_entropy);
 }
 

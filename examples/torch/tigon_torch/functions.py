@@ -41,10 +41,6 @@ def _compiling() -> bool:
         return False
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
-
-
 # ------------------------------------------------------------------------------------------------
 # RMSNorm
 # ------------------------------------------------------------------------------------------------
@@ -81,12 +77,9 @@ class TigonRMSNormFunction(torch.autograd.Function):
     def backward(ctx, dY):
         x2, W, rstd = ctx.saved_tensors
         dy2 = as_rows(dY, ctx.order)
-        if ctx.in_place and not _compiling():
-            dx2 = dy2
-            dX = rows_as(dx2, ctx.shape, ctx.order) if dy2.is_contiguous() else None
-        else:
-            dx2, dX = empty_rows(ctx.shape, ctx.order, x2.dtype, x2.device)
-        if dX is None:  # dY's rows are strided: write a fresh, contiguous gradient instead
+        if ctx.in_place and not _compiling() and dy2.is_contiguous():
+            dx2, dX = dy2, rows_as(dy2, ctx.shape, ctx.order)  # dX over dY
+        else:  # out of place (also when dY's rows are strided or torch.compile traces)
             dx2, dX = empty_rows(ctx.shape, ctx.order, x2.dtype, x2.device)
         dW = None
         if W is not None and ctx.needs_input_grad[1]:

@@ -517,13 +517,14 @@ TIGON_KERNEL void __launch_bounds__(1024)
 }
 
 // loss = sum(loss_rows) (/ denominator), z_loss likewise; an all-ignored batch gives 0.
-TIGON_KERNEL void __launch_bounds__(1024)
+template <int kThreads = 1024>  // a template: a header's kernel needs one definition per program
+TIGON_KERNEL void __launch_bounds__(kThreads)
     ce_reduce_kernel(const float* loss_rows, const float* z_rows, std::int64_t rows,
                      const float* denom, bool mean, float* loss, float* z_loss) {
-  using Reduce = BlockAllReduce<1024, 2>;
+  using Reduce = BlockAllReduce<kThreads, 2>;
   __shared__ typename Reduce::TempStorage tmp;
   float s[2] = {0.0f, 0.0f};
-  for (std::int64_t r = threadIdx.x; r < rows; r += 1024) {
+  for (std::int64_t r = threadIdx.x; r < rows; r += kThreads) {
     s[0] += loss_rows[r];
     s[1] += z_rows[r];
   }
@@ -537,10 +538,12 @@ TIGON_KERNEL void __launch_bounds__(1024)
 }
 
 // Merge per-shard statistics [shards][rows] into [rows].
-TIGON_KERNEL void __launch_bounds__(256)
+template <int kThreads = 256>  // a template: a header's kernel needs one definition per program
+TIGON_KERNEL void __launch_bounds__(kThreads)
     ce_merge_kernel(const CrossEntropyStats* shards, int nshards, std::int64_t rows,
                     CrossEntropyStats* out) {
-  for (std::int64_t r = blockIdx.x * 256ll + threadIdx.x; r < rows; r += gridDim.x * 256ll) {
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x; r < rows;
+       r += static_cast<std::int64_t>(gridDim.x) * kThreads) {
     CrossEntropyStats m = shards[r];
     for (int k = 1; k < nshards; ++k) {
       const CrossEntropyStats& o = shards[static_cast<std::int64_t>(k) * rows + r];
@@ -653,7 +656,7 @@ Status ce_denominator(const I* targets, std::int64_t rows, std::int64_t ignore_i
 inline Status ce_reduce(const float* loss_rows, const float* z_rows, std::int64_t rows, const float* denom,
                         bool mean, float* loss, float* z_loss, cudaStream_t stream, const char* op) {
   if (loss == nullptr && z_loss == nullptr) return Status();
-  ce_reduce_kernel<<<1, 1024, 0, stream>>>(loss_rows, z_rows, rows, denom, mean, loss, z_loss);
+  ce_reduce_kernel<1024><<<1, 1024, 0, stream>>>(loss_rows, z_rows, rows, denom, mean, loss, z_loss);
   return check_launch(op);
 }
 
@@ -741,7 +744,7 @@ template <class T, class I>
   TIGON_CHECK(check::positive(nshards, kOp, "nshards"));
   TIGON_CHECK(check::positive(rows, kOp, "rows"));
   const unsigned grid = static_cast<unsigned>(std::min<std::int64_t>(ceil_div<std::int64_t>(rows, 256), 4096));
-  detail::ce_merge_kernel<<<grid, 256, 0, stream>>>(shards, nshards, rows, merged);
+  detail::ce_merge_kernel<256><<<grid, 256, 0, stream>>>(shards, nshards, rows, merged);
   return check_launch(kOp);
 }
 

@@ -59,7 +59,8 @@ BENCHMARK(BM_grad) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMic
 BENCHMARK(BM_loss) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 
 // Policy variants at 8192 x 128256: CrossEntropyPolicy<wide block, narrow block, vectors in flight
-// per thread, rows per SM (0: as many as fit in half the L2 with a gradient)>.
+// per thread, rows per SM (0: as many as fit in half the L2 with a gradient), blocks per cluster
+// (0: the row kernel), vectors per thread in a cluster>.
 #define CE_VARIANT(label, ...)                                                                   \
   void BM_grad_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, true, #label); }           \
   void BM_loss_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, false, #label); }          \
@@ -71,5 +72,9 @@ CE_VARIANT(b1024_u4_2_per_sm, CrossEntropyPolicy<1024, 256, 4, 2>)
 CE_VARIANT(b512_u4_2_per_sm, CrossEntropyPolicy<512, 256, 4, 2>)
 CE_VARIANT(b512_u4_4_per_sm, CrossEntropyPolicy<512, 256, 4, 4>)
 CE_VARIANT(b256_u4_8_per_sm, CrossEntropyPolicy<256, 256, 4, 8>)
+CE_VARIANT(cluster4_b1024_v4, CrossEntropyPolicy<1024, 256, 4, 0, 4, 4>)
+CE_VARIANT(cluster8_b512_v4, CrossEntropyPolicy<512, 256, 4, 0, 8, 4>)
+CE_VARIANT(cluster4_b512_v8, CrossEntropyPolicy<512, 256, 4, 0, 4, 8>)
+CE_VARIANT(cluster8_b1024_v2, CrossEntropyPolicy<1024, 256, 4, 0, 8, 2>)
 
 BENCH_MAIN

@@ -182,7 +182,8 @@ TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce
 }
 
 TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]") {
-  // CrossEntropyPolicy<wide block, narrow block, vectors in flight, rows per SM>
+  // CrossEntropyPolicy<wide block, narrow block, vectors in flight, rows per SM, cluster, vectors
+  // per thread in a cluster>
   using tigon::CrossEntropyPolicy;
   for (std::int64_t V : {std::int64_t{1000}, std::int64_t{32000}, std::int64_t{128256}}) {
     const std::int64_t rows = V == 128256 ? 16 : 100;
@@ -195,6 +196,10 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
     for (const Case& c : {base, all, sep}) {
       run_case<bf16, std::int64_t, CrossEntropyPolicy<1024, 256, 8, 2>>(c);  // 8 vectors in flight
       run_case<half, std::int32_t, CrossEntropyPolicy<256, 64, 1, 8>>(c);    // 1 vector, 8 rows per SM
+      // the row split across a cluster (V 32000 and 128256; V 1000 takes the row kernel)
+      run_case<bf16, std::int64_t, CrossEntropyPolicy<1024, 256, 4, 0, 4, 4>>(c);
+      run_case<half, std::int32_t, CrossEntropyPolicy<512, 256, 4, 0, 8, 4>>(c);
+      run_case<bf16, std::int64_t, CrossEntropyPolicy<512, 256, 4, 0, 2, 8>>(c);  // 128256 does not fit: row kernel
     }
   }
 }

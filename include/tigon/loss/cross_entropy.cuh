@@ -28,6 +28,8 @@
 #include "../core/validate.hpp"
 
 #if defined(__CUDACC__)
+#include <cooperative_groups.h>
+
 #include "../core/device.hpp"
 #include "../core/reduce.cuh"
 #include "../core/vector.cuh"
@@ -203,10 +205,21 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
 //   kUnroll:       16-byte vectors each thread has in flight per trip of either pass;
 //   kRowsPerSm:    0: resident blocks fill the device, and with a gradient only as many rows are
 //                  in flight as fit in half the L2 (the second pass re-reads its row from there);
-//                  n > 0: n blocks per SM (at most the occupancy), whatever the L2.
-template <int kWideThreads_ = 1024, int kNarrowThreads_ = 256, int kUnroll_ = 4, int kRowsPerSm_ = 0>
+//                  n > 0: n blocks per SM (at most the occupancy), whatever the L2;
+//   kCluster:      0: the row kernel above. c in 2..8 (Hopper and later): wide rows (the wide
+//                  block size) are split across a thread-block cluster of c blocks, each thread
+//                  holding up to kClusterVecs 16-byte vectors of the row in registers, so the row
+//                  is read from DRAM once and never re-read; the blocks combine their statistics
+//                  through distributed shared memory. Rows that do not fit, other dtypes' vector
+//                  widths and older GPUs take the row kernel.
+template <int kWideThreads_ = 1024, int kNarrowThreads_ = 256, int kUnroll_ = 4, int kRowsPerSm_ = 0,
+          int kCluster_ = 0, int kClusterVecs_ = 4>
 struct CrossEntropyPolicy {
   static_assert(kUnroll_ >= 1 && kUnroll_ <= 8, "1 to 8 vectors in flight per thread");
+  static_assert(kCluster_ == 0 || (kCluster_ >= 2 && kCluster_ <= 8), "0, or 2 to 8 blocks per cluster");
+  static_assert(kClusterVecs_ >= 1 && kClusterVecs_ <= 8, "1 to 8 vectors per thread in a cluster");
+  static constexpr int kCluster = kCluster_;
+  static constexpr int kClusterVecs = kClusterVecs_;
   static constexpr int kWideThreads = kWideThreads_;
   static constexpr int kNarrowThreads = kNarrowThreads_;
   static constexpr int kUnroll = kUnroll_;
@@ -498,6 +511,128 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
   }
 }
 
+// Wide rows split across a cluster of kCluster blocks (sm_90+). Cluster c walks rows c, c +
+// clusters, ...; block `rank` of it owns the vectors [rank * slice, (rank + 1) * slice) of each
+// row and every thread holds up to kVecs of them in registers: one DRAM read, all of a row's loads
+// in flight at once, no second pass. Each block's statistics go to every block of the cluster
+// (distributed shared memory, double-buffered by row parity, one cluster barrier per row), and
+// every block merges them in rank order: the same totals everywhere, deterministic.
+template <class T, class I, int kV, int kThreads, int kCluster, int kVecs, bool kPlain>
+TIGON_KERNEL void __launch_bounds__(kThreads, kThreads <= 512 ? 2 : 1) ce_cluster_kernel(const CeParams<T, I> params) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  const CeParams<T, I> p = ce_specialise<kPlain>(params);
+  using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
+  __shared__ typename Reduce::TempStorage reduce;
+  __shared__ CeAcc slots[2][kCluster];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const std::int64_t cid = blockIdx.x / kCluster;
+  const std::int64_t clusters = gridDim.x / kCluster;
+  const int nvec = static_cast<int>(p.vocab / kV);
+  const int slice = (nvec + kCluster - 1) / kCluster;
+  const int v0 = rank * slice;
+  const int v1 = v0 + slice < nvec ? v0 + slice : nvec;
+  const bool smooth = p.eps > 0.0f;
+  const bool want_arg = p.argmax != nullptr;
+  const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
+  const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
+  int parity = 0;
+  for (std::int64_t row = cid; row < p.rows; row += clusters, parity ^= 1) {
+    const T* xr = p.x + row * p.xs;
+    const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
+    const std::int64_t t = t_raw - p.col0;
+    const bool ignored = t_raw == p.ignore_index;
+    const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
+    AlignedVec<T, kV> raw[kVecs];
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int i = v0 + j * kThreads + static_cast<int>(threadIdx.x);
+      if (i < v1) raw[j] = load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop);
+    }
+    CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int i = v0 + j * kThreads + static_cast<int>(threadIdx.x);
+      if (i < v1) {
+        const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
+        float x[kV];
+        to_x<T, kV>(raw[j], p.bias, c0, p.cap, x);
+        ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
+      }
+    }
+    acc.best_i += p.col0;
+    const CeAcc mine = Reduce(reduce).Reduce(acc, CeAccMerge{});
+    if (threadIdx.x == 0) {
+      for (int r = 0; r < kCluster; ++r) *cluster.map_shared_rank(&slots[parity][rank], r) = mine;
+    }
+    cluster.sync();  // every block's statistics have arrived; also a block barrier for `reduce`
+    CeAcc total = slots[parity][0];
+#pragma unroll
+    for (int r = 1; r < kCluster; ++r) total = CeAccMerge{}(total, slots[parity][r]);
+    const float lse = total.m + logf(total.s);
+    ce_math::RowTerms terms{};
+    terms.lse = lse;
+    terms.x_t = (t >= 0 && t < p.vocab)
+                    ? ce_math::softcap(to_float(xr[t]) + (p.bias != nullptr ? to_float(p.bias[t]) : 0.0f), p.cap)
+                    : 0.0f;
+    terms.w_t = (ignored || bad) ? 0.0f : (p.weights == nullptr ? 1.0f : p.weights[t_raw]);
+    terms.sum_w = p.weights != nullptr ? total.sum_w : static_cast<float>(p.total_vocab);
+    terms.sum_wx = total.sum_wx;
+    if (rank == 0 && threadIdx.x == 0) {
+      float l = 0.0f, zl = 0.0f;
+      if (bad) {
+        l = __int_as_float(0x7fc00000);
+        if (p.error_count != nullptr) atomicAdd(p.error_count, 1);
+      } else if (!ignored) {
+        zl = p.z * lse * lse;
+        l = ce_math::row_loss(terms, p.eps, p.total_vocab) + zl;
+      }
+      p.loss_rows[row] = l;
+      if (p.z_rows != nullptr) p.z_rows[row] = zl;
+      if (p.lse != nullptr) p.lse[row] = lse;
+      if (p.argmax != nullptr) p.argmax[row] = total.best_i;
+    }
+    if (p.dx != nullptr) {
+      T* dr = p.dx + row * p.dxs;
+      float scale = 0.0f;
+      if (!ignored && !bad) {
+        const float up = p.grad_output == nullptr ? 1.0f
+                                                  : p.grad_output[p.reduction == Reduction::none ? row : 0];
+        const float den = p.reduction == Reduction::mean ? *p.denom : 1.0f;
+        scale = p.grad_scale * up / den;
+      }
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        const int i = v0 + j * kThreads + static_cast<int>(threadIdx.x);
+        if (i < v1) {
+          const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
+          float x[kV];
+          to_x<T, kV>(raw[j], p.bias, c0, p.cap, x);
+          AlignedVec<T, kV> g;
+#pragma unroll
+          for (int k = 0; k < kV; ++k) {
+            const std::int64_t c = c0 + k;
+            float v = 0.0f;
+            if (scale != 0.0f) {
+              const float pr = exp2_ftz(fmaf(x[k], kLog2e, -lse * kLog2e));
+              const float w = wcol != nullptr ? wcol[c] : 1.0f;
+              v = ce_math::grad(pr, c == t, w, terms, p.eps, p.z, p.total_vocab) *
+                  ce_math::softcap_grad(x[k], p.cap) * scale;
+            }
+            g.v[k] = from_float<T>(v);
+          }
+          store_vec_policy(dr + c0, g, drop);
+        }
+      }
+    }
+  }
+  cluster.sync();  // no block may exit while another still writes into its shared memory
+#else
+  (void)params;
+#endif
+}
+
 // The mean's denominator: sum over non-ignored rows of w_t (1 without weights). One block, fixed
 // order. Also clears nothing else: the reduce kernel overwrites its outputs.
 template <class I>
@@ -631,10 +766,48 @@ Status launch_ce_rows_as(const CeParams<T, I>& p, cudaStream_t stream, const cha
   return check_launch(op);
 }
 
+// The cluster kernel (policy kCluster > 0): one cluster of kCluster blocks per row in flight,
+// as many clusters as are resident.
+template <class T, class I, int kV, class P, bool kPlain>
+Status launch_ce_cluster(const CeParams<T, I>& p, const DeviceInfo& dev, cudaStream_t stream, const char* op) {
+  constexpr int kThreads = P::kWideThreads;
+  constexpr auto kernel = ce_cluster_kernel<T, I, kV, kThreads, P::kCluster, P::kClusterVecs, kPlain>;
+  int occ = 0;
+  TIGON_CHECK((blocks_per_sm<kernel, kThreads>(dev.device, occ)));
+  const std::int64_t clusters = std::clamp<std::int64_t>(
+      static_cast<std::int64_t>(occ) * dev.sm_count / P::kCluster, 1, std::max<std::int64_t>(p.rows, 1));
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(clusters * P::kCluster));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = P::kCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  TIGON_CHECK(Status::from_cuda(cudaLaunchKernelEx(&cfg, kernel, p), op, "cluster kernel launch"));
+  return check_launch(op);
+}
+
 template <class P = CrossEntropyDefaultPolicy, class T, class I>
 Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   constexpr int kV = kVecElems<T>;
   const bool vec = ce_vectorizable(p);
+  if constexpr (P::kCluster > 0) {
+    // Whole rows of a full vocabulary (not the split-vocabulary passes), 16-byte vectors, in the
+    // cluster's registers, on sm_90+.
+    DeviceInfo dev;
+    TIGON_CHECK(current_device_info(dev));
+    const std::int64_t capacity = static_cast<std::int64_t>(P::kCluster) * P::kWideThreads * P::kClusterVecs;
+    if (vec && dev.cc_major >= 9 && p.vocab > 16384 && p.stats == nullptr && p.stats_out == nullptr &&
+        p.vocab / kV <= capacity) {
+      return ce_plain(p) ? launch_ce_cluster<T, I, kV, P, true>(p, dev, stream, op)
+                         : launch_ce_cluster<T, I, kV, P, false>(p, dev, stream, op);
+    }
+  }
   if (p.vocab > 16384) {
     return vec ? launch_ce_rows<T, I, kV, P::kWideThreads, P>(p, stream, op)
                : launch_ce_rows<T, I, 1, P::kWideThreads, P>(p, stream, op);

@@ -1,5 +1,9 @@
 """Shared fixtures. Tests marked `gpu` need a CUDA device and the compiled operators; without a
-device they are skipped (a device whose operators fail to build or load fails them instead)."""
+device they are skipped (a device whose operators fail to build or load fails them instead).
+
+TIGON_TORCH_REFERENCE_OPS=1 runs the `gpu` tests on the CPU with reference implementations in place
+of tigon's kernels (reference_ops.py): a check of the Python side and of the tests themselves, not of
+the kernels. Tests marked `cuda_only` (autocast on CUDA, CUDA's sync debug mode) are skipped then."""
 
 from __future__ import annotations
 
@@ -18,12 +22,18 @@ except ImportError:
     sys.path.insert(0, str(HERE.parent))
 
 HAS_CUDA = torch.cuda.is_available()
+REFERENCE = os.environ.get("TIGON_TORCH_REFERENCE_OPS") == "1"
+DEVICE = "cpu" if REFERENCE else "cuda"
 
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_reference = pytest.mark.skip(reason="CUDA only: not in the CPU reference mode")
     for item in items:
-        if "gpu" in item.keywords and not HAS_CUDA:
+        if REFERENCE:
+            if "cuda_only" in item.keywords:
+                item.add_marker(skip_reference)
+        elif "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
 
 
@@ -33,6 +43,13 @@ def ext():
     import tigon_torch
 
     how = tigon_torch.load()
+    if REFERENCE:
+        import reference_ops
+        from tigon_torch import ops
+
+        reference_ops.install()
+        ops.on_device = lambda t: t.device.type in ("cpu", "cuda")
+        how += " (CPU reference kernels)"
     print(f"tigon_torch operators: {how}")
     return how
 

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from conftest import DEVICE
 from models import FAMILIES, build_model
 
 import tigon_torch as tt
@@ -52,7 +53,7 @@ def _train(model, batches):
     losses = []
     model.train()
     for ids, labels in batches:
-        out = model(input_ids=ids.cuda(), labels=labels.cuda())
+        out = model(input_ids=ids.to(DEVICE), labels=labels.to(DEVICE))
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -64,14 +65,14 @@ def _train(model, batches):
 def _eval_logits(model, ids):
     model.eval()
     with torch.no_grad():
-        return model(input_ids=ids.cuda()).logits.float()
+        return model(input_ids=ids.to(DEVICE)).logits.float()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_mini_model_convergence(ext, family, dtype):
     vocab = FAMILIES[family][2]
-    kw = dict(hidden=1024, layers=2, heads=8, kv_heads=4, intermediate=2048, dtype=dtype, device="cuda")
+    kw = dict(hidden=1024, layers=2, heads=8, kv_heads=4, intermediate=2048, dtype=dtype, device=DEVICE)
     batches = _corpus(vocab, STEPS)
     eval_ids = batches[-1][0]
 
@@ -80,7 +81,8 @@ def test_mini_model_convergence(ext, family, dtype):
     ref_logits = _eval_logits(ref, eval_ids)
     ref_params = {n: p.detach().float().cpu() for n, p in ref.named_parameters()}
     del ref
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
     model = build_model(family, seed=0, **kw)
     getattr(tt, f"apply_tigon_to_{family}")(model=model)

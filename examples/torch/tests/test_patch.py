@@ -8,11 +8,11 @@ import importlib
 import pytest
 import torch
 
-from conftest import assert_rel
+from conftest import DEVICE, assert_rel
 from models import FAMILIES, build_model
 
 import tigon_torch as tt
-from tigon_torch import patch
+from tigon_torch import ops, patch
 
 pytest.importorskip("transformers")
 
@@ -37,7 +37,8 @@ def _ids(vocab, batch=2, seq=12, device="cpu", seed=0):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_instance_patch_replaces_forwards(family):
+def test_instance_patch_replaces_forwards(family, monkeypatch):
+    monkeypatch.setattr(ops, "on_device", lambda t: t.is_cuda)  # CPU tensors: Hugging Face's code
     spec, mod = _spec(family)
     ref = build_model(family, vocab=256)
     model = build_model(family, vocab=256)
@@ -75,7 +76,8 @@ def test_instance_patch_replaces_forwards(family):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_class_patch_before_build(family):
+def test_class_patch_before_build(family, monkeypatch):
+    monkeypatch.setattr(ops, "on_device", lambda t: t.is_cuda)
     spec, mod = _spec(family)
     norm_cls, mlp_cls = getattr(mod, spec.norm), getattr(mod, spec.mlp)
     lm_cls = getattr(mod, spec.causal_lm[0])
@@ -119,8 +121,8 @@ def test_switches_and_errors():
 
 
 def _pair(family, dtype, **kw):
-    ref = build_model(family, dtype=dtype, device="cuda", **kw)
-    model = build_model(family, dtype=dtype, device="cuda", **kw)
+    ref = build_model(family, dtype=dtype, device=DEVICE, **kw)
+    model = build_model(family, dtype=dtype, device=DEVICE, **kw)
     model.load_state_dict(ref.state_dict())
     return ref, model
 
@@ -131,7 +133,7 @@ def _pair(family, dtype, **kw):
 def test_patched_model_matches_hf(ext, family, dtype):
     ref, model = _pair(family, dtype, vocab=4096, hidden=256, heads=4, kv_heads=2)
     _apply_fn(family)(model=model)
-    ids = _ids(4096, batch=3, seq=40, device="cuda")
+    ids = _ids(4096, batch=3, seq=40, device=DEVICE)
     labels = ids.clone()
     labels[:, :5] = -100
     ref.train(), model.train()
@@ -148,7 +150,7 @@ def test_patched_model_matches_hf(ext, family, dtype):
         assert_rel(p.grad, q.grad, dtype, factor=10.0, what=f"{family} grad {name}")
 
     # num_items_in_batch: the sum divided by the count, as Hugging Face's loss does.
-    n = torch.tensor(77, device="cuda")
+    n = torch.tensor(77, device=DEVICE)
     torch.testing.assert_close(model(input_ids=ids, labels=labels, num_items_in_batch=n).loss,
                                ref(input_ids=ids, labels=labels, num_items_in_batch=n).loss.float(), atol=tol,
                                rtol=tol)
@@ -163,7 +165,7 @@ def test_patched_model_matches_hf(ext, family, dtype):
 def test_cross_entropy_switch(ext):
     ref, model = _pair("gemma2", torch.float32, vocab=4096, hidden=256)
     tt.apply_tigon_to_gemma2(cross_entropy=True, fused_linear_cross_entropy=False, model=model)
-    ids = _ids(4096, device="cuda")
+    ids = _ids(4096, device=DEVICE)
     ref.train(), model.train()
     out, want = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
     assert out.logits is not None
@@ -177,7 +179,7 @@ def test_gradient_checkpointing(ext, family):
     _apply_fn(family)(model=model)
     model.gradient_checkpointing_enable()
     ref.train(), model.train()
-    ids = _ids(4096, device="cuda")
+    ids = _ids(4096, device=DEVICE)
     want = ref(input_ids=ids, labels=ids)
     out = model(input_ids=ids, labels=ids)
     want.loss.backward()
@@ -189,10 +191,11 @@ def test_gradient_checkpointing(ext, family):
 
 
 @pytest.mark.gpu
+@pytest.mark.cuda_only
 def test_autocast_training_step(ext):
     ref, model = _pair("llama", torch.float32, vocab=4096, hidden=256)
     tt.apply_tigon_to_llama(model=model)
-    ids = _ids(4096, device="cuda")
+    ids = _ids(4096, device=DEVICE)
     ref.train(), model.train()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         want = ref(input_ids=ids, labels=ids)

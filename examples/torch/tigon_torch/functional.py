@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import ops as _ops
 from .functions import (
     TigonCrossEntropyFP32Function,
     TigonCrossEntropyFunction,
@@ -50,7 +51,7 @@ def tigon_rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
 def tigon_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """Drop-in for Hugging Face's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) (the patches
     install it). CUDA tensors go through tigon; anything else through the same math in PyTorch."""
-    if not q.is_cuda:
+    if not _ops.on_device(q):
         return _reference_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
     return TigonRopeFunction.apply(q, k, cos, sin, position_ids, unsqueeze_dim)
 

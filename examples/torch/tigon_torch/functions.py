@@ -30,8 +30,17 @@ from .ops import as_rows, empty_rows, ops, row_order, rows_as, vector
 
 def _check_cuda(*tensors) -> None:
     for t in tensors:
-        if t is not None and not t.is_cuda:
+        if t is not None and not _o.on_device(t):
             raise ValueError(f"tigon_torch: expected CUDA tensors, got one on {t.device}")
+
+
+def _cast(t, dtype):
+    """t in dtype, or t itself when it has it. Never return `t.to(t.dtype)` from an autograd function:
+    under torch.compile (2.11) an output that aliases a buffer written by an operator that way gets a
+    zero gradient (found with the test suite's CPU reference mode)."""
+    if t is None or t.dtype == dtype:
+        return t
+    return t.to(dtype)
 
 
 def _compiling() -> bool:
@@ -436,14 +445,14 @@ def _ce_extras(target, ignore_index, reduction, out_dtype, z_dtype, loss, loss_r
                z_scale, return_z_loss, return_token_accuracy, return_predicted_tokens):
     """The four return values (loss, z_loss, token_accuracy, predicted_tokens), all on the device."""
     valid = target != ignore_index
-    loss_out = (loss_rows if reduction == "none" else loss).to(out_dtype)
+    loss_out = _cast(loss_rows if reduction == "none" else loss, out_dtype)
     z_out = None
     if return_z_loss:
         if reduction == "none":
             z_rows = torch.zeros_like(loss_rows) if lse is None else z_scale * lse * lse * valid
-            z_out = z_rows.to(z_dtype)
+            z_out = _cast(z_rows, z_dtype)
         else:
-            z_out = z_loss.to(z_dtype)
+            z_out = _cast(z_loss, z_dtype)
     acc = None
     if return_token_accuracy:
         correct = ((argmax == target) & valid).to(torch.float32)
@@ -655,9 +664,9 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
             ctx.wants = (want_dx, want_dw, want_db)
         elif needs_grad:
             ctx.save_for_backward(
-                dx.to(in_dtype) if dx is not None else None,
-                dw.to(w_dtype) if dw is not None else None,
-                db.to(b_dtype) if db is not None else None,
+                _cast(dx, in_dtype),
+                _cast(dw, w_dtype),
+                _cast(db, b_dtype),
             )
         out = _ce_extras(target, ignore_index, reduction, torch.float32, in_dtype, loss, loss_rows, z_loss, lse,
                          argmax, z_scale, return_z_loss, return_token_accuracy, return_predicted_tokens)
@@ -686,9 +695,7 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
                 for t in (dw, db):
                     if t is not None:
                         t.zero_()
-            dx = dx.to(in_dtype) if dx is not None else None
-            dw = dw.to(w_dtype) if dw is not None else None
-            db = db.to(b_dtype) if db is not None else None
+            dx, dw, db = _cast(dx, in_dtype), _cast(dw, w_dtype), _cast(db, b_dtype)
         else:
             dx, dw, db = ctx.saved_tensors
             go = grad_output.reshape(())

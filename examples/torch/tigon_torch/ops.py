@@ -20,6 +20,12 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 _fakes_registered = False
 
 
+def on_device(t: torch.Tensor) -> bool:
+    """Whether tigon's operators take this tensor (they have CUDA implementations only). The test
+    suite's reference mode swaps this predicate to run the Python side on the CPU."""
+    return t.is_cuda
+
+
 def _register_fakes() -> None:
     """Shape functions for torch.compile: every operator writes only into its arguments."""
     global _fakes_registered

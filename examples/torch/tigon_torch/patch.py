@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from . import functional as F
+from . import ops as _ops
 from .functions import TigonFusedGateUpMulFunction, TigonGatedMulFunction
 
 _MISSING = object()
@@ -81,7 +82,7 @@ _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _rms_supported(x: torch.Tensor, w) -> bool:
-    if not x.is_cuda or x.dtype not in _FLOAT_TYPES or x.numel() == 0:
+    if not _ops.on_device(x) or x.dtype not in _FLOAT_TYPES or x.numel() == 0:
         return False
     return w is None or w.dtype == x.dtype or w.dtype == torch.float32
 
@@ -122,7 +123,7 @@ def _mlp_kind(self) -> str | None:
 
 def _gated_mlp_forward(self, x):
     kind = _mlp_kind(self)
-    if kind is None or not x.is_cuda:
+    if kind is None or not _ops.on_device(x):
         return self._tigon_fallback(x)
     a, b = self.gate_proj(x), self.up_proj(x)
     if a.dtype not in _FLOAT_TYPES or a.dtype != b.dtype:
@@ -132,7 +133,7 @@ def _gated_mlp_forward(self, x):
 
 def _fused_gate_up_mlp_forward(self, hidden_states):
     kind = _mlp_kind(self)
-    if kind is None or not hidden_states.is_cuda:
+    if kind is None or not _ops.on_device(hidden_states):
         return self._tigon_fallback(hidden_states)
     gate_up = self.gate_up_proj(hidden_states)
     if gate_up.dtype not in _FLOAT_TYPES:
@@ -175,7 +176,7 @@ def _causal_lm_forward(
     shift_labels = kwargs.get("shift_labels")
     has_labels = labels is not None or shift_labels is not None
     loss, logits = None, None
-    if has_labels and self.training and self._tigon_flce and kept.is_cuda:
+    if has_labels and self.training and self._tigon_flce and _ops.on_device(kept):
         loss = F.tigon_causal_lm_loss(
             kept,
             self.lm_head.weight,
@@ -191,7 +192,7 @@ def _causal_lm_forward(
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if has_labels:
-            if self._tigon_ce and logits.is_cuda:
+            if self._tigon_ce and _ops.on_device(logits):
                 extra = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
                 loss = F.tigon_causal_lm_loss_from_logits(logits, labels, self.config.vocab_size, **extra)
             else:

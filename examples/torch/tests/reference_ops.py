@@ -1,0 +1,252 @@
+"""Reference implementations of tigon's operators on the CPU, written from the math in tigon's headers
+and docs (fp32 arithmetic, roundings where tigon makes them), for the test suite's reference mode:
+
+    TIGON_TORCH_REFERENCE_OPS=1 python -m pytest examples/torch/tests
+
+runs the GPU tests on the CPU with these in place of tigon's kernels. That checks the Python side
+(layouts, strides, argument plumbing, the patches, the autograd wiring) and the tests themselves on
+a machine without a GPU. It says nothing about tigon's kernels: on a GPU the suite runs them.
+The operator schemas must be loaded (the pip-built extension or a JIT build).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_LIB = None
+
+
+def _rms_forward(xf, r, w, offset, casting, dtype):
+    if casting == 2:  # none: rstd, the normalised x and (offset + w) each rounded to T
+        n = (xf * r.to(dtype).float()[:, None]).to(dtype).float()
+        s = (offset + w.float()).to(dtype).float() if w is not None else 1.0
+        return n * s
+    n = xf * r[:, None]
+    if casting == 0:  # llama: the normalised x rounded to T
+        n = n.to(dtype).float()
+    s = (offset + w.float()) if w is not None else 1.0
+    return n * s
+
+
+def rms_norm_fwd(x, weight, y, rstd, eps, offset, casting):
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    y.copy_(_rms_forward(xf, r, weight, offset, casting, x.dtype).to(y.dtype))
+    if rstd is not None:
+        rstd.copy_(r)
+
+
+def _rms_backward(dy, x, weight, rstd, eps, offset, casting):
+    xf, dyf = x.float(), dy.float()
+    r = rstd if rstd is not None else torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    xhat = xf * r[:, None]
+    dn = dyf * (offset + weight.float()) if weight is not None else dyf
+    dx = r[:, None] * (dn - xhat * (dn * xhat).mean(-1, keepdim=True))
+    term = xhat if casting == 1 else xhat.to(x.dtype).float()
+    dw = (dyf * term).sum(0)
+    return dx, dw
+
+
+def rms_norm_bwd(dy, x, weight, rstd, dx, dweight, eps, offset, casting):
+    g, gw = _rms_backward(dy, x, weight, rstd, eps, offset, casting)
+    dx.copy_(g.to(dx.dtype))
+    if dweight is not None:
+        dweight.copy_(gw.to(dweight.dtype))
+
+
+def layer_norm_fwd(x, weight, bias, y, mean, rstd, eps):
+    xf = x.float()
+    m = xf.mean(-1)
+    r = torch.rsqrt((xf - m[:, None]).pow(2).mean(-1) + eps)
+    out = (xf - m[:, None]) * r[:, None]
+    if weight is not None:
+        out = out * weight.float()
+    if bias is not None:
+        out = out + bias.float()
+    y.copy_(out.to(y.dtype))
+    mean.copy_(m)
+    rstd.copy_(r)
+
+
+def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
+    xf, dyf = x.float(), dy.float()
+    xhat = (xf - mean[:, None]) * rstd[:, None]
+    g = dyf * weight.float() if weight is not None else dyf
+    out = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    dx.copy_(out.to(dx.dtype))
+    if dweight is not None:
+        dweight.copy_((dyf * xhat).sum(0).to(dweight.dtype))
+    if dbias is not None:
+        dbias.copy_(dyf.sum(0).to(dbias.dtype))
+
+
+def add_rms_norm_fwd(x, residual, weight, y, sum, rstd, eps, offset, casting):
+    s = (x.float() + residual.float()).to(x.dtype)
+    sf = s.float()
+    r = torch.rsqrt(sf.pow(2).mean(-1) + eps)
+    out = _rms_forward(sf, r, weight, offset, casting, x.dtype).to(y.dtype)
+    sum.copy_(s)
+    y.copy_(out)
+    if rstd is not None:
+        rstd.copy_(r)
+
+
+def add_rms_norm_bwd(dy, dsum, sum, weight, rstd, dx, dweight, eps, offset, casting):
+    g, gw = _rms_backward(dy, sum, weight, rstd, eps, offset, casting)
+    if dsum is not None:
+        g = g + dsum.float()
+    dx.copy_(g.to(dx.dtype))
+    if dweight is not None:
+        dweight.copy_(gw.to(dweight.dtype))
+
+
+def _rope_one(x, out, cos, sin, pos, backward, interleaved):
+    b, t, h, d = x.shape
+    rd = cos.shape[-1]
+    if pos is not None:
+        bi = torch.arange(b)[:, None] if cos.shape[0] > 1 else torch.zeros(b, 1, dtype=torch.long)
+        c, s = cos[bi, pos.long()], sin[bi, pos.long()]
+    else:
+        c, s = cos[:, :t], sin[:, :t]
+    c, s = c[:, :, None, :].float(), s[:, :, None, :].float()
+    xr = x[..., :rd].float()
+    if interleaved:
+        i, j = slice(0, rd, 2), slice(1, rd, 2)
+    else:
+        i, j = slice(0, rd // 2), slice(rd // 2, rd)
+    xi, xj, ci, cj, si, sj = xr[..., i], xr[..., j], c[..., i], c[..., j], s[..., i], s[..., j]
+    if not backward:
+        yi, yj = ci * xi - si * xj, cj * xj + sj * xi
+    else:
+        yi, yj = ci * xi + sj * xj, cj * xj - si * xi
+    y = torch.empty_like(xr)
+    y[..., i], y[..., j] = yi, yj
+    out[..., :rd] = y.to(out.dtype)
+    out[..., rd:] = x[..., rd:]
+
+
+def rope(q, k, cos, sin, position_ids, q_out, k_out, backward, interleaved):
+    _rope_one(q, q_out, cos, sin, position_ids, backward, interleaved)
+    if k is not None:
+        _rope_one(k, k_out, cos, sin, position_ids, backward, interleaved)
+
+
+def _act(act, a):
+    if act == 0:
+        return torch.nn.functional.silu(a)
+    return torch.nn.functional.gelu(a, approximate="tanh" if act == 1 else "none")
+
+
+def gated_fwd(a, b, c, act, gate_multiplier, down_multiplier):
+    out = down_multiplier * _act(act, gate_multiplier * a.float()) * b.float()
+    c.copy_(out.to(c.dtype))
+
+
+def _act_derivative(act, a):
+    if act == 0:
+        sg = torch.sigmoid(a)
+        return sg * (1 + a * (1 - sg))
+    if act == 1:
+        beta, kappa = 0.7978845608028654, 0.044715
+        t = torch.tanh(beta * (a + kappa * a**3))
+        return 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * beta * (1 + 3 * kappa * a * a)
+    cdf = 0.5 * (1 + torch.erf(a * 0.7071067811865476))
+    return cdf + a * 0.3989422804014327 * torch.exp(-0.5 * a * a)
+
+
+def gated_bwd(dc, a, b, da, db, act, gate_multiplier, down_multiplier):
+    z = gate_multiplier * a.float()
+    g = dc.float() * down_multiplier
+    ga = g * b.float() * gate_multiplier * _act_derivative(act, z)
+    gb = g * _act(act, z)
+    da.copy_(ga.to(da.dtype))
+    db.copy_(gb.to(db.dtype))
+
+
+def _ce(x, target, class_weights, grad_output, ignore_index, smoothing, z, cap, reduction, grad_scale, bias=None):
+    """Rows' losses, the reduced loss and z part, lse, argmax and, when grad_scale is given, dloss/dlogits
+    (times grad_scale and grad_output), from logits x [rows, vocab]; tigon's formulas in fp32."""
+    x = x.float()
+    xb = x + bias.float() if bias is not None else x
+    xc = cap * torch.tanh(xb / cap) if cap > 0 else xb
+    vocab = x.shape[1]
+    valid = target != ignore_index
+    t = torch.where(valid, target, torch.zeros_like(target)).long()
+    w = class_weights.float() if class_weights is not None else torch.ones(vocab, device=x.device)
+    lse = torch.logsumexp(xc, -1)
+    xt = xc.gather(1, t[:, None])[:, 0]
+    wt = w[t]
+    sum_w = w.sum()
+    smooth = (lse * sum_w - (xc * w).sum(-1)) / vocab
+    zero = torch.zeros_like(lse)
+    rows = torch.where(valid, (1 - smoothing) * wt * (lse - xt) + smoothing * smooth + z * lse * lse, zero)
+    zrows = torch.where(valid, z * lse * lse, zero)
+    if reduction == 2:
+        denom = (wt * valid).sum() if class_weights is not None else valid.sum().float()
+        denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+        total, ztotal = rows.sum() / denom, zrows.sum() / denom
+    else:
+        denom = torch.ones((), device=x.device)
+        total, ztotal = rows.sum(), zrows.sum()
+    grad = None
+    if grad_scale is not None:
+        p = torch.exp(xc - lse[:, None])
+        onehot = torch.zeros_like(p).scatter_(1, t[:, None], 1.0)
+        d = ((1 - smoothing) * wt[:, None] * (p - onehot) + smoothing / vocab * (p * sum_w - w)
+             + 2 * z * lse[:, None] * p)
+        if cap > 0:
+            d = d * (1 - (xc / cap) ** 2)
+        go = grad_output.float() if grad_output is not None else torch.ones((), device=x.device)
+        go = go.reshape(-1, 1) if reduction == 0 else go.reshape(())
+        grad = d * valid[:, None] * go * grad_scale / denom
+    return rows, total, ztotal, lse, xc.argmax(-1), grad
+
+
+def cross_entropy(logits, target, class_weights, grad_output, dlogits, loss, loss_rows, z_loss, lse, argmax,
+                  ignore_index, label_smoothing, z_loss_scale, softcap, reduction, grad_scale):
+    rows, total, ztotal, l, am, grad = _ce(logits, target, class_weights, grad_output, ignore_index, label_smoothing,
+                                           z_loss_scale, softcap, reduction,
+                                           grad_scale if dlogits is not None else None)
+    for out, val in ((loss, total), (loss_rows, rows), (z_loss, ztotal), (lse, l), (argmax, am)):
+        if out is not None:
+            out.copy_(val.reshape(out.shape))
+    if dlogits is not None:
+        dlogits.copy_(grad.to(dlogits.dtype))
+
+
+def linear_cross_entropy(x, weight, bias, target, class_weights, grad_output, dx, dweight, dbias, loss, loss_rows,
+                         z_loss, lse, argmax, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
+                         grad_scale, chunk):
+    logits = (x.float() @ weight.float().t()).to(x.dtype)  # the GEMM's output in the inputs' dtype
+    want_grad = dx is not None or dweight is not None or dbias is not None
+    rows, total, ztotal, l, am, grad = _ce(logits, target, class_weights, grad_output, ignore_index, label_smoothing,
+                                           z_loss_scale, softcap, reduction, grad_scale if want_grad else None,
+                                           bias=bias)
+    for out, val in ((loss, total), (loss_rows, rows), (z_loss, ztotal), (lse, l), (argmax, am)):
+        if out is not None:
+            out.copy_(val.reshape(out.shape))
+    if want_grad:
+        g = grad.to(x.dtype).float()  # dlogits in the inputs' dtype, as the chunk buffer holds them
+        if dx is not None:
+            dx.copy_((g @ weight.float()).to(dx.dtype))
+        if dweight is not None:
+            dweight.copy_(g.t() @ x.float())
+        if dbias is not None:
+            dbias.copy_(g.sum(0))
+
+
+OPS = [rms_norm_fwd, rms_norm_bwd, layer_norm_fwd, layer_norm_bwd, add_rms_norm_fwd, add_rms_norm_bwd, rope,
+       gated_fwd, gated_bwd, cross_entropy, linear_cross_entropy]
+
+
+def install() -> None:
+    """Registers the references as the CPU kernels of torch.ops.tigon.* (once per process)."""
+    global _LIB
+    if _LIB is not None:
+        return
+    from tigon_torch import ops
+
+    ops.ops()  # the schemas
+    _LIB = torch.library.Library("tigon", "IMPL")
+    for fn in OPS:
+        _LIB.impl(fn.__name__, fn, "CPU")

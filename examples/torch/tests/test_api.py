@@ -59,6 +59,15 @@ def test_forward_signature_matches_liger(name):
             assert default == want, f"{name}.{pname}: default {default!r}, Liger's {want!r}"
 
 
+def test_rotary_pos_emb_has_hugging_face_signature():
+    pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    hf = [(p.name, p.default) for p in inspect.signature(apply_rotary_pos_emb).parameters.values()]
+    ours = [(p.name, p.default) for p in inspect.signature(tt.tigon_rotary_pos_emb).parameters.values()]
+    assert ours == hf
+
+
 def test_casting_modes_and_reductions():
     assert [ops.casting_mode(m) for m in ("llama", "gemma", "none", 0, 1, 2)] == [0, 1, 2, 0, 1, 2]
     with pytest.raises(ValueError):

@@ -48,12 +48,13 @@ def tigon_rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return TigonRopeFunction.apply(q, k, cos, sin, position_ids, unsqueeze_dim)
 
 
-def tigon_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-    """Drop-in for Hugging Face's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) (the patches
-    install it). CUDA tensors go through tigon; anything else through the same math in PyTorch."""
+def tigon_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """Drop-in for Hugging Face's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1), same signature
+    (the patches install it). CUDA tensors go through tigon; anything else through the same math in
+    PyTorch."""
     if not _ops.on_device(q):
         return _reference_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
-    return TigonRopeFunction.apply(q, k, cos, sin, position_ids, unsqueeze_dim)
+    return TigonRopeFunction.apply(q, k, cos, sin, None, unsqueeze_dim)
 
 
 def _reference_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):

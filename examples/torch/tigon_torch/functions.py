@@ -221,9 +221,7 @@ def _table(t: torch.Tensor, dtype) -> torch.Tensor:
         raise ValueError(f"tigon_torch: cos / sin must be [batch or 1, seq, dim] or [seq, dim], got {tuple(t.shape)}")
     if t.dtype != dtype and t.dtype != torch.float32:
         t = t.to(dtype)
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    return t
+    return t.contiguous()  # one row per position (a no-op for Hugging Face's tables)
 
 
 def _rope_call(q, k, cos, sin, position_ids, backward, interleaved, unsqueeze_dim):
@@ -247,8 +245,6 @@ def _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim):
     sin = _table(sin, q.dtype)
     if sin.dtype != cos.dtype:
         sin = sin.to(cos.dtype)
-    if sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
     seq = q.shape[2] if unsqueeze_dim == 1 else q.shape[1]
     if position_ids is not None and cos.shape[1] != seq:
         batch = q.shape[0]

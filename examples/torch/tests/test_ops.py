@@ -505,10 +505,11 @@ def _compile_cases():
     }
 
 
-@pytest.mark.parametrize("case", list(_compile_cases()))
-def test_torch_compile(ext, seed, case):
-    """Each function inside torch.compile (operators with fake kernels): the value and every gradient
-    equal eager's."""
+@pytest.mark.parametrize("case,backend", [(c, "aot_eager") for c in _compile_cases()] +
+                         [("fused_linear_cross_entropy", "inductor"), ("rope", "inductor")])
+def test_torch_compile(ext, seed, case, backend):
+    """Each function inside torch.compile (operators with fake kernels; Dynamo and AOTAutograd with the
+    aot_eager backend, and two cases through Inductor): the value and every gradient equal eager's."""
     f = _compile_cases()[case]
     x = torch.randn(32, 512, device=DEV, requires_grad=True)
     w = (torch.rand(1024, device=DEV) + 0.5).requires_grad_(True)
@@ -517,7 +518,7 @@ def test_torch_compile(ext, seed, case):
     eager = f(x, w, head, target)
     ge = torch.autograd.grad(eager, (x, w, head), allow_unused=True)
     torch._dynamo.reset()
-    compiled = torch.compile(f)(x, w, head, target)
+    compiled = torch.compile(f, backend=backend)(x, w, head, target)
     gc = torch.autograd.grad(compiled, (x, w, head), allow_unused=True)
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
     for a, b, name in zip(gc, ge, ("dx", "dw", "dhead")):

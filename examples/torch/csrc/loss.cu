@@ -2,8 +2,8 @@
 // (tigon/loss/linear_cross_entropy.cuh, the LM head's loss without the logits) on tigon's cuBLASLt
 // GEMM back end.
 //
-// One translation unit for both: cross_entropy.cuh defines non-template kernels (ce_merge_kernel,
-// ce_reduce_kernel), so two translation units that include it give the linker two definitions.
+// One translation unit for both: the linear cross-entropy instantiates the cross-entropy row kernel
+// too, so one file compiles those instances once.
 #include "loss_common.h"
 
 #include <torch/library.h>

@@ -31,6 +31,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Budget, environment, log, probe_liger, probe_tigon, write_json  # noqa: E402
 

@@ -33,6 +33,7 @@ import gc
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -359,6 +360,8 @@ def passthrough(args) -> list[str]:
 
 
 def driver(args) -> int:
+    # A SIGTERM (timeout) ends the driver through SystemExit, so subprocess.run kills the worker.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     budget = Budget(args.max_seconds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -395,14 +398,19 @@ def driver(args) -> int:
             results[phase][variant] = {"error": f"worker exited {rc} without a result"}
         results[phase][variant]["wall_s"] = wall
         results[phase][variant]["rc"] = rc
-        summary = {"env": environment(), "args": vars(args), "results": results, "skipped": skipped,
-                   "comparison": compare(results), "elapsed_s": round(budget.elapsed(), 1)}
-        write_json(out / "e2e.json", summary)
-        (out / "e2e.md").write_text(markdown(summary))
+        save(out, args, results, skipped, budget)
+    save(out, args, results, skipped, budget)
     log(f"[driver] wrote {out / 'e2e.json'} and {out / 'e2e.md'} in {budget.elapsed():.0f} s")
     for s in skipped:
         log(f"[driver] skipped: {s}")
     return 0
+
+
+def save(out: Path, args, results: dict, skipped: list, budget: Budget) -> None:
+    summary = {"env": environment(), "args": vars(args), "results": results, "skipped": skipped,
+               "comparison": compare(results), "elapsed_s": round(budget.elapsed(), 1)}
+    write_json(out / "e2e.json", summary)
+    (out / "e2e.md").write_text(markdown(summary))
 
 
 def compare(results: dict) -> dict:

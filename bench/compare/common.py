@@ -77,8 +77,13 @@ def probe_liger() -> tuple[dict[str, object], dict[str, str], str]:
         from importlib.metadata import version as _v
 
         version = _v("liger_kernel")
-    except Exception:  # noqa: BLE001  (a source tree on PYTHONPATH has no metadata)
-        pass
+    except Exception:  # noqa: BLE001  (a source tree on PYTHONPATH has no metadata: its pyproject.toml)
+        pyproject = Path(where).parent.parent / "pyproject.toml"
+        if pyproject.is_file():
+            for line in pyproject.read_text().splitlines():
+                if line.startswith("version"):
+                    version = line.split("=", 1)[1].strip().strip('"') + " (source)"
+                    break
     return found, missing, f"liger_kernel {version} from {where}"
 
 

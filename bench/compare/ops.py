@@ -435,8 +435,8 @@ def run(args) -> int:
     if device.type != "cuda":
         log("device is not CUDA: tigon and Liger need CUDA tensors; timings here are not measurements")
 
-    shapes = [r for r in main_shapes() if r[0] in ops]
-    if args.sweep:
+    shapes = [] if args.sweep_only else [r for r in main_shapes() if r[0] in ops]
+    if args.sweep or args.sweep_only:
         shapes += [r for r in sweep_shapes() if r[0] in ops]
     if args.tokens:
         want = {int(t) for t in args.tokens.split(",")}
@@ -614,6 +614,7 @@ def parse(argv=None):
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
     p.add_argument("--tokens", default="", help="keep only shapes with these token counts (e.g. 16384)")
     p.add_argument("--sweep", action="store_true", help="add the sweep of sizes after the LLaMA-3-8B shapes")
+    p.add_argument("--sweep-only", action="store_true", help="the sweep of sizes without the LLaMA-3-8B shapes")
     p.add_argument("--reps", type=int, default=50, help="timed calls per row at most")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--row-seconds", type=float, default=1.5, help="time spent timing one row at most")

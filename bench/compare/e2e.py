@@ -89,17 +89,26 @@ def build_model(args):
     return model, config
 
 
-def preflight(variant: str, device: str) -> None:
+def preflight(variant: str, device: str, cpu_reference: bool = False) -> None:
     """Imports what the variant needs before the model is built (raises ImportError)."""
     if variant == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: F401
     elif variant == "tigon":
-        tt, desc = probe_tigon(need_ops=device.startswith("cuda"))
+        tt, desc = probe_tigon(need_ops=device.startswith("cuda") or cpu_reference)
         if tt is None:
             raise ImportError(desc)
+        if cpu_reference:
+            # The test suite's reference mode: CPU implementations of tigon's operators, so the
+            # patched model's tigon path runs here (checks the plumbing, not tigon's kernels).
+            sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "torch" / "tests"))
+            import reference_ops
+            from tigon_torch import ops as tt_ops
+
+            reference_ops.install()
+            tt_ops.on_device = lambda t: t.device.type in ("cpu", "cuda")
 
 
-def patch(model, variant: str) -> str:
+def patch(model, variant: str, cpu_reference: bool = False) -> str:
     if variant == "hf":
         return "Hugging Face eager (unpatched)"
     if variant == "liger":
@@ -114,6 +123,9 @@ def patch(model, variant: str) -> str:
         if tt is None:
             raise ImportError(desc)
         tt.apply_tigon_to_llama(model=model)  # rope, rms_norm, swiglu, fused linear cross-entropy
+        if model.device.type != "cuda":
+            desc += (" (CPU: the CPU reference kernels, --cpu-reference)" if cpu_reference
+                     else " (CPU: Hugging Face's code, tigon_torch's fallback)")
         return f"apply_tigon_to_llama(model=model), {desc}"
     raise ValueError(variant)
 
@@ -176,14 +188,14 @@ def worker(args) -> dict:
     cuda = args.device.startswith("cuda")
     try:
         t0 = time.perf_counter()
-        preflight(args.variant, args.device)
+        preflight(args.variant, args.device, args.cpu_reference)
         res["preflight_s"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
         model, config = build_model(args)
         res["build_s"] = round(time.perf_counter() - t0, 1)
         res["checksum"] = checksum(model)
         t0 = time.perf_counter()
-        res["patch"] = patch(model, args.variant)
+        res["patch"] = patch(model, args.variant, args.cpu_reference)
         res["patch_s"] = round(time.perf_counter() - t0, 1)
     except ImportError as e:
         res["unavailable"] = f"{type(e).__name__}: {e}"
@@ -356,6 +368,8 @@ def passthrough(args) -> list[str]:
     for k in ("device", "layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "seqs", "steps", "warmup",
               "batch", "lr", "seed", "attn", "ckpt_start", "ckpt_max", "ckpt_resolution", "simulate_oom_above"):
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    if args.cpu_reference:
+        out.append("--cpu-reference")
     return out
 
 
@@ -530,6 +544,9 @@ def parse(argv=None):
     p.add_argument("--ckpt-resolution", type=int, default=None, help="bisection stops at this gap, default 4096")
     p.add_argument("--simulate-oom-above", type=int, default=0,
                    help="smoke tests of the ckpt search: lengths above this fail as an OOM would")
+    p.add_argument("--cpu-reference", action="store_true",
+                   help="smoke tests on the CPU: tigon through the test suite's reference kernels "
+                        "(examples/torch/tests/reference_ops.py) instead of Hugging Face's code")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help="run one variant in this process (a worker)")
     p.add_argument("--phase", default="train", help="the worker's phase")

@@ -425,7 +425,17 @@ def run(args) -> int:
     liger, liger_missing, liger_desc = probe_liger()
     env["liger"] = liger_desc
     env["liger_missing"] = liger_missing
-    tt, tigon_desc = probe_tigon(need_ops=device.type == "cuda" and "tigon" in impls)
+    tt, tigon_desc = probe_tigon(need_ops=(device.type == "cuda" or args.cpu_reference) and "tigon" in impls)
+    if args.cpu_reference and tt is not None:
+        # The test suite's reference mode: CPU implementations of tigon's operators written from
+        # its documented math. Checks this script's calls into tigon_torch, not tigon's kernels.
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "torch" / "tests"))
+        import reference_ops
+        from tigon_torch import ops as tt_ops
+
+        reference_ops.install()
+        tt_ops.on_device = lambda t: t.device.type in ("cpu", "cuda")
+        tigon_desc += " with the CPU reference kernels (--cpu-reference: not tigon's kernels)"
     env["tigon"] = tigon_desc
     peers["liger"] = {op: ("ok" if op in liger else liger_missing.get(op)) for op in OPS}
     peers["tigon"] = tigon_desc
@@ -473,7 +483,7 @@ def run(args) -> int:
                         raise LookupError(liger_missing.get(op, "Liger-Kernel not importable"))
                     if impl == "tigon" and tt is None:
                         raise LookupError(tigon_desc)
-                    if impl in ("liger", "tigon") and device.type != "cuda":
+                    if (impl == "liger" or (impl == "tigon" and not args.cpu_reference)) and device.type != "cuda":
                         raise LookupError(f"{impl} needs a CUDA device")
                     case = make_case(op, s, device, dtype, args.seed, mode == "fwdbwd")
                     row["note"] = case.note
@@ -488,8 +498,8 @@ def run(args) -> int:
                         fn = tigon_fn(op, tt)
                     grads_out = None
                     if mode == "fwdbwd" and not case.scalar_out:
-                        with torch.no_grad():
-                            probe = fn(*[x.detach() for x in case.inputs])
+                        with torch.no_grad():  # the output shapes, from eager (no compilation, no in-place peer)
+                            probe = eager_fn(op, s, hf, case.inputs)(*[x.detach() for x in case.inputs])
                         probe = list(probe) if isinstance(probe, (tuple, list)) else [probe]
                         gg = torch.Generator(device=device)
                         gg.manual_seed(args.seed + 1)
@@ -624,6 +634,9 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke test (with --scale)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every dimension (smoke tests)")
+    p.add_argument("--cpu-reference", action="store_true",
+                   help="smoke test on the CPU: tigon rows through the test suite's reference kernels "
+                        "(examples/torch/tests/reference_ops.py), so the calls are checked, not the kernels")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of errors")
     return p.parse_args(argv)
 

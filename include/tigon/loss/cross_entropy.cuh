@@ -343,6 +343,87 @@ TIGON_DEVICE void ce_accumulate(CeAcc& acc, const float* x, std::int64_t c0, boo
 // with the evict-last L2 priority. Then the row's loss, and pass 2 (with a gradient): the row
 // again, from L2 (the launch keeps the rows in flight within L2), newest lines first, and the
 // gradient written in place or to dx.
+// ---- The per-row steps both row kernels share ----
+
+// The target's logit (bias and softcap applied), or 0 when the target is not in this shard.
+template <class T, class I>
+TIGON_DEVICE float ce_target_logit(const CeParams<T, I>& p, const T* xr, std::int64_t t) {
+  return (t >= 0 && t < p.vocab)
+             ? ce_math::softcap(to_float(xr[t]) + (p.bias != nullptr ? to_float(p.bias[t]) : 0.0f), p.cap)
+             : 0.0f;
+}
+
+// The row's terms from its merged statistics. Merged split-vocabulary statistics carry the target's
+// weight from the shard that holds it.
+template <class T, class I>
+TIGON_DEVICE ce_math::RowTerms ce_row_terms(const CeParams<T, I>& p, std::int64_t row, const CeAcc& total,
+                                            float lse, float x_t, std::int64_t t_raw, bool skip) {
+  ce_math::RowTerms terms{};
+  terms.lse = lse;
+  terms.x_t = x_t;
+  if (skip) {
+    terms.w_t = 0.0f;
+  } else if (p.weights == nullptr) {
+    terms.w_t = 1.0f;
+  } else {
+    terms.w_t = p.stats != nullptr ? p.stats[row].target_weight : p.weights[t_raw];
+  }
+  terms.sum_w = p.weights != nullptr ? total.sum_w : static_cast<float>(p.total_vocab);
+  terms.sum_wx = total.sum_wx;
+  return terms;
+}
+
+// The row's outputs (loss, z term, lse, argmax; a bad target counted once), by one thread.
+template <class T, class I>
+TIGON_DEVICE void ce_write_row(const CeParams<T, I>& p, std::int64_t row, const ce_math::RowTerms& terms,
+                               const CeAcc& total, bool ignored, bool bad) {
+  float l = 0.0f, zl = 0.0f;
+  if (bad) {
+    l = __int_as_float(0x7fc00000);
+    if (p.error_count != nullptr) atomicAdd(p.error_count, 1);
+  } else if (!ignored) {
+    zl = p.z * terms.lse * terms.lse;
+    l = ce_math::row_loss(terms, p.eps, p.total_vocab) + zl;
+  }
+  p.loss_rows[row] = l;
+  if (p.z_rows != nullptr) p.z_rows[row] = zl;
+  if (p.lse != nullptr) p.lse[row] = terms.lse;
+  if (p.argmax != nullptr) p.argmax[row] = total.best_i;
+}
+
+// The factor of the row's gradient: upstream gradient over the mean's denominator (0 when skipped).
+template <class T, class I>
+TIGON_DEVICE float ce_grad_scale(const CeParams<T, I>& p, std::int64_t row, bool skip) {
+  if (skip) return 0.0f;
+  const float up = p.grad_output == nullptr ? 1.0f : p.grad_output[p.reduction == Reduction::none ? row : 0];
+  const float den = p.reduction == Reduction::mean ? *p.denom : 1.0f;
+  return p.grad_scale * up / den;
+}
+
+// The gradient of one vector of logits (vector index i), written to dr.
+template <class T, class I, int kV>
+TIGON_DEVICE void ce_grad_vec(const CeParams<T, I>& p, const AlignedVec<T, kV>& raw, int i, T* dr,
+                              std::int64_t t, const ce_math::RowTerms& terms, float scale, const float* wcol,
+                              std::uint64_t policy) {
+  const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
+  float x[kV];
+  to_x<T, kV>(raw, p.bias, c0, p.cap, x);
+  AlignedVec<T, kV> g;
+#pragma unroll
+  for (int k = 0; k < kV; ++k) {
+    const std::int64_t c = c0 + k;
+    float v = 0.0f;
+    if (scale != 0.0f) {
+      const float pr = exp2_ftz(fmaf(x[k], kLog2e, -terms.lse * kLog2e));
+      const float w = wcol != nullptr ? wcol[c] : 1.0f;
+      v = ce_math::grad(pr, c == t, w, terms, p.eps, p.z, p.total_vocab) * ce_math::softcap_grad(x[k], p.cap) *
+          scale;
+    }
+    g.v[k] = from_float<T>(v);
+  }
+  store_vec_policy(dr + c0, g, policy);
+}
+
 // The common case (no class weights, smoothing, softcap, bias, argmax or split-vocabulary
 // statistics): those fields as compile-time constants, so their per-element work and registers
 // drop out of the instance.
@@ -410,9 +491,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
       const CeAcc r = Reduce(sh.reduce).Reduce(acc, CeAccMerge{});
       if (threadIdx.x == 0) {
         sh.total = r;
-        sh.x_t = (t >= 0 && t < p.vocab)
-                     ? ce_math::softcap(to_float(xr[t]) + (p.bias != nullptr ? to_float(p.bias[t]) : 0.0f), p.cap)
-                     : 0.0f;
+        sh.x_t = ce_target_logit(p, xr, t);
       }
       __syncthreads();
       total = sh.total;
@@ -441,61 +520,14 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
       __syncthreads();
     }
     const float lse = total.m + logf(total.s);
-    ce_math::RowTerms terms{};
-    terms.lse = lse;
-    terms.x_t = sh.x_t;
-    if (ignored || bad) {
-      terms.w_t = 0.0f;
-    } else if (p.weights == nullptr) {
-      terms.w_t = 1.0f;
-    } else {  // merged statistics carry the target's weight from the shard that holds it
-      terms.w_t = p.stats != nullptr ? p.stats[row].target_weight : p.weights[t_raw];
-    }
-    terms.sum_w = p.weights != nullptr ? total.sum_w : static_cast<float>(p.total_vocab);
-    terms.sum_wx = total.sum_wx;
-    if (threadIdx.x == 0) {
-      float l = 0.0f, zl = 0.0f;
-      if (bad) {
-        l = __int_as_float(0x7fc00000);
-        if (p.error_count != nullptr) atomicAdd(p.error_count, 1);
-      } else if (!ignored) {
-        zl = p.z * lse * lse;
-        l = ce_math::row_loss(terms, p.eps, p.total_vocab) + zl;
-      }
-      p.loss_rows[row] = l;
-      if (p.z_rows != nullptr) p.z_rows[row] = zl;
-      if (p.lse != nullptr) p.lse[row] = lse;
-      if (p.argmax != nullptr) p.argmax[row] = total.best_i;
-    }
+    const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, sh.x_t, t_raw, ignored || bad);
+    if (threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
     if (p.dx != nullptr) {
       T* dr = p.dx + row * p.dxs;
-      float scale = 0.0f;
-      if (!ignored && !bad) {
-        const float up = p.grad_output == nullptr
-                             ? 1.0f
-                             : p.grad_output[p.reduction == Reduction::none ? row : 0];
-        const float den = p.reduction == Reduction::mean ? *p.denom : 1.0f;
-        scale = p.grad_scale * up / den;
-      }
+      const float scale = ce_grad_scale(p, row, ignored || bad);
       // Newest lines first: the end of the row was read last and is the likeliest still in L2.
       auto grad_vec = [&](const AlignedVec<T, kV>& raw, int i) {
-        const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
-        float x[kV];
-        to_x<T, kV>(raw, p.bias, c0, p.cap, x);
-        AlignedVec<T, kV> g;
-#pragma unroll
-        for (int k = 0; k < kV; ++k) {
-          const std::int64_t c = c0 + k;
-          float v = 0.0f;
-          if (scale != 0.0f) {
-            const float pr = exp2_ftz(fmaf(x[k], kLog2e, -lse * kLog2e));
-            const float w = wcol != nullptr ? wcol[c] : 1.0f;
-            v = ce_math::grad(pr, c == t, w, terms, p.eps, p.z, p.total_vocab) *
-                ce_math::softcap_grad(x[k], p.cap) * scale;
-          }
-          g.v[k] = from_float<T>(v);
-        }
-        store_vec_policy(dr + c0, g, drop);
+        ce_grad_vec<T, I, kV>(p, raw, i, dr, t, terms, scale, wcol, drop);
       };
       int i = nvec - 1 - static_cast<int>(threadIdx.x);
       for (; i - (kU - 1) * kThreads >= 0; i -= kU * kThreads) {
@@ -571,59 +603,16 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kThreads <= 512 ? 2 : 1) ce_cluste
 #pragma unroll
     for (int r = 1; r < kCluster; ++r) total = CeAccMerge{}(total, slots[parity][r]);
     const float lse = total.m + logf(total.s);
-    ce_math::RowTerms terms{};
-    terms.lse = lse;
-    terms.x_t = (t >= 0 && t < p.vocab)
-                    ? ce_math::softcap(to_float(xr[t]) + (p.bias != nullptr ? to_float(p.bias[t]) : 0.0f), p.cap)
-                    : 0.0f;
-    terms.w_t = (ignored || bad) ? 0.0f : (p.weights == nullptr ? 1.0f : p.weights[t_raw]);
-    terms.sum_w = p.weights != nullptr ? total.sum_w : static_cast<float>(p.total_vocab);
-    terms.sum_wx = total.sum_wx;
-    if (rank == 0 && threadIdx.x == 0) {
-      float l = 0.0f, zl = 0.0f;
-      if (bad) {
-        l = __int_as_float(0x7fc00000);
-        if (p.error_count != nullptr) atomicAdd(p.error_count, 1);
-      } else if (!ignored) {
-        zl = p.z * lse * lse;
-        l = ce_math::row_loss(terms, p.eps, p.total_vocab) + zl;
-      }
-      p.loss_rows[row] = l;
-      if (p.z_rows != nullptr) p.z_rows[row] = zl;
-      if (p.lse != nullptr) p.lse[row] = lse;
-      if (p.argmax != nullptr) p.argmax[row] = total.best_i;
-    }
+    const ce_math::RowTerms terms =
+        ce_row_terms(p, row, total, lse, ce_target_logit(p, xr, t), t_raw, ignored || bad);
+    if (rank == 0 && threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
     if (p.dx != nullptr) {
       T* dr = p.dx + row * p.dxs;
-      float scale = 0.0f;
-      if (!ignored && !bad) {
-        const float up = p.grad_output == nullptr ? 1.0f
-                                                  : p.grad_output[p.reduction == Reduction::none ? row : 0];
-        const float den = p.reduction == Reduction::mean ? *p.denom : 1.0f;
-        scale = p.grad_scale * up / den;
-      }
+      const float scale = ce_grad_scale(p, row, ignored || bad);
 #pragma unroll
       for (int j = 0; j < kVecs; ++j) {
         const int i = v0 + j * kThreads + static_cast<int>(threadIdx.x);
-        if (i < v1) {
-          const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
-          float x[kV];
-          to_x<T, kV>(raw[j], p.bias, c0, p.cap, x);
-          AlignedVec<T, kV> g;
-#pragma unroll
-          for (int k = 0; k < kV; ++k) {
-            const std::int64_t c = c0 + k;
-            float v = 0.0f;
-            if (scale != 0.0f) {
-              const float pr = exp2_ftz(fmaf(x[k], kLog2e, -lse * kLog2e));
-              const float w = wcol != nullptr ? wcol[c] : 1.0f;
-              v = ce_math::grad(pr, c == t, w, terms, p.eps, p.z, p.total_vocab) *
-                  ce_math::softcap_grad(x[k], p.cap) * scale;
-            }
-            g.v[k] = from_float<T>(v);
-          }
-          store_vec_policy(dr + c0, g, drop);
-        }
+        if (i < v1) ce_grad_vec<T, I, kV>(p, raw[j], i, dr, t, terms, scale, wcol, drop);
       }
     }
   }

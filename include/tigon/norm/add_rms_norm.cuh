@@ -746,38 +746,26 @@ Status backward_fixed(const AddRmsNormBackwardArgs<T, W>& a, cudaStream_t stream
 }
 
 // The compiled kernels take the casting mode as a compile-time constant, as RMSNorm's do
-// (detail::with_casting picks the instance the arguments name).
+// (detail::with_casting_for picks the instance the arguments name).
 template <class T, class W, int kCols, class P>
 Status forward(const AddRmsNormForwardArgs<T, W>& a, cudaStream_t stream) {
-  if constexpr (kCols == 0) {
-    return forward_fixed<T, W, 0, P>(a, stream);
-  } else {
-    return with_casting<P>(a.casting, [&](auto q) {
-      return forward_fixed<T, W, kCols, typename decltype(q)::type>(a, stream);
-    });
-  }
+  return with_casting_for<kCols, P>(a.casting, [&](auto q) {
+    return forward_fixed<T, W, kCols, typename decltype(q)::type>(a, stream);
+  });
 }
 
 template <class T, class W, int kCols, class P>
 Status backward_workspace(const AddRmsNormBackwardArgs<T, W>& a, std::size_t& bytes) {
-  if constexpr (kCols == 0) {
-    return backward_workspace_fixed<T, W, 0, P>(a, bytes);
-  } else {
-    return with_casting<P>(a.casting, [&](auto q) {
-      return backward_workspace_fixed<T, W, kCols, typename decltype(q)::type>(a, bytes);
-    });
-  }
+  return with_casting_for<kCols, P>(a.casting, [&](auto q) {
+    return backward_workspace_fixed<T, W, kCols, typename decltype(q)::type>(a, bytes);
+  });
 }
 
 template <class T, class W, int kCols, class P>
 Status backward(const AddRmsNormBackwardArgs<T, W>& a, cudaStream_t stream) {
-  if constexpr (kCols == 0) {
-    return backward_fixed<T, W, 0, P>(a, stream);
-  } else {
-    return with_casting<P>(a.casting, [&](auto q) {
-      return backward_fixed<T, W, kCols, typename decltype(q)::type>(a, stream);
-    });
-  }
+  return with_casting_for<kCols, P>(a.casting, [&](auto q) {
+    return backward_fixed<T, W, kCols, typename decltype(q)::type>(a, stream);
+  });
 }
 
 }  // namespace add_rms

@@ -794,6 +794,17 @@ Status with_casting(RmsNormCasting c, F&& f) {
   }
 }
 
+// with_casting for a compiled size; kCols == 0 (the general kernels, no casting instance) calls f
+// with P itself.
+template <int kCols, class P, class F>
+Status with_casting_for(RmsNormCasting c, F&& f) {
+  if constexpr (kCols == 0) {
+    return f(std::type_identity<P>{});
+  } else {
+    return with_casting<P>(c, f);
+  }
+}
+
 // Forward for one candidate size (0: general only).
 template <class T, class W, int kCols, class P>
 Status forward_fixed(const RmsNormForwardArgs<T, W>& a, cudaStream_t stream) {
@@ -830,35 +841,23 @@ Status backward_fixed(const RmsNormBackwardArgs<T, W>& a, cudaStream_t stream) {
 
 template <class T, class W, int kCols, class P>
 Status forward_impl(const RmsNormForwardArgs<T, W>& a, cudaStream_t stream) {
-  if constexpr (kCols == 0) {
-    return forward_fixed<T, W, 0, P>(a, stream);
-  } else {
-    return with_casting<P>(a.casting, [&](auto q) {
-      return forward_fixed<T, W, kCols, typename decltype(q)::type>(a, stream);
-    });
-  }
+  return with_casting_for<kCols, P>(a.casting, [&](auto q) {
+    return forward_fixed<T, W, kCols, typename decltype(q)::type>(a, stream);
+  });
 }
 
 template <class T, class W, int kCols, class P>
 Status backward_workspace_impl(const RmsNormBackwardArgs<T, W>& a, std::size_t& bytes) {
-  if constexpr (kCols == 0) {
-    return backward_workspace_fixed<T, W, 0, P>(a, bytes);
-  } else {
-    return with_casting<P>(a.casting, [&](auto q) {
-      return backward_workspace_fixed<T, W, kCols, typename decltype(q)::type>(a, bytes);
-    });
-  }
+  return with_casting_for<kCols, P>(a.casting, [&](auto q) {
+    return backward_workspace_fixed<T, W, kCols, typename decltype(q)::type>(a, bytes);
+  });
 }
 
 template <class T, class W, int kCols, class P>
 Status backward_impl(const RmsNormBackwardArgs<T, W>& a, cudaStream_t stream) {
-  if constexpr (kCols == 0) {
-    return backward_fixed<T, W, 0, P>(a, stream);
-  } else {
-    return with_casting<P>(a.casting, [&](auto q) {
-      return backward_fixed<T, W, kCols, typename decltype(q)::type>(a, stream);
-    });
-  }
+  return with_casting_for<kCols, P>(a.casting, [&](auto q) {
+    return backward_fixed<T, W, kCols, typename decltype(q)::type>(a, stream);
+  });
 }
 
 template <int kCols, class P>

@@ -58,23 +58,25 @@ void BM_loss(benchmark::State& st) { BM_ce(st, false); }
 BENCHMARK(BM_grad) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_loss) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 
-// Policy variants at 8192 x 128256: CrossEntropyPolicy<wide block, narrow block, vectors in flight
-// per thread, rows per SM (0: as many as fit in half the L2 with a gradient), blocks per cluster
-// (0: the row kernel), vectors per thread in a cluster>.
+// Policy variants at 8192 x 128256: CrossEntropyPolicy<row kernel: wide block, narrow block,
+// vectors in flight per thread, rows per SM (0: as many as fit); on-chip kernel: blocks per row
+// (-1: automatic, with a gradient; 0: off), its block size, its slice per buffer in KiB>.
 #define CE_VARIANT(label, ...)                                                                   \
   void BM_grad_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, true, #label); }           \
   void BM_loss_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, false, #label); }          \
   BENCHMARK(BM_grad_##label)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond); \
   BENCHMARK(BM_loss_##label)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 using tigon::CrossEntropyPolicy;
-CE_VARIANT(b1024_u2, CrossEntropyPolicy<1024, 256, 2, 0>)
-CE_VARIANT(b1024_u4_2_per_sm, CrossEntropyPolicy<1024, 256, 4, 2>)
-CE_VARIANT(b512_u4_2_per_sm, CrossEntropyPolicy<512, 256, 4, 2>)
-CE_VARIANT(b512_u4_4_per_sm, CrossEntropyPolicy<512, 256, 4, 4>)
-CE_VARIANT(b256_u4_8_per_sm, CrossEntropyPolicy<256, 256, 4, 8>)
-CE_VARIANT(cluster4_b1024_v4, CrossEntropyPolicy<1024, 256, 4, 0, 4, 4>)
-CE_VARIANT(cluster8_b512_v4, CrossEntropyPolicy<512, 256, 4, 0, 8, 4>)
-CE_VARIANT(cluster4_b512_v8, CrossEntropyPolicy<512, 256, 4, 0, 4, 8>)
-CE_VARIANT(cluster8_b1024_v2, CrossEntropyPolicy<1024, 256, 4, 0, 8, 2>)
+CE_VARIANT(rows_b1024_u4, CrossEntropyPolicy<1024, 256, 4, 0, 0>)
+CE_VARIANT(rows_b512_u4, CrossEntropyPolicy<512, 256, 4, 0, 0>)
+CE_VARIANT(rows_b256_u4, CrossEntropyPolicy<256, 256, 4, 0, 0>)
+CE_VARIANT(rows_b256_u2, CrossEntropyPolicy<256, 256, 2, 0, 0>)
+CE_VARIANT(rows_b128_u4, CrossEntropyPolicy<128, 256, 4, 0, 0>)
+CE_VARIANT(chip4_b256, CrossEntropyPolicy<256, 256, 4, 0, 4, 256>)
+CE_VARIANT(chip4_b512, CrossEntropyPolicy<256, 256, 4, 0, 4, 512>)
+CE_VARIANT(chip8_b128, CrossEntropyPolicy<256, 256, 4, 0, 8, 128>)
+CE_VARIANT(chip8_b256, CrossEntropyPolicy<256, 256, 4, 0, 8, 256>)
+CE_VARIANT(chip8_b512, CrossEntropyPolicy<256, 256, 4, 0, 8, 512>)
+CE_VARIANT(chip_auto36_b256, CrossEntropyPolicy<256, 256, 4, 0, -1, 256, 36>)
 
 BENCH_MAIN

@@ -121,7 +121,8 @@ BENCHMARK(BM_geglu_fwd_fused) GATED_SHAPES;
 BENCHMARK(BM_geglu_bwd_fused) GATED_SHAPES;
 
 // Policy variants (SwiGLU, separate tensors): GatedPolicy<unroll, min blocks per SM, streaming
-// stores, persistent>. Defaults: forward <1, 1, true, true>, backward <1, 1, true, false>.
+// stores, persistent, flat forward grid (vectors per thread; 0: the row grid)>. Defaults: forward
+// <1, 1, true, false, 2>, backward <1, 1, true, false>.
 #define GATED_VARIANT(label, ...)                                                                    \
   void BM_fwd_##label(benchmark::State& st) {                                                        \
     BM_forward<tigon::Silu, __VA_ARGS__>(st, "  policy " #label " swiglu", false);                   \
@@ -131,16 +132,21 @@ BENCHMARK(BM_geglu_bwd_fused) GATED_SHAPES;
   }                                                                                                  \
   BENCHMARK(BM_fwd_##label) GATED_SHAPES;                                                            \
   BENCHMARK(BM_bwd_##label) GATED_SHAPES;
+#define GATED_FWD_VARIANT(label, ...)                                                                \
+  void BM_fwd_##label(benchmark::State& st) {                                                        \
+    BM_forward<tigon::Silu, __VA_ARGS__>(st, "  policy " #label " swiglu", false);                   \
+  }                                                                                                  \
+  BENCHMARK(BM_fwd_##label) GATED_SHAPES;
 
 using tigon::GatedPolicy;
-GATED_VARIANT(u1_plain_stores, GatedPolicy<1, 1, false>)
 GATED_VARIANT(u1_stream_persistent, GatedPolicy<1, 1, true, true>)
 GATED_VARIANT(u1_stream_nonpersistent, GatedPolicy<1, 1, true, false>)
-GATED_VARIANT(u2_stream, GatedPolicy<2, 1, true>)
 GATED_VARIANT(u1_plain_nonpersistent, GatedPolicy<1, 1, false, false>)
-GATED_VARIANT(u2_plain_nonpersistent, GatedPolicy<2, 1, false, false>)
-GATED_VARIANT(u2_stream_nonpersistent, GatedPolicy<2, 1, true, false>)
-GATED_VARIANT(u4_plain_nonpersistent, GatedPolicy<4, 1, false, false>)
+GATED_FWD_VARIANT(flat1_stream, GatedPolicy<1, 1, true, false, 1>)
+GATED_FWD_VARIANT(flat2_plain, GatedPolicy<1, 1, false, false, 2>)
+GATED_FWD_VARIANT(flat4_stream, GatedPolicy<1, 1, true, false, 4>)
+GATED_FWD_VARIANT(flat4_plain, GatedPolicy<1, 1, false, false, 4>)
+GATED_FWD_VARIANT(flat8_stream, GatedPolicy<1, 1, true, false, 8>)
 // The defaults once more, last: the spread between this row and the first ones is the noise.
 void BM_swiglu_fwd_again(benchmark::State& st) { BM_forward<tigon::Silu>(st, "swiglu (again)", false); }
 void BM_swiglu_bwd_again(benchmark::State& st) { BM_backward<tigon::Silu>(st, "swiglu (again)", false); }

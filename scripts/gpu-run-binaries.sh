@@ -41,7 +41,8 @@ for tool in memcheck racecheck; do
     # racecheck reports hazards inside cuBLAS's own GEMM kernels (nvjet: TMA and wgmma through
     # mbarriers: the vendor library's code, not tigon's); tigon's kernels must have none.
     own=""
-    [ "$tool" = racecheck ] && own="hazards outside cuBLAS kernels: $(grep 'Race reported between' "$out/$tool-$n.log" | grep -vc nvjet) :: "
+    # Every report names its kernel on an "at" line.
+    [ "$tool" = racecheck ] && own="reports outside cuBLAS kernels: $(grep -E '^=+ +at ' "$out/$tool-$n.log" | grep -vc nvjet) :: "
     summary "compute-sanitizer $tool $n: rc=$rc :: $own$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|All tests passed|test cases:' "$out/$tool-$n.log" | tr '\n' ' ')"
   done
 done

@@ -182,8 +182,8 @@ TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce
 }
 
 TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]") {
-  // CrossEntropyPolicy<wide block, narrow block, vectors in flight, rows per SM, cluster, vectors
-  // per thread in a cluster>
+  // CrossEntropyPolicy<wide block, narrow block, vectors in flight, rows per SM, blocks per row of
+  // the on-chip kernel (-1 automatic, 0 off), its block size, its slice per buffer in KiB>
   using tigon::CrossEntropyPolicy;
   for (std::int64_t V : {std::int64_t{1000}, std::int64_t{32000}, std::int64_t{128256}}) {
     const std::int64_t rows = V == 128256 ? 16 : 100;
@@ -193,13 +193,19 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
     Case sep = base;
     sep.in_place = false;
     sep.pad = 8;
-    for (const Case& c : {base, all, sep}) {
-      run_case<bf16, std::int64_t, CrossEntropyPolicy<1024, 256, 8, 2>>(c);  // 8 vectors in flight
-      run_case<half, std::int32_t, CrossEntropyPolicy<256, 64, 1, 8>>(c);    // 1 vector, 8 rows per SM
-      // the row split across a cluster (V 32000 and 128256; V 1000 takes the row kernel)
-      run_case<bf16, std::int64_t, CrossEntropyPolicy<1024, 256, 4, 0, 4, 4>>(c);
-      run_case<half, std::int32_t, CrossEntropyPolicy<512, 256, 4, 0, 8, 4>>(c);
-      run_case<bf16, std::int64_t, CrossEntropyPolicy<512, 256, 4, 0, 2, 8>>(c);  // 128256 does not fit: row kernel
+    Case loss_only = all;
+    loss_only.grad = false;
+    for (const Case& c : {base, all, sep, loss_only}) {
+      // the row kernel alone: 8 vectors in flight, 2 rows per SM; 1 vector, 8 rows per SM
+      run_case<bf16, std::int64_t, CrossEntropyPolicy<1024, 256, 8, 2, 0>>(c);
+      run_case<half, std::int32_t, CrossEntropyPolicy<256, 64, 1, 8, 0>>(c);
+      // the on-chip kernel, its row split over 2 (V 128256: too big, the row kernel), 3 (uneven
+      // slices) and 8 blocks of a cluster, with and without a gradient; and the automatic rule
+      // aiming at 4 KiB slices (8 blocks)
+      run_case<bf16, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 2, 512>>(c);
+      run_case<half, std::int32_t, CrossEntropyPolicy<256, 256, 4, 0, 3, 128>>(c);
+      run_case<float, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 8, 256>>(c);
+      run_case<bf16, std::int32_t, CrossEntropyPolicy<256, 256, 4, 0, -1, 64, 4>>(c);
     }
   }
 }

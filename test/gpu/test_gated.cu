@@ -393,7 +393,9 @@ TEST_CASE("gated: options", "[gated][gpu]") {
 TEST_CASE("gated: other policies", "[gated][gpu]") {
   using Plain = GatedPolicy<1, 1, false>;
   using NonPersistent = GatedPolicy<1, 1, true, false>;  // the backward's default
-  using Persistent = GatedPolicy<1, 1, true, true>;      // the forward's default
+  using Persistent = GatedPolicy<1, 1, true, true>;
+  using Flat1 = GatedPolicy<1, 1, true, false, 1>;       // forward: flat grid, 1 vector per thread
+  using Flat4 = GatedPolicy<1, 1, false, false, 4>;      // forward: flat grid, 4 vectors per thread
   using U2 = GatedPolicy<2>;
   using U4 = GatedPolicy<4, 1, false>;
   using U2Min4 = GatedPolicy<2, 4>;
@@ -405,6 +407,10 @@ TEST_CASE("gated: other policies", "[gated][gpu]") {
     run_case<float, GeluErf, U2Min4>({.rows = 17, .cols = cols, .gate = 0.5f});
     run_case<bf16, SquaredRelu, NonPersistent>({.rows = 17, .cols = cols, .fused = true, .in_place = true});
     run_case<half, Silu, Persistent>({.rows = 17, .cols = cols, .pad = 8});
+    run_case<bf16, Silu, Flat1>({.rows = 17, .cols = cols});
+    run_case<bf16, Silu, Flat1>({.rows = 17, .cols = cols, .pad = 8});  // strided: the row grid
+    run_case<float, GeluTanh, Flat4>({.rows = 17, .cols = cols, .fused = true, .in_place = true});
+    run_case<half, Silu, Flat4>({.rows = 17, .cols = cols});
   }
   run_case<bf16, Silu, NonPersistent>({.rows = 3000, .cols = 8, .expect_vec = 1});  // a row per thread
 }

@@ -69,3 +69,34 @@ TEST_CASE("cross_entropy math layer matches the reference", "[ce][math]") {
   CHECK(std::abs(ce_math::softcap(100.0f, 30.0f) - 30.0 * std::tanh(100.0 / 30.0)) < 1e-4);
   CHECK(ce_math::softcap(5.0f, 0.0f) == 5.0f);
 }
+
+TEST_CASE("cross_entropy on-chip kernel shape: blocks per row and slices", "[ce][dispatch]") {
+  using detail::ce_cluster_shape;
+  constexpr std::int64_t kSmem = 227 * 1024 - 4096;  // an H200 block's shared memory, less static
+  constexpr std::int64_t k72 = 72 * 1024;
+  // Automatic: the fewest of 1, 2, 4, 8 blocks whose slices fit 72 KiB.
+  auto s = ce_cluster_shape(128256 / 8, 16, -1, k72, kSmem);  // bf16 LLaMA-3: 250.5 KiB a row
+  CHECK(s.blocks == 4);
+  CHECK(s.slice == 4008);
+  CHECK(s.slice * 4 >= 128256 / 8);
+  s = ce_cluster_shape(32000 / 8, 16, -1, k72, kSmem);  // 62.5 KiB: one block
+  CHECK(s.blocks == 1);
+  CHECK(s.slice == 4000);
+  s = ce_cluster_shape(262144 / 8, 16, -1, k72, kSmem);  // 512 KiB: eight 64 KiB slices
+  CHECK(s.blocks == 8);
+  CHECK(s.slice == 4096);
+  s = ce_cluster_shape(128256 / 4, 16, -1, k72, kSmem);  // fp32: 501 KiB
+  CHECK(s.blocks == 8);
+  // Over eight blocks' budget, the slices grow up to a block's shared memory, then the row kernel.
+  s = ce_cluster_shape(1000000 / 8, 16, -1, k72, kSmem);  // 1.9 MiB: eight 244 KiB slices do not fit
+  CHECK(s.blocks == 0);
+  s = ce_cluster_shape(800000 / 8, 16, -1, k72, kSmem);  // 195 KiB slices fit
+  CHECK(s.blocks == 8);
+  // Forced sizes, uneven slices, off.
+  s = ce_cluster_shape(128256 / 8, 16, 3, k72, kSmem);
+  CHECK(s.blocks == 3);
+  CHECK(s.slice == 5344);
+  CHECK(ce_cluster_shape(128256 / 8, 16, 1, k72, kSmem).blocks == 0);  // 250.5 KiB in one block
+  CHECK(ce_cluster_shape(128256 / 8, 16, 0, k72, kSmem).blocks == 0);
+  CHECK(ce_cluster_shape(0, 16, -1, k72, kSmem).blocks == 0);
+}

@@ -108,9 +108,10 @@ TIGON_HD void backward(float dc, float a, float b, float gate_mult, float down_m
 // Tuning knobs of the gated kernels; pass your own as the second template argument of
 // gated_forward / gated_backward. The measured variants are in docs/gated.md.
 template <int kUnroll_ = 1, int kMinBlocksPerSm_ = 1, bool kStreamStores_ = true,
-          bool kPersistent_ = true>
+          bool kPersistent_ = true, int kFlat_ = 0>
 struct GatedPolicy {
   static_assert(kUnroll_ >= 1 && kUnroll_ <= 8, "1 to 8 vectors per array per loop trip");
+  static_assert(kFlat_ >= 0 && kFlat_ <= 8, "0 (row grid) or 1 to 8 vectors per thread (flat grid)");
   // Vectors of every input each thread loads before computing (independent 16-byte loads in
   // flight per thread: 2 x kUnroll in the forward, 3 x kUnroll in the backward). More costs
   // registers and occupancy.
@@ -120,11 +121,18 @@ struct GatedPolicy {
   // true: a grid that fills the device once, each block walking several rows; false: one block
   // per row block (up to the grid limit).
   static constexpr bool kPersistent = kPersistent_;
+  // Forward only. n > 0: when a, b and c are dense (rows cols apart), a flat grid instead: the
+  // rows x cols / kV vectors in order, one block per run of 256 x n of them and each thread
+  // loading its n vectors of a and b before computing (no loop: every block is freshly scheduled,
+  // the shape that streams closest to the copy rate). kUnroll and kPersistent then do not apply;
+  // strided rows (the fused gate‖up buffer) take the row grid.
+  static constexpr int kFlat = kFlat_;
 };
-// The defaults, chosen on one H200 at 16384 x 14336 bf16 (docs/gated.md): one vector per array
-// per loop trip and streaming stores in both directions; a persistent grid for the forward (95% of
-// the copy rate against 87% without), one block per row block for the backward (99.7% against 92%).
-using GatedForwardDefaultPolicy = GatedPolicy<1, 1, true, true>;
+// The defaults, chosen on one H200 at 16384 x 14336 bf16 (docs/gated.md): the forward on a flat
+// grid of two vectors per thread over dense tensors (100% of the copy rate against 88-95% for the
+// persistent row grid), the persistent row grid for strided rows; the backward one block per row
+// block; one vector per array per loop trip and streaming stores in both directions.
+using GatedForwardDefaultPolicy = GatedPolicy<1, 1, true, true, 2>;
 using GatedBackwardDefaultPolicy = GatedPolicy<1, 1, true, false>;
 
 namespace detail {
@@ -306,6 +314,37 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
   }
 }
 
+// The flat forward grid over dense tensors (every row cols apart): vector v (v < 2^31) is handled
+// by thread v % 256 of block v / (256 * kN) as its (v / 256) % kN-th vector; each thread issues
+// all its loads, then computes and stores.
+template <class T, class Act, int kV, int kN, class P>
+TIGON_KERNEL void __launch_bounds__(kGatedThreads) gated_fwd_flat_kernel(const GatedFwdParams<T> p) {
+  const unsigned total = static_cast<unsigned>(p.cols / kV) * static_cast<unsigned>(p.rows);
+  const unsigned base = blockIdx.x * (kGatedThreads * kN) + threadIdx.x;
+  AlignedVec<T, kV> av[kN], bv[kN];
+#pragma unroll
+  for (int u = 0; u < kN; ++u) {
+    const unsigned v = base + u * kGatedThreads;
+    if (v < total) {
+      av[u] = load_vec_stream<kV>(p.a + static_cast<std::int64_t>(v) * kV);
+      bv[u] = load_vec_stream<kV>(p.b + static_cast<std::int64_t>(v) * kV);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kN; ++u) {
+    const unsigned v = base + u * kGatedThreads;
+    if (v < total) {
+      AlignedVec<T, kV> cv;
+#pragma unroll
+      for (int k = 0; k < kV; ++k) {
+        cv.v[k] = from_float<T>(
+            gated_math::forward<Act>(to_float(av[u].v[k]), to_float(bv[u].v[k]), p.gate_mult, p.down_mult));
+      }
+      store_vec_hinted<P::kStreamStores>(p.c + static_cast<std::int64_t>(v) * kV, cv);
+    }
+  }
+}
+
 template <class T, class Act, int kV, class P>
 TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
     gated_bwd_kernel(const GatedBwdParams<T> p) {
@@ -383,6 +422,16 @@ GatedBwdParams<T> gated_bwd_params(const GatedBackwardArgs<T>& x) {
           s(x.da_stride), s(x.db_stride), x.gate_multiplier, x.down_multiplier};
 }
 
+// The flat forward grid (policy kFlat > 0, dense tensors, fewer than 2^31 vectors): one block per
+// 256 x kFlat vectors.
+template <class T, class Act, int kV, class P>
+Status gated_flat_launch(const GatedFwdParams<T>& p, cudaStream_t stream, const char* op) {
+  const std::int64_t total = p.rows * (p.cols / kV);
+  const auto grid = static_cast<unsigned>(ceil_div<std::int64_t>(total, std::int64_t{kGatedThreads} * P::kFlat));
+  gated_fwd_flat_kernel<T, Act, kV, P::kFlat, P><<<grid, kGatedThreads, 0, stream>>>(p);
+  return check_launch(op);
+}
+
 // Plan (occupancy, cached per device and instance) and launch one kernel instance.
 template <auto Kernel, int kV, class P, class Params>
 Status gated_launch(const Params& p, cudaStream_t stream, const char* op) {
@@ -418,7 +467,16 @@ template <Activation Act, class Policy = GatedForwardDefaultPolicy, class T>
   TIGON_CHECK(detail::validate(args, kOp));
   const detail::GatedFwdParams<T> p = detail::gated_fwd_params(args);
   constexpr int kV = kVecElems<T>;
-  if (detail::gated_vectorizable<T, kV>(p)) {
+  const bool vec = detail::gated_vectorizable<T, kV>(p);
+  if constexpr (Policy::kFlat > 0) {
+    const std::int64_t total = p.rows * (p.cols / (vec ? kV : 1));
+    const bool dense = p.as == p.cols && p.bs == p.cols && p.cs == p.cols;
+    if (dense && total < (std::int64_t{1} << 31) - detail::kGatedThreads * Policy::kFlat) {
+      return vec ? detail::gated_flat_launch<T, Act, kV, Policy>(p, stream, kOp)
+                 : detail::gated_flat_launch<T, Act, 1, Policy>(p, stream, kOp);
+    }
+  }
+  if (vec) {
     return detail::gated_launch<detail::gated_fwd_kernel<T, Act, kV, Policy>, kV, Policy>(p, stream, kOp);
   }
   return detail::gated_launch<detail::gated_fwd_kernel<T, Act, 1, Policy>, 1, Policy>(p, stream, kOp);

@@ -1,7 +1,11 @@
-// tigon/core/async_copy.cuh - asynchronous global -> shared copies (cp.async, sm_80+), the way the
-// row kernels keep several rows in flight without holding them in registers. A thread that reads
-// back only what it copied itself needs no barrier: waiting on its own copy groups is enough.
+// tigon/core/async_copy.cuh - asynchronous global -> shared copies: per-thread cp.async (sm_80+),
+// the way the row kernels keep several rows in flight without holding them in registers (a thread
+// that reads back only what it copied itself needs no barrier: waiting on its own copy groups is
+// enough); and the bulk-copy engine with a shared-memory barrier (sm_90+), the way one thread
+// moves a whole slice of a row into shared memory for the block.
 #pragma once
+
+#include <cstdint>
 
 #include "config.hpp"
 
@@ -28,5 +32,51 @@ template <int kPending>
 TIGON_DEVICE void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
+
+// ---- Bulk copies completed through an mbarrier (sm_90+; device code for sm_90 only) ----
+
+TIGON_DEVICE unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// One thread initialises a barrier that completes a phase after one arrival and its transaction
+// bytes; the fence makes the initialisation visible to the bulk-copy engine.
+TIGON_DEVICE void mbarrier_init(std::uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// Order this thread's earlier generic-proxy accesses of shared memory before later bulk copies
+// into it (after a block barrier: every thread's reads of the buffer come first).
+TIGON_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// The one arrival of the barrier's phase, announcing `bytes` of bulk copies to come.
+TIGON_DEVICE void mbarrier_arrive_expect_tx(std::uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+
+// Copy `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to this block's
+// shared memory with the bulk-copy engine; completion is counted on `bar`.
+TIGON_DEVICE void bulk_copy_g2s(void* smem, const void* gmem, unsigned bytes, std::uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_u32(smem)),
+      "l"(gmem), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
+// Wait until the barrier's phase with this parity has completed.
+TIGON_DEVICE void mbarrier_wait(std::uint64_t* bar, unsigned parity) {
+  const unsigned b = smem_u32(bar);
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(b), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+#endif
 
 TIGON_NAMESPACE_END

@@ -31,6 +31,7 @@
 #include <cooperative_groups.h>
 
 #include "../core/device.hpp"
+#include "../core/async_copy.cuh"
 #include "../core/reduce.cuh"
 #include "../core/vector.cuh"
 #endif
@@ -195,35 +196,69 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
   return Status();
 }
 
+// The on-chip kernel's shape: blocks per row (a cluster) and vectors per block, or blocks 0 when
+// the row kernel takes the call. want: the policy's kCluster (-1: the fewest of 1, 2, 4, 8 blocks
+// whose slices fit slice_bytes); max_smem: the shared memory a block may have.
+inline constexpr int kCeMaxCluster = 8;
+struct CeClusterShape {
+  int blocks = 0;
+  std::int64_t slice = 0;  // vectors per block
+};
+constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_bytes, int want,
+                                          std::int64_t slice_bytes, std::int64_t max_smem) {
+  CeClusterShape s;
+  if (want == 0 || want > kCeMaxCluster || nvec <= 0 || vec_bytes <= 0) return s;
+  int c = want;
+  if (want < 0) {
+    c = 1;
+    while (c < kCeMaxCluster && ceil_div<std::int64_t>(nvec, c) * vec_bytes > slice_bytes) c *= 2;
+  }
+  const std::int64_t slice = ceil_div<std::int64_t>(nvec, c);
+  if (slice * vec_bytes > max_smem) return s;
+  s.blocks = c;
+  s.slice = slice;
+  return s;
+}
+
 }  // namespace detail
 
 #if defined(__CUDACC__)
 
-// Tuning knobs of the row kernel. A trainer may pass its own policy to cross_entropy<P>().
-//   kWideThreads:  block size for rows longer than 16384 columns (one row per block at a time);
-//   kNarrowThreads: block size for shorter rows;
-//   kUnroll:       16-byte vectors each thread has in flight per trip of either pass;
-//   kRowsPerSm:    0: resident blocks fill the device, and with a gradient only as many rows are
-//                  in flight as fit in half the L2 (the second pass re-reads its row from there);
-//                  n > 0: n blocks per SM (at most the occupancy), whatever the L2;
-//   kCluster:      0: the row kernel above. c in 2..8 (Hopper and later): wide rows (the wide
-//                  block size) are split across a thread-block cluster of c blocks, each thread
-//                  holding up to kClusterVecs 16-byte vectors of the row in registers, so the row
-//                  is read from DRAM once and never re-read; the blocks combine their statistics
-//                  through distributed shared memory. Rows that do not fit, other dtypes' vector
-//                  widths and older GPUs take the row kernel.
-template <int kWideThreads_ = 1024, int kNarrowThreads_ = 256, int kUnroll_ = 4, int kRowsPerSm_ = 0,
-          int kCluster_ = 0, int kClusterVecs_ = 4>
+// Tuning knobs of the cross-entropy kernels. A trainer may pass its own policy to cross_entropy<P>().
+//   kWideThreads:   row kernel: block size for rows longer than 16384 columns (one row per block
+//                   at a time);
+//   kNarrowThreads: row kernel: block size for shorter rows;
+//   kUnroll:        row kernel: 16-byte vectors each thread has in flight per trip of either pass;
+//   kRowsPerSm:     row kernel: 0: as many blocks per SM as fit; n > 0: n (at most what fits);
+//   kCluster:       the on-chip kernel (sm_90+, 16-byte vectors, a whole vocabulary): each row is
+//                   read once into the shared memory of a thread-block cluster of blocks (two
+//                   buffers per block: the next row streams in during this one's math), and the
+//                   gradient written from there. 0 (the default): never; on one H200 it measured
+//                   below the row kernel (docs/cross_entropy.md). -1: with a gradient, the fewest
+//                   blocks (1, 2, 4 or 8) whose slices fit kSliceKB each; the loss alone takes the
+//                   row kernel (one read either way). 1..8: exactly this many blocks per row, with
+//                   or without a gradient, wherever two slices fit a block's shared memory;
+//   kClusterThreads: the on-chip kernel's block size;
+//   kSliceKB:       the on-chip kernel's slice (one buffer; a block holds two) that the -1 rule
+//                   aims at, KiB: small enough for several blocks per SM.
+// Rows the chosen kernel cannot take (narrow vectors, older GPUs, the split-vocabulary passes, a
+// row over 8 blocks' shared memory) take the row kernel: a first pass for the statistics and a
+// second that re-reads the row (from L2 where it is still there) for the gradient.
+template <int kWideThreads_ = 256, int kNarrowThreads_ = 256, int kUnroll_ = 4, int kRowsPerSm_ = 0,
+          int kCluster_ = 0, int kClusterThreads_ = 256, int kSliceKB_ = 36>
 struct CrossEntropyPolicy {
   static_assert(kUnroll_ >= 1 && kUnroll_ <= 8, "1 to 8 vectors in flight per thread");
-  static_assert(kCluster_ == 0 || (kCluster_ >= 2 && kCluster_ <= 8), "0, or 2 to 8 blocks per cluster");
-  static_assert(kClusterVecs_ >= 1 && kClusterVecs_ <= 8, "1 to 8 vectors per thread in a cluster");
-  static constexpr int kCluster = kCluster_;
-  static constexpr int kClusterVecs = kClusterVecs_;
+  static_assert(kCluster_ >= -1 && kCluster_ <= 8, "-1 (automatic), 0 (off) or 1 to 8 blocks per row");
+  static_assert(kClusterThreads_ % 32 == 0 && kClusterThreads_ >= 64 && kClusterThreads_ <= 1024,
+                "a whole number of warps, 64 to 1024 threads");
+  static_assert(kSliceKB_ >= 4 && kSliceKB_ <= 113, "4 to 113 KiB per buffer (two per block)");
   static constexpr int kWideThreads = kWideThreads_;
   static constexpr int kNarrowThreads = kNarrowThreads_;
   static constexpr int kUnroll = kUnroll_;
   static constexpr int kRowsPerSm = kRowsPerSm_;
+  static constexpr int kCluster = kCluster_;
+  static constexpr int kClusterThreads = kClusterThreads_;
+  static constexpr int kSliceKB = kSliceKB_;
 };
 using CrossEntropyDefaultPolicy = CrossEntropyPolicy<>;
 
@@ -341,9 +376,9 @@ TIGON_DEVICE void ce_accumulate(CeAcc& acc, const float* x, std::int64_t c0, boo
 // One row per block (grid-stride over rows). Pass 1 (unless merged statistics are given): max,
 // sum of exp, smoothing sums and argmax over the row, kU vectors in flight per thread, read
 // with the evict-last L2 priority. Then the row's loss, and pass 2 (with a gradient): the row
-// again, from L2 (the launch keeps the rows in flight within L2), newest lines first, and the
-// gradient written in place or to dx.
-// ---- The per-row steps both row kernels share ----
+// again, newest lines first (the likeliest still in L2; at 8 rows of 128K logits per SM most of a
+// row comes from DRAM again), and the gradient written in place or to dx.
+// ---- The per-row steps both kernels share ----
 
 // The target's logit (bias and softcap applied), or 0 when the target is not in this shard.
 template <class T, class I>
@@ -543,82 +578,114 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
   }
 }
 
-// Wide rows split across a cluster of kCluster blocks (sm_90+). Cluster c walks rows c, c +
-// clusters, ...; block `rank` of it owns the vectors [rank * slice, (rank + 1) * slice) of each
-// row and every thread holds up to kVecs of them in registers: one DRAM read, all of a row's loads
-// in flight at once, no second pass. Each block's statistics go to every block of the cluster
-// (distributed shared memory, double-buffered by row parity, one cluster barrier per row), and
-// every block merges them in rank order: the same totals everywhere, deterministic.
-template <class T, class I, int kV, int kThreads, int kCluster, int kVecs, bool kPlain>
-TIGON_KERNEL void __launch_bounds__(kThreads, kThreads <= 512 ? 2 : 1) ce_cluster_kernel(const CeParams<T, I> params) {
+// Rows kept on chip: a row split across a thread-block cluster of `cluster.num_blocks()` blocks
+// (sm_90+; one block when the row fits one). Cluster c walks rows c, c + clusters, ...; block
+// `rank` owns the vectors [rank * slice, (rank + 1) * slice) of each row, which one thread moves
+// into the block's shared memory with the bulk-copy engine, two buffers deep: the next row's slice
+// streams in while this one's is reduced and its gradient written. The row is read from DRAM once
+// and never re-read, and no registers hold it. Each block's statistics (and the target's logit,
+// from the block that holds it) go to every block of the cluster through distributed shared
+// memory, double-buffered by row parity (one cluster barrier per row); every block merges them in
+// rank order, so all hold the same totals, deterministically. Then each block writes the gradient
+// of its slice from shared memory.
+template <class T, class I, int kV, int kThreads, bool kPlain>
+TIGON_KERNEL void __launch_bounds__(kThreads) ce_cluster_kernel(const CeParams<T, I> params, int slice) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
+  using Vec = AlignedVec<T, kV>;
   const CeParams<T, I> p = ce_specialise<kPlain>(params);
   using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
+  extern __shared__ __align__(128) unsigned char ce_row_smem[];
   __shared__ typename Reduce::TempStorage reduce;
-  __shared__ CeAcc slots[2][kCluster];
+  __shared__ CeAcc slots[2][kCeMaxCluster];
+  __shared__ float slot_xt[2];
+  __shared__ __align__(8) std::uint64_t bar[2];
   cg::cluster_group cluster = cg::this_cluster();
+  const int csize = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
-  const std::int64_t cid = blockIdx.x / kCluster;
-  const std::int64_t clusters = gridDim.x / kCluster;
+  const std::int64_t clusters = gridDim.x / csize;
   const int nvec = static_cast<int>(p.vocab / kV);
-  const int slice = (nvec + kCluster - 1) / kCluster;
-  const int v0 = rank * slice;
-  const int v1 = v0 + slice < nvec ? v0 + slice : nvec;
+  const int v0 = min(rank * slice, nvec);
+  const int n = min(v0 + slice, nvec) - v0;
+  const unsigned bytes = static_cast<unsigned>(n) * static_cast<unsigned>(sizeof(Vec));
+  const std::int64_t col_lo = static_cast<std::int64_t>(v0) * kV;
+  const std::int64_t col_hi = col_lo + static_cast<std::int64_t>(n) * kV;
   const bool smooth = p.eps > 0.0f;
   const bool want_arg = p.argmax != nullptr;
   const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
   const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
+  auto buffer = [&](int b) { return ce_row_smem + static_cast<std::size_t>(b) * slice * sizeof(Vec); };
+  // Thread 0 starts the copy of `row`'s slice into buffer b.
+  auto fetch = [&](std::int64_t row, int b) {
+    if (threadIdx.x != 0 || bytes == 0 || row >= p.rows) return;
+    fence_proxy_async_shared();  // every thread's earlier reads of the buffer (block barrier) first
+    mbarrier_arrive_expect_tx(&bar[b], bytes);
+    constexpr unsigned kPiece = 16384;
+    const char* src = reinterpret_cast<const char*>(p.x + row * p.xs + col_lo);
+    for (unsigned off = 0; off < bytes; off += kPiece) {
+      bulk_copy_g2s(buffer(b) + off, src + off, bytes - off < kPiece ? bytes - off : kPiece, &bar[b]);
+    }
+  };
+  if (threadIdx.x == 0) {
+    mbarrier_init(&bar[0]);
+    mbarrier_init(&bar[1]);
+  }
+  // Every block of the cluster has started (its shared memory may be written from now on) and
+  // this block's barriers are initialised.
+  cluster.sync();
+  const std::int64_t first = blockIdx.x / csize;
+  fetch(first, 0);
+  unsigned phases = 0;  // bit b: the parity of buffer b's next phase
   int parity = 0;
-  for (std::int64_t row = cid; row < p.rows; row += clusters, parity ^= 1) {
-    const T* xr = p.x + row * p.xs;
+  for (std::int64_t row = first; row < p.rows; row += clusters, parity ^= 1) {
+    fetch(row + clusters, parity ^ 1);  // the next row streams in meanwhile
+    const Vec* buf = reinterpret_cast<const Vec*>(buffer(parity));
     const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
     const std::int64_t t = t_raw - p.col0;
     const bool ignored = t_raw == p.ignore_index;
     const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
-    AlignedVec<T, kV> raw[kVecs];
-#pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      const int i = v0 + j * kThreads + static_cast<int>(threadIdx.x);
-      if (i < v1) raw[j] = load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop);
-    }
     CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
-#pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      const int i = v0 + j * kThreads + static_cast<int>(threadIdx.x);
-      if (i < v1) {
-        const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
+    if (bytes > 0) {
+      mbarrier_wait(&bar[parity], (phases >> parity) & 1u);
+      phases ^= 1u << parity;
+      for (int j = static_cast<int>(threadIdx.x); j < n; j += kThreads) {
+        const std::int64_t c0 = col_lo + static_cast<std::int64_t>(j) * kV;
         float x[kV];
-        to_x<T, kV>(raw[j], p.bias, c0, p.cap, x);
+        to_x<T, kV>(buf[j], p.bias, c0, p.cap, x);
         ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
       }
     }
     acc.best_i += p.col0;
     const CeAcc mine = Reduce(reduce).Reduce(acc, CeAccMerge{});
     if (threadIdx.x == 0) {
-      for (int r = 0; r < kCluster; ++r) *cluster.map_shared_rank(&slots[parity][rank], r) = mine;
+      for (int r = 0; r < csize; ++r) *cluster.map_shared_rank(&slots[parity][rank], r) = mine;
+      if (t >= col_lo && t < col_hi) {  // this block holds the target's logit
+        const float xt = ce_math::softcap(
+            to_float(reinterpret_cast<const T*>(buf)[t - col_lo]) + (p.bias != nullptr ? to_float(p.bias[t]) : 0.0f),
+            p.cap);
+        for (int r = 0; r < csize; ++r) *cluster.map_shared_rank(&slot_xt[parity], r) = xt;
+      }
     }
     cluster.sync();  // every block's statistics have arrived; also a block barrier for `reduce`
     CeAcc total = slots[parity][0];
-#pragma unroll
-    for (int r = 1; r < kCluster; ++r) total = CeAccMerge{}(total, slots[parity][r]);
+    for (int r = 1; r < csize; ++r) total = CeAccMerge{}(total, slots[parity][r]);
+    const float x_t = (t >= 0 && t < p.vocab) ? slot_xt[parity] : 0.0f;
     const float lse = total.m + logf(total.s);
-    const ce_math::RowTerms terms =
-        ce_row_terms(p, row, total, lse, ce_target_logit(p, xr, t), t_raw, ignored || bad);
+    const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, x_t, t_raw, ignored || bad);
     if (rank == 0 && threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
-    if (p.dx != nullptr) {
+    if (p.dx != nullptr && n > 0) {
       T* dr = p.dx + row * p.dxs;
       const float scale = ce_grad_scale(p, row, ignored || bad);
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) {
-        const int i = v0 + j * kThreads + static_cast<int>(threadIdx.x);
-        if (i < v1) ce_grad_vec<T, I, kV>(p, raw[j], i, dr, t, terms, scale, wcol, drop);
+      for (int j = static_cast<int>(threadIdx.x); j < n; j += kThreads) {
+        ce_grad_vec<T, I, kV>(p, buf[j], v0 + j, dr, t, terms, scale, wcol, drop);
       }
     }
+    __syncthreads();  // this buffer is refilled two rows on
   }
   cluster.sync();  // no block may exit while another still writes into its shared memory
 #else
   (void)params;
+  (void)slice;
 #endif
 }
 
@@ -734,50 +801,52 @@ Status launch_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* 
 
 template <class T, class I, int kV, int kThreads, class P, bool kPlain>
 Status launch_ce_rows_as(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
-  // One row per resident block. With a gradient, the rows in flight stay within half the L2 so
-  // that the second pass finds its row there (at least one block per SM).
+  // One row per resident block (a gradient pass re-reads its row: from L2 where it stayed there).
   constexpr auto kernel = ce_row_kernel<T, I, kV, kThreads, P::kUnroll, kPlain>;
   DeviceInfo dev;
   TIGON_CHECK(current_device_info(dev));
   int occ = 0;
   TIGON_CHECK((blocks_per_sm<kernel, kThreads>(dev.device, occ)));
   std::int64_t per_sm = occ;
-  if constexpr (P::kRowsPerSm > 0) {
-    per_sm = std::min<std::int64_t>(P::kRowsPerSm, occ);
-  } else if (p.dx != nullptr) {
-    const std::int64_t row_bytes = p.vocab * static_cast<std::int64_t>(sizeof(T));
-    const std::int64_t fit = static_cast<std::int64_t>(dev.l2_bytes) / 2 / (row_bytes * dev.sm_count);
-    per_sm = std::clamp<std::int64_t>(fit, 1, occ);
-  }
+  if constexpr (P::kRowsPerSm > 0) per_sm = std::min<std::int64_t>(P::kRowsPerSm, occ);
   const auto grid = static_cast<unsigned>(
       std::clamp<std::int64_t>(per_sm * dev.sm_count, 1, std::max<std::int64_t>(p.rows, 1)));
   kernel<<<grid, kThreads, 0, stream>>>(p);
   return check_launch(op);
 }
 
-// The cluster kernel (policy kCluster > 0): one cluster of kCluster blocks per row in flight,
-// as many clusters as are resident.
-template <class T, class I, int kV, class P, bool kPlain>
-Status launch_ce_cluster(const CeParams<T, I>& p, const DeviceInfo& dev, cudaStream_t stream, const char* op) {
-  constexpr int kThreads = P::kWideThreads;
-  constexpr auto kernel = ce_cluster_kernel<T, I, kV, kThreads, P::kCluster, P::kClusterVecs, kPlain>;
-  int occ = 0;
-  TIGON_CHECK((blocks_per_sm<kernel, kThreads>(dev.device, occ)));
-  const std::int64_t clusters = std::clamp<std::int64_t>(
-      static_cast<std::int64_t>(occ) * dev.sm_count / P::kCluster, 1, std::max<std::int64_t>(p.rows, 1));
+// The on-chip kernel: as many clusters as can be resident at once (each walks rows), shared memory
+// opted in per call. Sets `launched` false (and launches nothing) when no cluster of this shape
+// fits the device.
+template <class T, class I, int kV, int kThreads, bool kPlain>
+Status launch_ce_cluster(const CeParams<T, I>& p, const CeClusterShape& shape, cudaStream_t stream,
+                         const char* op, bool& launched) {
+  constexpr auto kernel = ce_cluster_kernel<T, I, kV, kThreads, kPlain>;
+  launched = false;
+  const int smem = static_cast<int>(2 * shape.slice * static_cast<std::int64_t>(sizeof(AlignedVec<T, kV>)));
+  TIGON_CHECK(Status::from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                                op, "cudaFuncSetAttribute"));
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(clusters * P::kCluster));
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = static_cast<std::size_t>(smem);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = P::kCluster;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(shape.blocks);
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  TIGON_CHECK(Status::from_cuda(cudaLaunchKernelEx(&cfg, kernel, p), op, "cluster kernel launch"));
+  cfg.gridDim = dim3(static_cast<unsigned>(shape.blocks));
+  int resident = 0;
+  TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg), op,
+                                "cudaOccupancyMaxActiveClusters"));
+  if (resident < 1) return Status();
+  const std::int64_t clusters = std::min<std::int64_t>(resident, std::max<std::int64_t>(p.rows, 1));
+  cfg.gridDim = dim3(static_cast<unsigned>(clusters * shape.blocks));
+  TIGON_CHECK(Status::from_cuda(cudaLaunchKernelEx(&cfg, kernel, p, static_cast<int>(shape.slice)), op,
+                                "cluster kernel launch"));
+  launched = true;
   return check_launch(op);
 }
 
@@ -785,16 +854,25 @@ template <class P = CrossEntropyDefaultPolicy, class T, class I>
 Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   constexpr int kV = kVecElems<T>;
   const bool vec = ce_vectorizable(p);
-  if constexpr (P::kCluster > 0) {
-    // Whole rows of a full vocabulary (not the split-vocabulary passes), 16-byte vectors, in the
-    // cluster's registers, on sm_90+.
-    DeviceInfo dev;
-    TIGON_CHECK(current_device_info(dev));
-    const std::int64_t capacity = static_cast<std::int64_t>(P::kCluster) * P::kWideThreads * P::kClusterVecs;
-    if (vec && dev.cc_major >= 9 && p.vocab > 16384 && p.stats == nullptr && p.stats_out == nullptr &&
-        p.vocab / kV <= capacity) {
-      return ce_plain(p) ? launch_ce_cluster<T, I, kV, P, true>(p, dev, stream, op)
-                         : launch_ce_cluster<T, I, kV, P, false>(p, dev, stream, op);
+  if constexpr (P::kCluster != 0 && kV > 1) {
+    const bool wanted = P::kCluster > 0 || p.dx != nullptr;
+    if (wanted && vec && p.stats == nullptr && p.stats_out == nullptr) {
+      DeviceInfo dev;
+      TIGON_CHECK(current_device_info(dev));
+      // Two slices per block; the kernel's static shared memory (reduction scratch, slots,
+      // barriers) stays out of them.
+      constexpr std::int64_t kStatic = 4096;
+      const CeClusterShape shape =
+          dev.cc_major >= 9
+              ? ce_cluster_shape(p.vocab / kV, static_cast<std::int64_t>(sizeof(AlignedVec<T, kV>)), P::kCluster,
+                                 static_cast<std::int64_t>(P::kSliceKB) * 1024, (dev.smem_per_block_optin - kStatic) / 2)
+              : CeClusterShape{};
+      if (shape.blocks > 0) {
+        bool launched = false;
+        TIGON_CHECK((ce_plain(p) ? launch_ce_cluster<T, I, kV, P::kClusterThreads, true>(p, shape, stream, op, launched)
+                                 : launch_ce_cluster<T, I, kV, P::kClusterThreads, false>(p, shape, stream, op, launched)));
+        if (launched) return Status();
+      }
     }
   }
   if (p.vocab > 16384) {

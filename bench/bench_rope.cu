@@ -18,7 +18,7 @@ void check(const tigon::Status& s) {
   }
 }
 
-template <class Style>
+template <class Style, class P = tigon::RopeDefaultPolicy>
 void BM_rope(benchmark::State& st, bool backward, bool bhtd, const char* label) {
   const std::int64_t B = st.range(0), T = st.range(1), Hq = 32, Hk = 8, D = 128;
   const std::size_t nq = static_cast<std::size_t>(B * T * Hq * D), nk = static_cast<std::size_t>(B * T * Hk * D);
@@ -54,8 +54,8 @@ void BM_rope(benchmark::State& st, bool backward, bool bhtd, const char* label) 
     return a;
   };
   bench::run(st, std::string("rope ") + label, bytes, [&](int i) {
-    check(backward ? tigon::rope_backward<Style>(args(i), nullptr)
-                   : tigon::rope_forward<Style>(args(i), nullptr));
+    check(backward ? tigon::rope_backward<Style, P>(args(i), nullptr)
+                   : tigon::rope_forward<Style, P>(args(i), nullptr));
   });
   for (int s = 0; s < sets; ++s) {
     cudaFree(q[s]);
@@ -70,11 +70,46 @@ void BM_bwd(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, true, fals
 void BM_fwd_bhtd(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, true, "fwd bf16 B4 T4096 32/8x128 [B,H,T,D]"); }
 void BM_fwd_inter(benchmark::State& st) { BM_rope<tigon::RopeInterleaved>(st, false, false, "fwd bf16 B4 T4096 interleaved"); }
 
+// RopePolicy<G> variants: G heads of a token per thread, the table chunk loaded once for them.
+#define ROPE_VARIANT(g)                                                                                  \
+  void BM_fwd_heads##g(benchmark::State& st) {                                                           \
+    BM_rope<tigon::RopeHalfSplit, tigon::RopePolicy<g>>(st, false, false, "  policy heads" #g " fwd [B,T,H,D]"); \
+  }                                                                                                      \
+  void BM_bwd_heads##g(benchmark::State& st) {                                                           \
+    BM_rope<tigon::RopeHalfSplit, tigon::RopePolicy<g>>(st, true, false, "  policy heads" #g " bwd [B,T,H,D]"); \
+  }                                                                                                      \
+  void BM_bhtd_heads##g(benchmark::State& st) {                                                          \
+    BM_rope<tigon::RopeHalfSplit, tigon::RopePolicy<g>>(st, false, true, "  policy heads" #g " fwd [B,H,T,D]"); \
+  }                                                                                                      \
+  void BM_inter_heads##g(benchmark::State& st) {                                                         \
+    BM_rope<tigon::RopeInterleaved, tigon::RopePolicy<g>>(st, false, false, "  policy heads" #g " fwd interleaved"); \
+  }
+ROPE_VARIANT(2)
+ROPE_VARIANT(4)
+ROPE_VARIANT(8)
+
 }  // namespace
 
-BENCHMARK(BM_fwd)->Args({4, 4096})->UseManualTime()->Iterations(100)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_bwd)->Args({4, 4096})->UseManualTime()->Iterations(100)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_fwd_bhtd)->Args({4, 4096})->UseManualTime()->Iterations(100)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_fwd_inter)->Args({4, 4096})->UseManualTime()->Iterations(100)->Unit(benchmark::kMicrosecond);
+#define ROPE_ARGS ->Args({4, 4096})->UseManualTime()->Iterations(100)->Unit(benchmark::kMicrosecond)
+BENCHMARK(BM_fwd) ROPE_ARGS;
+BENCHMARK(BM_bwd) ROPE_ARGS;
+BENCHMARK(BM_fwd_bhtd) ROPE_ARGS;
+BENCHMARK(BM_fwd_inter) ROPE_ARGS;
+BENCHMARK(BM_fwd_heads2) ROPE_ARGS;
+BENCHMARK(BM_bwd_heads2) ROPE_ARGS;
+BENCHMARK(BM_bhtd_heads2) ROPE_ARGS;
+BENCHMARK(BM_inter_heads2) ROPE_ARGS;
+BENCHMARK(BM_fwd_heads4) ROPE_ARGS;
+BENCHMARK(BM_bwd_heads4) ROPE_ARGS;
+BENCHMARK(BM_bhtd_heads4) ROPE_ARGS;
+BENCHMARK(BM_inter_heads4) ROPE_ARGS;
+BENCHMARK(BM_fwd_heads8) ROPE_ARGS;
+BENCHMARK(BM_bwd_heads8) ROPE_ARGS;
+BENCHMARK(BM_bhtd_heads8) ROPE_ARGS;
+BENCHMARK(BM_inter_heads8) ROPE_ARGS;
+// The default once more, last: the spread between this row and the first is the noise.
+void BM_fwd_again(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, false, "fwd bf16 B4 T4096 32/8x128 [B,T,H,D] (again)"); }
+BENCHMARK(BM_fwd_again) ROPE_ARGS;
+
 
 BENCH_MAIN

@@ -49,7 +49,7 @@ Layout layout(const Case& c, std::int64_t H, bool bhtd) {
   return bhtd ? Layout{H * c.T * c.D, c.D, c.T * c.D} : Layout{c.T * H * c.D, H * c.D, c.D};
 }
 
-template <class T, class C = T>
+template <class T, class C = T, class P = RopeDefaultPolicy>
 void run_case(const Case& c) {
   INFO(describe(c) << " T=" << dtype_traits<T>::name << " C=" << dtype_traits<C>::name);
   const std::int64_t rd = c.rd == 0 ? c.D : c.rd;
@@ -113,9 +113,9 @@ void run_case(const Case& c) {
 
   Status s;
   if (c.interleaved) {
-    s = c.backward ? rope_backward<RopeInterleaved>(a, nullptr) : rope_forward<RopeInterleaved>(a, nullptr);
+    s = c.backward ? rope_backward<RopeInterleaved, P>(a, nullptr) : rope_forward<RopeInterleaved, P>(a, nullptr);
   } else {
-    s = c.backward ? rope_backward(a, nullptr) : rope_forward(a, nullptr);
+    s = c.backward ? rope_backward<RopeHalfSplit, P>(a, nullptr) : rope_forward<RopeHalfSplit, P>(a, nullptr);
   }
   INFO(s.message());
   REQUIRE(s.ok());
@@ -157,12 +157,12 @@ void run_case(const Case& c) {
   if (!c.with_k) CHECK(gpu_test::all_bytes_ff(ko.download().data(), sizeof(T)));  // k untouched
 }
 
-template <class T, class C = T>
+template <class T, class C = T, class P = RopeDefaultPolicy>
 void both_directions(Case c) {
   c.backward = false;
-  run_case<T, C>(c);
+  run_case<T, C, P>(c);
   c.backward = true;
-  run_case<T, C>(c);
+  run_case<T, C, P>(c);
 }
 
 }  // namespace
@@ -228,6 +228,42 @@ TEST_CASE("rope: layouts, partial rotary, position ids, tables, out of place", "
       c.with_k = false;
       both_directions<float>(c);
     }
+  }
+}
+
+TEST_CASE("rope: the head-group policy computes the same function", "[rope][gpu]") {
+  // RopePolicy<G>: G heads of a token per thread, the table chunk loaded once. Groups that do not
+  // divide the heads (3 of 40, 8 of 10), groups spanning q and k, q only; calls it does not take
+  // (out of place with pass-through channels, the scalar path) fall back to the one-head kernel.
+  using G3 = RopePolicy<3>;
+  using G4 = RopePolicy<4>;
+  using G8 = RopePolicy<8>;
+  for (bool inter : {false, true}) {
+    Case c{.B = 2, .T = 50, .Hq = 32, .Hk = 8, .D = 128, .interleaved = inter};
+    both_directions<bf16, bf16, G3>(c);
+    both_directions<bf16, bf16, G4>(c);
+    both_directions<half, half, G8>(c);
+    both_directions<float, float, G4>(c);
+    Case q = c;
+    q.q_bhtd = true;
+    q.pos_ids = 64;
+    both_directions<bf16, bf16, G4>(q);
+    q.batch_tables = true;
+    q.pos_ids = 32;
+    both_directions<bf16, float, G8>(q);
+    Case o = c;
+    o.in_place = false;
+    both_directions<bf16, bf16, G4>(o);
+    o.with_k = false;
+    both_directions<bf16, bf16, G3>(o);
+    Case r{.B = 1, .T = 33, .Hq = 8, .Hk = 2, .D = 128, .rd = 64, .interleaved = inter};
+    both_directions<bf16, bf16, G4>(r);  // partial rotary in place: the head-group kernel
+    r.in_place = false;
+    both_directions<bf16, bf16, G4>(r);  // out of place: the one-head kernel copies the rest
+    Case odd{.B = 1, .T = 9, .Hq = 5, .Hk = 3, .D = 92, .interleaved = inter};
+    both_directions<bf16, bf16, G4>(odd);  // scalar path
+    Case big{.B = 1, .T = 8192, .Hq = 32, .Hk = 8, .D = 128, .interleaved = inter};
+    both_directions<bf16, bf16, G4>(big);
   }
 }
 

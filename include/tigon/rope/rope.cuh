@@ -43,6 +43,18 @@ struct RopeInterleaved {
   static constexpr const char* name = "interleaved";
 };
 
+// Tuning knob of the launch. kHeads = 0: one kV-wide chunk of one head per thread (the table
+// chunk loaded again for every head). kHeads = G > 0: one chunk of G heads of a token per thread,
+// the table chunk loaded once for all G (a thread issues the loads of its G heads, then rotates
+// and stores them); it applies to 16-byte vectors, in place or with rotary_dim == head_dim, and
+// fewer than 2^31 work items; other calls take the one-head kernel.
+template <int kHeads_ = 0>
+struct RopePolicy {
+  static_assert(kHeads_ >= 0 && kHeads_ <= 16, "0 (one head per thread) or 1 to 16 heads per thread");
+  static constexpr int kHeads = kHeads_;
+};
+using RopeDefaultPolicy = RopePolicy<0>;
+
 // One of q or k: element (b, t, h, d) lives at ptr[b*stride_b + t*stride_t + h*stride_h + d].
 template <class T>
 struct RopeTensor {
@@ -326,6 +338,91 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
   }
 }
 
+// The head-group kernel (policy kHeads = G): item = (token, group of G heads, chunk), chunk
+// fastest, so that the lanes of a warp cover a head's chunks side by side. q's heads come first,
+// then k's; a group may hold heads of both. Only rotated chunks: the launch takes this kernel in
+// place or without pass-through channels.
+template <class T, class C, class Style, int kV, int kG>
+TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopeParams<T, C> p) {
+  constexpr bool kHalf = std::is_same_v<Style, RopeHalfSplit>;
+  static_assert(kV % 2 == 0, "16-byte vectors hold whole pairs");
+  const int half = p.rotary_dim / 2;
+  const unsigned rot_chunks = static_cast<unsigned>(kHalf ? half / kV : p.rotary_dim / kV);
+  const int heads = p.heads[0] + p.heads[1];
+  const unsigned groups = static_cast<unsigned>((heads + kG - 1) / kG);
+  const unsigned per_token = groups * rot_chunks;
+  const unsigned total = static_cast<unsigned>(p.tokens) * per_token;  // < 2^31 (launch)
+  const unsigned item = blockIdx.x * kRopeThreads + threadIdx.x;
+  if (item >= total) return;
+  const unsigned tk = item / per_token;
+  const unsigned rem = item - tk * per_token;
+  const unsigned group = rem / rot_chunks;
+  const int d = static_cast<int>(rem - group * rot_chunks) * kV;
+  const unsigned bb = tk / static_cast<unsigned>(p.seq);
+  const std::int64_t b = bb, t = tk - bb * static_cast<unsigned>(p.seq);
+  std::int64_t row = t;
+  if (p.pos64 != nullptr) row = p.pos64[b * p.seq + t];
+  if (p.pos32 != nullptr) row = p.pos32[b * p.seq + t];
+  const bool bad = row < 0 || row >= p.table_rows;
+  const C* cr = p.cos + b * p.tsb + (bad ? 0 : row) * p.tst;
+  const C* sr = p.sin + b * p.tsb + (bad ? 0 : row) * p.tst;
+  // The table chunk, once for the G heads (the second halves only in the half-split style).
+  const AlignedVec<C, kV> c1 = load_vec<kV>(cr + d), s1 = load_vec<kV>(sr + d);
+  AlignedVec<C, kV> c2{}, s2{};
+  if constexpr (kHalf) {
+    c2 = load_vec<kV>(cr + d + half);
+    s2 = load_vec<kV>(sr + d + half);
+  }
+  auto offset = [&](int h, bool out) {
+    const int w = h < p.heads[0] ? 0 : 1;
+    const std::int64_t hh = w == 0 ? h : h - p.heads[0];
+    return out ? b * p.osb[w] + t * p.ost[w] + hh * p.osh[w] : b * p.sb[w] + t * p.st[w] + hh * p.sh[w];
+  };
+  const int h0 = static_cast<int>(group) * kG;
+  AlignedVec<T, kV> xa[kG], xb[kG];
+#pragma unroll
+  for (int j = 0; j < kG; ++j) {
+    const int h = h0 + j;
+    if (h < heads) {
+      const T* x = p.in[h < p.heads[0] ? 0 : 1] + offset(h, false);
+      xa[j] = load_vec<kV>(x + d);
+      if constexpr (kHalf) xb[j] = load_vec<kV>(x + d + half);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kG; ++j) {
+    const int h = h0 + j;
+    if (h >= heads) continue;
+    T* y = p.out[h < p.heads[0] ? 0 : 1] + offset(h, true);
+    if constexpr (kHalf) {
+      AlignedVec<T, kV> y1, y2;
+#pragma unroll
+      for (int e = 0; e < kV; ++e) {
+        float a, c;
+        rope_math::rotate(to_float(xa[j].v[e]), to_float(xb[j].v[e]), to_float(c1.v[e]), to_float(c2.v[e]),
+                          to_float(s1.v[e]), to_float(s2.v[e]), p.backward, a, c);
+        if (bad) a = c = __int_as_float(0x7fc00000);
+        y1.v[e] = from_float<T>(a);
+        y2.v[e] = from_float<T>(c);
+      }
+      store_vec(y + d, y1);
+      store_vec(y + d + half, y2);
+    } else {
+      AlignedVec<T, kV> yv;
+#pragma unroll
+      for (int e = 0; e < kV; e += 2) {
+        float a, c;
+        rope_math::rotate(to_float(xa[j].v[e]), to_float(xa[j].v[e + 1]), to_float(c1.v[e]),
+                          to_float(c1.v[e + 1]), to_float(s1.v[e]), to_float(s1.v[e + 1]), p.backward, a, c);
+        if (bad) a = c = __int_as_float(0x7fc00000);
+        yv.v[e] = from_float<T>(a);
+        yv.v[e + 1] = from_float<T>(c);
+      }
+      store_vec(y + d, yv);
+    }
+  }
+}
+
 template <class T, class C>
 RopeParams<T, C> rope_params(const RopeArgs<T, C>& a, bool backward) {
   RopeParams<T, C> p{};
@@ -385,12 +482,33 @@ Status launch_rope(const RopeParams<T, C>& p, cudaStream_t stream, const char* o
   return check_launch(op);
 }
 
-template <class Style, class T, class C>
+// The head-group kernel's launch, when the call allows it (see RopePolicy); false: not taken.
+template <class T, class C, class Style, int kV, int kG>
+bool launch_rope_heads(const RopeParams<T, C>& p, cudaStream_t stream) {
+  const bool in_place = p.in[0] == p.out[0] && p.sb[0] == p.osb[0] && p.st[0] == p.ost[0] && p.sh[0] == p.osh[0] &&
+                        (p.heads[1] == 0 || (p.in[1] == p.out[1] && p.sb[1] == p.osb[1] &&
+                                             p.st[1] == p.ost[1] && p.sh[1] == p.osh[1]));
+  if (!in_place && p.rotary_dim != p.head_dim) return false;
+  const std::int64_t chunks = std::is_same_v<Style, RopeHalfSplit> ? p.rotary_dim / 2 / kV : p.rotary_dim / kV;
+  const std::int64_t groups = ceil_div<std::int64_t>(p.heads[0] + p.heads[1], kG);
+  const std::int64_t items = p.tokens * groups * chunks;
+  if (items <= 0 || items > 0x7fffffff - kRopeThreads) return false;
+  const auto grid = static_cast<unsigned>(ceil_div<std::int64_t>(items, kRopeThreads));
+  rope_heads_kernel<T, C, Style, kV, kG><<<grid, kRopeThreads, 0, stream>>>(p);
+  return true;
+}
+
+template <class Style, class Policy, class T, class C>
 Status rope_impl(const RopeArgs<T, C>& a, bool backward, cudaStream_t stream, const char* op) {
   TIGON_CHECK(validate(a, op));
   const RopeParams<T, C> p = rope_params(a, backward);
   const int v = rope_vec<T, C, Style>(p);
-  if (v == kVecElems<T>) return launch_rope<T, C, Style, kVecElems<T>>(p, stream, op);
+  if (v == kVecElems<T>) {
+    if constexpr (Policy::kHeads > 0) {
+      if (launch_rope_heads<T, C, Style, kVecElems<T>, Policy::kHeads>(p, stream)) return check_launch(op);
+    }
+    return launch_rope<T, C, Style, kVecElems<T>>(p, stream, op);
+  }
   return launch_rope<T, C, Style, 1>(p, stream, op);
 }
 
@@ -401,15 +519,16 @@ Status rope_impl(const RopeArgs<T, C>& a, bool backward, cudaStream_t stream, co
 // ------------------------------------------------------------------------------------------------
 
 // Rotate q and k (k optional) by the table's angles. In place when out == in (same strides).
-template <class Style = RopeHalfSplit, class T, class C>
+// Policy: RopePolicy (the launch's tuning).
+template <class Style = RopeHalfSplit, class Policy = RopeDefaultPolicy, class T, class C>
 [[nodiscard]] Status rope_forward(const RopeArgs<T, C>& args, cudaStream_t stream) {
-  return detail::rope_impl<Style>(args, false, stream, "rope_forward");
+  return detail::rope_impl<Style, Policy>(args, false, stream, "rope_forward");
 }
 
 // Gradient of rope_forward: args.q / args.k hold dq / dk (in) and their gradients (out).
-template <class Style = RopeHalfSplit, class T, class C>
+template <class Style = RopeHalfSplit, class Policy = RopeDefaultPolicy, class T, class C>
 [[nodiscard]] Status rope_backward(const RopeArgs<T, C>& args, cudaStream_t stream) {
-  return detail::rope_impl<Style>(args, true, stream, "rope_backward");
+  return detail::rope_impl<Style, Policy>(args, true, stream, "rope_backward");
 }
 
 #endif  // __CUDACC__

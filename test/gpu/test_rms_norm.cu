@@ -295,7 +295,8 @@ TEST_CASE("rms_norm: compile-time hidden size <T, 4096>", "[rms_norm][gpu]") {
 }
 
 TEST_CASE("rms_norm: every policy knob computes the same function", "[rms_norm][gpu]") {
-  // <fwd vpt, fwd block, bwd vpt, bwd block, bwd min blocks, stages, casting, persistent, streaming, keep>
+  // <fwd vpt, fwd block, bwd vpt, bwd block, bwd min blocks, stages, casting, persistent, streaming,
+  // keep, direct>
   const Case c{.rows = 300, .cols = 4096, .compile_time = true};
   run_case<bf16, bf16, RmsNormPolicy<4, 128, 2, 256, 2, 2>>(c);
   run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 1, -1, true>>(c);                // persistent
@@ -303,6 +304,12 @@ TEST_CASE("rms_norm: every policy knob computes the same function", "[rms_norm][
   run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, true>>(c);          // streaming stores
   run_case<bf16, float, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, false, true>>(c);  // keep rows
   run_case<bf16, bf16, RmsNormPolicy<8, 256, 4, 256, 1, 4, 0>>(c);                        // llama only
+  // the forward loading straight into registers (and the persistent grid ignoring it)
+  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true>>(c);
+  run_case<bf16, float, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, true, true, true>>(c);
+  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, false, true, true>>(c);
+  run_case<float, float, RmsNormPolicy<8, 128, 2, 512, 1, 3, -1, false, false, true, true>>(
+      {.rows = 77, .cols = 4096, .compile_time = true});  // fp32: 4-wide vectors
   Case g = c;
   g.mode = RmsNormCasting::gemma;
   g.offset = 1.0f;

@@ -233,8 +233,12 @@ Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op) {
 template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
           int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
           int kCasting_ = -1, bool kFwdPersistent_ = false, bool kStreamingStores_ = false,
-          bool kBwdKeepRows_ = true>
+          bool kBwdKeepRows_ = true, bool kFwdDirect_ = false>
 struct RmsNormPolicy {
+  // Non-persistent forward: each thread loads its vectors of the row straight into registers
+  // (true), or stages the row through shared memory with cp.async (false: the default until
+  // measured against it).
+  static constexpr bool kFwdDirect = kFwdDirect_;
   // Backward: keep the row's x, dy and w in registers between the row sums and dx (true: the
   // default, 1-2% faster on the H200), or read them again from shared memory / L1 (false: fewer
   // registers).
@@ -269,6 +273,11 @@ template <class T, int kCols, class P>
 using RmsFwdPipe = RowPipeline<RmsFwdShape<T, kCols, P>, T, kCols, 1, P::kFwdPersistent ? P::kStages : 1>;
 template <class T, int kCols, class P>
 using RmsBwdPipe = RowPipeline<RmsBwdShape<T, kCols, P>, T, kCols, 2, P::kStages>;
+// The forward loads straight into registers (no shared memory) when non-persistent and direct.
+template <class P>
+inline constexpr bool kRmsFwdDirect = P::kFwdDirect && !P::kFwdPersistent;
+template <class T, int kCols, class P>
+inline constexpr int kRmsFwdSmem = kRmsFwdDirect<P> ? 0 : RmsFwdPipe<T, kCols, P>::kSmemBytes;
 
 inline constexpr int kRmsGeneralThreads = 256;     // block of the general (any size) kernels
 inline constexpr int kRmsGeneralBwdBlocksPerSm = 2;
@@ -343,28 +352,41 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * S::kGroups;
 
+  constexpr bool kDirect = kRmsFwdDirect<P>;
+  if constexpr (!kDirect) {
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    const std::int64_t r = first + s * step;
-    stage_row<S>(stages + s * kCols, p.x + r * p.xs, t, r < p.rows);
-    cp_async_commit();
+    for (int s = 0; s < kStages - 1; ++s) {
+      const std::int64_t r = first + s * step;
+      stage_row<S>(stages + s * kCols, p.x + r * p.xs, t, r < p.rows);
+      cp_async_commit();
+    }
   }
 
   int parity = 0;
   int k = 0;
   for (std::int64_t row = first; row < p.rows; row += step, ++k) {
-    const std::int64_t ahead = row + (kStages - 1) * step;
-    stage_row<S>(stages + ((k + kStages - 1) % kStages) * kCols, p.x + ahead * p.xs, t, ahead < p.rows);
-    cp_async_commit();
-    cp_async_wait<kStages - 1>();
-    const T* xr = stages + (k % kStages) * kCols;
+    const T* xr = p.x + row * p.xs;  // direct: global memory; staged: this row's stage
+    if constexpr (!kDirect) {
+      const std::int64_t ahead = row + (kStages - 1) * step;
+      stage_row<S>(stages + ((k + kStages - 1) % kStages) * kCols, p.x + ahead * p.xs, t, ahead < p.rows);
+      cp_async_commit();
+      cp_async_wait<kStages - 1>();
+      xr = stages + (k % kStages) * kCols;
+    }
     AlignedVec<T, kV> xv[S::kVecPerThread];
     float ss[1] = {0.0f};
+    if constexpr (kDirect) {  // every load in flight before the first use
+#pragma unroll
+      for (int v = 0; v < S::kVecPerThread; ++v) {
+        const int i = v * S::kGroupThreads + t;
+        if (S::kExact || i < S::kNumVec) xv[v] = load_vec_stream<kV>(xr + i * kV);
+      }
+    }
 #pragma unroll
     for (int v = 0; v < S::kVecPerThread; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
-        xv[v] = load_vec<kV>(xr + i * kV);
+        if constexpr (!kDirect) xv[v] = load_vec<kV>(xr + i * kV);
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
           const float f = to_float(xv[v].v[c]);
@@ -395,7 +417,7 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
       }
     }
   }
-  cp_async_wait<0>();
+  if constexpr (!kDirect) cp_async_wait<0>();
 }
 
 // Fixed hidden size backward: the same pipeline over x and dy; each thread keeps its columns' dW
@@ -670,10 +692,10 @@ Status plan_forward(const RmsFwdParams<T, W>& p, const DeviceInfo& dev, RmsPlan&
     using S = RmsFwdShape<T, kCols, P>;
     // The compiled kernel's shared-memory pipeline must fit this device's per-block limit.
     if (fwd_vectorizable<T, W, S::kVec>(p) &&
-        RmsFwdPipe<T, kCols, P>::kSmemBytes + 1024 <= dev.smem_per_block_optin) {
+        kRmsFwdSmem<T, kCols, P> + 1024 <= dev.smem_per_block_optin) {
       int occ = 0;
       TIGON_CHECK((blocks_per_sm<rms_norm_fwd_kernel<T, W, kCols, P>, S::kThreads,
-                                 RmsFwdPipe<T, kCols, P>::kSmemBytes>(dev.device, occ)));
+                                 kRmsFwdSmem<T, kCols, P>>(dev.device, occ)));
       plan.kernel = RmsKernel::compiled;
       const std::int64_t blocks = ceil_div<std::int64_t>(p.rows, S::kGroups);
       plan.grid = static_cast<int>(
@@ -734,7 +756,7 @@ Status launch_forward(const RmsFwdParams<T, W>& p, const RmsPlan& plan, cudaStre
       if constexpr (compiled_available<RmsFwdShape, T, kCols, P>()) {
         using S = RmsFwdShape<T, kCols, P>;
         rms_norm_fwd_kernel<T, W, kCols, P>
-            <<<plan.grid, S::kThreads, RmsFwdPipe<T, kCols, P>::kSmemBytes, stream>>>(p);
+            <<<plan.grid, S::kThreads, kRmsFwdSmem<T, kCols, P>, stream>>>(p);
       }
       break;
     case RmsKernel::general_vec:

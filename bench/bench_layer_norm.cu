@@ -149,7 +149,8 @@ BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark:
   BENCHMARK(BM_bwd_##label)->Arg(16384)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 
 // LayerNormPolicy<fwd vec/thread, fwd block, bwd vec/thread, bwd block, bwd min blocks/SM, stages,
-//                 persistent forward grid, streaming stores, backward keeps rows in registers>
+//                 persistent forward grid, streaming stores, backward keeps rows in registers,
+//                 direct forward>
 // Non-persistent forwards (the default; one stage, whatever the policy says):
 FWD_VARIANT(v4_b256_default, LayerNormPolicy<4, 256, 2, 512, 1, 3>)
 FWD_VARIANT(v4_b128, LayerNormPolicy<4, 128, 2, 512, 1, 3>)
@@ -158,6 +159,11 @@ FWD_VARIANT(v2_b256, LayerNormPolicy<2, 256, 2, 512, 1, 3>)
 FWD_VARIANT(v8_b256, LayerNormPolicy<8, 256, 2, 512, 1, 3>)
 FWD_VARIANT(v16_b256_warp_per_row, LayerNormPolicy<16, 256, 2, 512, 1, 3>)
 FWD_VARIANT(v4_b256_cs, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, true>)
+// Direct forwards: each thread's vectors straight into registers, no shared memory:
+FWD_VARIANT(v4_b256_direct, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true, true>)
+FWD_VARIANT(v2_b256_direct, LayerNormPolicy<2, 256, 2, 512, 1, 3, false, false, true, true>)
+FWD_VARIANT(v2_b256_direct_cs, LayerNormPolicy<2, 256, 2, 512, 1, 3, false, true, true, true>)
+FWD_VARIANT(v16_b256_direct_warp_per_row, LayerNormPolicy<16, 256, 2, 512, 1, 3, false, false, true, true>)
 // Persistent forwards, rows in flight through kStages stages:
 FWD_VARIANT(v4_b256_s2_persistent, LayerNormPolicy<4, 256, 2, 512, 1, 2, true>)
 FWD_VARIANT(v4_b256_s3_persistent, LayerNormPolicy<4, 256, 2, 512, 1, 3, true>)

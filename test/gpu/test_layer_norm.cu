@@ -351,7 +351,8 @@ TEST_CASE("layer_norm: compile-time hidden size <T, 4096> and policies", "[layer
   run_case<bf16>({.rows = 300, .cols = 4096, .compile_time = true});
   run_case<bf16, float>({.rows = 300, .cols = 4096, .bias = false, .compile_time = true});
   run_case<half>({.rows = 3, .cols = 4096, .misalign = 1, .compile_time = true});  // falls back, correct
-  // <fwd vpt, fwd block, bwd vpt, bwd block, bwd min blocks, stages, persistent, streaming, keep>
+  // <fwd vpt, fwd block, bwd vpt, bwd block, bwd min blocks, stages, persistent, streaming, keep,
+  // direct>
   const Case c{.rows = 300, .cols = 4096, .compile_time = true};
   run_case<bf16, bf16, LayerNormPolicy<4, 128, 2, 256, 2, 2>>(c);
   run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, true>>(c);                 // persistent forward
@@ -360,6 +361,12 @@ TEST_CASE("layer_norm: compile-time hidden size <T, 4096> and policies", "[layer
   run_case<bf16, float, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false>>(c);  // rows re-read
   run_case<float, float, LayerNormPolicy<8, 256, 4, 256, 1, 4, true>>(c);
   run_case<half, half, LayerNormPolicy<16, 256, 8, 256, 1, 3, true, true, false>>(c);  // fwd: a warp per row
+  // the direct forward (rows straight into registers), with and without bias, fp32 and a warp per row
+  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true, true>>(c);
+  run_case<bf16, float, LayerNormPolicy<2, 256, 2, 512, 1, 3, false, true, true, true>>(
+      {.rows = 300, .cols = 4096, .bias = false, .compile_time = true});
+  run_case<float, float, LayerNormPolicy<8, 256, 4, 256, 1, 4, false, false, true, true>>(c);
+  run_case<half, half, LayerNormPolicy<16, 256, 8, 256, 1, 3, false, false, true, true>>(c);
 }
 
 TEST_CASE("layer_norm: large 16384 x 4096 and 16384 x 8192", "[layer_norm][gpu][large]") {

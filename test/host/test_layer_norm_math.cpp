@@ -172,6 +172,12 @@ TEST_CASE("layer_norm shapes: compiled row layouts and the workspace", "[layer_n
   STATIC_REQUIRE(detail::LnFwdPipe<bf16, 4096, LayerNormPolicy<4, 256, 2, 512, 1, 3, true>>::kStages == 3);
   STATIC_REQUIRE(detail::LnFwdPipe<bf16, 4096, P>::kStages == (P::kFwdPersistent ? P::kStages : 1));
   STATIC_REQUIRE(detail::LnFwdPipe<bf16, 4096, LayerNormPolicy<4, 256, 2, 512, 1, 3, false>>::kStages == 1);
+  // The direct forward stages nothing and takes no shared memory; a persistent one ignores it.
+  using Direct = LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true, true>;
+  STATIC_REQUIRE(detail::kLnFwdStages<bf16, 4096, Direct> == 0);
+  STATIC_REQUIRE(detail::kLnFwdSmem<bf16, 4096, Direct> == 0);
+  using DirectPersistent = LayerNormPolicy<4, 256, 2, 512, 1, 3, true, false, true, true>;
+  STATIC_REQUIRE(detail::kLnFwdStages<bf16, 4096, DirectPersistent> == 3);
   // A policy with more stages than fit is lowered, never over the limit.
   using Deep = LayerNormPolicy<4, 256, 2, 1024, 1, 8>;
   STATIC_REQUIRE(detail::LnBwdPipe<float, 8192, Deep>::kSmemBytes <= detail::kMaxSmemPerBlock);

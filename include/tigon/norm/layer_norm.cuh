@@ -215,8 +215,13 @@ Status validate(const LayerNormBackwardArgs<T, W>& a, const char* op, bool with_
 // mode, which LayerNorm does not have). A trainer may pass its own policy.
 template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
           int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
-          bool kFwdPersistent_ = false, bool kStreamingStores_ = false, bool kBwdKeepRows_ = true>
+          bool kFwdPersistent_ = false, bool kStreamingStores_ = false, bool kBwdKeepRows_ = true,
+          bool kFwdDirect_ = false>
 struct LayerNormPolicy {
+  // Non-persistent forward: each thread reads its vectors of the row straight from global memory
+  // into registers (true), or the row is staged through shared memory with cp.async (false: the
+  // default until measured against it).
+  static constexpr bool kFwdDirect = kFwdDirect_;
   static constexpr int kFwdVecPerThread = kFwdVecPerThread_;  // 16-byte vectors per thread per row
   static constexpr int kFwdBlockThreads = kFwdBlockThreads_;  // target block size (rows side by side)
   static constexpr int kBwdVecPerThread = kBwdVecPerThread_;
@@ -243,6 +248,13 @@ namespace detail {
 template <class T, int kCols, class P>
 using LnFwdPipe =
     RowPipeline<FwdRowShape<T, kCols, P>, T, kCols, 1, P::kFwdPersistent ? P::kStages : 1>;  // x
+// The direct forward (non-persistent, kFwdDirect): no stages, no shared memory.
+template <class P>
+inline constexpr bool kLnFwdDirect = P::kFwdDirect && !P::kFwdPersistent;
+template <class T, int kCols, class P>
+inline constexpr int kLnFwdStages = kLnFwdDirect<P> ? 0 : LnFwdPipe<T, kCols, P>::kStages;
+template <class T, int kCols, class P>
+inline constexpr int kLnFwdSmem = kLnFwdDirect<P> ? 0 : LnFwdPipe<T, kCols, P>::kSmemBytes;
 template <class T, int kCols, class P>
 using LnBwdPipe = RowPipeline<BwdRowShape<T, kCols, P>, T, kCols, 2, P::kStages>;  // x, dy
 
@@ -305,7 +317,7 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads)
   using S = FwdRowShape<T, kCols, P>;
   constexpr int kV = S::kVec;
   constexpr int kVPT = S::kVecPerThread;
-  constexpr int kStages = LnFwdPipe<T, kCols, P>::kStages;
+  constexpr int kStages = kLnFwdStages<T, kCols, P>;
   using Reduce = GroupAllReduce<S::kGroupThreads, S::kGroups, 1>;
   __shared__ typename Reduce::TempStorage tmp;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -670,7 +682,7 @@ Status plan_forward(const LnFwdParams<T, W>& p, const DeviceInfo& dev, RowPlan& 
   plan = RowPlan{};
   if constexpr (compiled_available<FwdRowShape, T, kCols, P>()) {
     using S = FwdRowShape<T, kCols, P>;
-    constexpr int kSmem = LnFwdPipe<T, kCols, P>::kSmemBytes;
+    constexpr int kSmem = kLnFwdSmem<T, kCols, P>;
     // The compiled kernel's shared-memory pipeline must fit this device's per-block limit.
     if (fwd_vectorizable<T, W, S::kVec>(p) && kSmem + 1024 <= dev.smem_per_block_optin) {
       return plan_compiled_rows<layer_norm_fwd_kernel<T, W, kCols, P>, S::kThreads, kSmem>(
@@ -721,8 +733,7 @@ Status launch_forward(const LnFwdParams<T, W>& p, const RowPlan& plan, cudaStrea
     case RowKernel::compiled:
       if constexpr (compiled_available<FwdRowShape, T, kCols, P>()) {
         layer_norm_fwd_kernel<T, W, kCols, P>
-            <<<plan.grid, FwdRowShape<T, kCols, P>::kThreads, LnFwdPipe<T, kCols, P>::kSmemBytes,
-               stream>>>(p);
+            <<<plan.grid, FwdRowShape<T, kCols, P>::kThreads, kLnFwdSmem<T, kCols, P>, stream>>>(p);
       }
       break;
     case RowKernel::general_vec:

@@ -139,29 +139,37 @@ TIGON_DEVICE void stage_row(T* dst, const T* src, int t, bool valid) {
 // landed; input i of the row is at buf + i * kCols. Each thread must read back only the chunks it
 // copied itself (vectors v * kGroupThreads + t): waiting on its own copy groups is then enough and
 // no barrier guards the buffers. A null source is not staged (its buffer holds garbage).
+// kStages == 0 (one input): no staging; body gets the row in global memory.
 template <class S, int kCols, int kStages, int kTensors, class T, class Body>
 TIGON_DEVICE void pipelined_rows(T* stages, const T* const (&src)[kTensors],
                                  const std::int64_t (&stride)[kTensors], std::int64_t rows,
                                  std::int64_t first, std::int64_t step, int t, Body&& body) {
-  auto issue = [&](std::int64_t r, int stage) {
-    const bool valid = r < rows;
+  if constexpr (kStages == 0) {
+    static_assert(kTensors == 1, "direct rows: one input");
+    (void)stages;
+    (void)t;
+    for (std::int64_t row = first; row < rows; row += step) body(row, src[0] + row * stride[0]);
+  } else {
+    auto issue = [&](std::int64_t r, int stage) {
+      const bool valid = r < rows;
 #pragma unroll
-    for (int i = 0; i < kTensors; ++i) {
-      if (src[i] != nullptr) {
-        stage_row<S>(stages + (stage * kTensors + i) * kCols, src[i] + r * stride[i], t, valid);
+      for (int i = 0; i < kTensors; ++i) {
+        if (src[i] != nullptr) {
+          stage_row<S>(stages + (stage * kTensors + i) * kCols, src[i] + r * stride[i], t, valid);
+        }
       }
-    }
-    cp_async_commit();
-  };
+      cp_async_commit();
+    };
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue(first + s * step, s);
-  int k = 0;
-  for (std::int64_t row = first; row < rows; row += step, ++k) {
-    issue(row + (kStages - 1) * step, (k + kStages - 1) % kStages);
-    cp_async_wait<kStages - 1>();
-    body(row, static_cast<const T*>(stages + (k % kStages) * kTensors * kCols));
+    for (int s = 0; s < kStages - 1; ++s) issue(first + s * step, s);
+    int k = 0;
+    for (std::int64_t row = first; row < rows; row += step, ++k) {
+      issue(row + (kStages - 1) * step, (k + kStages - 1) % kStages);
+      cp_async_wait<kStages - 1>();
+      body(row, static_cast<const T*>(stages + (k % kStages) * kTensors * kCols));
+    }
+    cp_async_wait<0>();
   }
-  cp_async_wait<0>();
 }
 
 // Write this thread's columns of a row group's fp32 partial row (acc[v][c] is column

@@ -296,7 +296,7 @@ TEST_CASE("rms_norm: compile-time hidden size <T, 4096>", "[rms_norm][gpu]") {
 
 TEST_CASE("rms_norm: every policy knob computes the same function", "[rms_norm][gpu]") {
   // <fwd vpt, fwd block, bwd vpt, bwd block, bwd min blocks, stages, casting, persistent, streaming,
-  // keep, direct>
+  // keep, direct forward, direct backward>
   const Case c{.rows = 300, .cols = 4096, .compile_time = true};
   run_case<bf16, bf16, RmsNormPolicy<4, 128, 2, 256, 2, 2>>(c);
   run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 1, -1, true>>(c);                // persistent
@@ -310,6 +310,14 @@ TEST_CASE("rms_norm: every policy knob computes the same function", "[rms_norm][
   run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, false, true, true>>(c);
   run_case<float, float, RmsNormPolicy<8, 128, 2, 512, 1, 3, -1, false, false, true, true>>(
       {.rows = 77, .cols = 4096, .compile_time = true});  // fp32: 4-wide vectors
+  // the backward prefetching the next row into registers (with and without dW, fp32 weights)
+  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false, true>>(c);
+  run_case<bf16, float, RmsNormPolicy<4, 256, 4, 256, 1, 3, -1, false, true, false, true, true>>(c);
+  run_case<float, float, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false, true>>(
+      {.rows = 1, .cols = 4096, .compile_time = true});  // one row: nothing to prefetch
+  Case nw = c;
+  nw.weight = false;
+  run_case<half, half, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false, true>>(nw);
   Case g = c;
   g.mode = RmsNormCasting::gemma;
   g.offset = 1.0f;

@@ -233,8 +233,12 @@ Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op) {
 template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
           int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
           int kCasting_ = -1, bool kFwdPersistent_ = false, bool kStreamingStores_ = false,
-          bool kBwdKeepRows_ = true, bool kFwdDirect_ = false>
+          bool kBwdKeepRows_ = true, bool kFwdDirect_ = false, bool kBwdDirect_ = false>
 struct RmsNormPolicy {
+  // Backward: each thread loads its vectors of the next row's x and dy straight into registers
+  // while it works on this row (true), or the rows are staged through shared memory with
+  // cp.async, kStages deep (false: the default until measured against it).
+  static constexpr bool kBwdDirect = kBwdDirect_;
   // Non-persistent forward: each thread loads its vectors of the row straight into registers
   // (true), or stages the row through shared memory with cp.async (false: the default until
   // measured against it).
@@ -278,6 +282,8 @@ template <class P>
 inline constexpr bool kRmsFwdDirect = P::kFwdDirect && !P::kFwdPersistent;
 template <class T, int kCols, class P>
 inline constexpr int kRmsFwdSmem = kRmsFwdDirect<P> ? 0 : RmsFwdPipe<T, kCols, P>::kSmemBytes;
+template <class T, int kCols, class P>
+inline constexpr int kRmsBwdSmem = P::kBwdDirect ? 0 : RmsBwdPipe<T, kCols, P>::kSmemBytes;
 
 inline constexpr int kRmsGeneralThreads = 256;     // block of the general (any size) kernels
 inline constexpr int kRmsGeneralBwdBlocksPerSm = 2;
@@ -445,10 +451,24 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
   T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * 2 * kCols;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * S::kGroups;
+  constexpr bool kDirect = P::kBwdDirect;
   auto issue = [&](std::int64_t r, int stage) {
     stage_row<S>(stages + (stage * 2) * kCols, p.x + r * p.xs, t, r < p.rows);
     stage_row<S>(stages + (stage * 2 + 1) * kCols, p.dy + r * p.dys, t, r < p.rows);
     cp_async_commit();
+  };
+  // Direct: this thread's vectors of row r of x and dy, straight into registers.
+  AlignedVec<T, kV> xn[kVPT], dyn[kVPT];
+  auto fetch = [&](std::int64_t r) {
+    if (r >= p.rows) return;
+#pragma unroll
+    for (int v = 0; v < kVPT; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) {
+        xn[v] = load_vec_stream<kV>(p.x + r * p.xs + i * kV);
+        dyn[v] = load_vec_stream<kV>(p.dy + r * p.dys + i * kV);
+      }
+    }
   };
 
   float acc[kVPT][kV];
@@ -457,18 +477,33 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
 #pragma unroll
     for (int c = 0; c < kV; ++c) acc[v][c] = 0.0f;
   }
+  if constexpr (kDirect) {
+    fetch(first);
+  } else {
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue(first + s * step, s);
+    for (int s = 0; s < kStages - 1; ++s) issue(first + s * step, s);
+  }
 
   int parity = 0;
   int k = 0;
   for (std::int64_t row = first; row < p.rows; row += step, ++k) {
-    issue(row + (kStages - 1) * step, (k + kStages - 1) % kStages);
-    cp_async_wait<kStages - 1>();
-    const T* xr = stages + ((k % kStages) * 2) * kCols;
-    const T* dyr = xr + kCols;
-    const float saved = p.rstd != nullptr ? p.rstd[row] : 0.0f;
+    const T* xr = nullptr;
+    const T* dyr = nullptr;
     AlignedVec<T, kV> xk[kVPT], dyk[kVPT];
+    if constexpr (kDirect) {
+#pragma unroll
+      for (int v = 0; v < kVPT; ++v) {
+        xk[v] = xn[v];
+        dyk[v] = dyn[v];
+      }
+      fetch(row + step);  // the next row is in flight while this one is reduced and written
+    } else {
+      issue(row + (kStages - 1) * step, (k + kStages - 1) % kStages);
+      cp_async_wait<kStages - 1>();
+      xr = stages + ((k % kStages) * 2) * kCols;
+      dyr = xr + kCols;
+    }
+    const float saved = p.rstd != nullptr ? p.rstd[row] : 0.0f;
     AlignedVec<W, kV> wk[kVPT];
     // s[0] = sum(dn * x), s[1] = sum(x^2) (for the rstd when it was not saved)
     float s[2] = {0.0f, 0.0f};
@@ -476,8 +511,10 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
     for (int v = 0; v < kVPT; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
-        xk[v] = load_vec<kV>(xr + i * kV);
-        dyk[v] = load_vec<kV>(dyr + i * kV);
+        if constexpr (!kDirect) {
+          xk[v] = load_vec<kV>(xr + i * kV);
+          dyk[v] = load_vec<kV>(dyr + i * kV);
+        }
         if (has_w) wk[v] = load_vec<kV>(p.w + i * kV);
         const AlignedVec<T, kV>& xv = xk[v];
         const AlignedVec<T, kV>& dyv = dyk[v];
@@ -503,7 +540,7 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
         // The row again: from the registers of the first loop, or re-read from shared memory.
         AlignedVec<T, kV> xv, dyv;
         AlignedVec<W, kV> wv;
-        if constexpr (P::kBwdKeepRows) {
+        if constexpr (P::kBwdKeepRows || kDirect) {
           xv = xk[v];
           dyv = dyk[v];
           wv = wk[v];
@@ -525,7 +562,7 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
       }
     }
   }
-  cp_async_wait<0>();
+  if constexpr (!kDirect) cp_async_wait<0>();
 
   if (!want_dw) return;
   // One partial row per row group: no cross-group combine, so no block-wide barrier here and no
@@ -726,10 +763,10 @@ Status plan_backward(const RmsBwdParams<T, W>& p, bool want_dw, const DeviceInfo
   if constexpr (compiled_available<RmsBwdShape, T, kCols, P>()) {
     using S = RmsBwdShape<T, kCols, P>;
     if (bwd_vectorizable<T, W, S::kVec>(p) &&
-        RmsBwdPipe<T, kCols, P>::kSmemBytes + 1024 <= dev.smem_per_block_optin) {
+        kRmsBwdSmem<T, kCols, P> + 1024 <= dev.smem_per_block_optin) {
       int occ = 0;
       TIGON_CHECK((blocks_per_sm<rms_norm_bwd_kernel<T, W, kCols, P>, S::kThreads,
-                                 RmsBwdPipe<T, kCols, P>::kSmemBytes>(dev.device, occ)));
+                                 kRmsBwdSmem<T, kCols, P>>(dev.device, occ)));
       plan.kernel = RmsKernel::compiled;
       plan.grid = static_cast<int>(
           std::min<std::int64_t>(ceil_div<std::int64_t>(p.rows, S::kGroups),
@@ -777,7 +814,7 @@ Status launch_backward(const RmsBwdParams<T, W>& p, const RmsPlan& plan, W* dwei
     if constexpr (compiled_available<RmsBwdShape, T, kCols, P>()) {
       using S = RmsBwdShape<T, kCols, P>;
       rms_norm_bwd_kernel<T, W, kCols, P>
-          <<<plan.grid, S::kThreads, RmsBwdPipe<T, kCols, P>::kSmemBytes, stream>>>(p);
+          <<<plan.grid, S::kThreads, kRmsBwdSmem<T, kCols, P>, stream>>>(p);
     }
   } else {
     const bool smem_acc = p.partials != nullptr && p.cols <= kRmsGeneralSmemAccCols;

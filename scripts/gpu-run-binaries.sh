@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run already-built GPU test, example and benchmark binaries on a GPU machine (when the build happened
-# elsewhere): the GPU tests, compute-sanitizer memcheck and racecheck on them (without [large]),
+# elsewhere; scripts/stage-prebuilt.sh copies and strips them): the GPU tests, compute-sanitizer
+# memcheck and racecheck on them (without [large]),
 # then the benchmarks. Logs to OUTDIR; a summary is printed last.
 #   scripts/gpu-run-binaries.sh BINDIR OUTDIR [seconds per step, default 120]
 # Optional globs narrow each step: TESTS (default *), BENCHES (default *), SANITIZE (default *),

@@ -6,6 +6,8 @@
 // and written per call; bytes counted = read + written.
 #include "harness.cuh"
 
+#include <tigon/core/async_copy.cuh>
+
 #include <cstdint>
 
 namespace {
@@ -83,52 +85,31 @@ __global__ void copy_oneshot(const int4* __restrict__ s, int4* __restrict__ d, s
 }
 
 // d. the bulk-copy engine: one thread per block streams kChunk-byte pieces global -> shared ->
-// global through kStages shared-memory stages (cp.async.bulk with mbarrier completion, then
-// cp.async.bulk stores).
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
+// global through kStages shared-memory stages (cp.async.bulk with mbarrier completion, through
+// tigon's core/async_copy.cuh, then cp.async.bulk stores).
 template <int kChunk, int kStages>
 __global__ void __launch_bounds__(32) copy_bulk(const char* __restrict__ s, char* __restrict__ d,
                                                 std::size_t bytes) {
   extern __shared__ __align__(128) char buf[];
   __shared__ __align__(8) std::uint64_t bar[kStages];
   if (threadIdx.x != 0) return;
-  for (int i = 0; i < kStages; ++i) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bar[i])));
-  }
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  for (int i = 0; i < kStages; ++i) tigon::mbarrier_init(&bar[i]);
+  tigon::fence_proxy_async_shared();
   const std::size_t chunks = bytes / kChunk;
   // this block's chunks: blockIdx.x, blockIdx.x + gridDim.x, ...
   auto chunk_of = [&](std::size_t k) { return blockIdx.x + k * gridDim.x; };
   std::size_t mine = chunks > blockIdx.x ? (chunks - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
   auto load = [&](std::size_t k) {
     const int st = static_cast<int>(k % kStages);
-    const unsigned b = smem_addr(&bar[st]);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(kChunk) : "memory");
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            smem_addr(buf + st * kChunk)),
-        "l"(s + chunk_of(k) * kChunk), "r"(kChunk), "r"(b)
-        : "memory");
+    tigon::mbarrier_arrive_expect_tx(&bar[st], kChunk);
+    tigon::bulk_copy_g2s(buf + st * kChunk, s + chunk_of(k) * kChunk, kChunk, &bar[st]);
   };
   for (std::size_t k = 0; k < mine && k < kStages; ++k) load(k);
   for (std::size_t k = 0; k < mine; ++k) {
     const int st = static_cast<int>(k % kStages);
-    const unsigned parity = static_cast<unsigned>((k / kStages) & 1);
-    const unsigned b = smem_addr(&bar[st]);
-    unsigned done = 0;
-    while (!done) {
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-          : "=r"(done)
-          : "r"(b), "r"(parity)
-          : "memory");
-    }
+    tigon::mbarrier_wait(&bar[st], static_cast<unsigned>((k / kStages) & 1));
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d + chunk_of(k) * kChunk),
-                 "r"(smem_addr(buf + st * kChunk)), "r"(kChunk)
+                 "r"(tigon::smem_u32(buf + st * kChunk)), "r"(kChunk)
                  : "memory");
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     // The stage of chunk k - 1 is free once its store has read it; refill it with chunk k-1+S.

@@ -33,32 +33,39 @@ TIGON_DEVICE void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
-// ---- Bulk copies completed through an mbarrier (sm_90+; device code for sm_90 only) ----
+// ---- Bulk copies completed through an mbarrier (sm_90+) ----
+// Declared for every target, so that code choosing them at run time compiles everywhere; on
+// devices before sm_90 their bodies trap (callers check the compute capability first).
 
 TIGON_DEVICE unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define TIGON_SM90_ASM(...) __trap()
+#else
+#define TIGON_SM90_ASM(...) asm volatile(__VA_ARGS__)
+#endif
+
 // One thread initialises a barrier that completes a phase after one arrival and its transaction
 // bytes; the fence makes the initialisation visible to the bulk-copy engine.
 TIGON_DEVICE void mbarrier_init(std::uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(bar)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  TIGON_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(bar)) : "memory");
+  TIGON_SM90_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
 // Order this thread's earlier generic-proxy accesses of shared memory before later bulk copies
 // into it (after a block barrier: every thread's reads of the buffer come first).
-TIGON_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+TIGON_DEVICE void fence_proxy_async_shared() { TIGON_SM90_ASM("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // The one arrival of the barrier's phase, announcing `bytes` of bulk copies to come.
 TIGON_DEVICE void mbarrier_arrive_expect_tx(std::uint64_t* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
-               : "memory");
+  TIGON_SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
 }
 
 // Copy `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to this block's
 // shared memory with the bulk-copy engine; completion is counted on `bar`.
 TIGON_DEVICE void bulk_copy_g2s(void* smem, const void* gmem, unsigned bytes, std::uint64_t* bar) {
-  asm volatile(
+  TIGON_SM90_ASM(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
           smem_u32(smem)),
       "l"(gmem), "r"(bytes), "r"(smem_u32(bar))
@@ -70,13 +77,14 @@ TIGON_DEVICE void mbarrier_wait(std::uint64_t* bar, unsigned parity) {
   const unsigned b = smem_u32(bar);
   unsigned done = 0;
   do {
-    asm volatile(
+    TIGON_SM90_ASM(
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
         : "r"(b), "r"(parity)
         : "memory");
   } while (done == 0);
 }
-#endif
+
+#undef TIGON_SM90_ASM
 
 TIGON_NAMESPACE_END

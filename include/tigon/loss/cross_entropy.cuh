@@ -380,12 +380,16 @@ TIGON_DEVICE void ce_accumulate(CeAcc& acc, const float* x, std::int64_t c0, boo
 // row comes from DRAM again), and the gradient written in place or to dx.
 // ---- The per-row steps both kernels share ----
 
-// The target's logit (bias and softcap applied), or 0 when the target is not in this shard.
+// Column c's logit from its raw value: bias and softcap applied.
+template <class T, class I>
+TIGON_DEVICE float ce_logit(const CeParams<T, I>& p, T raw, std::int64_t c) {
+  return ce_math::softcap(to_float(raw) + (p.bias != nullptr ? to_float(p.bias[c]) : 0.0f), p.cap);
+}
+
+// The target's logit, or 0 when the target is not in this shard.
 template <class T, class I>
 TIGON_DEVICE float ce_target_logit(const CeParams<T, I>& p, const T* xr, std::int64_t t) {
-  return (t >= 0 && t < p.vocab)
-             ? ce_math::softcap(to_float(xr[t]) + (p.bias != nullptr ? to_float(p.bias[t]) : 0.0f), p.cap)
-             : 0.0f;
+  return (t >= 0 && t < p.vocab) ? ce_logit(p, xr[t], t) : 0.0f;
 }
 
 // The row's terms from its merged statistics. Merged split-vocabulary statistics carry the target's
@@ -660,9 +664,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_cluster_kernel(const CeParams<T
     if (threadIdx.x == 0) {
       for (int r = 0; r < csize; ++r) *cluster.map_shared_rank(&slots[parity][rank], r) = mine;
       if (t >= col_lo && t < col_hi) {  // this block holds the target's logit
-        const float xt = ce_math::softcap(
-            to_float(reinterpret_cast<const T*>(buf)[t - col_lo]) + (p.bias != nullptr ? to_float(p.bias[t]) : 0.0f),
-            p.cap);
+        const float xt = ce_logit(p, reinterpret_cast<const T*>(buf)[t - col_lo], t);
         for (int r = 0; r < csize; ++r) *cluster.map_shared_rank(&slot_xt[parity], r) = xt;
       }
     }

@@ -730,15 +730,8 @@ Status plan_forward(const RmsFwdParams<T, W>& p, const DeviceInfo& dev, RmsPlan&
     // The compiled kernel's shared-memory pipeline must fit this device's per-block limit.
     if (fwd_vectorizable<T, W, S::kVec>(p) &&
         kRmsFwdSmem<T, kCols, P> + 1024 <= dev.smem_per_block_optin) {
-      int occ = 0;
-      TIGON_CHECK((blocks_per_sm<rms_norm_fwd_kernel<T, W, kCols, P>, S::kThreads,
-                                 kRmsFwdSmem<T, kCols, P>>(dev.device, occ)));
-      plan.kernel = RmsKernel::compiled;
-      const std::int64_t blocks = ceil_div<std::int64_t>(p.rows, S::kGroups);
-      plan.grid = static_cast<int>(
-          P::kFwdPersistent ? std::min<std::int64_t>(blocks, static_cast<std::int64_t>(occ) * dev.sm_count)
-                            : std::min<std::int64_t>(blocks, 0x7fffffff));
-      return Status();
+      return plan_compiled_rows<rms_norm_fwd_kernel<T, W, kCols, P>, S::kThreads, kRmsFwdSmem<T, kCols, P>>(
+          p.rows, S::kGroups, P::kFwdPersistent, dev, plan);
     }
   }
   plan.kernel = fwd_vectorizable<T, W, kVecElems<T>>(p) ? RmsKernel::general_vec
@@ -764,14 +757,9 @@ Status plan_backward(const RmsBwdParams<T, W>& p, bool want_dw, const DeviceInfo
     using S = RmsBwdShape<T, kCols, P>;
     if (bwd_vectorizable<T, W, S::kVec>(p) &&
         kRmsBwdSmem<T, kCols, P> + 1024 <= dev.smem_per_block_optin) {
-      int occ = 0;
-      TIGON_CHECK((blocks_per_sm<rms_norm_bwd_kernel<T, W, kCols, P>, S::kThreads,
-                                 kRmsBwdSmem<T, kCols, P>>(dev.device, occ)));
-      plan.kernel = RmsKernel::compiled;
-      plan.grid = static_cast<int>(
-          std::min<std::int64_t>(ceil_div<std::int64_t>(p.rows, S::kGroups),
-                                 static_cast<std::int64_t>(occ) * dev.sm_count));
-      plan.parts = plan.grid * S::kGroups;
+      // Persistent: each row group writes one partial dW row.
+      TIGON_CHECK((plan_compiled_rows<rms_norm_bwd_kernel<T, W, kCols, P>, S::kThreads, kRmsBwdSmem<T, kCols, P>>(
+          p.rows, S::kGroups, true, dev, plan)));
       compiled = true;
     }
   }

@@ -242,6 +242,53 @@ struct RopeParams {
 
 inline constexpr int kRopeThreads = 256;
 
+// The cos / sin rows of token (b, t) (its position id's row when ids are given); true when the
+// position is outside the table (the rows then point at row 0 and the outputs are NaN).
+template <class T, class C>
+TIGON_DEVICE bool rope_table_rows(const RopeParams<T, C>& p, std::int64_t b, std::int64_t t, const C*& cr,
+                                  const C*& sr) {
+  std::int64_t row = t;
+  if (p.pos64 != nullptr) row = p.pos64[b * p.seq + t];
+  if (p.pos32 != nullptr) row = p.pos32[b * p.seq + t];
+  const bool bad = row < 0 || row >= p.table_rows;
+  cr = p.cos + b * p.tsb + (bad ? 0 : row) * p.tst;
+  sr = p.sin + b * p.tsb + (bad ? 0 : row) * p.tst;
+  return bad;
+}
+
+// Half-split style: element e of x1 pairs with element e of x2 (channels d and d + rotary/2).
+template <class T, class C, int kV>
+TIGON_DEVICE void rope_rotate_halves(const AlignedVec<T, kV>& x1, const AlignedVec<T, kV>& x2,
+                                     const AlignedVec<C, kV>& c1, const AlignedVec<C, kV>& c2,
+                                     const AlignedVec<C, kV>& s1, const AlignedVec<C, kV>& s2, bool backward,
+                                     bool bad, AlignedVec<T, kV>& y1, AlignedVec<T, kV>& y2) {
+#pragma unroll
+  for (int e = 0; e < kV; ++e) {
+    float a, c;
+    rope_math::rotate(to_float(x1.v[e]), to_float(x2.v[e]), to_float(c1.v[e]), to_float(c2.v[e]),
+                      to_float(s1.v[e]), to_float(s2.v[e]), backward, a, c);
+    if (bad) a = c = __int_as_float(0x7fc00000);
+    y1.v[e] = from_float<T>(a);
+    y2.v[e] = from_float<T>(c);
+  }
+}
+
+// Interleaved style: elements (e, e + 1) of x are a pair.
+template <class T, class C, int kV>
+TIGON_DEVICE void rope_rotate_pairs(const AlignedVec<T, kV>& x, const AlignedVec<C, kV>& cv,
+                                    const AlignedVec<C, kV>& sv, bool backward, bool bad, AlignedVec<T, kV>& y) {
+  static_assert(kV % 2 == 0, "interleaved chunks hold whole pairs");
+#pragma unroll
+  for (int e = 0; e < kV; e += 2) {
+    float a, c;
+    rope_math::rotate(to_float(x.v[e]), to_float(x.v[e + 1]), to_float(cv.v[e]), to_float(cv.v[e + 1]),
+                      to_float(sv.v[e]), to_float(sv.v[e + 1]), backward, a, c);
+    if (bad) a = c = __int_as_float(0x7fc00000);
+    y.v[e] = from_float<T>(a);
+    y.v[e + 1] = from_float<T>(c);
+  }
+}
+
 // One work item = one kV-wide chunk of one head of one token: a rotated chunk pair (half split),
 // a rotated chunk of pairs (interleaved), or a pass-through chunk (partial rotary, out of place).
 template <class T, class C, class Style, int kV>
@@ -286,27 +333,16 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
       if (x != y) store_vec(y + d, load_vec<kV>(x + d));
       continue;
     }
-    std::int64_t row = t;
-    if (p.pos64 != nullptr) row = p.pos64[b * p.seq + t];
-    if (p.pos32 != nullptr) row = p.pos32[b * p.seq + t];
-    const bool bad = row < 0 || row >= p.table_rows;
-    const C* cr = p.cos + b * p.tsb + (bad ? 0 : row) * p.tst;
-    const C* sr = p.sin + b * p.tsb + (bad ? 0 : row) * p.tst;
+    const C* cr;
+    const C* sr;
+    const bool bad = rope_table_rows(p, b, t, cr, sr);
     if constexpr (kHalf) {
       const int d = chunk * kV;
       const AlignedVec<T, kV> x1 = load_vec<kV>(x + d), x2 = load_vec<kV>(x + d + half);
       const AlignedVec<C, kV> c1 = load_vec<kV>(cr + d), c2 = load_vec<kV>(cr + d + half);
       const AlignedVec<C, kV> s1 = load_vec<kV>(sr + d), s2 = load_vec<kV>(sr + d + half);
       AlignedVec<T, kV> y1, y2;
-#pragma unroll
-      for (int e = 0; e < kV; ++e) {
-        float a, c;
-        rope_math::rotate(to_float(x1.v[e]), to_float(x2.v[e]), to_float(c1.v[e]), to_float(c2.v[e]),
-                          to_float(s1.v[e]), to_float(s2.v[e]), p.backward, a, c);
-        if (bad) a = c = __int_as_float(0x7fc00000);
-        y1.v[e] = from_float<T>(a);
-        y2.v[e] = from_float<T>(c);
-      }
+      rope_rotate_halves(x1, x2, c1, c2, s1, s2, p.backward, bad, y1, y2);
       store_vec(y + d, y1);
       store_vec(y + d + half, y2);
     } else if constexpr (kV == 1) {  // one pair, element by element (any alignment)
@@ -318,21 +354,11 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
       y[d] = from_float<T>(a);
       y[d + 1] = from_float<T>(c);
     } else {
-      static_assert(kV % 2 == 0, "interleaved chunks hold whole pairs");
       const int d = chunk * kV;
       const AlignedVec<T, kV> xv = load_vec<kV>(x + d);
       const AlignedVec<C, kV> cv = load_vec<kV>(cr + d), sv = load_vec<kV>(sr + d);
       AlignedVec<T, kV> yv;
-#pragma unroll
-      for (int e = 0; e < kV; e += 2) {
-        float a, c;
-        rope_math::rotate(to_float(xv.v[e]), to_float(xv.v[e + 1]), to_float(cv.v[e]),
-                          to_float(cv.v[e + 1]), to_float(sv.v[e]), to_float(sv.v[e + 1]), p.backward,
-                          a, c);
-        if (bad) a = c = __int_as_float(0x7fc00000);
-        yv.v[e] = from_float<T>(a);
-        yv.v[e + 1] = from_float<T>(c);
-      }
+      rope_rotate_pairs(xv, cv, sv, p.backward, bad, yv);
       store_vec(y + d, yv);
     }
   }
@@ -345,7 +371,6 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
 template <class T, class C, class Style, int kV, int kG>
 TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopeParams<T, C> p) {
   constexpr bool kHalf = std::is_same_v<Style, RopeHalfSplit>;
-  static_assert(kV % 2 == 0, "16-byte vectors hold whole pairs");
   const int half = p.rotary_dim / 2;
   const unsigned rot_chunks = static_cast<unsigned>(kHalf ? half / kV : p.rotary_dim / kV);
   const int heads = p.heads[0] + p.heads[1];
@@ -360,12 +385,9 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopePa
   const int d = static_cast<int>(rem - group * rot_chunks) * kV;
   const unsigned bb = tk / static_cast<unsigned>(p.seq);
   const std::int64_t b = bb, t = tk - bb * static_cast<unsigned>(p.seq);
-  std::int64_t row = t;
-  if (p.pos64 != nullptr) row = p.pos64[b * p.seq + t];
-  if (p.pos32 != nullptr) row = p.pos32[b * p.seq + t];
-  const bool bad = row < 0 || row >= p.table_rows;
-  const C* cr = p.cos + b * p.tsb + (bad ? 0 : row) * p.tst;
-  const C* sr = p.sin + b * p.tsb + (bad ? 0 : row) * p.tst;
+  const C* cr;
+  const C* sr;
+  const bool bad = rope_table_rows(p, b, t, cr, sr);
   // The table chunk, once for the G heads (the second halves only in the half-split style).
   const AlignedVec<C, kV> c1 = load_vec<kV>(cr + d), s1 = load_vec<kV>(sr + d);
   AlignedVec<C, kV> c2{}, s2{};
@@ -396,28 +418,12 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopePa
     T* y = p.out[h < p.heads[0] ? 0 : 1] + offset(h, true);
     if constexpr (kHalf) {
       AlignedVec<T, kV> y1, y2;
-#pragma unroll
-      for (int e = 0; e < kV; ++e) {
-        float a, c;
-        rope_math::rotate(to_float(xa[j].v[e]), to_float(xb[j].v[e]), to_float(c1.v[e]), to_float(c2.v[e]),
-                          to_float(s1.v[e]), to_float(s2.v[e]), p.backward, a, c);
-        if (bad) a = c = __int_as_float(0x7fc00000);
-        y1.v[e] = from_float<T>(a);
-        y2.v[e] = from_float<T>(c);
-      }
+      rope_rotate_halves(xa[j], xb[j], c1, c2, s1, s2, p.backward, bad, y1, y2);
       store_vec(y + d, y1);
       store_vec(y + d + half, y2);
     } else {
       AlignedVec<T, kV> yv;
-#pragma unroll
-      for (int e = 0; e < kV; e += 2) {
-        float a, c;
-        rope_math::rotate(to_float(xa[j].v[e]), to_float(xa[j].v[e + 1]), to_float(c1.v[e]),
-                          to_float(c1.v[e + 1]), to_float(s1.v[e]), to_float(s1.v[e + 1]), p.backward, a, c);
-        if (bad) a = c = __int_as_float(0x7fc00000);
-        yv.v[e] = from_float<T>(a);
-        yv.v[e + 1] = from_float<T>(c);
-      }
+      rope_rotate_pairs(xa[j], c1, s1, p.backward, bad, yv);
       store_vec(y + d, yv);
     }
   }

@@ -242,18 +242,14 @@ struct RopeParams {
 
 inline constexpr int kRopeThreads = 256;
 
-// The cos / sin rows of token (b, t) (its position id's row when ids are given); true when the
-// position is outside the table (the rows then point at row 0 and the outputs are NaN).
+// The table row of token (b, t): t, or its position id when ids are given (may lie outside the
+// table: the caller writes NaN then).
 template <class T, class C>
-TIGON_DEVICE bool rope_table_rows(const RopeParams<T, C>& p, std::int64_t b, std::int64_t t, const C*& cr,
-                                  const C*& sr) {
+TIGON_DEVICE std::int64_t rope_position(const RopeParams<T, C>& p, std::int64_t b, std::int64_t t) {
   std::int64_t row = t;
   if (p.pos64 != nullptr) row = p.pos64[b * p.seq + t];
   if (p.pos32 != nullptr) row = p.pos32[b * p.seq + t];
-  const bool bad = row < 0 || row >= p.table_rows;
-  cr = p.cos + b * p.tsb + (bad ? 0 : row) * p.tst;
-  sr = p.sin + b * p.tsb + (bad ? 0 : row) * p.tst;
-  return bad;
+  return row;
 }
 
 // Half-split style: element e of x1 pairs with element e of x2 (channels d and d + rotary/2).
@@ -333,9 +329,10 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
       if (x != y) store_vec(y + d, load_vec<kV>(x + d));
       continue;
     }
-    const C* cr;
-    const C* sr;
-    const bool bad = rope_table_rows(p, b, t, cr, sr);
+    const std::int64_t row = rope_position(p, b, t);
+    const bool bad = row < 0 || row >= p.table_rows;
+    const C* cr = p.cos + b * p.tsb + (bad ? 0 : row) * p.tst;
+    const C* sr = p.sin + b * p.tsb + (bad ? 0 : row) * p.tst;
     if constexpr (kHalf) {
       const int d = chunk * kV;
       const AlignedVec<T, kV> x1 = load_vec<kV>(x + d), x2 = load_vec<kV>(x + d + half);
@@ -385,9 +382,10 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopePa
   const int d = static_cast<int>(rem - group * rot_chunks) * kV;
   const unsigned bb = tk / static_cast<unsigned>(p.seq);
   const std::int64_t b = bb, t = tk - bb * static_cast<unsigned>(p.seq);
-  const C* cr;
-  const C* sr;
-  const bool bad = rope_table_rows(p, b, t, cr, sr);
+  const std::int64_t row = rope_position(p, b, t);
+  const bool bad = row < 0 || row >= p.table_rows;
+  const C* cr = p.cos + b * p.tsb + (bad ? 0 : row) * p.tst;
+  const C* sr = p.sin + b * p.tsb + (bad ? 0 : row) * p.tst;
   // The table chunk, once for the G heads (the second halves only in the half-split style).
   const AlignedVec<C, kV> c1 = load_vec<kV>(cr + d), s1 = load_vec<kV>(sr + d);
   AlignedVec<C, kV> c2{}, s2{};

@@ -16,6 +16,7 @@ targets=(
   "ce_grad_onchip|cross_entropy|^BM_grad_chip8_b256/|ce_cluster_kernel"
   "ce_loss_32000|cross_entropy|^BM_loss/8192/32000|ce_row_kernel"
   "rms_bwd|rms_norm|^BM_backward/16384/4096|rms_norm_bwd_kernel"
+  "rms_bwd_colsum|rms_norm|^BM_backward/16384/4096|column_sum_kernel"
   "rms_fwd|rms_norm|^BM_forward/16384/4096|rms_norm_fwd_kernel"
   "ln_bwd|layer_norm|^BM_backward/16384/4096|layer_norm_bwd_kernel"
   "rope_fwd|rope|^BM_fwd/4/4096|rope_kernel"

@@ -86,6 +86,28 @@ void BM_backward(benchmark::State& st) {
              [&](int i) { check(tigon::rms_norm_backward(d.bwd(i), nullptr)); });
 }
 
+// The default launchers with programmatic dependent launch turned off (each kernel's blocks wait
+// for the previous kernel to finish before they are scheduled): what the overlap is worth.
+void BM_forward_serial(benchmark::State& st) {
+  tigon::set_programmatic_launch(false);
+  Data d(st.range(0), st.range(1));
+  bench::run(st, "  rms_norm fwd " + shape(d.rows, d.cols) + " serial launch", fwd_bytes(d.rows, d.cols),
+             [&](int i) { check(tigon::rms_norm_forward(d.fwd(i), nullptr)); });
+  tigon::set_programmatic_launch(true);
+}
+
+void BM_backward_serial(benchmark::State& st) {
+  tigon::set_programmatic_launch(false);
+  Data d(st.range(0), st.range(1));
+  auto a = d.bwd(0);
+  check(tigon::rms_norm_backward_workspace_bytes(a, d.ws_bytes));
+  BENCH_CUDA(cudaMalloc(&d.ws, d.ws_bytes));
+  for (int s = 0; s < d.sets; ++s) check(tigon::rms_norm_forward(d.fwd(s), nullptr));
+  bench::run(st, "  rms_norm bwd " + shape(d.rows, d.cols) + " serial launch", bwd_bytes(d.rows, d.cols),
+             [&](int i) { check(tigon::rms_norm_backward(d.bwd(i), nullptr)); });
+  tigon::set_programmatic_launch(true);
+}
+
 // Tuning variants of the compiled kernels at 4096 (the policy's parameters are listed below).
 template <class P>
 void BM_forward_policy(benchmark::State& st, const char* label) {
@@ -131,6 +153,8 @@ BENCHMARK(BM_host_overhead)->Iterations(1);
 #define SHAPES ->Args({16384, 2048})->Args({16384, 4096})->Args({16384, 8192})->Args({32768, 4096})
 BENCHMARK(BM_forward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_forward_serial)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_backward_serial)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 
 #define FWD_VARIANT(label, ...)                                                               \
   void BM_fwd_##label(benchmark::State& st) { BM_forward_policy<__VA_ARGS__>(st, #label); }  \
@@ -155,6 +179,8 @@ FWD_VARIANT(v2_b256_direct_cs, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, tr
 FWD_VARIANT(v4_b256_direct_cs, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, true, true, true>)
 BWD_VARIANT(v2_b512_m1_s3_reread, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false>)
 BWD_VARIANT(v2_b512_m1_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
+BWD_VARIANT(v2_b512_m2_s3_reread, RmsNormPolicy<4, 256, 2, 512, 2, 3, -1, false, false, false>)
+BWD_VARIANT(v2_b512_m2_s2, RmsNormPolicy<4, 256, 2, 512, 2, 2>)
 BWD_VARIANT(v2_b256_m2_s3, RmsNormPolicy<4, 256, 2, 256, 2, 3>)
 BWD_VARIANT(v2_b512_direct, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false, true>)
 BWD_VARIANT(v4_b512_direct, RmsNormPolicy<4, 256, 4, 512, 1, 3, -1, false, false, true, false, true>)

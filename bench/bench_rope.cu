@@ -70,23 +70,20 @@ void BM_bwd(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, true, fals
 void BM_fwd_bhtd(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, true, "fwd bf16 B4 T4096 32/8x128 [B,H,T,D]"); }
 void BM_fwd_inter(benchmark::State& st) { BM_rope<tigon::RopeInterleaved>(st, false, false, "fwd bf16 B4 T4096 interleaved"); }
 
-// RopePolicy<G> variants: G heads of a token per thread, the table chunk loaded once for them.
-#define ROPE_VARIANT(g)                                                                                  \
-  void BM_fwd_heads##g(benchmark::State& st) {                                                           \
-    BM_rope<tigon::RopeHalfSplit, tigon::RopePolicy<g>>(st, false, false, "  policy heads" #g " fwd [B,T,H,D]"); \
-  }                                                                                                      \
-  void BM_bwd_heads##g(benchmark::State& st) {                                                           \
-    BM_rope<tigon::RopeHalfSplit, tigon::RopePolicy<g>>(st, true, false, "  policy heads" #g " bwd [B,T,H,D]"); \
-  }                                                                                                      \
-  void BM_bhtd_heads##g(benchmark::State& st) {                                                          \
-    BM_rope<tigon::RopeHalfSplit, tigon::RopePolicy<g>>(st, false, true, "  policy heads" #g " fwd [B,H,T,D]"); \
-  }                                                                                                      \
-  void BM_inter_heads##g(benchmark::State& st) {                                                         \
-    BM_rope<tigon::RopeInterleaved, tigon::RopePolicy<g>>(st, false, false, "  policy heads" #g " fwd interleaved"); \
-  }
-ROPE_VARIANT(2)
-ROPE_VARIANT(4)
-ROPE_VARIANT(8)
+// RopePolicy<0, true>: one block per token, the table chunk loaded once per thread.
+using TokenBlocks = tigon::RopePolicy<0, true>;
+void BM_fwd_tokens(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, TokenBlocks>(st, false, false, "  policy tokens fwd [B,T,H,D]"); }
+void BM_bwd_tokens(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, TokenBlocks>(st, true, false, "  policy tokens bwd [B,T,H,D]"); }
+void BM_bhtd_tokens(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, TokenBlocks>(st, false, true, "  policy tokens fwd [B,H,T,D]"); }
+void BM_inter_tokens(benchmark::State& st) { BM_rope<tigon::RopeInterleaved, TokenBlocks>(st, false, false, "  policy tokens fwd interleaved"); }
+// RopePolicy<2>: two heads of a token per thread.
+void BM_fwd_heads2(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, tigon::RopePolicy<2>>(st, false, false, "  policy heads2 fwd [B,T,H,D]"); }
+// The default with programmatic dependent launch off: what the launch overlap is worth.
+void BM_fwd_serial(benchmark::State& st) {
+  tigon::set_programmatic_launch(false);
+  BM_rope<tigon::RopeHalfSplit>(st, false, false, "  fwd [B,T,H,D] serial launch");
+  tigon::set_programmatic_launch(true);
+}
 
 }  // namespace
 
@@ -95,18 +92,12 @@ BENCHMARK(BM_fwd) ROPE_ARGS;
 BENCHMARK(BM_bwd) ROPE_ARGS;
 BENCHMARK(BM_fwd_bhtd) ROPE_ARGS;
 BENCHMARK(BM_fwd_inter) ROPE_ARGS;
+BENCHMARK(BM_fwd_tokens) ROPE_ARGS;
+BENCHMARK(BM_bwd_tokens) ROPE_ARGS;
+BENCHMARK(BM_bhtd_tokens) ROPE_ARGS;
+BENCHMARK(BM_inter_tokens) ROPE_ARGS;
 BENCHMARK(BM_fwd_heads2) ROPE_ARGS;
-BENCHMARK(BM_bwd_heads2) ROPE_ARGS;
-BENCHMARK(BM_bhtd_heads2) ROPE_ARGS;
-BENCHMARK(BM_inter_heads2) ROPE_ARGS;
-BENCHMARK(BM_fwd_heads4) ROPE_ARGS;
-BENCHMARK(BM_bwd_heads4) ROPE_ARGS;
-BENCHMARK(BM_bhtd_heads4) ROPE_ARGS;
-BENCHMARK(BM_inter_heads4) ROPE_ARGS;
-BENCHMARK(BM_fwd_heads8) ROPE_ARGS;
-BENCHMARK(BM_bwd_heads8) ROPE_ARGS;
-BENCHMARK(BM_bhtd_heads8) ROPE_ARGS;
-BENCHMARK(BM_inter_heads8) ROPE_ARGS;
+BENCHMARK(BM_fwd_serial) ROPE_ARGS;
 // The default once more, last: the spread between this row and the first is the noise.
 void BM_fwd_again(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, false, "fwd bf16 B4 T4096 32/8x128 [B,T,H,D] (again)"); }
 BENCHMARK(BM_fwd_again) ROPE_ARGS;

@@ -267,6 +267,46 @@ TEST_CASE("rope: the head-group policy computes the same function", "[rope][gpu]
   }
 }
 
+TEST_CASE("rope: the token-block policy computes the same function", "[rope][gpu]") {
+  // RopePolicy<0, true>: one block per token, each thread one chunk of up to two heads per pass.
+  // Head counts that leave a thread one head (41, 5 + 3), many heads (several passes), q only,
+  // both layouts, position ids and per-batch tables, partial rotary in and out of place (pass-
+  // through chunks), the scalar path (head_dim 92), long sequences.
+  using TB = RopePolicy<0, true>;
+  for (bool inter : {false, true}) {
+    Case c{.B = 2, .T = 50, .Hq = 32, .Hk = 8, .D = 128, .interleaved = inter};
+    both_directions<bf16, bf16, TB>(c);
+    both_directions<half, half, TB>(c);
+    both_directions<float, float, TB>(c);
+    Case q = c;
+    q.q_bhtd = true;
+    q.pos_ids = 64;
+    both_directions<bf16, bf16, TB>(q);
+    q.batch_tables = true;
+    q.pos_ids = 32;
+    both_directions<bf16, float, TB>(q);
+    Case o = c;
+    o.in_place = false;
+    o.Hq = 33;
+    both_directions<bf16, bf16, TB>(o);
+    o.with_k = false;
+    both_directions<bf16, bf16, TB>(o);
+    Case many{.B = 1, .T = 7, .Hq = 73, .Hk = 213, .D = 64, .interleaved = inter};
+    both_directions<bf16, bf16, TB>(many);
+    Case r{.B = 1, .T = 33, .Hq = 8, .Hk = 2, .D = 128, .rd = 64, .interleaved = inter};
+    both_directions<bf16, bf16, TB>(r);
+    r.in_place = false;
+    both_directions<bf16, bf16, TB>(r);
+    Case odd{.B = 1, .T = 9, .Hq = 5, .Hk = 3, .D = 92, .interleaved = inter};
+    both_directions<bf16, bf16, TB>(odd);  // scalar path
+    odd.rd = 46;
+    odd.in_place = false;
+    both_directions<bf16, bf16, TB>(odd);  // scalar path, pass-through channels
+    Case big{.B = 1, .T = 8192, .Hq = 32, .Hk = 8, .D = 128, .interleaved = inter};
+    both_directions<bf16, bf16, TB>(big);
+  }
+}
+
 TEST_CASE("rope: an out-of-range position gives NaN for its token only", "[rope][gpu]") {
   const std::int64_t B = 1, T = 4, H = 2, D = 64;
   DeviceBuffer<bf16> q(B * T * H * D), cs(T * D), sn(T * D);

@@ -27,6 +27,7 @@
 
 #if defined(__CUDACC__)
 #include "../core/device.hpp"
+#include "../core/launch.cuh"
 #include "../core/vector.cuh"
 #endif
 
@@ -278,6 +279,7 @@ struct GatedBwdParams {
 template <class T, class Act, int kV, class P>
 TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
     gated_fwd_kernel(const GatedFwdParams<T> p) {
+  detail::grid_dependency_sync();
   constexpr int kU = P::kUnroll;
   const std::int64_t nvec = p.cols / kV;
   const std::int64_t step = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
@@ -319,6 +321,7 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
 // all its loads, then computes and stores.
 template <class T, class Act, int kV, int kN, class P>
 TIGON_KERNEL void __launch_bounds__(kGatedThreads) gated_fwd_flat_kernel(const GatedFwdParams<T> p) {
+  detail::grid_dependency_sync();
   const unsigned total = static_cast<unsigned>(p.cols / kV) * static_cast<unsigned>(p.rows);
   const unsigned base = blockIdx.x * (kGatedThreads * kN) + threadIdx.x;
   AlignedVec<T, kV> av[kN], bv[kN];
@@ -348,6 +351,7 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads) gated_fwd_flat_kernel(const G
 template <class T, class Act, int kV, class P>
 TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
     gated_bwd_kernel(const GatedBwdParams<T> p) {
+  detail::grid_dependency_sync();
   constexpr int kU = P::kUnroll;
   const std::int64_t nvec = p.cols / kV;
   const std::int64_t step = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
@@ -428,8 +432,7 @@ template <class T, class Act, int kV, class P>
 Status gated_flat_launch(const GatedFwdParams<T>& p, cudaStream_t stream, const char* op) {
   const std::int64_t total = p.rows * (p.cols / kV);
   const auto grid = static_cast<unsigned>(ceil_div<std::int64_t>(total, std::int64_t{kGatedThreads} * P::kFlat));
-  gated_fwd_flat_kernel<T, Act, kV, P::kFlat, P><<<grid, kGatedThreads, 0, stream>>>(p);
-  return check_launch(op);
+  return launch(op, gated_fwd_flat_kernel<T, Act, kV, P::kFlat, P>, {dim3(grid), dim3(kGatedThreads), 0, stream}, p);
 }
 
 // Plan (occupancy, cached per device and instance) and launch one kernel instance.
@@ -443,8 +446,7 @@ Status gated_launch(const Params& p, cudaStream_t stream, const char* op) {
                                    P::kUnroll, P::kPersistent);
   const dim3 block(static_cast<unsigned>(s.bx), static_cast<unsigned>(s.by));
   const dim3 grid(static_cast<unsigned>(s.gx), static_cast<unsigned>(s.gy));
-  Kernel<<<grid, block, 0, stream>>>(p);
-  return check_launch(op);
+  return launch(op, Kernel, {grid, block, 0, stream}, p);
 }
 
 }  // namespace detail

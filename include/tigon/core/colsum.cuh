@@ -10,6 +10,7 @@
 
 #include "config.hpp"
 #include "device.hpp"
+#include "launch.cuh"
 #include "dtype.hpp"
 #include "math.hpp"
 #include "status.hpp"
@@ -19,26 +20,32 @@ TIGON_NAMESPACE_BEGIN
 namespace detail {
 
 inline constexpr int kColSumCols = 32;    // columns per block (one warp wide: coalesced rows)
-inline constexpr int kColSumSlices = 8;   // partial rows summed in parallel, then combined in order
+inline constexpr int kColSumSlices = 32;  // partial rows summed in parallel, then combined in order
 
+// Block (32 columns) x (32 slices): thread (x, y) sums rows y, y + 32, ... of column x; then warp
+// w combines the 32 slice sums of column w with a fixed shuffle tree. The same order every call.
 template <class Out>
 TIGON_KERNEL void __launch_bounds__(kColSumCols* kColSumSlices)
     column_sum_kernel(const float* __restrict__ partials, std::int64_t parts, std::int64_t cols,
                       Out* __restrict__ out, bool accumulate) {
+  detail::grid_dependency_sync();
   __shared__ float sums[kColSumSlices][kColSumCols + 1];
-  const std::int64_t col = static_cast<std::int64_t>(blockIdx.x) * kColSumCols + threadIdx.x;
+  const std::int64_t col0 = static_cast<std::int64_t>(blockIdx.x) * kColSumCols;
+  const std::int64_t col = col0 + threadIdx.x;
   float s = 0.0f;
   if (col < cols) {
+#pragma unroll 4
     for (std::int64_t p = threadIdx.y; p < parts; p += kColSumSlices) s += partials[p * cols + col];
   }
   sums[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
-  if (threadIdx.y == 0 && col < cols) {
-    float total = 0.0f;
+  float total = sums[threadIdx.x][threadIdx.y];  // warp y: column col0 + y, lane x: slice x
 #pragma unroll
-    for (int i = 0; i < kColSumSlices; ++i) total += sums[i][threadIdx.x];
-    if (accumulate) total += to_float(out[col]);
-    out[col] = from_float<Out>(total);
+  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
+  const std::int64_t c = col0 + threadIdx.y;
+  if (threadIdx.x == 0 && c < cols) {
+    if (accumulate) total += to_float(out[c]);
+    out[c] = from_float<Out>(total);
   }
 }
 
@@ -51,8 +58,8 @@ template <Element Out>
                                        const char* op) {
   const dim3 block(detail::kColSumCols, detail::kColSumSlices);
   const dim3 grid(static_cast<unsigned>(ceil_div<std::int64_t>(cols, detail::kColSumCols)));
-  detail::column_sum_kernel<Out><<<grid, block, 0, stream>>>(partials, parts, cols, out, accumulate);
-  return check_launch(op);
+  return detail::launch(op, detail::column_sum_kernel<Out>, {grid, block, 0, stream}, partials, parts, cols,
+                        out, accumulate);
 }
 
 TIGON_NAMESPACE_END

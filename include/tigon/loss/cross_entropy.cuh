@@ -31,6 +31,7 @@
 #include <cooperative_groups.h>
 
 #include "../core/device.hpp"
+#include "../core/launch.cuh"
 #include "../core/async_copy.cuh"
 #include "../core/reduce.cuh"
 #include "../core/vector.cuh"
@@ -488,6 +489,7 @@ TIGON_DEVICE CeParams<T, I> ce_specialise(CeParams<T, I> p) {
 
 template <class T, class I, int kV, int kThreads, int kU, bool kPlain>
 TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I> params) {
+  detail::grid_dependency_sync();
   const CeParams<T, I> p = ce_specialise<kPlain>(params);
   using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
   __shared__ CeShared<kThreads> sh;
@@ -594,6 +596,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
 // of its slice from shared memory.
 template <class T, class I, int kV, int kThreads, bool kPlain>
 TIGON_KERNEL void __launch_bounds__(kThreads) ce_cluster_kernel(const CeParams<T, I> params, int slice) {
+  detail::grid_dependency_sync();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   using Vec = AlignedVec<T, kV>;
@@ -697,6 +700,7 @@ template <class I>
 TIGON_KERNEL void __launch_bounds__(1024)
     ce_denominator_kernel(const I* targets, std::int64_t rows, std::int64_t ignore_index,
                           const float* weights, std::int64_t vocab, float* denom) {
+  detail::grid_dependency_sync();
   using Reduce = BlockAllReduce<1024, 1>;
   __shared__ typename Reduce::TempStorage tmp;
   float s[1] = {0.0f};
@@ -714,6 +718,7 @@ template <int kThreads = 1024>  // a template: a header's kernel needs one defin
 TIGON_KERNEL void __launch_bounds__(kThreads)
     ce_reduce_kernel(const float* loss_rows, const float* z_rows, std::int64_t rows,
                      const float* denom, bool mean, float* loss, float* z_loss) {
+  detail::grid_dependency_sync();
   using Reduce = BlockAllReduce<kThreads, 2>;
   __shared__ typename Reduce::TempStorage tmp;
   float s[2] = {0.0f, 0.0f};
@@ -735,6 +740,7 @@ template <int kThreads = 256>  // a template: a header's kernel needs one defini
 TIGON_KERNEL void __launch_bounds__(kThreads)
     ce_merge_kernel(const CrossEntropyStats* shards, int nshards, std::int64_t rows,
                     CrossEntropyStats* out) {
+  detail::grid_dependency_sync();
   for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x; r < rows;
        r += static_cast<std::int64_t>(gridDim.x) * kThreads) {
     CrossEntropyStats m = shards[r];
@@ -813,8 +819,7 @@ Status launch_ce_rows_as(const CeParams<T, I>& p, cudaStream_t stream, const cha
   if constexpr (P::kRowsPerSm > 0) per_sm = std::min<std::int64_t>(P::kRowsPerSm, occ);
   const auto grid = static_cast<unsigned>(
       std::clamp<std::int64_t>(per_sm * dev.sm_count, 1, std::max<std::int64_t>(p.rows, 1)));
-  kernel<<<grid, kThreads, 0, stream>>>(p);
-  return check_launch(op);
+  return launch(op, kernel, {dim3(grid), dim3(kThreads), 0, stream}, p);
 }
 
 // The on-chip kernel: as many clusters as can be resident at once (each walks rows), shared memory
@@ -828,28 +833,19 @@ Status launch_ce_cluster(const CeParams<T, I>& p, const CeClusterShape& shape, c
   const int smem = static_cast<int>(2 * shape.slice * static_cast<std::int64_t>(sizeof(AlignedVec<T, kV>)));
   TIGON_CHECK(Status::from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                                 op, "cudaFuncSetAttribute"));
-  cudaLaunchConfig_t cfg{};
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = static_cast<std::size_t>(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(shape.blocks);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  cfg.gridDim = dim3(static_cast<unsigned>(shape.blocks));
+  LaunchShape ls{dim3(static_cast<unsigned>(shape.blocks)), dim3(kThreads), static_cast<std::size_t>(smem),
+                 stream, static_cast<unsigned>(shape.blocks)};
+  cudaLaunchAttribute attrs[2];
+  const cudaLaunchConfig_t query = launch_config(ls, false, attrs);
   int resident = 0;
-  TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg), op,
+  TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kernel, &query), op,
                                 "cudaOccupancyMaxActiveClusters"));
   if (resident < 1) return Status();
   const std::int64_t clusters = std::min<std::int64_t>(resident, std::max<std::int64_t>(p.rows, 1));
-  cfg.gridDim = dim3(static_cast<unsigned>(clusters * shape.blocks));
-  TIGON_CHECK(Status::from_cuda(cudaLaunchKernelEx(&cfg, kernel, p, static_cast<int>(shape.slice)), op,
-                                "cluster kernel launch"));
+  ls.grid = dim3(static_cast<unsigned>(clusters * shape.blocks));
+  TIGON_CHECK(launch(op, kernel, ls, p, static_cast<int>(shape.slice)));
   launched = true;
-  return check_launch(op);
+  return Status();
 }
 
 template <class P = CrossEntropyDefaultPolicy, class T, class I>
@@ -891,15 +887,15 @@ template <class I>
 Status ce_denominator(const I* targets, std::int64_t rows, std::int64_t ignore_index,
                       const float* weights, std::int64_t vocab, float* denom, cudaStream_t stream,
                       const char* op) {
-  ce_denominator_kernel<I><<<1, 1024, 0, stream>>>(targets, rows, ignore_index, weights, vocab, denom);
-  return check_launch(op);
+  return launch(op, ce_denominator_kernel<I>, {dim3(1), dim3(1024), 0, stream}, targets, rows, ignore_index,
+                weights, vocab, denom);
 }
 
 inline Status ce_reduce(const float* loss_rows, const float* z_rows, std::int64_t rows, const float* denom,
                         bool mean, float* loss, float* z_loss, cudaStream_t stream, const char* op) {
   if (loss == nullptr && z_loss == nullptr) return Status();
-  ce_reduce_kernel<1024><<<1, 1024, 0, stream>>>(loss_rows, z_rows, rows, denom, mean, loss, z_loss);
-  return check_launch(op);
+  return launch(op, ce_reduce_kernel<1024>, {dim3(1), dim3(1024), 0, stream}, loss_rows, z_rows, rows, denom,
+                mean, loss, z_loss);
 }
 
 // Workspace layout of a loss: [denominator | 3 spare floats | loss rows | z rows].
@@ -986,8 +982,8 @@ template <class T, class I>
   TIGON_CHECK(check::positive(nshards, kOp, "nshards"));
   TIGON_CHECK(check::positive(rows, kOp, "rows"));
   const unsigned grid = static_cast<unsigned>(std::min<std::int64_t>(ceil_div<std::int64_t>(rows, 256), 4096));
-  detail::ce_merge_kernel<256><<<grid, 256, 0, stream>>>(shards, nshards, rows, merged);
-  return check_launch(kOp);
+  return detail::launch(kOp, detail::ce_merge_kernel<256>, {dim3(grid), dim3(256), 0, stream}, shards, nshards,
+                        rows, merged);
 }
 
 // Split vocabulary, step 3: with the merged statistics, this shard's loss outputs (every shard

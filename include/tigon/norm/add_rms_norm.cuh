@@ -38,6 +38,7 @@
 #if defined(__CUDACC__)
 #include "../core/colsum.cuh"
 #include "../core/device.hpp"
+#include "../core/launch.cuh"
 #include "../core/reduce.cuh"
 #include "../core/vector.cuh"
 #endif
@@ -274,6 +275,7 @@ struct AddRmsBwdParams {
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads)
     add_rms_norm_fwd_kernel(const AddRmsFwdParams<T, W> p) {
+  detail::grid_dependency_sync();
   using S = FwdRowShape<T, kCols, P>;
   constexpr int kV = S::kVec;
   constexpr int kVPT = S::kVecPerThread;
@@ -348,6 +350,7 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads)
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdMinBlocksPerSm)
     add_rms_norm_bwd_kernel(const AddRmsBwdParams<T, W> p) {
+  detail::grid_dependency_sync();
   using S = BwdRowShape<T, kCols, P>;
   constexpr int kV = S::kVec;
   constexpr int kVPT = S::kVecPerThread;
@@ -457,6 +460,7 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
 template <class T, class W, int kV>
 TIGON_KERNEL void __launch_bounds__(kAddRmsGeneralThreads)
     add_rms_norm_fwd_general_kernel(const AddRmsFwdParams<T, W> p) {
+  detail::grid_dependency_sync();
   constexpr int kThreads = kAddRmsGeneralThreads;
   using Reduce = BlockAllReduce<kThreads, 1>;
   __shared__ typename Reduce::TempStorage tmp;
@@ -508,6 +512,7 @@ TIGON_KERNEL void __launch_bounds__(kAddRmsGeneralThreads)
 template <class T, class W, int kV>
 TIGON_KERNEL void __launch_bounds__(kAddRmsGeneralThreads)
     add_rms_norm_bwd_general_kernel(const AddRmsBwdParams<T, W> p, bool smem_acc) {
+  detail::grid_dependency_sync();
   constexpr int kThreads = kAddRmsGeneralThreads;
   using Reduce = BlockAllReduce<kThreads, 2>;
   __shared__ typename Reduce::TempStorage tmp;
@@ -666,23 +671,21 @@ Status plan_backward(const AddRmsBwdParams<T, W>& p, bool want_dw, const DeviceI
 
 template <class T, class W, int kCols, class P>
 Status launch_forward(const AddRmsFwdParams<T, W>& p, const RowPlan& plan, cudaStream_t stream) {
+  constexpr const char* kOp = "add_rms_norm_forward";
   switch (plan.kernel) {
     case RowKernel::compiled:
       if constexpr (compiled_available<FwdRowShape, T, kCols, P>()) {
-        add_rms_norm_fwd_kernel<T, W, kCols, P>
-            <<<plan.grid, FwdRowShape<T, kCols, P>::kThreads, AddRmsFwdPipe<T, kCols, P>::kSmemBytes,
-               stream>>>(p);
+        TIGON_CHECK(launch(kOp, add_rms_norm_fwd_kernel<T, W, kCols, P>, {dim3(plan.grid), dim3(FwdRowShape<T, kCols, P>::kThreads), AddRmsFwdPipe<T, kCols, P>::kSmemBytes, stream}, p));
       }
       break;
     case RowKernel::general_vec:
-      add_rms_norm_fwd_general_kernel<T, W, kVecElems<T>>
-          <<<plan.grid, kAddRmsGeneralThreads, 0, stream>>>(p);
+      TIGON_CHECK(launch(kOp, add_rms_norm_fwd_general_kernel<T, W, kVecElems<T>>, {dim3(plan.grid), dim3(kAddRmsGeneralThreads), 0, stream}, p));
       break;
     case RowKernel::general_scalar:
-      add_rms_norm_fwd_general_kernel<T, W, 1><<<plan.grid, kAddRmsGeneralThreads, 0, stream>>>(p);
+      TIGON_CHECK(launch(kOp, add_rms_norm_fwd_general_kernel<T, W, 1>, {dim3(plan.grid), dim3(kAddRmsGeneralThreads), 0, stream}, p));
       break;
   }
-  return check_launch("add_rms_norm_forward");
+  return Status();
 }
 
 template <class T, class W, int kCols, class P>
@@ -691,22 +694,17 @@ Status launch_backward(const AddRmsBwdParams<T, W>& p, const RowPlan& plan, W* d
   constexpr const char* kOp = "add_rms_norm_backward";
   if (plan.kernel == RowKernel::compiled) {
     if constexpr (compiled_available<BwdRowShape, T, kCols, P>()) {
-      add_rms_norm_bwd_kernel<T, W, kCols, P>
-          <<<plan.grid, BwdRowShape<T, kCols, P>::kThreads, AddRmsBwdPipe<T, kCols, P>::kSmemBytes,
-             stream>>>(p);
+      TIGON_CHECK(launch(kOp, add_rms_norm_bwd_kernel<T, W, kCols, P>, {dim3(plan.grid), dim3(BwdRowShape<T, kCols, P>::kThreads), AddRmsBwdPipe<T, kCols, P>::kSmemBytes, stream}, p));
     }
   } else {
     const bool smem_acc = p.partials != nullptr && p.cols <= kAddRmsGeneralSmemAccCols;
     const std::size_t smem = smem_acc ? static_cast<std::size_t>(p.cols) * sizeof(float) : 0;
     if (plan.kernel == RowKernel::general_vec) {
-      add_rms_norm_bwd_general_kernel<T, W, kVecElems<T>>
-          <<<plan.grid, kAddRmsGeneralThreads, smem, stream>>>(p, smem_acc);
+      TIGON_CHECK(launch(kOp, add_rms_norm_bwd_general_kernel<T, W, kVecElems<T>>, {dim3(plan.grid), dim3(kAddRmsGeneralThreads), smem, stream}, p, smem_acc));
     } else {
-      add_rms_norm_bwd_general_kernel<T, W, 1>
-          <<<plan.grid, kAddRmsGeneralThreads, smem, stream>>>(p, smem_acc);
+      TIGON_CHECK(launch(kOp, add_rms_norm_bwd_general_kernel<T, W, 1>, {dim3(plan.grid), dim3(kAddRmsGeneralThreads), smem, stream}, p, smem_acc));
     }
   }
-  TIGON_CHECK(check_launch(kOp));
   if (dweight == nullptr) return Status();
   return column_sum(p.partials, plan.parts, p.cols, dweight, accumulate, stream, kOp);
 }

@@ -32,6 +32,7 @@
 #if defined(__CUDACC__)
 #include "../core/colsum.cuh"
 #include "../core/device.hpp"
+#include "../core/launch.cuh"
 #include "../core/reduce.cuh"
 #include "../core/vector.cuh"
 #endif
@@ -314,6 +315,7 @@ struct LnBwdParams {
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads)
     layer_norm_fwd_kernel(const LnFwdParams<T, W> p) {
+  detail::grid_dependency_sync();
   using S = FwdRowShape<T, kCols, P>;
   constexpr int kV = S::kVec;
   constexpr int kVPT = S::kVecPerThread;
@@ -411,6 +413,7 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads)
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdMinBlocksPerSm)
     layer_norm_bwd_kernel(const LnBwdParams<T, W> p) {
+  detail::grid_dependency_sync();
   using S = BwdRowShape<T, kCols, P>;
   constexpr int kV = S::kVec;
   constexpr int kVPT = S::kVecPerThread;
@@ -519,6 +522,7 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
 template <class T, class W, int kV>
 TIGON_KERNEL void __launch_bounds__(kLnGeneralThreads)
     layer_norm_fwd_general_kernel(const LnFwdParams<T, W> p) {
+  detail::grid_dependency_sync();
   constexpr int kThreads = kLnGeneralThreads;
   using Reduce = BlockAllReduce<kThreads, 1>;
   __shared__ typename Reduce::TempStorage tmp;
@@ -575,6 +579,7 @@ TIGON_KERNEL void __launch_bounds__(kLnGeneralThreads)
 template <class T, class W, int kV>
 TIGON_KERNEL void __launch_bounds__(kLnGeneralThreads)
     layer_norm_bwd_general_kernel(const LnBwdParams<T, W> p, bool smem_acc) {
+  detail::grid_dependency_sync();
   constexpr int kThreads = kLnGeneralThreads;
   using Reduce = BlockAllReduce<kThreads, 2>;
   __shared__ typename Reduce::TempStorage tmp;
@@ -729,21 +734,21 @@ Status plan_backward(const LnBwdParams<T, W>& p, int grads, const DeviceInfo& de
 
 template <class T, class W, int kCols, class P>
 Status launch_forward(const LnFwdParams<T, W>& p, const RowPlan& plan, cudaStream_t stream) {
+  constexpr const char* kOp = "layer_norm_forward";
   switch (plan.kernel) {
     case RowKernel::compiled:
       if constexpr (compiled_available<FwdRowShape, T, kCols, P>()) {
-        layer_norm_fwd_kernel<T, W, kCols, P>
-            <<<plan.grid, FwdRowShape<T, kCols, P>::kThreads, kLnFwdSmem<T, kCols, P>, stream>>>(p);
+        TIGON_CHECK(launch(kOp, layer_norm_fwd_kernel<T, W, kCols, P>, {dim3(plan.grid), dim3(FwdRowShape<T, kCols, P>::kThreads), kLnFwdSmem<T, kCols, P>, stream}, p));
       }
       break;
     case RowKernel::general_vec:
-      layer_norm_fwd_general_kernel<T, W, kVecElems<T>><<<plan.grid, kLnGeneralThreads, 0, stream>>>(p);
+      TIGON_CHECK(launch(kOp, layer_norm_fwd_general_kernel<T, W, kVecElems<T>>, {dim3(plan.grid), dim3(kLnGeneralThreads), 0, stream}, p));
       break;
     case RowKernel::general_scalar:
-      layer_norm_fwd_general_kernel<T, W, 1><<<plan.grid, kLnGeneralThreads, 0, stream>>>(p);
+      TIGON_CHECK(launch(kOp, layer_norm_fwd_general_kernel<T, W, 1>, {dim3(plan.grid), dim3(kLnGeneralThreads), 0, stream}, p));
       break;
   }
-  return check_launch("layer_norm_forward");
+  return Status();
 }
 
 template <class T, class W, int kCols, class P>
@@ -752,22 +757,18 @@ Status launch_backward(const LnBwdParams<T, W>& p, const RowPlan& plan, W* dweig
   constexpr const char* kOp = "layer_norm_backward";
   if (plan.kernel == RowKernel::compiled) {
     if constexpr (compiled_available<BwdRowShape, T, kCols, P>()) {
-      layer_norm_bwd_kernel<T, W, kCols, P>
-          <<<plan.grid, BwdRowShape<T, kCols, P>::kThreads, LnBwdPipe<T, kCols, P>::kSmemBytes,
-             stream>>>(p);
+      TIGON_CHECK(launch(kOp, layer_norm_bwd_kernel<T, W, kCols, P>, {dim3(plan.grid), dim3(BwdRowShape<T, kCols, P>::kThreads), LnBwdPipe<T, kCols, P>::kSmemBytes, stream}, p));
     }
   } else {
     const bool smem_acc =
         (p.dw_part != nullptr || p.db_part != nullptr) && p.cols <= kLnGeneralSmemAccCols;
     const std::size_t smem = smem_acc ? 2 * static_cast<std::size_t>(p.cols) * sizeof(float) : 0;
     if (plan.kernel == RowKernel::general_vec) {
-      layer_norm_bwd_general_kernel<T, W, kVecElems<T>>
-          <<<plan.grid, kLnGeneralThreads, smem, stream>>>(p, smem_acc);
+      TIGON_CHECK(launch(kOp, layer_norm_bwd_general_kernel<T, W, kVecElems<T>>, {dim3(plan.grid), dim3(kLnGeneralThreads), smem, stream}, p, smem_acc));
     } else {
-      layer_norm_bwd_general_kernel<T, W, 1><<<plan.grid, kLnGeneralThreads, smem, stream>>>(p, smem_acc);
+      TIGON_CHECK(launch(kOp, layer_norm_bwd_general_kernel<T, W, 1>, {dim3(plan.grid), dim3(kLnGeneralThreads), smem, stream}, p, smem_acc));
     }
   }
-  TIGON_CHECK(check_launch(kOp));
   if (dweight != nullptr) {
     TIGON_CHECK(column_sum(p.dw_part, plan.parts, p.cols, dweight, accumulate, stream, kOp));
   }

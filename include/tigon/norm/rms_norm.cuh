@@ -25,6 +25,7 @@
 #include "../core/async_copy.cuh"
 #include "../core/colsum.cuh"
 #include "../core/device.hpp"
+#include "../core/launch.cuh"
 #include "../core/reduce.cuh"
 #include "../core/vector.cuh"
 #endif
@@ -243,8 +244,8 @@ struct RmsNormPolicy {
   // (true), or stages the row through shared memory with cp.async (false: the default until
   // measured against it).
   static constexpr bool kFwdDirect = kFwdDirect_;
-  // Backward: keep the row's x, dy and w in registers between the row sums and dx (true: the
-  // default, 1-2% faster on the H200), or read them again from shared memory / L1 (false: fewer
+  // Backward: keep the row's x and dy in registers between the row sums and dx (true: the
+  // default, 1-2% faster on the H200), or read them again from shared memory (false: fewer
   // registers).
   static constexpr bool kBwdKeepRows = kBwdKeepRows_;
   // Forward grid: resident blocks walking all rows (true), or one block per kGroups rows (false:
@@ -341,6 +342,7 @@ struct RmsBwdParams {
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
     rms_norm_fwd_kernel(const RmsFwdParams<T, W> p) {
+  detail::grid_dependency_sync();
   using S = RmsFwdShape<T, kCols, P>;
   using Pipe = RmsFwdPipe<T, kCols, P>;
   constexpr int kV = S::kVec;
@@ -432,6 +434,7 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdMinBlocksPerSm)
     rms_norm_bwd_kernel(const RmsBwdParams<T, W> p) {
+  detail::grid_dependency_sync();
   using S = RmsBwdShape<T, kCols, P>;
   using Pipe = RmsBwdPipe<T, kCols, P>;
   constexpr int kV = S::kVec;
@@ -471,12 +474,22 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
     }
   };
 
+  // dW accumulators, and (offset + w) of this thread's columns, read once: a thread owns the same
+  // columns in every row it visits.
   float acc[kVPT][kV];
+  float wk[kVPT][kV];
 #pragma unroll
   for (int v = 0; v < kVPT; ++v) {
+    const int i = v * S::kGroupThreads + t;
+    AlignedVec<W, kV> wv;
+    if (has_w && (S::kExact || i < S::kNumVec)) wv = load_vec<kV>(p.w + i * kV);
 #pragma unroll
-    for (int c = 0; c < kV; ++c) acc[v][c] = 0.0f;
+    for (int c = 0; c < kV; ++c) {
+      acc[v][c] = 0.0f;
+      wk[v][c] = has_w ? p.offset + to_float(wv.v[c]) : 1.0f;
+    }
   }
+  const bool saved_rstd = p.rstd != nullptr;
   if constexpr (kDirect) {
     fetch(first);
   } else {
@@ -503,9 +516,8 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
       xr = stages + ((k % kStages) * 2) * kCols;
       dyr = xr + kCols;
     }
-    const float saved = p.rstd != nullptr ? p.rstd[row] : 0.0f;
-    AlignedVec<W, kV> wk[kVPT];
-    // s[0] = sum(dn * x), s[1] = sum(x^2) (for the rstd when it was not saved)
+    const float saved = saved_rstd ? p.rstd[row] : 0.0f;
+    // s[0] = sum(dn * x), s[1] = sum(x^2) (only for the rstd when it was not saved)
     float s[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int v = 0; v < kVPT; ++v) {
@@ -515,22 +527,20 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
           xk[v] = load_vec<kV>(xr + i * kV);
           dyk[v] = load_vec<kV>(dyr + i * kV);
         }
-        if (has_w) wk[v] = load_vec<kV>(p.w + i * kV);
         const AlignedVec<T, kV>& xv = xk[v];
         const AlignedVec<T, kV>& dyv = dyk[v];
-        const AlignedVec<W, kV>& wv = wk[v];
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
           const float xf = to_float(xv.v[c]);
-          const float dn = to_float(dyv.v[c]) * (has_w ? p.offset + to_float(wv.v[c]) : 1.0f);
+          const float dn = to_float(dyv.v[c]) * wk[v][c];
           s[0] += dn * xf;
-          s[1] += xf * xf;
+          if (!saved_rstd) s[1] += xf * xf;
         }
       }
     }
     Reduce::sum(s, tmp, g, t, parity);
     parity ^= 1;
-    const float rstd = p.rstd != nullptr ? saved : rms_norm_math::rstd(s[1], kCols, p.eps);
+    const float rstd = saved_rstd ? saved : rms_norm_math::rstd(s[1], kCols, p.eps);
     const float mean_dot = rstd * s[0] / static_cast<float>(kCols);
     T* dxr = p.dx + row * p.dxs;
 #pragma unroll
@@ -539,22 +549,19 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
       if (S::kExact || i < S::kNumVec) {
         // The row again: from the registers of the first loop, or re-read from shared memory.
         AlignedVec<T, kV> xv, dyv;
-        AlignedVec<W, kV> wv;
         if constexpr (P::kBwdKeepRows || kDirect) {
           xv = xk[v];
           dyv = dyk[v];
-          wv = wk[v];
         } else {
           xv = load_vec<kV>(xr + i * kV);
           dyv = load_vec<kV>(dyr + i * kV);
-          if (has_w) wv = load_vec<kV>(p.w + i * kV);
         }
         AlignedVec<T, kV> dxv;
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
           const float xhat = to_float(xv.v[c]) * rstd;
           const float dyf = to_float(dyv.v[c]);
-          const float dn = dyf * (has_w ? p.offset + to_float(wv.v[c]) : 1.0f);
+          const float dn = dyf * wk[v][c];
           dxv.v[c] = from_float<T>(rms_norm_math::dx(dn, xhat, rstd, mean_dot));
           if (want_dw) acc[v][c] += rms_norm_math::dweight_term<T>(dyf, xhat, casting);
         }
@@ -583,6 +590,7 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
 template <class T, class W, int kV>
 TIGON_KERNEL void __launch_bounds__(kRmsGeneralThreads)
     rms_norm_fwd_general_kernel(const RmsFwdParams<T, W> p) {
+  detail::grid_dependency_sync();
   constexpr int kThreads = kRmsGeneralThreads;
   using Reduce = BlockAllReduce<kThreads, 1>;
   __shared__ typename Reduce::TempStorage tmp;
@@ -627,6 +635,7 @@ TIGON_KERNEL void __launch_bounds__(kRmsGeneralThreads)
 template <class T, class W, int kV>
 TIGON_KERNEL void __launch_bounds__(kRmsGeneralThreads)
     rms_norm_bwd_general_kernel(const RmsBwdParams<T, W> p, bool smem_acc) {
+  detail::grid_dependency_sync();
   constexpr int kThreads = kRmsGeneralThreads;
   using Reduce = BlockAllReduce<kThreads, 2>;
   __shared__ typename Reduce::TempStorage tmp;
@@ -776,45 +785,47 @@ Status plan_backward(const RmsBwdParams<T, W>& p, bool want_dw, const DeviceInfo
 
 template <class T, class W, int kCols, class P>
 Status launch_forward(const RmsFwdParams<T, W>& p, const RmsPlan& plan, cudaStream_t stream) {
+  constexpr const char* kOp = "rms_norm_forward";
+  const dim3 grid(static_cast<unsigned>(plan.grid));
   switch (plan.kernel) {
     case RmsKernel::compiled:
       if constexpr (compiled_available<RmsFwdShape, T, kCols, P>()) {
         using S = RmsFwdShape<T, kCols, P>;
-        rms_norm_fwd_kernel<T, W, kCols, P>
-            <<<plan.grid, S::kThreads, kRmsFwdSmem<T, kCols, P>, stream>>>(p);
+        return launch(kOp, rms_norm_fwd_kernel<T, W, kCols, P>,
+                      {grid, dim3(S::kThreads), kRmsFwdSmem<T, kCols, P>, stream}, p);
       }
       break;
     case RmsKernel::general_vec:
-      rms_norm_fwd_general_kernel<T, W, kVecElems<T>><<<plan.grid, kRmsGeneralThreads, 0, stream>>>(p);
-      break;
+      return launch(kOp, rms_norm_fwd_general_kernel<T, W, kVecElems<T>>,
+                    {grid, dim3(kRmsGeneralThreads), 0, stream}, p);
     case RmsKernel::general_scalar:
-      rms_norm_fwd_general_kernel<T, W, 1><<<plan.grid, kRmsGeneralThreads, 0, stream>>>(p);
-      break;
+      return launch(kOp, rms_norm_fwd_general_kernel<T, W, 1>, {grid, dim3(kRmsGeneralThreads), 0, stream}, p);
   }
-  return check_launch("rms_norm_forward");
+  return Status();
 }
 
 template <class T, class W, int kCols, class P>
 Status launch_backward(const RmsBwdParams<T, W>& p, const RmsPlan& plan, W* dweight,
                        bool accumulate, cudaStream_t stream) {
   constexpr const char* kOp = "rms_norm_backward";
+  const dim3 grid(static_cast<unsigned>(plan.grid));
   if (plan.kernel == RmsKernel::compiled) {
     if constexpr (compiled_available<RmsBwdShape, T, kCols, P>()) {
       using S = RmsBwdShape<T, kCols, P>;
-      rms_norm_bwd_kernel<T, W, kCols, P>
-          <<<plan.grid, S::kThreads, kRmsBwdSmem<T, kCols, P>, stream>>>(p);
+      TIGON_CHECK(launch(kOp, rms_norm_bwd_kernel<T, W, kCols, P>,
+                         {grid, dim3(S::kThreads), kRmsBwdSmem<T, kCols, P>, stream}, p));
     }
   } else {
     const bool smem_acc = p.partials != nullptr && p.cols <= kRmsGeneralSmemAccCols;
     const std::size_t smem = smem_acc ? static_cast<std::size_t>(p.cols) * sizeof(float) : 0;
     if (plan.kernel == RmsKernel::general_vec) {
-      rms_norm_bwd_general_kernel<T, W, kVecElems<T>>
-          <<<plan.grid, kRmsGeneralThreads, smem, stream>>>(p, smem_acc);
+      TIGON_CHECK(launch(kOp, rms_norm_bwd_general_kernel<T, W, kVecElems<T>>,
+                         {grid, dim3(kRmsGeneralThreads), smem, stream}, p, smem_acc));
     } else {
-      rms_norm_bwd_general_kernel<T, W, 1><<<plan.grid, kRmsGeneralThreads, smem, stream>>>(p, smem_acc);
+      TIGON_CHECK(launch(kOp, rms_norm_bwd_general_kernel<T, W, 1>, {grid, dim3(kRmsGeneralThreads), smem, stream},
+                         p, smem_acc));
     }
   }
-  TIGON_CHECK(check_launch(kOp));
   if (dweight == nullptr) return Status();
   return column_sum(p.partials, plan.parts, p.cols, dweight, accumulate, stream, kOp);
 }

@@ -26,6 +26,7 @@
 
 #if defined(__CUDACC__)
 #include "../core/device.hpp"
+#include "../core/launch.cuh"
 #include "../core/vector.cuh"
 #endif
 
@@ -48,10 +49,17 @@ struct RopeInterleaved {
 // the table chunk loaded once for all G (a thread issues the loads of its G heads, then rotates
 // and stores them); it applies to 16-byte vectors, in place or with rotary_dim == head_dim, and
 // fewer than 2^31 work items; other calls take the one-head kernel.
-template <int kHeads_ = 0>
+//
+// kTokenBlocks = true: one block per token (grid = sequence x batch, so no index division), its
+// threads laid out as (chunk, head): each thread loads its table chunk once and rotates that chunk
+// of up to two heads per pass over the token's q and k heads (both heads' loads issued before
+// either is stored). It applies to batches up to 65535; other calls take the one-head kernel.
+template <int kHeads_ = 0, bool kTokenBlocks_ = false>
 struct RopePolicy {
   static_assert(kHeads_ >= 0 && kHeads_ <= 16, "0 (one head per thread) or 1 to 16 heads per thread");
+  static_assert(!(kTokenBlocks_ && kHeads_ > 0), "the token-block and head-group kernels are exclusive");
   static constexpr int kHeads = kHeads_;
+  static constexpr bool kTokenBlocks = kTokenBlocks_;
 };
 using RopeDefaultPolicy = RopePolicy<0>;
 
@@ -289,6 +297,7 @@ TIGON_DEVICE void rope_rotate_pairs(const AlignedVec<T, kV>& x, const AlignedVec
 // a rotated chunk of pairs (interleaved), or a pass-through chunk (partial rotary, out of place).
 template <class T, class C, class Style, int kV>
 TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T, C> p) {
+  detail::grid_dependency_sync();
   constexpr bool kHalf = std::is_same_v<Style, RopeHalfSplit>;
   const int rd = p.rotary_dim;
   const int half = rd / 2;
@@ -367,6 +376,7 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
 // place or without pass-through channels.
 template <class T, class C, class Style, int kV, int kG>
 TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopeParams<T, C> p) {
+  detail::grid_dependency_sync();
   constexpr bool kHalf = std::is_same_v<Style, RopeHalfSplit>;
   const int half = p.rotary_dim / 2;
   const unsigned rot_chunks = static_cast<unsigned>(kHalf ? half / kV : p.rotary_dim / kV);
@@ -427,6 +437,116 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopePa
   }
 }
 
+// The token-block kernel (policy kTokenBlocks): block (blockIdx.x, blockIdx.y) = token (t, b);
+// thread (x, y) = chunk x of heads y, y + 2 * blockDim.y, ... and y + blockDim.y, ... (q's heads
+// first, then k's). Chunks past the rotated ones pass through (out of place).
+template <class T, class C, class Style, int kV>
+TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_token_kernel(const RopeParams<T, C> p) {
+  detail::grid_dependency_sync();
+  constexpr bool kHalf = std::is_same_v<Style, RopeHalfSplit>;
+  constexpr int kPairW = kV < 2 ? 2 : kV;
+  const int rd = p.rotary_dim;
+  const int half = rd / 2;
+  const int rot_chunks = kHalf ? half / kV : rd / kPairW;
+  const int chunk = static_cast<int>(threadIdx.x);
+  const bool rotated = chunk < rot_chunks;
+  const int heads = p.heads[0] + p.heads[1];
+  const int hy = static_cast<int>(blockDim.y);
+  const std::int64_t b = blockIdx.y, t = blockIdx.x;
+  const std::int64_t row = rope_position(p, b, t);
+  const bool bad = row < 0 || row >= p.table_rows;
+  const C* cr = p.cos + b * p.tsb + (bad ? 0 : row) * p.tst;
+  const C* sr = p.sin + b * p.tsb + (bad ? 0 : row) * p.tst;
+  // Element offset of this thread's chunk: rotated (half split: first half; interleaved: pairs),
+  // or passed through.
+  const int d = rotated ? chunk * (kHalf ? kV : kPairW) : rd + (chunk - rot_chunks) * kV;
+  AlignedVec<C, kV> c1{}, c2{}, s1{}, s2{};
+  if constexpr (kV > 1) {
+    if (rotated) {
+      c1 = load_vec<kV>(cr + d);
+      s1 = load_vec<kV>(sr + d);
+      if constexpr (kHalf) {
+        c2 = load_vec<kV>(cr + d + half);
+        s2 = load_vec<kV>(sr + d + half);
+      }
+    }
+  }
+  auto in_ptr = [&](int h) {
+    const int w = h < p.heads[0] ? 0 : 1;
+    const std::int64_t hh = w == 0 ? h : h - p.heads[0];
+    return p.in[w] + b * p.sb[w] + t * p.st[w] + hh * p.sh[w];
+  };
+  auto out_ptr = [&](int h) {
+    const int w = h < p.heads[0] ? 0 : 1;
+    const std::int64_t hh = w == 0 ? h : h - p.heads[0];
+    return p.out[w] + b * p.osb[w] + t * p.ost[w] + hh * p.osh[w];
+  };
+  for (int h0 = static_cast<int>(threadIdx.y); h0 < heads; h0 += 2 * hy) {
+    const int h1 = h0 + hy;
+    const bool two = h1 < heads;
+    const T* x0 = in_ptr(h0);
+    const T* x1 = two ? in_ptr(h1) : x0;
+    T* y0 = out_ptr(h0);
+    T* y1 = two ? out_ptr(h1) : y0;
+    if (!rotated) {  // partial rotary, out of place: copy the channel chunk
+      if (x0 != y0) {
+        const AlignedVec<T, kV> v0 = load_vec<kV>(x0 + d);
+        AlignedVec<T, kV> v1{};
+        if (two) v1 = load_vec<kV>(x1 + d);
+        store_vec(y0 + d, v0);
+        if (two) store_vec(y1 + d, v1);
+      }
+      continue;
+    }
+    if constexpr (kV == 1) {  // one pair per chunk, element by element (any alignment)
+      const int dd = chunk * 2;
+      for (int j = 0; j < (two ? 2 : 1); ++j) {
+        const T* x = j == 0 ? x0 : x1;
+        T* y = j == 0 ? y0 : y1;
+        float a, c;
+        if constexpr (kHalf) {
+          rope_math::rotate(to_float(x[chunk]), to_float(x[chunk + half]), to_float(cr[chunk]),
+                            to_float(cr[chunk + half]), to_float(sr[chunk]), to_float(sr[chunk + half]),
+                            p.backward, a, c);
+        } else {
+          rope_math::rotate(to_float(x[dd]), to_float(x[dd + 1]), to_float(cr[dd]), to_float(cr[dd + 1]),
+                            to_float(sr[dd]), to_float(sr[dd + 1]), p.backward, a, c);
+        }
+        if (bad) a = c = __int_as_float(0x7fc00000);
+        y[kHalf ? chunk : dd] = from_float<T>(a);
+        y[kHalf ? chunk + half : dd + 1] = from_float<T>(c);
+      }
+    } else if constexpr (kHalf) {
+      const AlignedVec<T, kV> a1 = load_vec<kV>(x0 + d), a2 = load_vec<kV>(x0 + d + half);
+      AlignedVec<T, kV> b1{}, b2{};
+      if (two) {
+        b1 = load_vec<kV>(x1 + d);
+        b2 = load_vec<kV>(x1 + d + half);
+      }
+      AlignedVec<T, kV> o1, o2;
+      rope_rotate_halves(a1, a2, c1, c2, s1, s2, p.backward, bad, o1, o2);
+      store_vec(y0 + d, o1);
+      store_vec(y0 + d + half, o2);
+      if (two) {
+        rope_rotate_halves(b1, b2, c1, c2, s1, s2, p.backward, bad, o1, o2);
+        store_vec(y1 + d, o1);
+        store_vec(y1 + d + half, o2);
+      }
+    } else {
+      const AlignedVec<T, kV> a = load_vec<kV>(x0 + d);
+      AlignedVec<T, kV> bv{};
+      if (two) bv = load_vec<kV>(x1 + d);
+      AlignedVec<T, kV> o;
+      rope_rotate_pairs(a, c1, s1, p.backward, bad, o);
+      store_vec(y0 + d, o);
+      if (two) {
+        rope_rotate_pairs(bv, c1, s1, p.backward, bad, o);
+        store_vec(y1 + d, o);
+      }
+    }
+  }
+}
+
 template <class T, class C>
 RopeParams<T, C> rope_params(const RopeArgs<T, C>& a, bool backward) {
   RopeParams<T, C> p{};
@@ -482,24 +602,49 @@ Status launch_rope(const RopeParams<T, C>& p, cudaStream_t stream, const char* o
   // looping over the tensor (measured on the H200).
   const auto grid = static_cast<unsigned>(
       std::clamp<std::int64_t>(ceil_div<std::int64_t>(items, kRopeThreads), 1, 0x7fffffff));
-  rope_kernel<T, C, Style, kV><<<grid, kRopeThreads, 0, stream>>>(p);
-  return check_launch(op);
+  return launch(op, rope_kernel<T, C, Style, kV>, {dim3(grid), dim3(kRopeThreads), 0, stream}, p);
 }
 
-// The head-group kernel's launch, when the call allows it (see RopePolicy); false: not taken.
+// The head-group kernel's launch, when the call allows it (see RopePolicy); `launched` false: not
+// taken (nothing launched).
 template <class T, class C, class Style, int kV, int kG>
-bool launch_rope_heads(const RopeParams<T, C>& p, cudaStream_t stream) {
+Status launch_rope_heads(const RopeParams<T, C>& p, cudaStream_t stream, const char* op, bool& launched) {
+  launched = false;
   const bool in_place = p.in[0] == p.out[0] && p.sb[0] == p.osb[0] && p.st[0] == p.ost[0] && p.sh[0] == p.osh[0] &&
                         (p.heads[1] == 0 || (p.in[1] == p.out[1] && p.sb[1] == p.osb[1] &&
                                              p.st[1] == p.ost[1] && p.sh[1] == p.osh[1]));
-  if (!in_place && p.rotary_dim != p.head_dim) return false;
+  if (!in_place && p.rotary_dim != p.head_dim) return Status();
   const std::int64_t chunks = std::is_same_v<Style, RopeHalfSplit> ? p.rotary_dim / 2 / kV : p.rotary_dim / kV;
   const std::int64_t groups = ceil_div<std::int64_t>(p.heads[0] + p.heads[1], kG);
   const std::int64_t items = p.tokens * groups * chunks;
-  if (items <= 0 || items > 0x7fffffff - kRopeThreads) return false;
+  if (items <= 0 || items > 0x7fffffff - kRopeThreads) return Status();
   const auto grid = static_cast<unsigned>(ceil_div<std::int64_t>(items, kRopeThreads));
-  rope_heads_kernel<T, C, Style, kV, kG><<<grid, kRopeThreads, 0, stream>>>(p);
-  return true;
+  TIGON_CHECK(launch(op, rope_heads_kernel<T, C, Style, kV, kG>, {dim3(grid), dim3(kRopeThreads), 0, stream}, p));
+  launched = true;
+  return Status();
+}
+
+// The token-block kernel's launch (see RopePolicy); `launched` false: not taken (batch > 65535, or
+// more chunks per head than threads per block).
+// Block: (chunks per head) x (heads per pass), about 256 threads, each thread two heads per pass.
+template <class T, class C, class Style, int kV>
+Status launch_rope_tokens(const RopeParams<T, C>& p, std::int64_t batch, cudaStream_t stream, const char* op,
+                          bool& launched) {
+  launched = false;
+  if (batch > 65535 || p.seq < 1) return Status();
+  const bool half = std::is_same_v<Style, RopeHalfSplit>;
+  const int pair_w = kV < 2 ? 2 : kV;
+  const int per_head = (half ? p.rotary_dim / 2 / kV : p.rotary_dim / pair_w) + (p.head_dim - p.rotary_dim) / kV;
+  if (per_head < 1 || per_head > kRopeThreads) return Status();
+  const int heads = p.heads[0] + p.heads[1];
+  const int max_y = std::max(1, kRopeThreads / per_head);
+  const int passes = static_cast<int>(ceil_div<std::int64_t>(heads, 2 * max_y));  // two heads per thread
+  const int hy = std::min(max_y, static_cast<int>(ceil_div<std::int64_t>(heads, 2 * passes)));
+  const dim3 grid(static_cast<unsigned>(p.seq), static_cast<unsigned>(batch));
+  const dim3 block(static_cast<unsigned>(per_head), static_cast<unsigned>(std::max(hy, 1)));
+  TIGON_CHECK(launch(op, rope_token_kernel<T, C, Style, kV>, {grid, block, 0, stream}, p));
+  launched = true;
+  return Status();
 }
 
 template <class Style, class Policy, class T, class C>
@@ -507,9 +652,20 @@ Status rope_impl(const RopeArgs<T, C>& a, bool backward, cudaStream_t stream, co
   TIGON_CHECK(validate(a, op));
   const RopeParams<T, C> p = rope_params(a, backward);
   const int v = rope_vec<T, C, Style>(p);
+  if constexpr (Policy::kTokenBlocks) {
+    bool launched = false;
+    if (v == kVecElems<T>) {
+      TIGON_CHECK((launch_rope_tokens<T, C, Style, kVecElems<T>>(p, a.batch, stream, op, launched)));
+    } else {
+      TIGON_CHECK((launch_rope_tokens<T, C, Style, 1>(p, a.batch, stream, op, launched)));
+    }
+    if (launched) return Status();
+  }
   if (v == kVecElems<T>) {
     if constexpr (Policy::kHeads > 0) {
-      if (launch_rope_heads<T, C, Style, kVecElems<T>, Policy::kHeads>(p, stream)) return check_launch(op);
+      bool launched = false;
+      TIGON_CHECK((launch_rope_heads<T, C, Style, kVecElems<T>, Policy::kHeads>(p, stream, op, launched)));
+      if (launched) return Status();
     }
     return launch_rope<T, C, Style, kVecElems<T>>(p, stream, op);
   }

@@ -1,0 +1,126 @@
+// tigon/core/launch.cuh - how every tigon kernel is launched: programmatic dependent launch (PDL) on
+// Hopper and later, so that a kernel's blocks are scheduled while the kernel before it in the
+// stream drains its last wave, instead of after it has finished.
+//
+// The contract, on both sides:
+// - device: every kernel launched through `launch` calls `grid_dependency_sync()` before its first
+//   global-memory access (read or write). That waits until the grids it depends on have completed
+//   and their writes are visible (`griddepcontrol.wait`), then lets the next kernel in the stream
+//   begin to launch (`griddepcontrol.launch_dependents`). Launched without the attribute, or before
+//   sm_90, both instructions do nothing.
+// - host: `launch` adds the programmatic-stream-serialisation attribute when the device is sm_90 or
+//   later and programmatic launch is enabled (the default; `set_programmatic_launch(false)` turns it
+//   off for the process, and defining TIGON_NO_PROGRAMMATIC_LAUNCH compiles it out).
+//
+// Stream order is unchanged for everything else: a kernel launched without the attribute (any
+// other library's), a copy or an event still waits for tigon's kernels to complete. Inside a CUDA
+// graph capture the attribute becomes a programmatic edge.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstddef>
+#include <utility>
+
+#include "config.hpp"
+#include "device.hpp"
+#include "status.hpp"
+
+TIGON_NAMESPACE_BEGIN
+
+namespace detail {
+inline std::atomic<bool>& programmatic_launch_flag() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+}  // namespace detail
+
+// Process-wide switch for programmatic dependent launch (on by default). Each shared object that
+// includes tigon has its own switch (the symbols are hidden).
+inline void set_programmatic_launch(bool on) {
+  detail::programmatic_launch_flag().store(on, std::memory_order_relaxed);
+}
+inline bool programmatic_launch() {
+#if defined(TIGON_NO_PROGRAMMATIC_LAUNCH)
+  return false;
+#else
+  return detail::programmatic_launch_flag().load(std::memory_order_relaxed);
+#endif
+}
+
+namespace detail {
+
+// First statement of every kernel launched through `launch` (see the contract above).
+TIGON_DEVICE void grid_dependency_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Launch geometry; `cluster` > 0 adds a thread-block-cluster dimension (x) to the launch.
+struct LaunchShape {
+  dim3 grid;
+  dim3 block;
+  std::size_t smem = 0;
+  cudaStream_t stream = nullptr;
+  unsigned cluster = 0;
+};
+
+// The launch configuration `launch` uses (also what occupancy queries of clustered kernels need).
+// `attrs` must outlive the returned configuration.
+inline cudaLaunchConfig_t launch_config(const LaunchShape& s, bool programmatic, cudaLaunchAttribute (&attrs)[2]) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = s.grid;
+  cfg.blockDim = s.block;
+  cfg.dynamicSmemBytes = s.smem;
+  cfg.stream = s.stream;
+  unsigned n = 0;
+  if (programmatic) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (s.cluster > 0) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = s.cluster;
+    attrs[n].val.clusterDim.y = 1;
+    attrs[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
+  return cfg;
+}
+
+// Whether launches on the current device use programmatic dependent launch.
+inline Status programmatic_launch_here(bool& on) {
+  on = false;
+  if (!programmatic_launch()) return Status();
+  DeviceInfo dev;
+  TIGON_CHECK(current_device_info(dev));
+  on = dev.cc_major >= 9;
+  return Status();
+}
+
+// Launch `kernel` (which calls grid_dependency_sync() first) with `args`; a launch error is
+// returned as a Status naming `op`.
+template <class... Params, class... Args>
+[[nodiscard]] inline Status launch(const char* op, void (*kernel)(Params...), const LaunchShape& shape,
+                                   Args&&... args) {
+  bool programmatic = false;
+  TIGON_CHECK(programmatic_launch_here(programmatic));
+  cudaLaunchAttribute attrs[2];
+  const cudaLaunchConfig_t cfg = launch_config(shape, programmatic, attrs);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // reported here, once
+    return Status::from_cuda(e, op, "kernel launch");
+  }
+  return check_launch(op);
+}
+
+}  // namespace detail
+
+TIGON_NAMESPACE_END

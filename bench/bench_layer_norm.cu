@@ -151,16 +151,13 @@ BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark:
 // LayerNormPolicy<fwd vec/thread, fwd block, bwd vec/thread, bwd block, bwd min blocks/SM, stages,
 //                 persistent forward grid, streaming stores, backward keeps rows in registers,
 //                 direct forward>
-// Non-persistent forwards (the default; one stage, whatever the policy says):
-FWD_VARIANT(v4_b256_default, LayerNormPolicy<4, 256, 2, 512, 1, 3>)
-FWD_VARIANT(v4_b128, LayerNormPolicy<4, 128, 2, 512, 1, 3>)
-FWD_VARIANT(v4_b512, LayerNormPolicy<4, 512, 2, 512, 1, 3>)
-FWD_VARIANT(v2_b256, LayerNormPolicy<2, 256, 2, 512, 1, 3>)
-FWD_VARIANT(v8_b256, LayerNormPolicy<8, 256, 2, 512, 1, 3>)
-FWD_VARIANT(v16_b256_warp_per_row, LayerNormPolicy<16, 256, 2, 512, 1, 3>)
-FWD_VARIANT(v4_b256_cs, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, true>)
-// Direct forwards: each thread's vectors straight into registers, no shared memory:
-FWD_VARIANT(v4_b256_direct, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true, true>)
+// Non-persistent forwards staged through shared memory (one stage, whatever the policy says):
+FWD_VARIANT(v4_b256_staged, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true, false>)
+FWD_VARIANT(v4_b128_staged, LayerNormPolicy<4, 128, 2, 512, 1, 3, false, false, true, false>)
+FWD_VARIANT(v4_b256_staged_cs, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, true, true, false>)
+// Direct forwards (the default): each thread's vectors straight into registers, no shared memory:
+FWD_VARIANT(v4_b256_direct_default, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true, true>)
+FWD_VARIANT(v4_b128_direct, LayerNormPolicy<4, 128, 2, 512, 1, 3, false, false, true, true>)
 FWD_VARIANT(v2_b256_direct, LayerNormPolicy<2, 256, 2, 512, 1, 3, false, false, true, true>)
 FWD_VARIANT(v2_b256_direct_cs, LayerNormPolicy<2, 256, 2, 512, 1, 3, false, true, true, true>)
 FWD_VARIANT(v16_b256_direct_warp_per_row, LayerNormPolicy<16, 256, 2, 512, 1, 3, false, false, true, true>)

@@ -71,11 +71,17 @@ void BM_fwd_bhtd(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false
 void BM_fwd_inter(benchmark::State& st) { BM_rope<tigon::RopeInterleaved>(st, false, false, "fwd bf16 B4 T4096 interleaved"); }
 
 // RopePolicy<0, true>: one block per token, the table chunk loaded once per thread.
-using TokenBlocks = tigon::RopePolicy<0, true>;
+using TokenBlocks = tigon::RopePolicy<0, 1>;
 void BM_fwd_tokens(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, TokenBlocks>(st, false, false, "  policy tokens fwd [B,T,H,D]"); }
 void BM_bwd_tokens(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, TokenBlocks>(st, true, false, "  policy tokens bwd [B,T,H,D]"); }
 void BM_bhtd_tokens(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, TokenBlocks>(st, false, true, "  policy tokens fwd [B,H,T,D]"); }
 void BM_inter_tokens(benchmark::State& st) { BM_rope<tigon::RopeInterleaved, TokenBlocks>(st, false, false, "  policy tokens fwd interleaved"); }
+// RopePolicy<0, 0, true>: one-head kernel, q and k read with the streaming hint, L1 left to the tables.
+using StreamLoads = tigon::RopePolicy<0, 0, true>;
+void BM_fwd_stream(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, StreamLoads>(st, false, false, "  policy stream fwd [B,T,H,D]"); }
+void BM_bwd_stream(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, StreamLoads>(st, true, false, "  policy stream bwd [B,T,H,D]"); }
+void BM_bhtd_stream(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, StreamLoads>(st, false, true, "  policy stream fwd [B,H,T,D]"); }
+void BM_inter_stream(benchmark::State& st) { BM_rope<tigon::RopeInterleaved, StreamLoads>(st, false, false, "  policy stream fwd interleaved"); }
 // RopePolicy<2>: two heads of a token per thread.
 void BM_fwd_heads2(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, tigon::RopePolicy<2>>(st, false, false, "  policy heads2 fwd [B,T,H,D]"); }
 // The default with programmatic dependent launch off: what the launch overlap is worth.
@@ -96,6 +102,10 @@ BENCHMARK(BM_fwd_tokens) ROPE_ARGS;
 BENCHMARK(BM_bwd_tokens) ROPE_ARGS;
 BENCHMARK(BM_bhtd_tokens) ROPE_ARGS;
 BENCHMARK(BM_inter_tokens) ROPE_ARGS;
+BENCHMARK(BM_fwd_stream) ROPE_ARGS;
+BENCHMARK(BM_bwd_stream) ROPE_ARGS;
+BENCHMARK(BM_bhtd_stream) ROPE_ARGS;
+BENCHMARK(BM_inter_stream) ROPE_ARGS;
 BENCHMARK(BM_fwd_heads2) ROPE_ARGS;
 BENCHMARK(BM_fwd_serial) ROPE_ARGS;
 // The default once more, last: the spread between this row and the first is the noise.

@@ -361,7 +361,11 @@ TEST_CASE("layer_norm: compile-time hidden size <T, 4096> and policies", "[layer
   run_case<bf16, float, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false>>(c);  // rows re-read
   run_case<float, float, LayerNormPolicy<8, 256, 4, 256, 1, 4, true>>(c);
   run_case<half, half, LayerNormPolicy<16, 256, 8, 256, 1, 3, true, true, false>>(c);  // fwd: a warp per row
-  // the direct forward (rows straight into registers), with and without bias, fp32 and a warp per row
+  // the staged non-persistent forward (rows through shared memory), bf16 and fp32 weights
+  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true, false>>(c);
+  run_case<bf16, float, LayerNormPolicy<4, 128, 2, 512, 1, 3, false, true, true, false>>(c);
+  // the direct forward (the default: rows straight into registers), with and without bias, fp32 and
+  // a warp per row
   run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true, true>>(c);
   run_case<bf16, float, LayerNormPolicy<2, 256, 2, 512, 1, 3, false, true, true, true>>(
       {.rows = 300, .cols = 4096, .bias = false, .compile_time = true});

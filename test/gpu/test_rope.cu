@@ -268,11 +268,15 @@ TEST_CASE("rope: the head-group policy computes the same function", "[rope][gpu]
 }
 
 TEST_CASE("rope: the token-block policy computes the same function", "[rope][gpu]") {
-  // RopePolicy<0, true>: one block per token, each thread one chunk of up to two heads per pass.
+  // RopePolicy<0, 1>: one block per token, each thread one chunk of up to two heads per pass.
+  // (The default takes it for the interleaved style; RopePolicy<0, 0> forces the one-head kernel,
+  // RopePolicy<0, 0, true> that kernel with streaming loads.)
   // Head counts that leave a thread one head (41, 5 + 3), many heads (several passes), q only,
   // both layouts, position ids and per-batch tables, partial rotary in and out of place (pass-
   // through chunks), the scalar path (head_dim 92), long sequences.
-  using TB = RopePolicy<0, true>;
+  using TB = RopePolicy<0, 1>;
+  using OneHead = RopePolicy<0, 0>;
+  using OneHeadStream = RopePolicy<0, 0, true>;
   for (bool inter : {false, true}) {
     Case c{.B = 2, .T = 50, .Hq = 32, .Hk = 8, .D = 128, .interleaved = inter};
     both_directions<bf16, bf16, TB>(c);
@@ -304,6 +308,11 @@ TEST_CASE("rope: the token-block policy computes the same function", "[rope][gpu
     both_directions<bf16, bf16, TB>(odd);  // scalar path, pass-through channels
     Case big{.B = 1, .T = 8192, .Hq = 32, .Hk = 8, .D = 128, .interleaved = inter};
     both_directions<bf16, bf16, TB>(big);
+    both_directions<bf16, bf16, OneHead>(c);
+    both_directions<bf16, bf16, OneHead>(r);
+    both_directions<bf16, bf16, OneHeadStream>(c);
+    both_directions<bf16, bf16, OneHeadStream>(r);
+    both_directions<half, half, OneHeadStream>(odd);
   }
 }
 

@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "../core/config.hpp"
 #include "../core/dispatch.hpp"
@@ -374,11 +375,20 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
   const T* const src[3] = {p.s, p.dy, p.ds};
   const std::int64_t stride[3] = {p.ss, p.dys, p.dss};
 
+  // dW accumulators, and (offset + w) of this thread's columns, read once: a thread owns the same
+  // columns in every row it visits.
   float acc[kVPT][kV];
+  float wk[kVPT][kV];
 #pragma unroll
   for (int v = 0; v < kVPT; ++v) {
+    const int i = v * S::kGroupThreads + t;
+    AlignedVec<W, kV> wv;
+    if (has_w && (S::kExact || i < S::kNumVec)) wv = load_vec<kV>(p.w + i * kV);
 #pragma unroll
-    for (int c = 0; c < kV; ++c) acc[v][c] = 0.0f;
+    for (int c = 0; c < kV; ++c) {
+      acc[v][c] = 0.0f;
+      wk[v][c] = has_w ? p.offset + to_float(wv.v[c]) : 1.0f;
+    }
   }
   float next_rstd = saved && first < p.rows ? p.rstd[first] : 0.0f;
   int parity = 0;
@@ -390,24 +400,29 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
     const float saved_rstd = next_rstd;
     if (saved && row + step < p.rows) next_rstd = p.rstd[row + step];
     AlignedVec<T, kV> sk[kVPT], dyk[kVPT];
-    AlignedVec<W, kV> wk[kVPT];
-    // r[0] = sum(dn * s), r[1] = sum(s^2) (for the rstd when it was not saved)
+    // r[0] = sum(dn * s), r[1] = sum(s^2) (only for the rstd when it was not saved: the branch is
+    // taken once per row, outside the element loop)
     float r[2] = {0.0f, 0.0f};
+    auto row_sums = [&](auto with_sq) {
 #pragma unroll
-    for (int v = 0; v < kVPT; ++v) {
-      const int i = v * S::kGroupThreads + t;
-      if (S::kExact || i < S::kNumVec) {
-        sk[v] = load_vec<kV>(sr + i * kV);
-        dyk[v] = load_vec<kV>(dyr + i * kV);
-        if (has_w) wk[v] = load_vec<kV>(p.w + i * kV);
+      for (int v = 0; v < kVPT; ++v) {
+        const int i = v * S::kGroupThreads + t;
+        if (S::kExact || i < S::kNumVec) {
+          sk[v] = load_vec<kV>(sr + i * kV);
+          dyk[v] = load_vec<kV>(dyr + i * kV);
 #pragma unroll
-        for (int c = 0; c < kV; ++c) {
-          const float sf = to_float(sk[v].v[c]);
-          const float dn = to_float(dyk[v].v[c]) * (has_w ? p.offset + to_float(wk[v].v[c]) : 1.0f);
-          r[0] += dn * sf;
-          r[1] += sf * sf;
+          for (int c = 0; c < kV; ++c) {
+            const float sf = to_float(sk[v].v[c]);
+            r[0] += to_float(dyk[v].v[c]) * wk[v][c] * sf;
+            if constexpr (decltype(with_sq)::value) r[1] += sf * sf;
+          }
         }
       }
+    };
+    if (saved) {
+      row_sums(std::false_type{});
+    } else {
+      row_sums(std::true_type{});
     }
     Reduce::sum(r, tmp, g, t, parity);
     parity ^= 1;
@@ -420,15 +435,12 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
       if (S::kExact || i < S::kNumVec) {
         // The row again: from the registers of the first loop, or re-read from shared memory.
         AlignedVec<T, kV> sv, dyv, dsv;
-        AlignedVec<W, kV> wv;
         if constexpr (P::kBwdKeepRows) {
           sv = sk[v];
           dyv = dyk[v];
-          wv = wk[v];
         } else {
           sv = load_vec<kV>(sr + i * kV);
           dyv = load_vec<kV>(dyr + i * kV);
-          if (has_w) wv = load_vec<kV>(p.w + i * kV);
         }
         if (has_ds) dsv = load_vec<kV>(dsr + i * kV);
         AlignedVec<T, kV> dxv;
@@ -436,7 +448,7 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
         for (int c = 0; c < kV; ++c) {
           const float shat = to_float(sv.v[c]) * rstd;
           const float dyf = to_float(dyv.v[c]);
-          const float dn = dyf * (has_w ? p.offset + to_float(wv.v[c]) : 1.0f);
+          const float dn = dyf * wk[v][c];
           float d = rms_norm_math::dx(dn, shat, rstd, mean_dot);
           if (has_ds) d = add_rms_norm_math::dsum_total(to_float(dsv.v[c]), d);
           dxv.v[c] = from_float<T>(d);

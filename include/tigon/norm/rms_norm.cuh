@@ -517,26 +517,31 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
       dyr = xr + kCols;
     }
     const float saved = saved_rstd ? p.rstd[row] : 0.0f;
-    // s[0] = sum(dn * x), s[1] = sum(x^2) (only for the rstd when it was not saved)
+    // s[0] = sum(dn * x), s[1] = sum(x^2) (only for the rstd when it was not saved: the branch is
+    // taken once per row, outside the element loop)
     float s[2] = {0.0f, 0.0f};
+    auto row_sums = [&](auto with_sq) {
 #pragma unroll
-    for (int v = 0; v < kVPT; ++v) {
-      const int i = v * S::kGroupThreads + t;
-      if (S::kExact || i < S::kNumVec) {
-        if constexpr (!kDirect) {
-          xk[v] = load_vec<kV>(xr + i * kV);
-          dyk[v] = load_vec<kV>(dyr + i * kV);
-        }
-        const AlignedVec<T, kV>& xv = xk[v];
-        const AlignedVec<T, kV>& dyv = dyk[v];
+      for (int v = 0; v < kVPT; ++v) {
+        const int i = v * S::kGroupThreads + t;
+        if (S::kExact || i < S::kNumVec) {
+          if constexpr (!kDirect) {
+            xk[v] = load_vec<kV>(xr + i * kV);
+            dyk[v] = load_vec<kV>(dyr + i * kV);
+          }
 #pragma unroll
-        for (int c = 0; c < kV; ++c) {
-          const float xf = to_float(xv.v[c]);
-          const float dn = to_float(dyv.v[c]) * wk[v][c];
-          s[0] += dn * xf;
-          if (!saved_rstd) s[1] += xf * xf;
+          for (int c = 0; c < kV; ++c) {
+            const float xf = to_float(xk[v].v[c]);
+            s[0] += to_float(dyk[v].v[c]) * wk[v][c] * xf;
+            if constexpr (decltype(with_sq)::value) s[1] += xf * xf;
+          }
         }
       }
+    };
+    if (saved_rstd) {
+      row_sums(std::false_type{});
+    } else {
+      row_sums(std::true_type{});
     }
     Reduce::sum(s, tmp, g, t, parity);
     parity ^= 1;

@@ -38,13 +38,14 @@ done
 sanitize() {
   local tool=$1 t=$2 n rc extra=()
   n=$(basename "$t")
-  # racecheck skips cuBLAS's own GEMM kernels (nvjet: TMA and wgmma synchronised through mbarriers,
-  # which racecheck reports as hazards; the vendor library's code, not tigon's). memcheck checks
-  # every kernel.
-  [ "$tool" = racecheck ] && extra=(--kernel-name-exclude kns=nvjet)
-  timeout "$limit" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 9 "$t" "~[large]" > "$out/$tool-$n.log" 2>&1
+  timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 9 "$t" "~[large]" > "$out/$tool-$n.log" 2>&1
   rc=$?
-  echo "compute-sanitizer $tool $n: rc=$rc :: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|All tests passed|test cases:' "$out/$tool-$n.log" | tr '\n' ' ')"
+  # racecheck reports hazards inside cuBLAS's own GEMM kernels (nvjet: TMA and wgmma synchronised
+  # through mbarriers; the vendor library's code, not tigon's); tigon's kernels must have none.
+  # (Excluding those kernels from racecheck with --kernel-name-exclude made them fault on the
+  # H200.) Every report names its kernel on an "at" line.
+  [ "$tool" = racecheck ] && extra=("reports outside cuBLAS kernels: $(grep -E '^=+ +at ' "$out/$tool-$n.log" | grep -vc nvjet) ::")
+  echo "compute-sanitizer $tool $n: rc=$rc :: ${extra[*]} $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|All tests passed|test cases:' "$out/$tool-$n.log" | tr '\n' ' ')"
 }
 # SANITIZE_JOBS runs (default 1) at a time: they share the GPU, so the step takes less wall time.
 jobs_max=${SANITIZE_JOBS:-1}

@@ -24,12 +24,16 @@ inline constexpr int kColSumSlices = 32;  // partial rows summed in parallel, th
 
 // Block (32 columns) x (32 slices): thread (x, y) sums rows y, y + 32, ... of column x; then warp
 // w combines the 32 slice sums of column w with a fixed shuffle tree. The same order every call.
+// blockIdx.y selects the partials / output pair (column_sums: two gradients in one launch).
 template <class Out>
 TIGON_KERNEL void __launch_bounds__(kColSumCols* kColSumSlices)
-    column_sum_kernel(const float* __restrict__ partials, std::int64_t parts, std::int64_t cols,
-                      Out* __restrict__ out, bool accumulate) {
+    column_sum_kernel(const float* __restrict__ partials0, Out* __restrict__ out0,
+                      const float* __restrict__ partials1, Out* __restrict__ out1, std::int64_t parts,
+                      std::int64_t cols, bool accumulate) {
   detail::grid_dependency_sync();
   __shared__ float sums[kColSumSlices][kColSumCols + 1];
+  const float* __restrict__ partials = blockIdx.y == 0 ? partials0 : partials1;
+  Out* __restrict__ out = blockIdx.y == 0 ? out0 : out1;
   const std::int64_t col0 = static_cast<std::int64_t>(blockIdx.x) * kColSumCols;
   const std::int64_t col = col0 + threadIdx.x;
   float s = 0.0f;
@@ -58,8 +62,21 @@ template <Element Out>
                                        const char* op) {
   const dim3 block(detail::kColSumCols, detail::kColSumSlices);
   const dim3 grid(static_cast<unsigned>(ceil_div<std::int64_t>(cols, detail::kColSumCols)));
-  return detail::launch(op, detail::column_sum_kernel<Out>, {grid, block, 0, stream}, partials, parts, cols,
-                        out, accumulate);
+  return detail::launch(op, detail::column_sum_kernel<Out>, {grid, block, 0, stream}, partials, out,
+                        partials, out, parts, cols, accumulate);
+}
+
+// column_sum of two partial arrays of the same shape into out0 and out1 (e.g. dW and dB) in one
+// launch; partials1 / out1 null: partials0 only.
+template <Element Out>
+[[nodiscard]] inline Status column_sums(const float* partials0, Out* out0, const float* partials1, Out* out1,
+                                        std::int64_t parts, std::int64_t cols, bool accumulate,
+                                        cudaStream_t stream, const char* op) {
+  const bool two = partials1 != nullptr && out1 != nullptr;
+  const dim3 block(detail::kColSumCols, detail::kColSumSlices);
+  const dim3 grid(static_cast<unsigned>(ceil_div<std::int64_t>(cols, detail::kColSumCols)), two ? 2u : 1u);
+  return detail::launch(op, detail::column_sum_kernel<Out>, {grid, block, 0, stream}, partials0, out0,
+                        two ? partials1 : partials0, two ? out1 : out0, parts, cols, accumulate);
 }
 
 TIGON_NAMESPACE_END

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "config.hpp"
 #include "dtype.hpp"
@@ -27,6 +28,46 @@ TIGON_HD AlignedVec<T, N> load_vec(const T* p) {
 template <int N, class T>
 TIGON_HD void store_vec(T* p, const AlignedVec<T, N>& v) {
   *reinterpret_cast<AlignedVec<T, N>*>(p) = v;
+}
+
+// All N elements as floats. bfloat16 pairs are widened with one integer instruction each (the
+// low element shifted up, the high one masked), where converting element by element costs an
+// extra extract per high element; the values are identical (a bfloat16 is the top half of its
+// float).
+template <class T, int N>
+TIGON_HD void to_floats(const AlignedVec<T, N>& v, float (&f)[N]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+    std::uint32_t u[N / 2];
+    __builtin_memcpy(u, &v, sizeof(u));
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) {
+      const std::uint32_t lo = u[k] << 16, hi = u[k] & 0xffff0000u;
+      __builtin_memcpy(&f[2 * k], &lo, 4);
+      __builtin_memcpy(&f[2 * k + 1], &hi, 4);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) f[k] = to_float(v.v[k]);
+  }
+}
+
+// a and b rounded to T's precision and back (round_to<T> of each), two at a time for bfloat16 (one
+// paired conversion instead of two).
+template <class T>
+TIGON_DEVICE void round_pair_to(float& a, float& b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 r = __floats2bfloat162_rn(a, b);  // .x = a, .y = b
+    std::uint32_t u;
+    __builtin_memcpy(&u, &r, 4);
+    const std::uint32_t lo = u << 16, hi = u & 0xffff0000u;
+    __builtin_memcpy(&a, &lo, 4);
+    __builtin_memcpy(&b, &hi, 4);
+    return;
+  }
+#endif
+  a = round_to<T>(a);
+  b = round_to<T>(b);
 }
 
 // Streaming variants: the data is used once by this kernel, so do not keep it in L1.

@@ -410,11 +410,13 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
         if (S::kExact || i < S::kNumVec) {
           sk[v] = load_vec<kV>(sr + i * kV);
           dyk[v] = load_vec<kV>(dyr + i * kV);
+          float sf[kV], dyf[kV];
+          to_floats(sk[v], sf);
+          to_floats(dyk[v], dyf);
 #pragma unroll
           for (int c = 0; c < kV; ++c) {
-            const float sf = to_float(sk[v].v[c]);
-            r[0] += to_float(dyk[v].v[c]) * wk[v][c] * sf;
-            if constexpr (decltype(with_sq)::value) r[1] += sf * sf;
+            r[0] += dyf[c] * wk[v][c] * sf[c];
+            if constexpr (decltype(with_sq)::value) r[1] += sf[c] * sf[c];
           }
         }
       }
@@ -443,16 +445,27 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
           dyv = load_vec<kV>(dyr + i * kV);
         }
         if (has_ds) dsv = load_vec<kV>(dsr + i * kV);
+        float shat[kV], dyf[kV], dsf[kV];
+        to_floats(sv, shat);
+        to_floats(dyv, dyf);
+        if (has_ds) to_floats(dsv, dsf);
         AlignedVec<T, kV> dxv;
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
-          const float shat = to_float(sv.v[c]) * rstd;
-          const float dyf = to_float(dyv.v[c]);
-          const float dn = dyf * wk[v][c];
-          float d = rms_norm_math::dx(dn, shat, rstd, mean_dot);
-          if (has_ds) d = add_rms_norm_math::dsum_total(to_float(dsv.v[c]), d);
+          shat[c] *= rstd;
+          float d = rms_norm_math::dx(dyf[c] * wk[v][c], shat[c], rstd, mean_dot);
+          if (has_ds) d = add_rms_norm_math::dsum_total(dsf[c], d);
           dxv.v[c] = from_float<T>(d);
-          if (want_dw) acc[v][c] += rms_norm_math::dweight_term<T>(dyf, shat, casting);
+        }
+        if (want_dw) {
+          // dweight_term(): dy * shat, shat rounded to T first except in mode gemma (two at a time)
+          if (casting != RmsNormCasting::gemma) {
+#pragma unroll
+            for (int c = 0; c + 1 < kV; c += 2) round_pair_to<T>(shat[c], shat[c + 1]);
+            if constexpr (kV % 2 == 1) shat[kV - 1] = round_to<T>(shat[kV - 1]);
+          }
+#pragma unroll
+          for (int c = 0; c < kV; ++c) acc[v][c] += dyf[c] * shat[c];
         }
         store_vec_hinted<P::kStreamingStores>(dxr + i * kV, dxv);
       }

@@ -473,11 +473,14 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
       if (S::kExact || i < S::kNumVec) {
         xk[v] = load_vec<kV>(xr + i * kV);
         dyk[v] = load_vec<kV>(dyr + i * kV);
+        float xf[kV], dyf[kV];
+        to_floats(xk[v], xf);
+        to_floats(dyk[v], dyf);
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
-          const float gr = to_float(dyk[v].v[c]) * wk[v][c];
+          const float gr = dyf[c] * wk[v][c];
           s[0] += gr;
-          s[1] += gr * (to_float(xk[v].v[c]) - mean);
+          s[1] += gr * (xf[c] - mean);
         }
       }
     }
@@ -499,15 +502,17 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
           xv = load_vec<kV>(xr + i * kV);
           dyv = load_vec<kV>(dyr + i * kV);
         }
+        float xf[kV], dyf[kV];
+        to_floats(xv, xf);
+        to_floats(dyv, dyf);
         AlignedVec<T, kV> dxv;
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
-          const float xhat = (to_float(xv.v[c]) - mean) * rstd;
-          const float dyf = to_float(dyv.v[c]);
-          const float gr = dyf * wk[v][c];
+          const float xhat = (xf[c] - mean) * rstd;
+          const float gr = dyf[c] * wk[v][c];
           dxv.v[c] = from_float<T>(layer_norm_math::dx(gr, xhat, rstd, mean_g, mean_g_xhat));
-          if (want_dw) acc_w[v][c] += layer_norm_math::dweight_term(dyf, xhat);
-          if (want_db) acc_b[v][c] += dyf;
+          if (want_dw) acc_w[v][c] += layer_norm_math::dweight_term(dyf[c], xhat);
+          if (want_db) acc_b[v][c] += dyf[c];
         }
         store_vec_hinted<P::kStreamingStores>(dxr + i * kV, dxv);
       }
@@ -773,13 +778,11 @@ Status launch_backward(const LnBwdParams<T, W>& p, const RowPlan& plan, W* dweig
       TIGON_CHECK(launch(kOp, layer_norm_bwd_general_kernel<T, W, 1>, {dim3(plan.grid), dim3(kLnGeneralThreads), smem, stream}, p, smem_acc));
     }
   }
-  if (dweight != nullptr) {
-    TIGON_CHECK(column_sum(p.dw_part, plan.parts, p.cols, dweight, accumulate, stream, kOp));
-  }
-  if (dbias != nullptr) {
-    TIGON_CHECK(column_sum(p.db_part, plan.parts, p.cols, dbias, accumulate, stream, kOp));
-  }
-  return Status();
+  // dW and dB: one launch (either may be absent).
+  if (dweight == nullptr && dbias == nullptr) return Status();
+  return column_sums(dweight != nullptr ? p.dw_part : p.db_part, dweight != nullptr ? dweight : dbias,
+                     dweight != nullptr && dbias != nullptr ? p.db_part : nullptr,
+                     dweight != nullptr ? dbias : nullptr, plan.parts, p.cols, accumulate, stream, kOp);
 }
 
 // Forward / backward for one candidate size (0: general only).

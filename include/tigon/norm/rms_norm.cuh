@@ -529,11 +529,13 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
             xk[v] = load_vec<kV>(xr + i * kV);
             dyk[v] = load_vec<kV>(dyr + i * kV);
           }
+          float xf[kV], dyf[kV];
+          to_floats(xk[v], xf);
+          to_floats(dyk[v], dyf);
 #pragma unroll
           for (int c = 0; c < kV; ++c) {
-            const float xf = to_float(xk[v].v[c]);
-            s[0] += to_float(dyk[v].v[c]) * wk[v][c] * xf;
-            if constexpr (decltype(with_sq)::value) s[1] += xf * xf;
+            s[0] += dyf[c] * wk[v][c] * xf[c];
+            if constexpr (decltype(with_sq)::value) s[1] += xf[c] * xf[c];
           }
         }
       }
@@ -561,14 +563,24 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
           xv = load_vec<kV>(xr + i * kV);
           dyv = load_vec<kV>(dyr + i * kV);
         }
+        float xhat[kV], dyf[kV];
+        to_floats(xv, xhat);
+        to_floats(dyv, dyf);
         AlignedVec<T, kV> dxv;
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
-          const float xhat = to_float(xv.v[c]) * rstd;
-          const float dyf = to_float(dyv.v[c]);
-          const float dn = dyf * wk[v][c];
-          dxv.v[c] = from_float<T>(rms_norm_math::dx(dn, xhat, rstd, mean_dot));
-          if (want_dw) acc[v][c] += rms_norm_math::dweight_term<T>(dyf, xhat, casting);
+          xhat[c] *= rstd;
+          dxv.v[c] = from_float<T>(rms_norm_math::dx(dyf[c] * wk[v][c], xhat[c], rstd, mean_dot));
+        }
+        if (want_dw) {
+          // dweight_term(): dy * xhat, xhat rounded to T first except in mode gemma (two at a time)
+          if (casting != RmsNormCasting::gemma) {
+#pragma unroll
+            for (int c = 0; c + 1 < kV; c += 2) round_pair_to<T>(xhat[c], xhat[c + 1]);
+            if constexpr (kV % 2 == 1) xhat[kV - 1] = round_to<T>(xhat[kV - 1]);
+          }
+#pragma unroll
+          for (int c = 0; c < kV; ++c) acc[v][c] += dyf[c] * xhat[c];
         }
         store_vec_hinted<P::kStreamingStores>(dxr + i * kV, dxv);
       }

@@ -274,11 +274,17 @@ TIGON_DEVICE void rope_rotate_halves(const AlignedVec<T, kV>& x1, const AlignedV
                                      const AlignedVec<C, kV>& c1, const AlignedVec<C, kV>& c2,
                                      const AlignedVec<C, kV>& s1, const AlignedVec<C, kV>& s2, bool backward,
                                      bool bad, AlignedVec<T, kV>& y1, AlignedVec<T, kV>& y2) {
+  float fx1[kV], fx2[kV], fc1[kV], fc2[kV], fs1[kV], fs2[kV];
+  to_floats(x1, fx1);
+  to_floats(x2, fx2);
+  to_floats(c1, fc1);
+  to_floats(c2, fc2);
+  to_floats(s1, fs1);
+  to_floats(s2, fs2);
 #pragma unroll
   for (int e = 0; e < kV; ++e) {
     float a, c;
-    rope_math::rotate(to_float(x1.v[e]), to_float(x2.v[e]), to_float(c1.v[e]), to_float(c2.v[e]),
-                      to_float(s1.v[e]), to_float(s2.v[e]), backward, a, c);
+    rope_math::rotate(fx1[e], fx2[e], fc1[e], fc2[e], fs1[e], fs2[e], backward, a, c);
     if (bad) a = c = __int_as_float(0x7fc00000);
     y1.v[e] = from_float<T>(a);
     y2.v[e] = from_float<T>(c);
@@ -290,11 +296,14 @@ template <class T, class C, int kV>
 TIGON_DEVICE void rope_rotate_pairs(const AlignedVec<T, kV>& x, const AlignedVec<C, kV>& cv,
                                     const AlignedVec<C, kV>& sv, bool backward, bool bad, AlignedVec<T, kV>& y) {
   static_assert(kV % 2 == 0, "interleaved chunks hold whole pairs");
+  float fx[kV], fc[kV], fs[kV];
+  to_floats(x, fx);
+  to_floats(cv, fc);
+  to_floats(sv, fs);
 #pragma unroll
   for (int e = 0; e < kV; e += 2) {
     float a, c;
-    rope_math::rotate(to_float(x.v[e]), to_float(x.v[e + 1]), to_float(cv.v[e]), to_float(cv.v[e + 1]),
-                      to_float(sv.v[e]), to_float(sv.v[e + 1]), backward, a, c);
+    rope_math::rotate(fx[e], fx[e + 1], fc[e], fc[e + 1], fs[e], fs[e + 1], backward, a, c);
     if (bad) a = c = __int_as_float(0x7fc00000);
     y.v[e] = from_float<T>(a);
     y.v[e + 1] = from_float<T>(c);

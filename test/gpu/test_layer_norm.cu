@@ -6,6 +6,7 @@
 // nothing.
 #include "gpu_test.cuh"
 
+#include <limits>
 #include <tuple>
 
 #include <tigon/norm/layer_norm.cuh>
@@ -154,10 +155,13 @@ void run_case(const Case& c) {
       // every centred value by the same absolute amount, whatever the dtype.
       yref, 1e-5 * (1.0 + std::abs(c.x_mean) / 10.0), tol<T>());
   CHECK_CLOSE(cy, "y", tol_l2<T>());
+  // The mean: every element within an absolute bound on the data's scale (a few fp32 ulp of
+  // 1 + |x_mean|). No relative-L2 bound: a row's mean may lie close to zero (one row of 1500
+  // values around 0 measured a relative L2 error of 6e-5 at an absolute error of 3e-9).
   const auto cm = gpu_test::compare(
       mh.size(), [&](std::size_t i) { return static_cast<double>(mh[i]); }, ref.mean,
       2e-6 * (1.0 + std::abs(c.x_mean)), 0.0);
-  CHECK_CLOSE(cm, "mean", 1e-5);
+  CHECK_CLOSE(cm, "mean", std::numeric_limits<double>::infinity());
   const auto cr = gpu_test::compare(
       rh.size(), [&](std::size_t i) { return static_cast<double>(rh[i]); }, ref.rstd, 0.0, 5e-6);
   CHECK_CLOSE(cr, "rstd", 5e-6);

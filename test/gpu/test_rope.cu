@@ -235,9 +235,9 @@ TEST_CASE("rope: the head-group policy computes the same function", "[rope][gpu]
   // RopePolicy<G>: G heads of a token per thread, the table chunk loaded once. Groups that do not
   // divide the heads (3 of 40, 8 of 10), groups spanning q and k, q only; calls it does not take
   // (out of place with pass-through channels, the scalar path) fall back to the one-head kernel.
-  using G3 = RopePolicy<3>;
-  using G4 = RopePolicy<4>;
-  using G8 = RopePolicy<8>;
+  using G3 = RopePolicy<3, 0>;
+  using G4 = RopePolicy<4, 0>;
+  using G8 = RopePolicy<8, 0>;
   for (bool inter : {false, true}) {
     Case c{.B = 2, .T = 50, .Hq = 32, .Hk = 8, .D = 128, .interleaved = inter};
     both_directions<bf16, bf16, G3>(c);

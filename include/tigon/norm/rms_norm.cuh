@@ -232,7 +232,7 @@ Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op) {
 
 // Tuning knobs of the compiled (fixed hidden size) kernels. A trainer may pass its own policy.
 template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
-          int kBwdBlockThreads_ = 256, int kBwdMinBlocksPerSm_ = 2, int kStages_ = 3,
+          int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
           int kCasting_ = -1, bool kFwdPersistent_ = false, bool kStreamingStores_ = false,
           bool kBwdKeepRows_ = true, bool kFwdDirect_ = false, bool kBwdDirect_ = false>
 struct RmsNormPolicy {

@@ -24,7 +24,8 @@ inline constexpr int kColSumSlices = 32;  // partial rows summed in parallel, th
 
 // Block (32 columns) x (32 slices): thread (x, y) sums rows y, y + 32, ... of column x; then warp
 // w combines the 32 slice sums of column w with a fixed shuffle tree. The same order every call.
-// blockIdx.y selects the partials / output pair (column_sums: two gradients in one launch).
+// blockIdx.y selects the partials / output pair (column_sums: two gradients in one launch; the
+// second pair is null when the grid has one row of blocks).
 template <class Out>
 TIGON_KERNEL void __launch_bounds__(kColSumCols* kColSumSlices)
     column_sum_kernel(const float* __restrict__ partials0, Out* __restrict__ out0,
@@ -63,7 +64,7 @@ template <Element Out>
   const dim3 block(detail::kColSumCols, detail::kColSumSlices);
   const dim3 grid(static_cast<unsigned>(ceil_div<std::int64_t>(cols, detail::kColSumCols)));
   return detail::launch(op, detail::column_sum_kernel<Out>, {grid, block, 0, stream}, partials, out,
-                        partials, out, parts, cols, accumulate);
+                        static_cast<const float*>(nullptr), static_cast<Out*>(nullptr), parts, cols, accumulate);
 }
 
 // column_sum of two partial arrays of the same shape into out0 and out1 (e.g. dW and dB) in one
@@ -76,7 +77,7 @@ template <Element Out>
   const dim3 block(detail::kColSumCols, detail::kColSumSlices);
   const dim3 grid(static_cast<unsigned>(ceil_div<std::int64_t>(cols, detail::kColSumCols)), two ? 2u : 1u);
   return detail::launch(op, detail::column_sum_kernel<Out>, {grid, block, 0, stream}, partials0, out0,
-                        two ? partials1 : partials0, two ? out1 : out0, parts, cols, accumulate);
+                        two ? partials1 : nullptr, two ? out1 : nullptr, parts, cols, accumulate);
 }
 
 TIGON_NAMESPACE_END

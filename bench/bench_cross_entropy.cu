@@ -60,7 +60,8 @@ BENCHMARK(BM_loss) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMic
 
 // Policy variants at 8192 x 128256: CrossEntropyPolicy<row kernel: wide block, narrow block,
 // vectors in flight per thread, rows per SM (0: as many as fit); on-chip kernel: blocks per row
-// (-1: automatic, with a gradient; 0: off), its block size, its slice per buffer in KiB>.
+// (-1: automatic, with a gradient; 0: off), its block size, its slice per buffer in KiB, split rows
+// (the split-row kernel instead of the on-chip one)>.
 #define CE_VARIANT(label, ...)                                                                   \
   void BM_grad_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, true, #label); }           \
   void BM_loss_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, false, #label); }          \
@@ -72,11 +73,14 @@ CE_VARIANT(rows_b512_u4, CrossEntropyPolicy<512, 256, 4, 0, 0>)
 CE_VARIANT(rows_b256_u4, CrossEntropyPolicy<256, 256, 4, 0, 0>)
 CE_VARIANT(rows_b256_u2, CrossEntropyPolicy<256, 256, 2, 0, 0>)
 CE_VARIANT(rows_b128_u4, CrossEntropyPolicy<128, 256, 4, 0, 0>)
-CE_VARIANT(chip4_b256, CrossEntropyPolicy<256, 256, 4, 0, 4, 256>)
-CE_VARIANT(chip4_b512, CrossEntropyPolicy<256, 256, 4, 0, 4, 512>)
 CE_VARIANT(chip8_b128, CrossEntropyPolicy<256, 256, 4, 0, 8, 128>)
 CE_VARIANT(chip8_b256, CrossEntropyPolicy<256, 256, 4, 0, 8, 256>)
-CE_VARIANT(chip8_b512, CrossEntropyPolicy<256, 256, 4, 0, 8, 512>)
 CE_VARIANT(chip_auto36_b256, CrossEntropyPolicy<256, 256, 4, 0, -1, 256, 36>)
+CE_VARIANT(split2_b512, CrossEntropyPolicy<256, 256, 4, 0, 2, 512, 36, true>)
+CE_VARIANT(split4_b256, CrossEntropyPolicy<256, 256, 4, 0, 4, 256, 36, true>)
+CE_VARIANT(split4_b512, CrossEntropyPolicy<256, 256, 4, 0, 4, 512, 36, true>)
+CE_VARIANT(split8_b256, CrossEntropyPolicy<256, 256, 4, 0, 8, 256, 36, true>)
+CE_VARIANT(split8_b512, CrossEntropyPolicy<256, 256, 4, 0, 8, 512, 36, true>)
+CE_VARIANT(split8_b1024, CrossEntropyPolicy<256, 256, 4, 0, 8, 1024, 36, true>)
 
 BENCH_MAIN

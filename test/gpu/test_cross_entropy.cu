@@ -183,7 +183,7 @@ TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce
 
 TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]") {
   // CrossEntropyPolicy<wide block, narrow block, vectors in flight, rows per SM, blocks per row of
-  // the on-chip kernel (-1 automatic, 0 off), its block size, its slice per buffer in KiB>
+  // the on-chip kernel (-1 automatic, 0 off), its block size, its slice per buffer in KiB, split rows>
   using tigon::CrossEntropyPolicy;
   for (std::int64_t V : {std::int64_t{1000}, std::int64_t{32000}, std::int64_t{128256}}) {
     const std::int64_t rows = V == 128256 ? 16 : 100;
@@ -206,6 +206,11 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
       run_case<half, std::int32_t, CrossEntropyPolicy<256, 256, 4, 0, 3, 128>>(c);
       run_case<float, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 8, 256>>(c);
       run_case<bf16, std::int32_t, CrossEntropyPolicy<256, 256, 4, 0, -1, 64, 4>>(c);
+      // the split-row kernel: each row's slices streamed twice by 4, 3 (uneven slices) and 8
+      // blocks of a cluster
+      run_case<bf16, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 4, 256, 36, true>>(c);
+      run_case<half, std::int32_t, CrossEntropyPolicy<256, 256, 2, 0, 3, 128, 36, true>>(c);
+      run_case<float, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 8, 512, 36, true>>(c);
     }
   }
 }

@@ -35,7 +35,7 @@ TIGON_HD void store_vec(T* p, const AlignedVec<T, N>& v) {
 // extra extract per high element; the values are identical (a bfloat16 is the top half of its
 // float).
 template <class T, int N>
-TIGON_HD void to_floats(const AlignedVec<T, N>& v, float (&f)[N]) {
+TIGON_DEVICE void to_floats(const AlignedVec<T, N>& v, float (&f)[N]) {
   if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
     std::uint32_t u[N / 2];
     __builtin_memcpy(u, &v, sizeof(u));

@@ -241,12 +241,18 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //                   or without a gradient, wherever two slices fit a block's shared memory;
 //   kClusterThreads: the on-chip kernel's block size;
 //   kSliceKB:       the on-chip kernel's slice (one buffer; a block holds two) that the -1 rule
-//                   aims at, KiB: small enough for several blocks per SM.
+//                   aims at, KiB: small enough for several blocks per SM;
+//   kSplitRows:     with kCluster > 0, the split-row kernel instead of the on-chip one: the row's
+//                   kCluster blocks (on as many SMs) each stream their slice from global memory
+//                   twice (statistics, then the gradient), so that the rows in flight at once stay
+//                   few enough for the second read to find them in L2; no shared-memory buffers,
+//                   so as many blocks per SM as registers allow; the statistics are exchanged
+//                   through distributed shared memory. Not yet measured on a GPU.
 // Rows the chosen kernel cannot take (narrow vectors, older GPUs, the split-vocabulary passes, a
 // row over 8 blocks' shared memory) take the row kernel: a first pass for the statistics and a
 // second that re-reads the row (from L2 where it is still there) for the gradient.
 template <int kWideThreads_ = 256, int kNarrowThreads_ = 256, int kUnroll_ = 4, int kRowsPerSm_ = 0,
-          int kCluster_ = 0, int kClusterThreads_ = 256, int kSliceKB_ = 36>
+          int kCluster_ = 0, int kClusterThreads_ = 256, int kSliceKB_ = 36, bool kSplitRows_ = false>
 struct CrossEntropyPolicy {
   static_assert(kUnroll_ >= 1 && kUnroll_ <= 8, "1 to 8 vectors in flight per thread");
   static_assert(kCluster_ >= -1 && kCluster_ <= 8, "-1 (automatic), 0 (off) or 1 to 8 blocks per row");
@@ -260,6 +266,8 @@ struct CrossEntropyPolicy {
   static constexpr int kCluster = kCluster_;
   static constexpr int kClusterThreads = kClusterThreads_;
   static constexpr int kSliceKB = kSliceKB_;
+  static constexpr bool kSplitRows = kSplitRows_;
+  static_assert(!kSplitRows_ || kCluster_ > 0, "the split-row kernel takes an explicit cluster size");
 };
 using CrossEntropyDefaultPolicy = CrossEntropyPolicy<>;
 
@@ -694,6 +702,100 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_cluster_kernel(const CeParams<T
 #endif
 }
 
+// The split-row kernel (policy kSplitRows): a cluster of csize blocks per row, each on its own SM,
+// block `rank` owning vectors [rank * slice, (rank + 1) * slice) of every row its cluster visits.
+// Pass 1 streams the slice (evict-last) into this block's statistics; they go to every block of the
+// cluster through distributed shared memory, double-buffered by row parity (one cluster barrier per
+// row), and every block merges them in rank order, so all hold the same totals, deterministically.
+// Pass 2 streams the slice again, newest lines first (evict-first), and writes its gradient. With
+// csize blocks per row, the rows in flight are csize times fewer than the row kernel's, so the
+// second read can find the slice still in L2.
+template <class T, class I, int kV, int kThreads, int kU, bool kPlain>
+TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_kernel(const CeParams<T, I> params, int slice) {
+  detail::grid_dependency_sync();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  const CeParams<T, I> p = ce_specialise<kPlain>(params);
+  using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
+  __shared__ typename Reduce::TempStorage reduce;
+  __shared__ CeAcc slots[2][kCeMaxCluster];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int csize = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const std::int64_t clusters = gridDim.x / csize;
+  const int nvec = static_cast<int>(p.vocab / kV);
+  const int v0 = min(rank * slice, nvec);
+  const int v1 = min(v0 + slice, nvec);
+  const bool smooth = p.eps > 0.0f;
+  const bool want_arg = p.argmax != nullptr;
+  const std::uint64_t keep = l2_policy<L2Hint::evict_last>();
+  const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
+  const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
+  // Every block of the cluster has started (its shared memory may be written from now on).
+  cluster.sync();
+  int parity = 0;
+  for (std::int64_t row = blockIdx.x / csize; row < p.rows; row += clusters, parity ^= 1) {
+    const T* xr = p.x + row * p.xs;
+    const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
+    const std::int64_t t = t_raw - p.col0;
+    const bool ignored = t_raw == p.ignore_index;
+    const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
+    CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+    int i = v0 + static_cast<int>(threadIdx.x);
+    for (; i + (kU - 1) * kThreads < v1; i += kU * kThreads) {
+      AlignedVec<T, kV> raw[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i + u * kThreads) * kV, keep);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const std::int64_t c0 = static_cast<std::int64_t>(i + u * kThreads) * kV;
+        float x[kV];
+        to_x<T, kV>(raw[u], p.bias, c0, p.cap, x);
+        ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
+      }
+    }
+    for (; i < v1; i += kThreads) {
+      const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
+      float x[kV];
+      to_x<T, kV>(load_vec_policy<kV>(xr + c0, keep), p.bias, c0, p.cap, x);
+      ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
+    }
+    acc.best_i += p.col0;
+    const CeAcc mine = Reduce(reduce).Reduce(acc, CeAccMerge{});
+    if (threadIdx.x == 0) {
+      for (int r = 0; r < csize; ++r) *cluster.map_shared_rank(&slots[parity][rank], r) = mine;
+    }
+    cluster.sync();  // every block's statistics have arrived; also a block barrier for `reduce`
+    CeAcc total = slots[parity][0];
+    for (int r = 1; r < csize; ++r) total = CeAccMerge{}(total, slots[parity][r]);
+    const float x_t = ce_target_logit(p, xr, t);
+    const float lse = total.m + logf(total.s);
+    const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, x_t, t_raw, ignored || bad);
+    if (rank == 0 && threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
+    if (p.dx != nullptr) {
+      T* dr = p.dx + row * p.dxs;
+      const float scale = ce_grad_scale(p, row, ignored || bad);
+      auto grad_vec = [&](const AlignedVec<T, kV>& raw, int j) {
+        ce_grad_vec<T, I, kV>(p, raw, j, dr, t, terms, scale, wcol, drop);
+      };
+      int j = v1 - 1 - static_cast<int>(threadIdx.x);
+      for (; j - (kU - 1) * kThreads >= v0; j -= kU * kThreads) {
+        AlignedVec<T, kV> raw[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (j - u * kThreads) * kV, drop);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) grad_vec(raw[u], j - u * kThreads);
+      }
+      for (; j >= v0; j -= kThreads) grad_vec(load_vec_policy<kV>(xr + static_cast<std::int64_t>(j) * kV, drop), j);
+    }
+  }
+  cluster.sync();  // no block may exit while another still writes into its shared memory
+#else
+  (void)params;
+  (void)slice;
+#endif
+}
+
 // The mean's denominator: sum over non-ignored rows of w_t (1 without weights). One block, fixed
 // order. Also clears nothing else: the reduce kernel overwrites its outputs.
 template <class I>
@@ -848,11 +950,42 @@ Status launch_ce_cluster(const CeParams<T, I>& p, const CeClusterShape& shape, c
   return Status();
 }
 
+// The split-row kernel: as many clusters of `blocks` blocks as can be resident at once (each walks
+// rows). Sets `launched` false (and launches nothing) when no cluster of this shape fits.
+template <class T, class I, int kV, int kThreads, int kU, bool kPlain>
+Status launch_ce_split(const CeParams<T, I>& p, int blocks, cudaStream_t stream, const char* op, bool& launched) {
+  constexpr auto kernel = ce_split_kernel<T, I, kV, kThreads, kU, kPlain>;
+  launched = false;
+  const std::int64_t nvec = p.vocab / kV;
+  const auto slice = static_cast<int>(ceil_div<std::int64_t>(nvec, blocks));
+  LaunchShape ls{dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, static_cast<unsigned>(blocks)};
+  cudaLaunchAttribute attrs[2];
+  const cudaLaunchConfig_t query = launch_config(ls, false, attrs);
+  int resident = 0;
+  TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kernel, &query), op,
+                                "cudaOccupancyMaxActiveClusters"));
+  if (resident < 1) return Status();
+  const std::int64_t clusters = std::min<std::int64_t>(resident, std::max<std::int64_t>(p.rows, 1));
+  ls.grid = dim3(static_cast<unsigned>(clusters * blocks));
+  TIGON_CHECK(launch(op, kernel, ls, p, slice));
+  launched = true;
+  return Status();
+}
+
 template <class P = CrossEntropyDefaultPolicy, class T, class I>
 Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   constexpr int kV = kVecElems<T>;
   const bool vec = ce_vectorizable(p);
-  if constexpr (P::kCluster != 0 && kV > 1) {
+  if constexpr (P::kSplitRows && kV > 1) {
+    DeviceInfo dev;
+    TIGON_CHECK(current_device_info(dev));
+    if (vec && dev.cc_major >= 9 && p.stats == nullptr && p.stats_out == nullptr) {
+      bool launched = false;
+      TIGON_CHECK((ce_plain(p) ? launch_ce_split<T, I, kV, P::kClusterThreads, P::kUnroll, true>(p, P::kCluster, stream, op, launched)
+                               : launch_ce_split<T, I, kV, P::kClusterThreads, P::kUnroll, false>(p, P::kCluster, stream, op, launched)));
+      if (launched) return Status();
+    }
+  } else if constexpr (P::kCluster != 0 && kV > 1) {
     const bool wanted = P::kCluster > 0 || p.dx != nullptr;
     if (wanted && vec && p.stats == nullptr && p.stats_out == nullptr) {
       DeviceInfo dev;

@@ -472,6 +472,53 @@ TIGON_DEVICE void ce_grad_vec(const CeParams<T, I>& p, const AlignedVec<T, kV>& 
   store_vec_policy(dr + c0, g, policy);
 }
 
+// Pass 1 over vectors [lo, hi) of row xr into this thread's statistics: vectors lo + tid,
+// lo + tid + kThreads, ..., kU of them in flight per trip (read with L2 policy `keep`).
+template <class T, class I, int kV, int kThreads, int kU>
+TIGON_DEVICE void ce_stats_range(const CeParams<T, I>& p, const T* xr, int lo, int hi, bool want_arg, bool smooth,
+                                 const float* wcol, std::uint64_t keep, CeAcc& acc) {
+  int i = lo + static_cast<int>(threadIdx.x);
+  for (; i + (kU - 1) * kThreads < hi; i += kU * kThreads) {
+    AlignedVec<T, kV> raw[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i + u * kThreads) * kV, keep);
+    // One vector at a time once all kU are in flight: eight fp32 values live, not kU * 8.
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const std::int64_t c0 = static_cast<std::int64_t>(i + u * kThreads) * kV;
+      float x[kV];
+      to_x<T, kV>(raw[u], p.bias, c0, p.cap, x);
+      ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
+    }
+  }
+  for (; i < hi; i += kThreads) {
+    const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
+    float x[kV];
+    to_x<T, kV>(load_vec_policy<kV>(xr + c0, keep), p.bias, c0, p.cap, x);
+    ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
+  }
+}
+
+// Pass 2 over vectors [lo, hi) of row xr: the gradient written to dr, newest lines first (the end
+// of the range was read last and is the likeliest still in L2), kU vectors in flight per trip.
+template <class T, class I, int kV, int kThreads, int kU>
+TIGON_DEVICE void ce_grad_range(const CeParams<T, I>& p, const T* xr, T* dr, int lo, int hi, std::int64_t t,
+                                const ce_math::RowTerms& terms, float scale, const float* wcol,
+                                std::uint64_t drop) {
+  int i = hi - 1 - static_cast<int>(threadIdx.x);
+  for (; i - (kU - 1) * kThreads >= lo; i -= kU * kThreads) {
+    AlignedVec<T, kV> raw[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i - u * kThreads) * kV, drop);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) ce_grad_vec<T, I, kV>(p, raw[u], i - u * kThreads, dr, t, terms, scale, wcol, drop);
+  }
+  for (; i >= lo; i -= kThreads) {
+    ce_grad_vec<T, I, kV>(p, load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop), i, dr, t, terms,
+                          scale, wcol, drop);
+  }
+}
+
 // The common case (no class weights, smoothing, softcap, bias, argmax or split-vocabulary
 // statistics): those fields as compile-time constants, so their per-element work and registers
 // drop out of the instance.
@@ -516,26 +563,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
     CeAcc total;
     if (p.stats == nullptr) {
       CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
-      int i = threadIdx.x;
-      for (; i + (kU - 1) * kThreads < nvec; i += kU * kThreads) {
-        AlignedVec<T, kV> raw[kU];
-#pragma unroll
-        for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i + u * kThreads) * kV, keep);
-        // One vector at a time once all kU are in flight: eight fp32 values live, not kU * 8.
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          const std::int64_t c0 = static_cast<std::int64_t>(i + u * kThreads) * kV;
-          float x[kV];
-          to_x<T, kV>(raw[u], p.bias, c0, p.cap, x);
-          ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
-        }
-      }
-      for (; i < nvec; i += kThreads) {
-        const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
-        float x[kV];
-        to_x<T, kV>(load_vec_policy<kV>(xr + c0, keep), p.bias, c0, p.cap, x);
-        ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
-      }
+      ce_stats_range<T, I, kV, kThreads, kU>(p, xr, 0, nvec, want_arg, smooth, wcol, keep, acc);
       acc.best_i += p.col0;
       const CeAcc r = Reduce(sh.reduce).Reduce(acc, CeAccMerge{});
       if (threadIdx.x == 0) {
@@ -572,21 +600,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
     const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, sh.x_t, t_raw, ignored || bad);
     if (threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
     if (p.dx != nullptr) {
-      T* dr = p.dx + row * p.dxs;
-      const float scale = ce_grad_scale(p, row, ignored || bad);
-      // Newest lines first: the end of the row was read last and is the likeliest still in L2.
-      auto grad_vec = [&](const AlignedVec<T, kV>& raw, int i) {
-        ce_grad_vec<T, I, kV>(p, raw, i, dr, t, terms, scale, wcol, drop);
-      };
-      int i = nvec - 1 - static_cast<int>(threadIdx.x);
-      for (; i - (kU - 1) * kThreads >= 0; i -= kU * kThreads) {
-        AlignedVec<T, kV> raw[kU];
-#pragma unroll
-        for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i - u * kThreads) * kV, drop);
-#pragma unroll
-        for (int u = 0; u < kU; ++u) grad_vec(raw[u], i - u * kThreads);
-      }
-      for (; i >= 0; i -= kThreads) grad_vec(load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop), i);
+      ce_grad_range<T, I, kV, kThreads, kU>(p, xr, p.dx + row * p.dxs, 0, nvec, t, terms,
+                                            ce_grad_scale(p, row, ignored || bad), wcol, drop);
     }
     __syncthreads();  // sh is reused by the next row
   }
@@ -741,25 +756,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_kernel(const CeParams<T, 
     const bool ignored = t_raw == p.ignore_index;
     const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
     CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
-    int i = v0 + static_cast<int>(threadIdx.x);
-    for (; i + (kU - 1) * kThreads < v1; i += kU * kThreads) {
-      AlignedVec<T, kV> raw[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i + u * kThreads) * kV, keep);
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const std::int64_t c0 = static_cast<std::int64_t>(i + u * kThreads) * kV;
-        float x[kV];
-        to_x<T, kV>(raw[u], p.bias, c0, p.cap, x);
-        ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
-      }
-    }
-    for (; i < v1; i += kThreads) {
-      const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
-      float x[kV];
-      to_x<T, kV>(load_vec_policy<kV>(xr + c0, keep), p.bias, c0, p.cap, x);
-      ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
-    }
+    ce_stats_range<T, I, kV, kThreads, kU>(p, xr, v0, v1, want_arg, smooth, wcol, keep, acc);
     acc.best_i += p.col0;
     const CeAcc mine = Reduce(reduce).Reduce(acc, CeAccMerge{});
     if (threadIdx.x == 0) {
@@ -773,20 +770,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_kernel(const CeParams<T, 
     const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, x_t, t_raw, ignored || bad);
     if (rank == 0 && threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
     if (p.dx != nullptr) {
-      T* dr = p.dx + row * p.dxs;
-      const float scale = ce_grad_scale(p, row, ignored || bad);
-      auto grad_vec = [&](const AlignedVec<T, kV>& raw, int j) {
-        ce_grad_vec<T, I, kV>(p, raw, j, dr, t, terms, scale, wcol, drop);
-      };
-      int j = v1 - 1 - static_cast<int>(threadIdx.x);
-      for (; j - (kU - 1) * kThreads >= v0; j -= kU * kThreads) {
-        AlignedVec<T, kV> raw[kU];
-#pragma unroll
-        for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (j - u * kThreads) * kV, drop);
-#pragma unroll
-        for (int u = 0; u < kU; ++u) grad_vec(raw[u], j - u * kThreads);
-      }
-      for (; j >= v0; j -= kThreads) grad_vec(load_vec_policy<kV>(xr + static_cast<std::int64_t>(j) * kV, drop), j);
+      ce_grad_range<T, I, kV, kThreads, kU>(p, xr, p.dx + row * p.dxs, v0, v1, t, terms,
+                                            ce_grad_scale(p, row, ignored || bad), wcol, drop);
     }
   }
   cluster.sync();  // no block may exit while another still writes into its shared memory

@@ -9,17 +9,18 @@ bin=${1:?usage: scripts/gpu-profile.sh BINDIR OUTDIR}
 out=${2:?usage: scripts/gpu-profile.sh BINDIR OUTDIR}
 mkdir -p "$out"
 sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
-          --section LaunchStats --section SchedulerStats --section WarpStateStats)
+          --section LaunchStats --section SchedulerStats --section WarpStateStats
+          --print-details all)  # all: the stall reasons behind WarpStateStats too
 # name | benchmark binary | --benchmark_filter | kernel name regex
 targets=(
   "ce_grad|cross_entropy|^BM_grad/8192/128256|ce_row_kernel"
+  "ce_grad_split8|cross_entropy|^BM_grad_split8_b256/|ce_split_kernel"
   "ce_grad_onchip|cross_entropy|^BM_grad_chip8_b256/|ce_cluster_kernel"
-  "ce_loss_32000|cross_entropy|^BM_loss/8192/32000|ce_row_kernel"
   "rms_bwd|rms_norm|^BM_backward/16384/4096|rms_norm_bwd_kernel"
   "rms_bwd_colsum|rms_norm|^BM_backward/16384/4096|column_sum_kernel"
-  "rms_fwd|rms_norm|^BM_forward/16384/4096|rms_norm_fwd_kernel"
   "ln_bwd|layer_norm|^BM_backward/16384/4096|layer_norm_bwd_kernel"
-  "rope_fwd|rope|^BM_fwd/4/4096|rope_kernel"
+  "rope_fwd|rope|^BM_fwd/4/4096|rope_heads_kernel"
+  "rope_fwd_bhtd|rope|^BM_fwd_bhtd/4/4096|rope_heads_kernel"
 )
 for t in "${targets[@]}"; do
   IFS='|' read -r name b filter kernel <<< "$t"

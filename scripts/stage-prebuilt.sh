@@ -5,7 +5,9 @@
 # most 64 MiB with the working tree).
 #   scripts/stage-prebuilt.sh [BUILD] [DEST]
 # Optional globs, as in gpu-run-binaries.sh (the part after tigon_gpu_tests_ / tigon_bench_ /
-# example_): TESTS, BENCHES, EXAMPLES; default every one. Example:
+# example_): TESTS, BENCHES, EXAMPLES; default every one. PACK=xz packs the stripped binaries into
+# DEST/bins.tar.xz instead (every test, benchmark and example is about 11 MB so; loose, 65 MB), for
+# scripts/gpu-full-check.sh. Example:
 #   TESTS='@(rope|rms_norm)' BENCHES='@(rope|rms_norm)' EXAMPLES=none scripts/stage-prebuilt.sh
 set -euo pipefail
 shopt -s extglob nullglob
@@ -22,6 +24,12 @@ for f in "$build"/test/tigon_gpu_tests_${TESTS:-*} "$build"/bench/tigon_bench_${
 done
 [ "$n" -gt 0 ] || { echo "no binaries matched under $build" >&2; exit 1; }
 strip "$dest"/* 2>/dev/null || true
+if [ "${PACK:-}" = xz ]; then
+  tmp=$(mktemp -d)
+  mv "$dest"/* "$tmp"/
+  tar -C "$tmp" -cf - . | xz -T0 -6 > "$dest/bins.tar.xz"
+  rm -rf "$tmp"
+fi
 mib=$(( $(du -sk "$dest" | cut -f1) / 1024 ))
 echo "staged $n binaries in $dest: $mib MiB"
 if [ "$mib" -gt 56 ]; then

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The whole check of prebuilt binaries in one call on a GPU machine, in the order that keeps the
+# timings clean: the benchmarks (and examples) alone on the GPU, then every GPU test suite side by
+# side (large shapes included), then compute-sanitizer memcheck and racecheck on every suite
+# (without [large]) side by side. Writes OUTDIR/summary.txt as it goes (so a run cut by its time
+# limit still leaves what it did), the logs under OUTDIR/x, and OUTDIR/x.tgz of them at the end.
+#   scripts/gpu-full-check.sh BINS OUTDIR
+# BINS: a folder of binaries, or a bins.tar.xz from PACK=xz scripts/stage-prebuilt.sh.
+# Per-step limits in seconds (environment): BENCH_S (default 230), TEST_S (110), SANITIZE_S (205);
+# SANITIZE_JOBS sanitizer runs at a time (default 10).
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+# The shared libraries staged by shared/tools/gpu-deps.sh (Debian's Google Benchmark, which the
+# binaries built here link), when present.
+deps=$here/../.gpu-deps/lib/x86_64-linux-gnu
+[ -d "$deps" ] && export LD_LIBRARY_PATH=$deps${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+src=${1:?usage: scripts/gpu-full-check.sh BINS OUTDIR}
+out=${2:?usage: scripts/gpu-full-check.sh BINS OUTDIR}
+mkdir -p "$out/x/bench" "$out/x/tests" "$out/x/san"
+S=$out/summary.txt
+t0=$(date +%s)
+step() { echo "== $1 ($(( $(date +%s) - t0 )) s)" >> "$S"; }
+bins=$src
+if [ -f "$src" ]; then
+  bins=$(mktemp -d)
+  tar -xJf "$src" -C "$bins"
+fi
+tests=$(mktemp -d)
+ln -sf "$bins"/tigon_gpu_tests_* "$tests"/ 2>/dev/null
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >> "$S" 2>&1
+step "benchmarks and examples"
+TESTS=none SANITIZE=none timeout "${BENCH_S:-230}" "$here/gpu-run-binaries.sh" "$bins" "$out/x/bench" 120 > /dev/null 2>&1
+grep -v "^tigon_gpu_tests_none" "$out/x/bench/summary.txt" >> "$S"
+step "GPU tests, every suite, large shapes included"
+for t in "$tests"/tigon_gpu_tests_*; do
+  n=$(basename "$t")
+  (timeout "${TEST_S:-110}" "$t" > "$out/x/tests/$n.log" 2>&1
+   echo "$n: rc=$? :: $(grep -E 'All tests passed|test cases:|assertions:' "$out/x/tests/$n.log" | tr '\n' ' ')" \
+     > "$out/x/tests/.$n") &
+done
+wait
+cat "$out"/x/tests/.tigon_gpu_tests_* >> "$S" 2>/dev/null
+step "compute-sanitizer"
+TESTS=none BENCHES=none SANITIZE_JOBS=${SANITIZE_JOBS:-10} timeout $(( ${SANITIZE_S:-205} + 10 )) \
+  "$here/gpu-run-binaries.sh" "$tests" "$out/x/san" "${SANITIZE_S:-205}" > /dev/null 2>&1
+pkill -f compute-sanitizer 2>/dev/null  # runs a cut left behind
+# Runs that finished before a cut still left their lines.
+cat "$out"/x/san/.sanitize-* 2>/dev/null >> "$S"
+grep compute-sanitizer "$out/x/san/summary.txt" >> "$S" 2>/dev/null
+step "end"
+(cd "$out" && tar czf x.tgz x)
+cat "$S"

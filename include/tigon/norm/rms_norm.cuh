@@ -481,7 +481,7 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
 #pragma unroll
   for (int v = 0; v < kVPT; ++v) {
     const int i = v * S::kGroupThreads + t;
-    AlignedVec<W, kV> wv;
+    AlignedVec<W, kV> wv{};  // lanes past the row (not kExact) never use it
     if (has_w && (S::kExact || i < S::kNumVec)) wv = load_vec<kV>(p.w + i * kV);
 #pragma unroll
     for (int c = 0; c < kV; ++c) {

@@ -156,18 +156,31 @@ TEST_CASE("launch: programmatic dependent launch keeps stream order (eager and g
 }
 
 TEST_CASE("launch: the programmatic-launch switch is process-wide and on by default", "[launch][gpu]") {
+  // A kernel of this binary (built for sm_90: its PTX version is 90 or more), asked about on this
+  // device: programmatic launch exactly when the switch is on and the device is sm_90 or later.
+  const void* kernel = reinterpret_cast<const void*>(tigon::detail::column_sum_kernel<float>);
   REQUIRE(tigon::programmatic_launch());
   tigon::set_programmatic_launch(false);
   CHECK_FALSE(tigon::programmatic_launch());
   bool here = true;
-  TIGON_OK(tigon::detail::programmatic_launch_here(here));
+  TIGON_OK(tigon::detail::programmatic_launch_here(kernel, here));
   CHECK_FALSE(here);
   tigon::set_programmatic_launch(true);
-  TIGON_OK(tigon::detail::programmatic_launch_here(here));
+  TIGON_OK(tigon::detail::programmatic_launch_here(kernel, here));
   int dev = 0, major = 0;
   CUDA_OK(cudaGetDevice(&dev));
   CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CHECK(here == (major >= 9));
+  cudaFuncAttributes attr{};
+  CUDA_OK(cudaFuncGetAttributes(&attr, kernel));
+  INFO("ptxVersion " << attr.ptxVersion << ", binaryVersion " << attr.binaryVersion);
+  // The project builds its tests for sm_90 (CMAKE_CUDA_ARCHITECTURES 90): on sm_90+ the kernel's
+  // PTX version must say so, or programmatic launch would be off without notice.
+  if (major >= 9) CHECK(attr.ptxVersion >= 90);
+  CHECK(here == (major >= 9 && attr.ptxVersion >= 90));
+  // Asked again: the cached answer.
+  bool again = !here;
+  TIGON_OK(tigon::detail::programmatic_launch_here(kernel, again));
+  CHECK(again == here);
 }
 
 GPU_TEST_MAIN

@@ -22,6 +22,7 @@ struct Case {
   int pos_ids = 0;                      // 0: none, 64: int64 ids, 32: int32 ids
   bool batch_tables = false;            // [B, rows, rd] tables instead of one shared table
   bool in_place = true;
+  bool k_out_of_place = false;  // with in_place: q in place, k written to another buffer
   bool backward = false;
   bool with_k = true;
 };
@@ -32,6 +33,7 @@ std::string describe(const Case& c) {
          (c.interleaved ? " interleaved" : " half-split") + (c.q_bhtd ? " q:BHTD" : " q:BTHD") +
          (c.k_bhtd ? " k:BHTD" : " k:BTHD") + " pos" + std::to_string(c.pos_ids) +
          (c.batch_tables ? " batch-tables" : "") + (c.in_place ? " in-place" : " out-of-place") +
+         (c.in_place && c.k_out_of_place ? " (k out of place)" : "") +
          (c.backward ? " backward" : " forward") + (c.with_k ? "" : " q-only");
 }
 
@@ -97,7 +99,7 @@ void run_case(const Case& c) {
   a.q = {.in = q.ptr, .out = c.in_place ? q.ptr : qo.ptr, .heads = c.Hq,
          .stride_b = lq.sb, .stride_t = lq.st, .stride_h = lq.sh};
   if (c.with_k) {
-    a.k = {.in = k.ptr, .out = c.in_place ? k.ptr : ko.ptr, .heads = c.Hk,
+    a.k = {.in = k.ptr, .out = c.in_place && !c.k_out_of_place ? k.ptr : ko.ptr, .heads = c.Hk,
            .stride_b = lk.sb, .stride_t = lk.st, .stride_h = lk.sh};
   }
   a.batch = c.B;
@@ -153,7 +155,7 @@ void run_case(const Case& c) {
     CHECK(cmp.ok(tol<T>()));
   };
   check_tensor((c.in_place ? q : qo).download(), qd, c.Hq, lq, "q");
-  if (c.with_k) check_tensor((c.in_place ? k : ko).download(), kd, c.Hk, lk, "k");
+  if (c.with_k) check_tensor((c.in_place && !c.k_out_of_place ? k : ko).download(), kd, c.Hk, lk, "k");
   if (!c.with_k) CHECK(gpu_test::all_bytes_ff(ko.download().data(), sizeof(T)));  // k untouched
 }
 
@@ -299,6 +301,13 @@ TEST_CASE("rope: the token-block policy computes the same function", "[rope][gpu
     both_directions<bf16, bf16, TB>(many);
     Case r{.B = 1, .T = 33, .Hq = 8, .Hk = 2, .D = 128, .rd = 64, .interleaved = inter};
     both_directions<bf16, bf16, TB>(r);
+    Case mixed = r;  // q in place, k out of place: a pass may hold a q head and a k head
+    mixed.k_out_of_place = true;
+    both_directions<bf16, bf16, TB>(mixed);
+    both_directions<bf16, bf16>(mixed);
+    mixed.Hq = 1;
+    mixed.Hk = 1;
+    both_directions<half, half, TB>(mixed);
     r.in_place = false;
     both_directions<bf16, bf16, TB>(r);
     Case odd{.B = 1, .T = 9, .Hq = 5, .Hk = 3, .D = 92, .interleaved = inter};

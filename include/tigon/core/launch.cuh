@@ -8,9 +8,12 @@
 //   and their writes are visible (`griddepcontrol.wait`), then lets the next kernel in the stream
 //   begin to launch (`griddepcontrol.launch_dependents`). Launched without the attribute, or before
 //   sm_90, both instructions do nothing.
-// - host: `launch` adds the programmatic-stream-serialisation attribute when the device is sm_90 or
-//   later and programmatic launch is enabled (the default; `set_programmatic_launch(false)` turns it
-//   off for the process, and defining TIGON_NO_PROGRAMMATIC_LAUNCH compiles it out).
+// - host: `launch` adds the programmatic-stream-serialisation attribute when programmatic launch is
+//   enabled (the default; `set_programmatic_launch(false)` turns it off for the process, and
+//   defining TIGON_NO_PROGRAMMATIC_LAUNCH compiles it out), the device is sm_90 or later, and the
+//   kernel's code was compiled for compute_90 or later (its PTX version, from
+//   cudaFuncGetAttributes, cached per kernel and device): a kernel JIT-compiled on an H200 from
+//   compute_80 PTX has no griddepcontrol instructions, so it must not be launched early.
 //
 // Stream order is unchanged for everything else: a kernel launched without the attribute (any
 // other library's), a copy or an event still waits for tigon's kernels to complete. Inside a CUDA
@@ -21,6 +24,9 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
 #include <utility>
 
 #include "config.hpp"
@@ -94,13 +100,33 @@ inline cudaLaunchConfig_t launch_config(const LaunchShape& s, bool programmatic,
   return cfg;
 }
 
-// Whether launches on the current device use programmatic dependent launch.
-inline Status programmatic_launch_here(bool& on) {
+// Whether `kernel`, launched now on the current device, uses programmatic dependent launch: the
+// switch is on, the device is sm_90+, and the kernel's code was compiled for compute_90+ (so its
+// grid_dependency_sync() holds the wait). The kernel's answer is cached per device.
+inline Status programmatic_launch_here(const void* kernel, bool& on) {
   on = false;
   if (!programmatic_launch()) return Status();
   DeviceInfo dev;
   TIGON_CHECK(current_device_info(dev));
-  on = dev.cc_major >= 9;
+  if (dev.cc_major < 9) return Status();
+  static std::mutex mutex;
+  static std::unordered_map<std::uintptr_t, bool> compiled_for_90;
+  const std::uintptr_t key = reinterpret_cast<std::uintptr_t>(kernel) * kMaxDevices +
+                             static_cast<std::uintptr_t>(dev.device);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto it = compiled_for_90.find(key);
+    if (it != compiled_for_90.end()) {
+      on = it->second;
+      return Status();
+    }
+  }
+  cudaFuncAttributes attr{};
+  const cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
+  if (e != cudaSuccess) return Status::from_cuda(e, "launch", "cudaFuncGetAttributes");
+  on = attr.ptxVersion >= 90;
+  std::lock_guard<std::mutex> lock(mutex);
+  compiled_for_90[key] = on;
   return Status();
 }
 
@@ -110,7 +136,7 @@ template <class... Params, class... Args>
 [[nodiscard]] inline Status launch(const char* op, void (*kernel)(Params...), const LaunchShape& shape,
                                    Args&&... args) {
   bool programmatic = false;
-  TIGON_CHECK(programmatic_launch_here(programmatic));
+  TIGON_CHECK(programmatic_launch_here(reinterpret_cast<const void*>(kernel), programmatic));
   cudaLaunchAttribute attrs[2];
   const cudaLaunchConfig_t cfg = launch_config(shape, programmatic, attrs);
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);

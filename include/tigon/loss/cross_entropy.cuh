@@ -758,6 +758,9 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_kernel(const CeParams<T, 
     CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
     ce_stats_range<T, I, kV, kThreads, kU>(p, xr, v0, v1, want_arg, smooth, wcol, keep, acc);
     acc.best_i += p.col0;
+    // The target's logit, read before the barrier below: after it, the blocks write the gradient
+    // over the row when it is computed in place.
+    const float x_t = ce_target_logit(p, xr, t);
     const CeAcc mine = Reduce(reduce).Reduce(acc, CeAccMerge{});
     if (threadIdx.x == 0) {
       for (int r = 0; r < csize; ++r) *cluster.map_shared_rank(&slots[parity][rank], r) = mine;
@@ -765,7 +768,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_kernel(const CeParams<T, 
     cluster.sync();  // every block's statistics have arrived; also a block barrier for `reduce`
     CeAcc total = slots[parity][0];
     for (int r = 1; r < csize; ++r) total = CeAccMerge{}(total, slots[parity][r]);
-    const float x_t = ce_target_logit(p, xr, t);
     const float lse = total.m + logf(total.s);
     const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, x_t, t_raw, ignored || bad);
     if (rank == 0 && threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);

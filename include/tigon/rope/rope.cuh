@@ -513,14 +513,13 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_token_kernel(const RopePa
     const T* x1 = two ? in_ptr(h1) : x0;
     T* y0 = out_ptr(h0);
     T* y1 = two ? out_ptr(h1) : y0;
-    if (!rotated) {  // partial rotary, out of place: copy the channel chunk
-      if (x0 != y0) {
-        const AlignedVec<T, kV> v0 = load_vec<kV>(x0 + d);
-        AlignedVec<T, kV> v1{};
-        if (two) v1 = load_vec<kV>(x1 + d);
-        store_vec(y0 + d, v0);
-        if (two) store_vec(y1 + d, v1);
-      }
+    if (!rotated) {  // partial rotary, out of place: copy the channel chunk (q and k may differ)
+      const bool copy0 = x0 != y0, copy1 = two && x1 != y1;
+      AlignedVec<T, kV> v0{}, v1{};
+      if (copy0) v0 = load_vec<kV>(x0 + d);
+      if (copy1) v1 = load_vec<kV>(x1 + d);
+      if (copy0) store_vec(y0 + d, v0);
+      if (copy1) store_vec(y1 + d, v1);
       continue;
     }
     if constexpr (kV == 1) {  // one pair per chunk, element by element (any alignment)

@@ -69,44 +69,35 @@ void check(const tigon::Status& s) {
   }
 }
 
-// Runtime-dispatch launchers: what a trainer gets by default.
-void BM_forward(benchmark::State& st) {
+// Runtime-dispatch launchers: what a trainer gets by default. `serial`: with programmatic
+// dependent launch turned off (each kernel's blocks wait for the previous kernel to finish before
+// they are scheduled): what the overlap is worth.
+void forward_rows(benchmark::State& st, bool serial) {
+  tigon::set_programmatic_launch(!serial);
   Data d(st.range(0), st.range(1));
-  bench::run(st, "rms_norm fwd bf16 " + shape(d.rows, d.cols), fwd_bytes(d.rows, d.cols),
-             [&](int i) { check(tigon::rms_norm_forward(d.fwd(i), nullptr)); });
+  bench::run(st, serial ? "  rms_norm fwd " + shape(d.rows, d.cols) + " serial launch"
+                        : "rms_norm fwd bf16 " + shape(d.rows, d.cols),
+             fwd_bytes(d.rows, d.cols), [&](int i) { check(tigon::rms_norm_forward(d.fwd(i), nullptr)); });
+  tigon::set_programmatic_launch(true);
 }
 
-void BM_backward(benchmark::State& st) {
+void backward_rows(benchmark::State& st, bool serial) {
+  tigon::set_programmatic_launch(!serial);
   Data d(st.range(0), st.range(1));
   auto a = d.bwd(0);
   check(tigon::rms_norm_backward_workspace_bytes(a, d.ws_bytes));
   BENCH_CUDA(cudaMalloc(&d.ws, d.ws_bytes));
   for (int s = 0; s < d.sets; ++s) check(tigon::rms_norm_forward(d.fwd(s), nullptr));
-  bench::run(st, "rms_norm bwd bf16 " + shape(d.rows, d.cols) + " (dx + dW)", bwd_bytes(d.rows, d.cols),
-             [&](int i) { check(tigon::rms_norm_backward(d.bwd(i), nullptr)); });
-}
-
-// The default launchers with programmatic dependent launch turned off (each kernel's blocks wait
-// for the previous kernel to finish before they are scheduled): what the overlap is worth.
-void BM_forward_serial(benchmark::State& st) {
-  tigon::set_programmatic_launch(false);
-  Data d(st.range(0), st.range(1));
-  bench::run(st, "  rms_norm fwd " + shape(d.rows, d.cols) + " serial launch", fwd_bytes(d.rows, d.cols),
-             [&](int i) { check(tigon::rms_norm_forward(d.fwd(i), nullptr)); });
+  bench::run(st, serial ? "  rms_norm bwd " + shape(d.rows, d.cols) + " serial launch"
+                        : "rms_norm bwd bf16 " + shape(d.rows, d.cols) + " (dx + dW)",
+             bwd_bytes(d.rows, d.cols), [&](int i) { check(tigon::rms_norm_backward(d.bwd(i), nullptr)); });
   tigon::set_programmatic_launch(true);
 }
 
-void BM_backward_serial(benchmark::State& st) {
-  tigon::set_programmatic_launch(false);
-  Data d(st.range(0), st.range(1));
-  auto a = d.bwd(0);
-  check(tigon::rms_norm_backward_workspace_bytes(a, d.ws_bytes));
-  BENCH_CUDA(cudaMalloc(&d.ws, d.ws_bytes));
-  for (int s = 0; s < d.sets; ++s) check(tigon::rms_norm_forward(d.fwd(s), nullptr));
-  bench::run(st, "  rms_norm bwd " + shape(d.rows, d.cols) + " serial launch", bwd_bytes(d.rows, d.cols),
-             [&](int i) { check(tigon::rms_norm_backward(d.bwd(i), nullptr)); });
-  tigon::set_programmatic_launch(true);
-}
+void BM_forward(benchmark::State& st) { forward_rows(st, false); }
+void BM_backward(benchmark::State& st) { backward_rows(st, false); }
+void BM_forward_serial(benchmark::State& st) { forward_rows(st, true); }
+void BM_backward_serial(benchmark::State& st) { backward_rows(st, true); }
 
 // Tuning variants of the compiled kernels at 4096 (the policy's parameters are listed below).
 template <class P>

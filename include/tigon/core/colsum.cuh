@@ -56,18 +56,7 @@ TIGON_KERNEL void __launch_bounds__(kColSumCols* kColSumSlices)
 
 }  // namespace detail
 
-// out[c] (+)= sum over p of partials[p * cols + c], summed in the same order on every call.
-template <Element Out>
-[[nodiscard]] inline Status column_sum(const float* partials, std::int64_t parts, std::int64_t cols,
-                                       Out* out, bool accumulate, cudaStream_t stream,
-                                       const char* op) {
-  const dim3 block(detail::kColSumCols, detail::kColSumSlices);
-  const dim3 grid(static_cast<unsigned>(ceil_div<std::int64_t>(cols, detail::kColSumCols)));
-  return detail::launch(op, detail::column_sum_kernel<Out>, {grid, block, 0, stream}, partials, out,
-                        static_cast<const float*>(nullptr), static_cast<Out*>(nullptr), parts, cols, accumulate);
-}
-
-// column_sum of two partial arrays of the same shape into out0 and out1 (e.g. dW and dB) in one
+// column_sum (below) of two partial arrays of the same shape into out0 and out1 (e.g. dW and dB) in one
 // launch; partials1 / out1 null: partials0 only.
 template <Element Out>
 [[nodiscard]] inline Status column_sums(const float* partials0, Out* out0, const float* partials1, Out* out1,
@@ -78,6 +67,14 @@ template <Element Out>
   const dim3 grid(static_cast<unsigned>(ceil_div<std::int64_t>(cols, detail::kColSumCols)), two ? 2u : 1u);
   return detail::launch(op, detail::column_sum_kernel<Out>, {grid, block, 0, stream}, partials0, out0,
                         two ? partials1 : nullptr, two ? out1 : nullptr, parts, cols, accumulate);
+}
+
+// out[c] (+)= sum over p of partials[p * cols + c], summed in the same order on every call.
+template <Element Out>
+[[nodiscard]] inline Status column_sum(const float* partials, std::int64_t parts, std::int64_t cols,
+                                       Out* out, bool accumulate, cudaStream_t stream,
+                                       const char* op) {
+  return column_sums<Out>(partials, out, nullptr, nullptr, parts, cols, accumulate, stream, op);
 }
 
 TIGON_NAMESPACE_END

@@ -911,9 +911,27 @@ Status launch_ce_rows_as(const CeParams<T, I>& p, cudaStream_t stream, const cha
   return launch(op, kernel, {dim3(grid), dim3(kThreads), 0, stream}, p);
 }
 
-// The on-chip kernel: as many clusters as can be resident at once (each walks rows), shared memory
-// opted in per call. Sets `launched` false (and launches nothing) when no cluster of this shape
-// fits the device.
+// A clustered row kernel (`one` describes one cluster: its blocks, threads, shared memory): as many
+// clusters as can be resident at once, at most one per row (each walks rows). Sets `launched`
+// false (and launches nothing) when no cluster of this shape fits the device.
+template <class T, class I, class... Params, class... Args>
+Status launch_ce_clusters(void (*kernel)(Params...), LaunchShape one, std::int64_t rows, const char* op,
+                          bool& launched, Args&&... args) {
+  launched = false;
+  cudaLaunchAttribute attrs[2];
+  const cudaLaunchConfig_t query = launch_config(one, false, attrs);
+  int resident = 0;
+  TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kernel, &query), op,
+                                "cudaOccupancyMaxActiveClusters"));
+  if (resident < 1) return Status();
+  const std::int64_t clusters = std::min<std::int64_t>(resident, std::max<std::int64_t>(rows, 1));
+  one.grid = dim3(static_cast<unsigned>(clusters * one.cluster));
+  TIGON_CHECK(launch(op, kernel, one, std::forward<Args>(args)...));
+  launched = true;
+  return Status();
+}
+
+// The on-chip kernel, shared memory opted in per call.
 template <class T, class I, int kV, int kThreads, bool kPlain>
 Status launch_ce_cluster(const CeParams<T, I>& p, const CeClusterShape& shape, cudaStream_t stream,
                          const char* op, bool& launched) {
@@ -922,41 +940,18 @@ Status launch_ce_cluster(const CeParams<T, I>& p, const CeClusterShape& shape, c
   const int smem = static_cast<int>(2 * shape.slice * static_cast<std::int64_t>(sizeof(AlignedVec<T, kV>)));
   TIGON_CHECK(Status::from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                                 op, "cudaFuncSetAttribute"));
-  LaunchShape ls{dim3(static_cast<unsigned>(shape.blocks)), dim3(kThreads), static_cast<std::size_t>(smem),
-                 stream, static_cast<unsigned>(shape.blocks)};
-  cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t query = launch_config(ls, false, attrs);
-  int resident = 0;
-  TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kernel, &query), op,
-                                "cudaOccupancyMaxActiveClusters"));
-  if (resident < 1) return Status();
-  const std::int64_t clusters = std::min<std::int64_t>(resident, std::max<std::int64_t>(p.rows, 1));
-  ls.grid = dim3(static_cast<unsigned>(clusters * shape.blocks));
-  TIGON_CHECK(launch(op, kernel, ls, p, static_cast<int>(shape.slice)));
-  launched = true;
-  return Status();
+  const auto blocks = static_cast<unsigned>(shape.blocks);
+  return launch_ce_clusters<T, I>(kernel, {dim3(blocks), dim3(kThreads), static_cast<std::size_t>(smem), stream, blocks},
+                                  p.rows, op, launched, p, static_cast<int>(shape.slice));
 }
 
-// The split-row kernel: as many clusters of `blocks` blocks as can be resident at once (each walks
-// rows). Sets `launched` false (and launches nothing) when no cluster of this shape fits.
+// The split-row kernel, `blocks` blocks per row.
 template <class T, class I, int kV, int kThreads, int kU, bool kPlain>
 Status launch_ce_split(const CeParams<T, I>& p, int blocks, cudaStream_t stream, const char* op, bool& launched) {
-  constexpr auto kernel = ce_split_kernel<T, I, kV, kThreads, kU, kPlain>;
-  launched = false;
-  const std::int64_t nvec = p.vocab / kV;
-  const auto slice = static_cast<int>(ceil_div<std::int64_t>(nvec, blocks));
-  LaunchShape ls{dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, static_cast<unsigned>(blocks)};
-  cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t query = launch_config(ls, false, attrs);
-  int resident = 0;
-  TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kernel, &query), op,
-                                "cudaOccupancyMaxActiveClusters"));
-  if (resident < 1) return Status();
-  const std::int64_t clusters = std::min<std::int64_t>(resident, std::max<std::int64_t>(p.rows, 1));
-  ls.grid = dim3(static_cast<unsigned>(clusters * blocks));
-  TIGON_CHECK(launch(op, kernel, ls, p, slice));
-  launched = true;
-  return Status();
+  const auto slice = static_cast<int>(ceil_div<std::int64_t>(p.vocab / kV, blocks));
+  const auto b = static_cast<unsigned>(blocks);
+  return launch_ce_clusters<T, I>(ce_split_kernel<T, I, kV, kThreads, kU, kPlain>,
+                                  {dim3(b), dim3(kThreads), 0, stream, b}, p.rows, op, launched, p, slice);
 }
 
 template <class P = CrossEntropyDefaultPolicy, class T, class I>

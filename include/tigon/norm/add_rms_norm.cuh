@@ -362,7 +362,6 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
 
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
-  const bool has_w = p.w != nullptr;
   const bool has_ds = p.ds != nullptr;
   const bool saved = p.rstd != nullptr;
   const RmsNormCasting casting =
@@ -375,21 +374,10 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
   const T* const src[3] = {p.s, p.dy, p.ds};
   const std::int64_t stride[3] = {p.ss, p.dys, p.dss};
 
-  // dW accumulators, and (offset + w) of this thread's columns, read once: a thread owns the same
-  // columns in every row it visits.
-  float acc[kVPT][kV];
+  // dW accumulators, and (offset + w) of this thread's columns, read once.
+  float acc[kVPT][kV] = {};
   float wk[kVPT][kV];
-#pragma unroll
-  for (int v = 0; v < kVPT; ++v) {
-    const int i = v * S::kGroupThreads + t;
-    AlignedVec<W, kV> wv{};  // lanes past the row (not kExact) never use it
-    if (has_w && (S::kExact || i < S::kNumVec)) wv = load_vec<kV>(p.w + i * kV);
-#pragma unroll
-    for (int c = 0; c < kV; ++c) {
-      acc[v][c] = 0.0f;
-      wk[v][c] = has_w ? p.offset + to_float(wv.v[c]) : 1.0f;
-    }
-  }
+  load_row_weights<S, true>(p.w, p.offset, t, wk);
   float next_rstd = saved && first < p.rows ? p.rstd[first] : 0.0f;
   int parity = 0;
 
@@ -457,16 +445,7 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
           if (has_ds) d = add_rms_norm_math::dsum_total(dsf[c], d);
           dxv.v[c] = from_float<T>(d);
         }
-        if (want_dw) {
-          // dweight_term(): dy * shat, shat rounded to T first except in mode gemma (two at a time)
-          if (casting != RmsNormCasting::gemma) {
-#pragma unroll
-            for (int c = 0; c + 1 < kV; c += 2) round_pair_to<T>(shat[c], shat[c + 1]);
-            if constexpr (kV % 2 == 1) shat[kV - 1] = round_to<T>(shat[kV - 1]);
-          }
-#pragma unroll
-          for (int c = 0; c < kV; ++c) acc[v][c] += dyf[c] * shat[c];
-        }
+        if (want_dw) add_dweight_terms<T>(dyf, shat, casting, acc[v]);
         store_vec_hinted<P::kStreamingStores>(dxr + i * kV, dxv);
       }
     }

@@ -424,7 +424,6 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
 
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
-  const bool has_w = p.w != nullptr;
   const bool want_dw = p.dw_part != nullptr;
   const bool want_db = p.db_part != nullptr;
   // [group][stage][x | dy][kCols]
@@ -434,21 +433,10 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
   const T* const src[2] = {p.x, p.dy};
   const std::int64_t stride[2] = {p.xs, p.dys};
 
-  // dW / dB accumulators, and w of this thread's columns as fp32, read once: a thread owns the
-  // same columns in every row it visits.
-  float acc_w[kVPT][kV], acc_b[kVPT][kV];
+  // dW / dB accumulators, and w of this thread's columns as fp32, read once.
+  float acc_w[kVPT][kV] = {}, acc_b[kVPT][kV] = {};
   float wk[kVPT][kV];
-#pragma unroll
-  for (int v = 0; v < kVPT; ++v) {
-    const int i = v * S::kGroupThreads + t;
-    AlignedVec<W, kV> wv{};  // lanes past the row (not kExact) never use it
-    if (has_w && (S::kExact || i < S::kNumVec)) wv = load_vec<kV>(p.w + i * kV);
-#pragma unroll
-    for (int c = 0; c < kV; ++c) {
-      acc_w[v][c] = acc_b[v][c] = 0.0f;
-      wk[v][c] = has_w ? to_float(wv.v[c]) : 1.0f;
-    }
-  }
+  load_row_weights<S, false>(p.w, 0.0f, t, wk);
   float next_mean = 0.0f, next_rstd = 0.0f;
   if (first < p.rows) {
     next_mean = p.mean[first];

@@ -336,6 +336,21 @@ struct RmsBwdParams {
   RmsNormCasting casting;
 };
 
+// acc += rms_norm_math::dweight_term<T>(dy, xhat, casting) for one vector of columns; xhat is
+// rounded in place (to T, two at a time, except in mode gemma). Shared by the RMSNorm and add +
+// RMSNorm backwards.
+template <class T, int kV>
+TIGON_DEVICE void add_dweight_terms(const float (&dy)[kV], float (&xhat)[kV], RmsNormCasting casting,
+                                    float (&acc)[kV]) {
+  if (casting != RmsNormCasting::gemma) {
+#pragma unroll
+    for (int c = 0; c + 1 < kV; c += 2) round_pair_to<T>(xhat[c], xhat[c + 1]);
+    if constexpr (kV % 2 == 1) xhat[kV - 1] = round_to<T>(xhat[kV - 1]);
+  }
+#pragma unroll
+  for (int c = 0; c < kV; ++c) acc[c] += dy[c] * xhat[c];
+}
+
 // Fixed hidden size: a row group of kGroupThreads threads owns one row at a time and keeps the
 // next kStages-1 rows of its sequence in flight through shared memory; kGroups groups per block;
 // a persistent grid walks all rows. Each thread reads back only the chunks it copied itself.
@@ -446,7 +461,6 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
 
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
-  const bool has_w = p.w != nullptr;
   const RmsNormCasting casting =
       P::kCasting < 0 ? p.casting : static_cast<RmsNormCasting>(P::kCasting);
   const bool want_dw = p.partials != nullptr;
@@ -474,21 +488,10 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
     }
   };
 
-  // dW accumulators, and (offset + w) of this thread's columns, read once: a thread owns the same
-  // columns in every row it visits.
-  float acc[kVPT][kV];
+  // dW accumulators, and (offset + w) of this thread's columns, read once.
+  float acc[kVPT][kV] = {};
   float wk[kVPT][kV];
-#pragma unroll
-  for (int v = 0; v < kVPT; ++v) {
-    const int i = v * S::kGroupThreads + t;
-    AlignedVec<W, kV> wv{};  // lanes past the row (not kExact) never use it
-    if (has_w && (S::kExact || i < S::kNumVec)) wv = load_vec<kV>(p.w + i * kV);
-#pragma unroll
-    for (int c = 0; c < kV; ++c) {
-      acc[v][c] = 0.0f;
-      wk[v][c] = has_w ? p.offset + to_float(wv.v[c]) : 1.0f;
-    }
-  }
+  load_row_weights<S, true>(p.w, p.offset, t, wk);
   const bool saved_rstd = p.rstd != nullptr;
   if constexpr (kDirect) {
     fetch(first);
@@ -572,16 +575,7 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
           xhat[c] *= rstd;
           dxv.v[c] = from_float<T>(rms_norm_math::dx(dyf[c] * wk[v][c], xhat[c], rstd, mean_dot));
         }
-        if (want_dw) {
-          // dweight_term(): dy * xhat, xhat rounded to T first except in mode gemma (two at a time)
-          if (casting != RmsNormCasting::gemma) {
-#pragma unroll
-            for (int c = 0; c + 1 < kV; c += 2) round_pair_to<T>(xhat[c], xhat[c + 1]);
-            if constexpr (kV % 2 == 1) xhat[kV - 1] = round_to<T>(xhat[kV - 1]);
-          }
-#pragma unroll
-          for (int c = 0; c < kV; ++c) acc[v][c] += dyf[c] * xhat[c];
-        }
+        if (want_dw) add_dweight_terms<T>(dyf, xhat, casting, acc[v]);
         store_vec_hinted<P::kStreamingStores>(dxr + i * kV, dxv);
       }
     }

@@ -172,6 +172,27 @@ TIGON_DEVICE void pipelined_rows(T* stages, const T* const (&src)[kTensors],
   }
 }
 
+// This thread's columns of the weight as fp32, read once (a thread owns the same columns in every
+// row it visits): out[v][c] = w (plus `offset` with kOffset), or 1 without a weight. Lanes past
+// the row (not kExact) get values they never use.
+template <class S, bool kOffset, class W>
+TIGON_DEVICE void load_row_weights(const W* w, float offset, int t, float (&out)[S::kVecPerThread][S::kVec]) {
+#pragma unroll
+  for (int v = 0; v < S::kVecPerThread; ++v) {
+    const int i = v * S::kGroupThreads + t;
+    AlignedVec<W, S::kVec> wv{};
+    if (w != nullptr && (S::kExact || i < S::kNumVec)) wv = load_vec<S::kVec>(w + i * S::kVec);
+#pragma unroll
+    for (int c = 0; c < S::kVec; ++c) {
+      if constexpr (kOffset) {
+        out[v][c] = w != nullptr ? offset + to_float(wv.v[c]) : 1.0f;
+      } else {
+        out[v][c] = w != nullptr ? to_float(wv.v[c]) : 1.0f;
+      }
+    }
+  }
+}
+
 // Write this thread's columns of a row group's fp32 partial row (acc[v][c] is column
 // (v * kGroupThreads + t) * kVec + c).
 template <class S>

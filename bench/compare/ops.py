@@ -285,7 +285,8 @@ def tigon_fn(op: str, tt):
     if op == "geglu":
         return lambda a, b: tt.tigon_geglu(a, b)
     if op == "cross_entropy":
-        return lambda logits, t: tt.tigon_cross_entropy(logits, t)
+        # In place, as Liger: the gradient written over the logits in the forward.
+        return lambda logits, t: tt.tigon_cross_entropy(logits, t, in_place=True)
     if op == "linear_cross_entropy":
         return lambda x, w, t: tt.tigon_fused_linear_cross_entropy(x, w, t)
     raise ValueError(op)
@@ -324,7 +325,8 @@ def make_call(fn, case: Case, mode: str, grads_out: list | None):
     return call
 
 
-def time_call(call, reps: int, warmup: int, device, flush_buf, max_seconds: float) -> tuple[list[float], int]:
+def time_call(call, reps: int, warmup: int, device, flush_buf, max_seconds: float,
+              lead_us: float = 0.0) -> tuple[list[float], int]:
     import torch
 
     if device.type != "cuda":
@@ -350,9 +352,15 @@ def time_call(call, reps: int, warmup: int, device, flush_buf, max_seconds: floa
     n = max(3, min(reps, int(max_seconds / max(one, 1e-6))))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    # The GPU spins for about lead_us before each start event (torch.cuda._sleep, ~2 GHz cycles), so the
+    # host enqueues the whole call (Python, autograd, dispatch, launches) before the GPU reaches it:
+    # the events time the GPU's work, not the host's. lead_us 0: no spin.
+    cycles = int(lead_us * 2000)
     for i in range(n):
         if flush_buf is not None:
             flush_buf.zero_()
+        if cycles > 0:
+            torch.cuda._sleep(cycles)
         starts[i].record()
         call()
         ends[i].record()
@@ -437,6 +445,7 @@ def run(args) -> int:
         tt_ops.on_device = lambda t: t.device.type in ("cpu", "cuda")
         tigon_desc += " with the CPU reference kernels (--cpu-reference: not tigon's kernels)"
     env["tigon"] = tigon_desc
+    env["lead_us"] = args.lead_us if device.type == "cuda" else 0
     peers["liger"] = {op: ("ok" if op in liger else liger_missing.get(op)) for op in OPS}
     peers["tigon"] = tigon_desc
     log(f"eager code: {hf['source']}")
@@ -521,7 +530,7 @@ def run(args) -> int:
                     del first
                     row["peak_extra_bytes"] = peak_extra(call, device)
                     per_row = min(args.row_seconds, max(0.5, budget.left() - args.min_row_seconds))
-                    ts, n = time_call(call, args.reps, args.warmup, device, flush_buf, per_row)
+                    ts, n = time_call(call, args.reps, args.warmup, device, flush_buf, per_row, args.lead_us)
                     ms = statistics.median(ts)
                     row.update(ms=round(ms, 4), ms_min=round(min(ts), 4), reps=n)
                     nbytes = case.bytes_fwd if mode == "fwd" else case.bytes_fwdbwd
@@ -573,6 +582,9 @@ def markdown(rows: list[dict], skipped: list[dict], env: dict) -> str:
         "",
         "Each cell: median ms, then GB/s of useful bytes (or TFLOP/s for linear cross-entropy), then "
         "peak extra memory in GiB. 'vs best peer': the best peer's time / tigon's time (> 1: tigon faster).",
+        (f"GPU time: the GPU spins about {env.get('lead_us', 0):g} us before each timed call, so the host's "
+         "enqueueing of the call (Python, autograd, launches) is not timed."
+         if env.get("lead_us") else "The host's enqueueing of each call is timed with it (no lead spin)."),
         "",
         "| op | shape | mode | " + " | ".join(impls) + " | vs best peer |",
         "|---|---|---|" + "---|" * len(impls) + "---|",
@@ -628,6 +640,9 @@ def parse(argv=None):
     p.add_argument("--reps", type=int, default=50, help="timed calls per row at most")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--row-seconds", type=float, default=1.5, help="time spent timing one row at most")
+    p.add_argument("--lead-us", type=float, default=1000.0,
+                   help="GPU spin (about, in microseconds) before each timed call, so that the host's "
+                        "enqueueing of the call is not timed; 0 times it too")
     p.add_argument("--max-seconds", type=float, default=None, help="stop starting rows after this many seconds")
     p.add_argument("--min-row-seconds", type=float, default=5.0,
                    help="a row starts only with this much of --max-seconds left")

@@ -31,6 +31,7 @@ TORCH_LIBRARY(tigon, m) {
         "Tensor(e!)? loss_rows, Tensor(f!)? z_loss, Tensor(g!)? lse, Tensor(h!)? argmax, int ignore_index, "
         "float label_smoothing, float z_loss_scale, float softcap, int reduction, float grad_scale, "
         "int chunk) -> ()");
+  m.def("scale_rows(Tensor(a!) x, Tensor scale) -> ()");
 }
 
 #if defined(TIGON_TORCH_PYTHON_MODULE)

@@ -8,6 +8,7 @@
 
 #include <torch/library.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -49,6 +50,46 @@ void cross_entropy(const Tensor& logits, const Tensor& target, const OptTensor& 
       a.workspace_bytes = bytes;
       check_status(tigon::cross_entropy(a, current_stream(logits)));
     });
+  });
+}
+
+// x[r, :] *= scale[r] (scale: one fp32 value for every row, or one per row), skipping the rows whose
+// scale is exactly 1 without touching them: the upstream gradient of a loss whose gradient was written
+// in the forward, applied with no host synchronisation (the usual scalar 1 costs one launch whose
+// blocks read one float each and return).
+template <class T>
+__global__ void scale_rows_kernel(T* x, std::int64_t rows, std::int64_t cols, std::int64_t stride,
+                                  const float* scale, bool per_row) {
+  if (!per_row && scale[0] == 1.0f) return;
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float s = per_row ? scale[r] : scale[0];
+    if (s == 1.0f) continue;
+    T* row = x + r * stride;
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      row[c] = static_cast<T>(static_cast<float>(row[c]) * s);
+    }
+  }
+}
+
+void scale_rows(const Tensor& x, const Tensor& scale) {
+  constexpr const char* op = "tigon.scale_rows";
+  const c10::cuda::CUDAGuard guard(x.device());
+  const Rows X = rows_of(x, x, x.scalar_type(), op, "x");
+  check_cuda(scale, x, op, "scale");
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, op, ": 'scale' must be float32");
+  TORCH_CHECK_VALUE(scale.is_contiguous(), op, ": 'scale' must be contiguous");
+  const bool per_row = scale.numel() != 1;
+  TORCH_CHECK_VALUE(!per_row || scale.numel() == X.rows, op, ": 'scale' must hold 1 or ", X.rows,
+                    " values, has ", scale.numel());
+  if (X.rows == 0 || X.cols == 0) return;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const auto blocks = static_cast<unsigned>(std::min<std::int64_t>(X.rows, std::int64_t{sms} * 8));
+  dispatch_float(x.scalar_type(), op, "x", [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    scale_rows_kernel<T><<<blocks, 256, 0, current_stream(x)>>>(static_cast<T*>(X.ptr), X.rows, X.cols,
+                                                              X.stride == 0 ? X.cols : X.stride,
+                                                              scale.data_ptr<float>(), per_row);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
@@ -143,6 +184,7 @@ void linear_cross_entropy(const Tensor& x, const Tensor& weight, const OptTensor
 TORCH_LIBRARY_IMPL(tigon, CUDA, m) {
   m.impl("cross_entropy", &cross_entropy);
   m.impl("linear_cross_entropy", &linear_cross_entropy);
+  m.impl("scale_rows", &scale_rows);
 }
 
 }  // namespace tigon_torch

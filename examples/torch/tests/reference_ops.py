@@ -235,8 +235,13 @@ def linear_cross_entropy(x, weight, bias, target, class_weights, grad_output, dx
             dbias.copy_(g.sum(0))
 
 
+def scale_rows(x, scale):
+    s = scale.reshape(-1, 1).float()
+    x.copy_(torch.where(s == 1.0, x.float(), x.float() * s).to(x.dtype))
+
+
 OPS = [rms_norm_fwd, rms_norm_bwd, layer_norm_fwd, layer_norm_bwd, add_rms_norm_fwd, add_rms_norm_bwd, rope,
-       gated_fwd, gated_bwd, cross_entropy, linear_cross_entropy]
+       gated_fwd, gated_bwd, cross_entropy, linear_cross_entropy, scale_rows]
 
 
 def install() -> None:

@@ -1,5 +1,5 @@
-"""The public API on any machine: forward signatures identical to Liger-Kernel's autograd functions
-(parameter names, order and defaults, written out here), the package importable without a GPU or
+"""The public API on any machine: forward signatures that begin with Liger-Kernel's autograd functions'
+parameters (names, order and defaults, written out here; tigon-only parameters follow, defaulted), the package importable without a GPU or
 the compiled operators, and the layout helpers."""
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ LIGER_SIGNATURES = {
     "TigonFusedAddRMSNormFunction": [("X", None), ("R", None), ("W", None), ("eps", None), ("offset", 0.0),
                                      ("casting_mode", "llama"), ("in_place", False)],
 }
+# tigon-only parameters after Liger's, with their defaults (Liger's behaviour where it has one).
+EXTRA = {"TigonCrossEntropyFunction": [("in_place", False)]}
 # Parameters Liger declares without a default (None above stands for "no default" for these).
 REQUIRED = {
     "TigonRMSNormFunction": {"X", "W", "eps"},
@@ -51,8 +53,13 @@ def test_forward_signature_matches_liger(name):
     params = list(inspect.signature(getattr(tt, name).forward).parameters.values())
     assert params[0].name == "ctx"
     got = [(p.name, p.default) for p in params[1:]]
-    assert [n for n, _ in got] == [n for n, _ in LIGER_SIGNATURES[name]]
-    for (pname, default), (_, want) in zip(got, LIGER_SIGNATURES[name]):
+    liger = LIGER_SIGNATURES[name]
+    # Liger's parameters first, in its order; tigon-only ones (EXTRA) after them, each with a default,
+    # so every call written for Liger means the same here.
+    assert [n for n, _ in got] == [n for n, _ in liger] + [n for n, _ in EXTRA.get(name, [])]
+    for pname, default in got[len(liger):]:
+        assert default == dict(EXTRA[name])[pname], f"{name}.{pname}: default {default!r}"
+    for (pname, default), (_, want) in zip(got, liger):
         if pname in REQUIRED[name]:
             assert default is inspect.Parameter.empty, f"{name}.{pname} must have no default"
         else:

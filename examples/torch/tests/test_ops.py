@@ -276,6 +276,73 @@ def test_fused_gate_up_matches_chunk(ext, seed, dtype):
     assert_rel(torch.autograd.grad(c, gu, dc)[0], torch.autograd.grad(ref, gu, dc.float())[0], dtype)
 
 
+def _mlp_ref(x, wg, wu, wd, act):
+    """The MLP in fp32 from the same inputs: the reference for values and gradients."""
+    a, b = x.float() @ wg.float().t(), x.float() @ wu.float().t()
+    return _gated_ref(a, b, act) @ wd.float().t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("shape", [(2, 9, 96), (37, 64)])
+def test_gated_mlp_matches_reference(ext, seed, dtype, act, shape):
+    hidden, inter = shape[-1], 160
+    x = torch.randn(shape, device=DEV, dtype=dtype, requires_grad=True)
+    ws = [(torch.randn(o, i, device=DEV, dtype=dtype) / i ** 0.5).requires_grad_()
+          for o, i in ((inter, hidden), (inter, hidden), (hidden, inter))]
+    y = tt.tigon_gated_mlp(x, *ws, act)
+    ref = _mlp_ref(x, *ws, act)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert_rel(y, ref, dtype, factor=2.0, what="y")
+    dy = torch.randn_like(y)
+    got = _grads(y, (x, *ws), dy)
+    want = _grads(ref, (x, *ws), dy.float())
+    for g, w, name in zip(got, want, ("dx", "dw_gate", "dw_up", "dw_down")):
+        assert g.dtype == dtype and g.shape == w.shape
+        assert_rel(g, w, dtype, factor=2.0, what=name)
+
+
+def test_gated_mlp_backward_twice_and_frozen_weights(ext, seed):
+    """The backward writes over no saved tensor: a retained graph gives the same gradients again; frozen
+    weights get none, and x alone still gets its gradient."""
+    x = torch.randn(5, 7, 64, device=DEV, requires_grad=True)
+    ws = [(torch.randn(o, i, device=DEV) / i ** 0.5).requires_grad_() for o, i in ((96, 64), (96, 64), (64, 96))]
+    y = tt.tigon_gated_mlp(x, *ws)
+    dy = torch.randn_like(y)
+    first = torch.autograd.grad(y, (x, *ws), dy, retain_graph=True)
+    second = torch.autograd.grad(y, (x, *ws), dy)
+    for f, s in zip(first, second):
+        assert torch.equal(f, s)
+    frozen = [w.detach() for w in ws]
+    y2 = tt.tigon_gated_mlp(x, *frozen)
+    (dx,) = torch.autograd.grad(y2, (x,), dy)
+    assert torch.equal(dx, first[0])
+    with pytest.raises(ValueError, match="gated MLP"):
+        tt.tigon_gated_mlp(x, ws[0], ws[1], ws[0])
+
+
+def test_gated_mlp_module_paths(ext, seed):
+    """TigonSwiGLUMLP goes through the fused MLP without biases and keeps its projections with them, with
+    the same values either way."""
+    from types import SimpleNamespace
+
+    from tigon_torch import functional as TF
+
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=96, mlp_bias=False)
+    m = tt.TigonSwiGLUMLP(cfg).to(DEV)
+    x = torch.randn(3, 5, 64, device=DEV)
+    assert TF.gated_mlp_fusable(m, x)
+    ref = _mlp_ref(x, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, "silu")
+    assert_rel(m(x), ref, torch.float32)
+    handle = m.up_proj.register_forward_hook(lambda *_: None)
+    assert not TF.gated_mlp_fusable(m, x)  # a hooked projection runs as a module
+    assert_rel(m(x), ref, torch.float32)
+    handle.remove()
+    biased = tt.TigonSwiGLUMLP(SimpleNamespace(hidden_size=64, intermediate_size=96, mlp_bias=True)).to(DEV)
+    assert not TF.gated_mlp_fusable(biased, x)
+    assert not TF.gated_mlp_fusable(m, x.double())
+
+
 # ------------------------------------------------------------------------------------------------
 # Cross-entropy
 # ------------------------------------------------------------------------------------------------
@@ -335,6 +402,38 @@ def test_cross_entropy_matches_torch(ext, seed, dtype, reduction, options):
     (g,) = torch.autograd.grad(loss, logits, go.to(loss.dtype))
     (g_ref,) = torch.autograd.grad(ref, logits, go.to(ref.dtype).to(loss.dtype).float())
     assert_rel(g, g_ref, dtype, factor=2.0, what="dlogits")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("upstream", ["one", "random"])
+def test_cross_entropy_in_place_matches_out_of_place(ext, seed, dtype, reduction, upstream):
+    """in_place=True: the same loss, and the same gradient after the upstream scaling (rows whose upstream
+    gradient is 1 left as the forward wrote them); the gradient lives in the logits' own storage; a
+    second backward through the graph raises instead of scaling twice."""
+    rows, vocab = 67, 5003
+    base = (torch.randn(rows, vocab, device=DEV) * 2).to(dtype)
+    target = _targets(rows, vocab)
+    ref_in = base.clone().requires_grad_(True)
+    leaf = base.clone().requires_grad_(True)
+    x = leaf * 1  # a non-leaf, as logits are: its storage is overwritten
+    loss_ref = tt.tigon_cross_entropy(ref_in, target, reduction=reduction, label_smoothing=0.05)
+    loss = tt.tigon_cross_entropy(x, target, reduction=reduction, label_smoothing=0.05, in_place=True)
+    torch.testing.assert_close(loss, loss_ref, atol=0, rtol=0)
+    if upstream == "one":
+        go = torch.ones_like(loss_ref)
+    else:
+        go = (torch.rand(loss_ref.shape, device=DEV) + 0.5).to(loss.dtype)
+        if reduction == "none":
+            go[::3] = 1.0  # rows left as written, among scaled ones
+    (g_ref,) = torch.autograd.grad(loss_ref, ref_in, go)
+    (g,) = torch.autograd.grad(loss, x, go, retain_graph=True)
+    assert g.data_ptr() == x.data_ptr()
+    assert_rel(g, g_ref, dtype, what="in-place dlogits")
+    if dtype == torch.float32:
+        torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="second backward"):
+        torch.autograd.grad(loss, x, go)
 
 
 def test_cross_entropy_all_ignored_and_modules(ext, seed):

@@ -162,6 +162,30 @@ def test_patched_model_matches_hf(ext, family, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused_mlp", [True, False])
+def test_fused_mlp_switch(ext, monkeypatch, fused_mlp):
+    """fused_mlp=True sends every LlamaMLP through tigon_gated_mlp (one call per layer), False keeps the
+    projections as modules; both give Hugging Face's loss and gradients."""
+    from tigon_torch import functional as TF
+
+    calls = []
+    real = TF.tigon_gated_mlp
+    monkeypatch.setattr(TF, "tigon_gated_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ref, model = _pair("llama", torch.float32, vocab=4096, hidden=256)
+    tt.apply_tigon_to_llama(fused_mlp=fused_mlp, model=model)
+    ids = _ids(4096, device=DEVICE)
+    ref.train(), model.train()
+    out, want = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    assert len(calls) == (model.config.num_hidden_layers if fused_mlp else 0)
+    torch.testing.assert_close(out.loss, want.loss, atol=1e-4, rtol=1e-4)
+    out.loss.backward()
+    want.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert_rel(p.grad, q.grad, torch.float32, factor=10.0, what=f"grad {name}")
+
+
+@pytest.mark.gpu
 def test_cross_entropy_switch(ext):
     ref, model = _pair("gemma2", torch.float32, vocab=4096, hidden=256)
     tt.apply_tigon_to_gemma2(cross_entropy=True, fused_linear_cross_entropy=False, model=model)

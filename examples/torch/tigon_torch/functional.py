@@ -11,6 +11,7 @@ from .functions import (
     TigonFusedAddRMSNormFunction,
     TigonFusedGateUpMulFunction,
     TigonFusedLinearCrossEntropyFunction,
+    TigonGatedMLPFunction,
     TigonGELUMulFunction,
     TigonLayerNormFunction,
     TigonRMSNormFunction,
@@ -83,6 +84,38 @@ def tigon_fused_gate_up(gate_up, activation="silu"):
     return TigonFusedGateUpMulFunction.apply(gate_up, activation)
 
 
+def tigon_gated_mlp(x, w_gate, w_up, w_down, activation="silu"):
+    """act(x @ w_gate.T) * (x @ w_up.T) @ w_down.T, keeping neither the gated product nor any other
+    N x I tensor beyond the two projections for the backward (see TigonGatedMLPFunction)."""
+    return TigonGatedMLPFunction.apply(x, _local(w_gate), _local(w_up), _local(w_down), activation)
+
+
+def _plain_linear(m) -> bool:
+    """m is an nn.Linear without bias, without hooks (PEFT adapters, FSDP1 wrappers, quantised layers
+    and hooked modules are not), whose forward is nothing but x @ weight.T."""
+    return (type(m) is torch.nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
+            and not m._backward_hooks and not getattr(m, "_backward_pre_hooks", None))
+
+
+def gated_mlp_fusable(mlp, x) -> bool:
+    """Whether the module's gate_proj / up_proj / down_proj can go through tigon_gated_mlp with x: three
+    plain bias-free nn.Linear (see _plain_linear), weights of x's dtype, no autocast, no global module
+    hooks, x on a CUDA device. Otherwise a caller keeps the module's own projections (and may still fuse
+    the activation)."""
+    from torch.nn.modules import module as _m
+
+    if not _ops.on_device(x):
+        return False
+    projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(p is not None and _plain_linear(p) for p in projs):
+        return False
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or any(p.weight.dtype != x.dtype for p in projs):
+        return False
+    if torch.is_autocast_enabled(x.device.type):
+        return False
+    return not (_m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks)
+
+
 def tigon_cross_entropy(
     input,
     target,
@@ -95,11 +128,13 @@ def tigon_cross_entropy(
     return_z_loss=False,
     return_token_accuracy=False,
     return_predicted_tokens=False,
+    in_place=False,
 ):
-    """The loss, or (loss, z_loss, token_accuracy, predicted_tokens) when any return_* flag is set."""
+    """The loss, or (loss, z_loss, token_accuracy, predicted_tokens) when any return_* flag is set.
+    in_place=True: the gradient is written over input in the forward (see TigonCrossEntropyFunction)."""
     out = TigonCrossEntropyFunction.apply(
         input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
-        return_z_loss, return_token_accuracy, return_predicted_tokens)
+        return_z_loss, return_token_accuracy, return_predicted_tokens, in_place)
     if return_z_loss or return_token_accuracy or return_predicted_tokens:
         return out
     return out[0]

@@ -71,7 +71,9 @@ class TigonFusedAddRMSNorm(nn.Module):
 
 
 class TigonSwiGLUMLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)) — LlamaMLP's parameters, SwiGLU through tigon."""
+    """down_proj(silu(gate_proj(x)) * up_proj(x)) — LlamaMLP's parameters, SwiGLU through tigon; without
+    biases (and hooks, autocast), the whole MLP through tigon_gated_mlp (the gated product recomputed in
+    the backward, not kept)."""
 
     def __init__(self, config):
         super().__init__()
@@ -84,11 +86,14 @@ class TigonSwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=bias)
 
     def forward(self, x):
+        if F.gated_mlp_fusable(self, x):
+            return F.tigon_gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, "silu")
         return self.down_proj(F.tigon_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class TigonGEGLUMLP(nn.Module):
-    """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)) — GemmaMLP's parameters, GeGLU through tigon."""
+    """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)) — GemmaMLP's parameters, GeGLU through tigon (the
+    whole MLP through tigon_gated_mlp when it can, as TigonSwiGLUMLP)."""
 
     def __init__(self, config):
         super().__init__()
@@ -100,6 +105,9 @@ class TigonGEGLUMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
 
     def forward(self, x):
+        if F.gated_mlp_fusable(self, x):
+            return F.tigon_gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                                     "gelu_tanh")
         return self.down_proj(F.tigon_geglu(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -118,7 +126,8 @@ class TigonPhi3MLP(nn.Module):
 
 class TigonCrossEntropyLoss(nn.Module):
     def __init__(self, weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0, reduction="mean",
-                 softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
+                 softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False,
+                 in_place=False):
         super().__init__()
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
@@ -135,11 +144,12 @@ class TigonCrossEntropyLoss(nn.Module):
         self.return_z_loss = return_z_loss
         self.return_token_accuracy = return_token_accuracy
         self.return_predicted_tokens = return_predicted_tokens
+        self.in_place = in_place
 
     def forward(self, _input, target):
         return F.tigon_cross_entropy(_input, target, self.weight, self.ignore_index, self.lse_square_scale,
                                      self.label_smoothing, self.reduction, self.softcap, self.return_z_loss,
-                                     self.return_token_accuracy, self.return_predicted_tokens)
+                                     self.return_token_accuracy, self.return_predicted_tokens, self.in_place)
 
 
 class TigonFusedLinearCrossEntropyLoss(nn.Module):

@@ -43,6 +43,7 @@ def _register_fakes() -> None:
         "gated_bwd",
         "cross_entropy",
         "linear_cross_entropy",
+        "scale_rows",
     ]
     for name in names:
 

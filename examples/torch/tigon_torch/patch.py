@@ -12,6 +12,12 @@ What each switch replaces:
   rms_norm                    the family's RMSNorm (Llama casting; Gemma: offset 1, Gemma casting)
   swiglu                      the MLP's act(gate) * up (SwiGLU, or GeGLU for the Gemma family; Phi-3's
                               fused gate_up projection is read in place)
+  fused_mlp                   with swiglu, a gate / up / down MLP of plain bias-free nn.Linear modules
+                              (no PEFT adapter, no hook, no autocast) runs as one autograd function
+                              (TigonGatedMLPFunction) that does not keep the down projection's input,
+                              act(gate) * up, for the backward but recomputes it there: N x I values
+                              per layer fewer between forward and backward; otherwise the projections
+                              run as modules and only the activation is fused
   cross_entropy               the causal-LM loss on materialised logits
   fused_linear_cross_entropy  in training with labels, the causal-LM forward skips the logits and
                               computes the loss from the last hidden states and the LM head
@@ -125,6 +131,8 @@ def _gated_mlp_forward(self, x):
     kind = _mlp_kind(self)
     if kind is None or not _ops.on_device(x):
         return self._tigon_fallback(x)
+    if self._tigon_fused_mlp and F.gated_mlp_fusable(self, x):
+        return F.tigon_gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, kind)
     a, b = self.gate_proj(x), self.up_proj(x)
     if a.dtype not in _FLOAT_TYPES or a.dtype != b.dtype:
         return self.down_proj(self.act_fn(a) * b)
@@ -264,9 +272,10 @@ def _patch_norm_instance(m: nn.Module, fam: _Family, original_forward) -> None:
     _set(m, "forward", types.MethodType(_rms_norm_forward, m))
 
 
-def _patch_mlp_instance(m: nn.Module, fam: _Family, original_forward) -> None:
+def _patch_mlp_instance(m: nn.Module, fam: _Family, original_forward, fused_mlp: bool) -> None:
     fwd = _fused_gate_up_mlp_forward if fam.fused_gate_up else _gated_mlp_forward
     m.__dict__.pop("_tigon_act_kind", None)
+    _set(m, "_tigon_fused_mlp", bool(fused_mlp))
     _set(m, "_tigon_fallback", types.MethodType(original_forward, m))
     _set(m, "forward", types.MethodType(fwd, m))
 
@@ -285,17 +294,17 @@ def _norm_subclass(base: type, fam: _Family) -> type:
     })
 
 
-def _mlp_subclass(base: type, fam: _Family) -> type:
+def _mlp_subclass(base: type, fam: _Family, fused_mlp: bool) -> type:
     def fallback(self, x):
         return base.forward(self, x)
 
     fwd = _fused_gate_up_mlp_forward if fam.fused_gate_up else _gated_mlp_forward
     return type(f"Tigon{base.__name__}", (base,), {"forward": fwd, "_tigon_fallback": fallback,
-                                                   "__module__": __name__})
+                                                   "_tigon_fused_mlp": bool(fused_mlp), "__module__": __name__})
 
 
 def _apply(fam: _Family, rope: bool, rms_norm: bool, swiglu: bool, cross_entropy: bool,
-           fused_linear_cross_entropy: bool, model) -> None:
+           fused_linear_cross_entropy: bool, fused_mlp: bool, model) -> None:
     if cross_entropy and fused_linear_cross_entropy:
         raise ValueError("cross_entropy and fused_linear_cross_entropy cannot both be True")
     mod = importlib.import_module(fam.module)
@@ -318,14 +327,14 @@ def _apply(fam: _Family, rope: bool, rms_norm: bool, swiglu: bool, cross_entropy
         if rms_norm:
             _set(mod, fam.norm, _norm_subclass(norm_cls, fam))
         if swiglu:
-            _set(mod, fam.mlp, _mlp_subclass(mlp_cls, fam))
+            _set(mod, fam.mlp, _mlp_subclass(mlp_cls, fam, fused_mlp))
         return
 
     for m in model.modules():
         if rms_norm and isinstance(m, norm_cls):
             _patch_norm_instance(m, fam, norm_cls.forward)
         elif swiglu and isinstance(m, mlp_cls):
-            _patch_mlp_instance(m, fam, mlp_cls.forward)
+            _patch_mlp_instance(m, fam, mlp_cls.forward, fused_mlp)
         elif use_loss and lm_classes and isinstance(m, lm_classes):
             _set(m, "_tigon_flce", bool(fused_linear_cross_entropy))
             _set(m, "_tigon_ce", bool(cross_entropy))
@@ -336,8 +345,8 @@ def _make(family: str):
     fam = _FAMILIES[family]
 
     def apply(rope: bool = True, rms_norm: bool = True, swiglu: bool = True, cross_entropy: bool = False,
-              fused_linear_cross_entropy: bool = True, model=None) -> None:
-        _apply(fam, rope, rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy, model)
+              fused_linear_cross_entropy: bool = True, fused_mlp: bool = True, model=None) -> None:
+        _apply(fam, rope, rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy, fused_mlp, model)
 
     act = "GeGLU" if fam.casting == "gemma" else "SwiGLU"
     apply.__name__ = f"apply_tigon_to_{family}"
@@ -346,7 +355,9 @@ def _make(family: str):
         f"Patches {fam.module} with tigon's kernels: RoPE, {fam.norm} (offset {fam.offset}, casting "
         f"'{fam.casting}'), {fam.mlp} ({act}), and the loss of {', '.join(fam.causal_lm)}.\n\n"
         "model=None patches the classes (models built afterwards); a model is patched in place.\n"
-        "cross_entropy and fused_linear_cross_entropy are exclusive.")
+        "cross_entropy and fused_linear_cross_entropy are exclusive. fused_mlp (with swiglu): the MLP's\n"
+        "three projections and its activation as one autograd function that keeps only the two input\n"
+        "projections for the backward and recomputes the gated product there.")
     return apply
 
 

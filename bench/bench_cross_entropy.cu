@@ -51,12 +51,23 @@ void BM_ce(benchmark::State& st, bool grad, const std::string& label = "") {
 
 void BM_grad(benchmark::State& st) { BM_ce(st, true); }
 void BM_loss(benchmark::State& st) { BM_ce(st, false); }
+// Single calls (bench::SingleCalls): each alone on the device, as between a training step's GEMMs.
+void BM_grad_single(benchmark::State& st) {
+  bench::SingleCalls single;
+  BM_ce(st, true);
+}
+void BM_loss_single(benchmark::State& st) {
+  bench::SingleCalls single;
+  BM_ce(st, false);
+}
 
 }  // namespace
 
 #define SHAPES ->Args({8192, 32000})->Args({8192, 128256})->Args({8192, 262144})->Args({16384, 32000})
 BENCHMARK(BM_grad) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_loss) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_grad_single)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_loss_single)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 
 // Policy variants at 8192 x 128256: CrossEntropyPolicy<row kernel: wide block, narrow block,
 // vectors in flight per thread, rows per SM (0: as many as fit); on-chip kernel: blocks per row

@@ -147,6 +147,45 @@ GATED_FWD_VARIANT(flat2_plain, GatedPolicy<1, 1, false, false, 2>)
 GATED_FWD_VARIANT(flat4_stream, GatedPolicy<1, 1, true, false, 4>)
 GATED_FWD_VARIANT(flat4_plain, GatedPolicy<1, 1, false, false, 4>)
 GATED_FWD_VARIANT(flat8_stream, GatedPolicy<1, 1, true, false, 8>)
+// Single calls (bench::SingleCalls: each call alone on the device, as between a training step's
+// GEMMs, nothing overlapping its start or drain): the defaults and the forward grids, so that a
+// default can be chosen on this timing too.
+#define GATED_SINGLE(label, ...)                                                                     \
+  void BM_single_fwd_##label(benchmark::State& st) {                                                 \
+    bench::SingleCalls single;                                                                       \
+    BM_forward<tigon::Silu, __VA_ARGS__>(st, "  policy " #label " swiglu", false);                   \
+  }                                                                                                  \
+  BENCHMARK(BM_single_fwd_##label) GATED_SHAPES;
+void BM_swiglu_fwd_single(benchmark::State& st) {
+  bench::SingleCalls single;
+  BM_forward<tigon::Silu>(st, "swiglu", false);
+}
+void BM_swiglu_bwd_single(benchmark::State& st) {
+  bench::SingleCalls single;
+  BM_backward<tigon::Silu>(st, "swiglu", false);
+}
+BENCHMARK(BM_swiglu_fwd_single) GATED_SHAPES;
+BENCHMARK(BM_swiglu_bwd_single) GATED_SHAPES;
+GATED_SINGLE(flat1_stream, GatedPolicy<1, 1, true, false, 1>)
+GATED_SINGLE(flat2_plain, GatedPolicy<1, 1, false, false, 2>)
+GATED_SINGLE(flat4_stream, GatedPolicy<1, 1, true, false, 4>)
+GATED_SINGLE(u1_stream_persistent, GatedPolicy<1, 1, true, true>)
+GATED_SINGLE(u1_stream_nonpersistent, GatedPolicy<1, 1, true, false>)
+void BM_swiglu_bwd_single_persistent(benchmark::State& st) {
+  bench::SingleCalls single;
+  BM_backward<tigon::Silu, GatedPolicy<1, 1, true, true>>(st, "  policy u1_stream_persistent swiglu", false);
+}
+BENCHMARK(BM_swiglu_bwd_single_persistent) GATED_SHAPES;
+// The default forward with programmatic launch off: whether the launch attribute costs a single
+// call anything.
+void BM_swiglu_fwd_single_serial(benchmark::State& st) {
+  bench::SingleCalls single;
+  tigon::set_programmatic_launch(false);
+  BM_forward<tigon::Silu>(st, "  serial launch swiglu", false);
+  tigon::set_programmatic_launch(true);
+}
+BENCHMARK(BM_swiglu_fwd_single_serial) GATED_SHAPES;
+
 // The defaults once more, last: the spread between this row and the first ones is the noise.
 void BM_swiglu_fwd_again(benchmark::State& st) { BM_forward<tigon::Silu>(st, "swiglu (again)", false); }
 void BM_swiglu_bwd_again(benchmark::State& st) { BM_backward<tigon::Silu>(st, "swiglu (again)", false); }

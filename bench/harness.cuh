@@ -125,12 +125,32 @@ inline double copy_gbs_at(double bytes) {
   return gbs;
 }
 
+inline void run_single(benchmark::State& state, const std::string& name, double bytes,
+                       const std::function<void(int)>& fn, Ceiling ceiling);
+
+// While a SingleCalls object lives, run() times single calls (run_single) instead of batches:
+// `void BM_x_single(benchmark::State& st) { bench::SingleCalls single; BM_x(st); }`.
+inline bool& single_calls_flag() {
+  static bool on = false;
+  return on;
+}
+struct SingleCalls {
+  SingleCalls() { single_calls_flag() = true; }
+  ~SingleCalls() { single_calls_flag() = false; }
+  SingleCalls(const SingleCalls&) = delete;
+  SingleCalls& operator=(const SingleCalls&) = delete;
+};
+
 // Google Benchmark loop with manual (event) time. Each sample times a batch of `batch` calls
 // enqueued back to back (as a training step enqueues them), so the host's launch cost overlaps
 // the device work and the number is the device time per call; the median sample is reported as
-// counters and in the summary. fn(i) runs one call on input set i.
+// counters and in the summary. fn(i) runs one call on input set i. Under SingleCalls: run_single.
 inline void run(benchmark::State& state, const std::string& name, double bytes,
                 const std::function<void(int)>& fn, int batch = 20, Ceiling ceiling = Ceiling::copy) {
+  if (single_calls_flag()) {
+    run_single(state, name, bytes, fn, ceiling);
+    return;
+  }
   cudaEvent_t a, b;
   BENCH_CUDA(cudaEventCreate(&a));
   BENCH_CUDA(cudaEventCreate(&b));
@@ -165,6 +185,98 @@ inline void run(benchmark::State& state, const std::string& name, double bytes,
     state.counters["pct_of_same_size_copy"] = pct_same;
   }
   summary().push_back({name + (ceiling == Ceiling::read ? " [% of read]" : ""), med, gbs, pct, pct_same});
+}
+
+// Keeps the device busy for about `ns` nanoseconds (the global timer), so that the host has
+// enqueued what follows before the device reaches it.
+__global__ void spin_kernel(unsigned long long ns) {
+  unsigned long long t0 = 0, t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
+// One sample of a single call: a spin kernel, then events around one call. Nothing of the same op
+// precedes or follows the call on the device, so its start and drain overlap nothing (as in a
+// training step, where an op's neighbours are GEMMs), and the spin lets the host enqueue it first,
+// so its launch cost is not timed. Milliseconds.
+inline double time_single(const std::function<void()>& call) {
+  static cudaEvent_t a = nullptr, b = nullptr;
+  if (a == nullptr) {
+    BENCH_CUDA(cudaEventCreate(&a));
+    BENCH_CUDA(cudaEventCreate(&b));
+  }
+  spin_kernel<<<1, 1>>>(50'000);
+  BENCH_CUDA(cudaEventRecord(a));
+  call();
+  BENCH_CUDA(cudaEventRecord(b));
+  BENCH_CUDA(cudaEventSynchronize(b));
+  float t = 0;
+  BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
+  return t;
+}
+
+// The device-to-device copy rate for `bytes` moved (read + written) by one cudaMemcpyAsync timed
+// alone as time_single times an op (rotating buffer pairs past the L2, median of 30). Cached per
+// size.
+inline double copy_single_gbs_at(double bytes) {
+  static std::map<std::size_t, double> cache;
+  const std::size_t half = (static_cast<std::size_t>(bytes / 2) + 255) / 256 * 256;
+  if (const auto it = cache.find(half); it != cache.end()) return it->second;
+  const int sets = std::min(8, rotation(2.0 * half));
+  std::vector<void*> src(sets), dst(sets);
+  for (int i = 0; i < sets; ++i) {
+    BENCH_CUDA(cudaMalloc(&src[i], half));
+    BENCH_CUDA(cudaMalloc(&dst[i], half));
+    BENCH_CUDA(cudaMemset(src[i], 0x5a, half));
+  }
+  std::vector<double> ms;
+  for (int rep = 0; rep < 33; ++rep) {
+    const int k = rep % sets;
+    const double t = time_single(
+        [&] { BENCH_CUDA(cudaMemcpyAsync(dst[k], src[k], half, cudaMemcpyDeviceToDevice)); });
+    if (rep >= 3) ms.push_back(t);
+  }
+  for (int i = 0; i < sets; ++i) {
+    cudaFree(src[i]);
+    cudaFree(dst[i]);
+  }
+  const double gbs = 2.0 * static_cast<double>(half) / (median(ms) * 1e-3) / 1e9;
+  cache[half] = gbs;
+  return gbs;
+}
+
+// Google Benchmark loop timing single calls (time_single): each sample is one call fn(i) on input
+// set i, alone on the device. Reported as `name` + " single call"; "% same B" is against one
+// cudaMemcpyAsync of the same bytes timed the same way.
+inline void run_single(benchmark::State& state, const std::string& name, double bytes,
+                       const std::function<void(int)>& fn, Ceiling ceiling) {
+  for (int i = 0; i < 3; ++i) fn(i);
+  BENCH_CUDA(cudaDeviceSynchronize());
+  std::vector<double> ms;
+  int i = 0;
+  for (auto _ : state) {
+    const double t = time_single([&] { fn(i++); });
+    state.SetIterationTime(t / 1e3);
+    ms.push_back(t);
+  }
+  BENCH_CUDA(cudaGetLastError());
+  const double med = median(ms);
+  const double gbs = bytes / (med * 1e-3) / 1e9;
+  const double ceil_gbs = ceiling == Ceiling::copy ? ceilings().copy_gbs : ceilings().read_gbs;
+  const double pct = 100.0 * gbs / ceil_gbs;
+  state.counters["median_ms"] = med;
+  state.counters["GB/s"] = gbs;
+  state.counters[ceiling == Ceiling::copy ? "pct_of_copy" : "pct_of_read"] = pct;
+  state.counters["bytes"] = bytes;
+  double pct_same = 0;
+  if (ceiling == Ceiling::copy && bytes <= 16e9) {
+    pct_same = 100.0 * gbs / copy_single_gbs_at(bytes);
+    state.counters["pct_of_same_size_single_copy"] = pct_same;
+  }
+  summary().push_back({name + " single call" + (ceiling == Ceiling::read ? " [% of read]" : ""), med, gbs, pct,
+                       pct_same});
 }
 
 // Host cost of one launcher call: `calls` calls of a tiny problem, timed on the host.

@@ -66,6 +66,20 @@ def test_norms(fake):
         assert dx.shape == dr.shape == x.shape and dw.shape == w.shape
 
 
+def test_gated_mlp_and_in_place_cross_entropy(fake):
+    x = _t(2, 5, 64)
+    wg, wu, wd = _t(96, 64), _t(96, 64), _t(64, 96)
+    y = tt.TigonGatedMLPFunction.apply(x, wg, wu, wd, "silu")
+    assert y.shape == x.shape and y.dtype == BF
+    dx, dwg, dwu, dwd, _ = _backward(y, (_like(y),))
+    assert dx.shape == x.shape and dwg.shape == wg.shape and dwu.shape == wu.shape and dwd.shape == wd.shape
+    logits, target = _t(6, 1000), torch.zeros(6, dtype=torch.int64, device="cuda")
+    out = tt.TigonCrossEntropyFunction.apply(logits, target, None, -100, 0.0, 0.0, "mean", None, False, False,
+                                             False, True)
+    dl = _backward(out, (_like(out[0]), None, None, None))[0]
+    assert dl.shape == logits.shape and dl.dtype == BF
+
+
 def test_rope_and_gated(fake):
     q = _t(2, 3, 4, 32, grad=False).transpose(1, 2).requires_grad_(True)
     k = _t(2, 3, 2, 32, grad=False).transpose(1, 2).requires_grad_(True)

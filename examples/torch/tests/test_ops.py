@@ -317,6 +317,13 @@ def test_gated_mlp_backward_twice_and_frozen_weights(ext, seed):
     y2 = tt.tigon_gated_mlp(x, *frozen)
     (dx,) = torch.autograd.grad(y2, (x,), dy)
     assert torch.equal(dx, first[0])
+    y3 = tt.tigon_gated_mlp(x.detach(), ws[0].detach(), ws[1].detach(), ws[2])  # only w_down trains
+    (dwd,) = torch.autograd.grad(y3, (ws[2],), dy)
+    assert torch.equal(dwd, first[3])
+    y4 = tt.tigon_gated_mlp(x, *ws)
+    (gx,) = torch.autograd.grad(y4, (x,), dy, create_graph=True)
+    with pytest.raises(RuntimeError):  # once differentiable: a double backward raises
+        gx.sum().backward()
     with pytest.raises(ValueError, match="gated MLP"):
         tt.tigon_gated_mlp(x, ws[0], ws[1], ws[0])
 
@@ -434,6 +441,37 @@ def test_cross_entropy_in_place_matches_out_of_place(ext, seed, dtype, reduction
         torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
     with pytest.raises(RuntimeError, match="second backward"):
         torch.autograd.grad(loss, x, go)
+
+
+def test_cross_entropy_in_place_edges(ext, seed):
+    """in_place is ignored for float16 and with grad mode off; a node that saved the logits raises at its
+    backward instead of reading the gradient; transposed logits (written through a copy) and zero rows
+    still get the right gradient."""
+    rows, vocab = 9, 301
+    target = _targets(rows, vocab)
+    x16 = torch.randn(rows, vocab, device=DEV).half().requires_grad_(True)
+    before = x16.detach().clone()
+    tt.tigon_cross_entropy(x16, target, in_place=True).backward()
+    assert torch.equal(x16.detach(), before)
+    x = torch.randn(rows, vocab, device=DEV).requires_grad_(True)
+    before = x.detach().clone()
+    with torch.no_grad():
+        tt.tigon_cross_entropy(x, target, in_place=True)
+    assert torch.equal(x.detach(), before)
+    logits = torch.tanh(torch.randn(rows, vocab, device=DEV, requires_grad=True))  # tanh saves its output
+    loss = tt.tigon_cross_entropy(logits, target, in_place=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    xt = torch.randn(vocab, rows, device=DEV).t().requires_grad_(True)
+    ref = xt.detach().clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(tt.tigon_cross_entropy(xt, target, in_place=True), xt)
+    (g_ref,) = torch.autograd.grad(tt.tigon_cross_entropy(ref, target), ref)
+    torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
+    x0 = torch.randn(0, vocab, device=DEV, requires_grad=True)
+    for reduction in ("mean", "sum", "none"):
+        (g0,) = torch.autograd.grad(tt.tigon_cross_entropy(x0, target[:0], reduction=reduction, in_place=True).sum(),
+                                    x0)
+        assert g0.shape == (0, vocab)
 
 
 def test_cross_entropy_all_ignored_and_modules(ext, seed):

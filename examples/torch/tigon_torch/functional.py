@@ -90,11 +90,15 @@ def tigon_gated_mlp(x, w_gate, w_up, w_down, activation="silu"):
     return TigonGatedMLPFunction.apply(x, _local(w_gate), _local(w_up), _local(w_down), activation)
 
 
-def _plain_linear(m) -> bool:
-    """m is an nn.Linear without bias, without hooks (PEFT adapters, FSDP1 wrappers, quantised layers
-    and hooked modules are not), whose forward is nothing but x @ weight.T."""
+def _plain_linear(m, x) -> bool:
+    """m is an nn.Linear without bias whose forward is nothing but x @ weight.T: no hooks, no forward
+    replaced on the instance (Accelerate's offload hooks), a plain weight (not a quantised or
+    distributed tensor subclass) on x's device. PEFT adapters and FSDP1 wrappers are other types."""
+    w = getattr(m, "weight", None)
     return (type(m) is torch.nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
-            and not m._backward_hooks and not getattr(m, "_backward_pre_hooks", None))
+            and not m._backward_hooks and not getattr(m, "_backward_pre_hooks", None)
+            and "forward" not in m.__dict__ and not hasattr(m, "_hf_hook")
+            and type(w) in (torch.nn.Parameter, torch.Tensor) and w.device == x.device)
 
 
 def gated_mlp_fusable(mlp, x) -> bool:
@@ -107,13 +111,14 @@ def gated_mlp_fusable(mlp, x) -> bool:
     if not _ops.on_device(x):
         return False
     projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not all(p is not None and _plain_linear(p) for p in projs):
+    if not all(p is not None and _plain_linear(p, x) for p in projs):
         return False
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or any(p.weight.dtype != x.dtype for p in projs):
         return False
     if torch.is_autocast_enabled(x.device.type):
         return False
-    return not (_m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks)
+    return not (_m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks
+                or getattr(_m, "_global_backward_pre_hooks", None))
 
 
 def tigon_cross_entropy(
@@ -131,10 +136,11 @@ def tigon_cross_entropy(
     in_place=False,
 ):
     """The loss, or (loss, z_loss, token_accuracy, predicted_tokens) when any return_* flag is set.
-    in_place=True: the gradient is written over input in the forward (see TigonCrossEntropyFunction)."""
+    in_place=True: the gradient is written over input in the forward (see TigonCrossEntropyFunction);
+    ignored when grad mode is off."""
     out = TigonCrossEntropyFunction.apply(
         input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
-        return_z_loss, return_token_accuracy, return_predicted_tokens, in_place)
+        return_z_loss, return_token_accuracy, return_predicted_tokens, bool(in_place) and torch.is_grad_enabled())
     if return_z_loss or return_token_accuracy or return_predicted_tokens:
         return out
     return out[0]

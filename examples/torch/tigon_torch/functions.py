@@ -24,6 +24,7 @@ device.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import ops as _o
 from .ops import as_rows, empty_rows, ops, row_order, rows_as, vector
@@ -42,6 +43,11 @@ def _cast(t, dtype):
     if t is None or t.dtype == dtype:
         return t
     return t.to(dtype)
+
+
+def _same_storage(a, b) -> bool:
+    """Whether a is b or a view of the same base (as_rows returns a view of its input, or a copy)."""
+    return (a._base if a._base is not None else a) is (b._base if b._base is not None else b)
 
 
 def _compiling() -> bool:
@@ -440,6 +446,7 @@ class TigonGatedMLPFunction(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], hidden)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x2, w_gate, w_up, w_down, a, b = ctx.saved_tensors
         need_x, need_gate, need_up, need_down = ctx.needs_input_grad[:4]
@@ -542,12 +549,20 @@ def _ce_forward(ctx, _input, target, weight, ignore_index, lse_square_scale, lab
     red, loss, loss_rows, z_loss, lse, argmax = _ce_outputs(
         rows, x2.device, reduction, return_z_loss, return_token_accuracy or return_predicted_tokens, z_scale)
     # In place: the gradient (for an upstream gradient of 1) written over the logits by the same kernel
-    # call as the loss, one read and one write of the logits; the backward scales it by the upstream
-    # gradient, skipping rows whose upstream gradient is 1 (scale_rows).
-    in_place = bool(in_place) and _input.requires_grad and not _compiling()
+    # call as the loss; the backward scales it by the upstream gradient, skipping rows whose upstream
+    # gradient is 1 (scale_rows).
+    # Not for float16: the gradient would be rounded to fp16 before a loss scale reaches it, and its
+    # small entries would underflow.
+    in_place = (bool(in_place) and _input.requires_grad and not _compiling()
+                and _input.dtype != torch.float16)
     if rows > 0:
         ops().cross_entropy(x2, target, cw, None, x2 if in_place else None, loss, loss_rows, z_loss, lse, argmax,
                             int(ignore_index), float(label_smoothing), z_scale, cap, red, 1.0)
+        if in_place and _same_storage(x2, _input):
+            # The operator wrote the logits' memory without bumping their version counter: bump it,
+            # so that a node that saved the logits (a softcap's tanh, say) raises at its backward
+            # instead of reading the gradient.
+            torch.autograd.graph.increment_version(_input)
     else:
         for t in (loss, loss_rows, z_loss):
             if t is not None:
@@ -602,12 +617,17 @@ class TigonCrossEntropyFunction(torch.autograd.Function):
     By default the forward reads the logits once and computes no gradient; the backward computes
     dlogits with the upstream gradient folded in on the device (no comparison with 1.0 on the host, no
     separate scaling pass), and _input is never modified. in_place=True (Liger's behaviour: Liger always
-    overwrites its input) writes the gradient over _input in the forward, in the same pass as the
-    loss: one read and one write of the logits in all, no [BT, V] allocation; the backward then
-    multiplies it by the upstream gradient on the device, skipping rows whose upstream gradient is 1
-    (so the usual scalar 1 costs one launch and no pass). Then _input holds the gradient once the
-    forward returns, and one backward per forward is allowed (a second raises). Under torch.compile,
-    in_place is ignored. loss and z_loss are returned in _input's dtype (as Liger), computed in fp32.
+    overwrites its input) writes the gradient over _input in the forward, in the same kernel call as
+    the loss, with no [BT, V] allocation (when _input's rows are contiguous; otherwise into a copy);
+    the backward multiplies it by the upstream gradient on the device, skipping rows whose upstream
+    gradient is exactly 1 (so the usual scalar 1 costs one launch and no pass; any other value one
+    more pass, and a second rounding of the gradient to _input's dtype). Then _input holds the
+    gradient once the forward returns (for a leaf, .grad shares its storage), its version counter is
+    bumped (a node that saved it raises at backward), and one backward per forward is allowed (a
+    second raises). in_place is ignored for float16 logits (the gradient would be rounded to fp16
+    before a loss scale reaches it) and under torch.compile; pass it only when a backward follows
+    (tigon_cross_entropy and TigonCrossEntropyLoss drop it when grad mode is off). loss and z_loss are
+    returned in _input's dtype (as Liger), computed in fp32.
     """
 
     @staticmethod

@@ -345,7 +345,7 @@ def _make(family: str):
     fam = _FAMILIES[family]
 
     def apply(rope: bool = True, rms_norm: bool = True, swiglu: bool = True, cross_entropy: bool = False,
-              fused_linear_cross_entropy: bool = True, fused_mlp: bool = True, model=None) -> None:
+              fused_linear_cross_entropy: bool = True, model=None, fused_mlp: bool = True) -> None:
         _apply(fam, rope, rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy, fused_mlp, model)
 
     act = "GeGLU" if fam.casting == "gemma" else "SwiGLU"

@@ -72,7 +72,8 @@ BENCHMARK(BM_loss_single)->Args({8192, 128256})->UseManualTime()->Iterations(30)
 // Policy variants at 8192 x 128256: CrossEntropyPolicy<row kernel: wide block, narrow block,
 // vectors in flight per thread, rows per SM (0: as many as fit); on-chip kernel: blocks per row
 // (-1: automatic, with a gradient; 0: off), its block size, its slice per buffer in KiB, split rows
-// (the split-row kernel instead of the on-chip one)>.
+// (the split-row kernel instead of the on-chip one), KiB of each row the row kernel keeps in shared
+// memory between its passes>.
 #define CE_VARIANT(label, ...)                                                                   \
   void BM_grad_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, true, #label); }           \
   void BM_loss_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, false, #label); }          \
@@ -93,5 +94,14 @@ CE_VARIANT(split4_b512, CrossEntropyPolicy<256, 256, 4, 0, 4, 512, 36, true>)
 CE_VARIANT(split8_b256, CrossEntropyPolicy<256, 256, 4, 0, 8, 256, 36, true>)
 CE_VARIANT(split8_b512, CrossEntropyPolicy<256, 256, 4, 0, 8, 512, 36, true>)
 CE_VARIANT(split8_b1024, CrossEntropyPolicy<256, 256, 4, 0, 8, 1024, 36, true>)
+// The row kernel with fewer rows in flight per SM (so that the re-read rows can stay in L2), with
+// and without the first KiB of each row kept in shared memory between the passes (kKeepKB).
+CE_VARIANT(rows_b512_r2, CrossEntropyPolicy<512, 256, 4, 2, 0>)
+CE_VARIANT(rows_b256_r2, CrossEntropyPolicy<256, 256, 4, 2, 0>)
+CE_VARIANT(rows_b256_r3, CrossEntropyPolicy<256, 256, 4, 3, 0>)
+CE_VARIANT(keep96_b512_r2, CrossEntropyPolicy<512, 256, 4, 2, 0, 256, 36, false, 96>)
+CE_VARIANT(keep104_b256_r2, CrossEntropyPolicy<256, 256, 4, 2, 0, 256, 36, false, 104>)
+CE_VARIANT(keep64_b256_r3, CrossEntropyPolicy<256, 256, 4, 3, 0, 256, 36, false, 64>)
+CE_VARIANT(keep200_b1024_r1, CrossEntropyPolicy<1024, 256, 4, 1, 0, 256, 36, false, 200>)
 
 BENCH_MAIN

@@ -183,7 +183,8 @@ TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce
 
 TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]") {
   // CrossEntropyPolicy<wide block, narrow block, vectors in flight, rows per SM, blocks per row of
-  // the on-chip kernel (-1 automatic, 0 off), its block size, its slice per buffer in KiB, split rows>
+  // the on-chip kernel (-1 automatic, 0 off), its block size, its slice per buffer in KiB, split rows,
+  // KiB of each row kept in shared memory by the row kernel>
   using tigon::CrossEntropyPolicy;
   for (std::int64_t V : {std::int64_t{1000}, std::int64_t{32000}, std::int64_t{128256}}) {
     const std::int64_t rows = V == 128256 ? 16 : 100;
@@ -211,6 +212,12 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
       run_case<bf16, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 4, 256, 36, true>>(c);
       run_case<half, std::int32_t, CrossEntropyPolicy<256, 256, 2, 0, 3, 128, 36, true>>(c);
       run_case<float, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 8, 512, 36, true>>(c);
+      // the row kernel keeping the first KiB of each row in shared memory between its passes: 96
+      // (whole rows at 1000 and 32000 columns, part of a 128256-column one), 8 (part of every row
+      // but the shortest), 40 (fp32: whole rows at 1000 columns, part of the others)
+      run_case<bf16, std::int64_t, CrossEntropyPolicy<512, 256, 4, 2, 0, 256, 36, false, 96>>(c);
+      run_case<half, std::int32_t, CrossEntropyPolicy<256, 256, 2, 0, 0, 256, 36, false, 8>>(c);
+      run_case<float, std::int64_t, CrossEntropyPolicy<256, 128, 4, 3, 0, 256, 36, false, 40>>(c);
     }
   }
 }

@@ -122,7 +122,8 @@ BENCHMARK(BM_geglu_bwd_fused) GATED_SHAPES;
 
 // Policy variants (SwiGLU, separate tensors): GatedPolicy<unroll, min blocks per SM, streaming
 // stores, persistent, flat forward grid (vectors per thread; 0: the row grid)>. Defaults: forward
-// <1, 1, true, false, 2>, backward <1, 1, true, false>.
+// <1, 1, true, true, 2> (the flat grid over dense tensors, where the persistent flag does not
+// apply), backward <1, 1, true, false>.
 #define GATED_VARIANT(label, ...)                                                                    \
   void BM_fwd_##label(benchmark::State& st) {                                                        \
     BM_forward<tigon::Silu, __VA_ARGS__>(st, "  policy " #label " swiglu", false);                   \

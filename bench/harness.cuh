@@ -135,8 +135,9 @@ inline bool& single_calls_flag() {
   return on;
 }
 struct SingleCalls {
-  SingleCalls() { single_calls_flag() = true; }
-  ~SingleCalls() { single_calls_flag() = false; }
+  SingleCalls() : was(single_calls_flag()) { single_calls_flag() = true; }
+  ~SingleCalls() { single_calls_flag() = was; }
+  bool was;
   SingleCalls(const SingleCalls&) = delete;
   SingleCalls& operator=(const SingleCalls&) = delete;
 };
@@ -197,19 +198,22 @@ __global__ void spin_kernel(unsigned long long ns) {
   } while (t - t0 < ns);
 }
 
-// One sample of a single call: a spin kernel, then events around one call. Nothing of the same op
-// precedes or follows the call on the device, so its start and drain overlap nothing (as in a
-// training step, where an op's neighbours are GEMMs), and the spin lets the host enqueue it first,
-// so its launch cost is not timed. Milliseconds.
-inline double time_single(const std::function<void()>& call) {
+// One sample of a single call: a 200 us spin kernel, then events around one call. Nothing of the
+// same op precedes or follows the call on the device, so its start and drain overlap nothing (as in
+// a training step, where an op's neighbours are GEMMs), and the spin lets the host enqueue it
+// first, so its launch cost is not timed; `late` counts samples where the spin had already ended
+// when the call was enqueued (then part of the host's cost is in the sample). Milliseconds.
+inline double time_single(const std::function<void()>& call, int* late = nullptr) {
   static cudaEvent_t a = nullptr, b = nullptr;
   if (a == nullptr) {
     BENCH_CUDA(cudaEventCreate(&a));
     BENCH_CUDA(cudaEventCreate(&b));
   }
-  spin_kernel<<<1, 1>>>(50'000);
+  spin_kernel<<<1, 1>>>(200'000);
+  BENCH_CUDA(cudaGetLastError());
   BENCH_CUDA(cudaEventRecord(a));
   call();
+  if (late != nullptr && cudaEventQuery(a) == cudaSuccess) ++*late;
   BENCH_CUDA(cudaEventRecord(b));
   BENCH_CUDA(cudaEventSynchronize(b));
   float t = 0;
@@ -255,12 +259,14 @@ inline void run_single(benchmark::State& state, const std::string& name, double 
   for (int i = 0; i < 3; ++i) fn(i);
   BENCH_CUDA(cudaDeviceSynchronize());
   std::vector<double> ms;
-  int i = 0;
+  int i = 0, late = 0;
   for (auto _ : state) {
-    const double t = time_single([&] { fn(i++); });
+    const double t = time_single([&] { fn(i++); }, &late);
     state.SetIterationTime(t / 1e3);
     ms.push_back(t);
   }
+  state.counters["late_samples"] = late;
+  if (late > 0) std::printf("%s single call: %d of %zu samples enqueued after the spin ended\n", name.c_str(), late, ms.size());
   BENCH_CUDA(cudaGetLastError());
   const double med = median(ms);
   const double gbs = bytes / (med * 1e-3) / 1e9;

@@ -9,7 +9,8 @@
 #   all         build, e2e-train, ops, e2e-ckpt
 #   build       tigon_torch installed with pip (examples/torch/gpu_check.sh's build phase; it falls
 #               back to the JIT build); skipped when tigon_torch._C already imports, unless
-#               TIGON_COMPARE_REBUILD=1
+#               TIGON_COMPARE_REBUILD=1. Leave it out when the operator library was built elsewhere
+#               and is preloaded (TIGON_PRELOAD and PYTHONPATH as scripts/stage-torch-ext.sh says)
 #   ops         bench/compare/ops.py       --out OUTDIR/ops  $OPS_ARGS
 #   e2e-train   bench/compare/e2e.py       --out OUTDIR/e2e --phases train  $E2E_ARGS
 #   e2e-ckpt    bench/compare/e2e.py       --out OUTDIR/e2e-ckpt --phases ckpt  $E2E_ARGS
@@ -76,7 +77,10 @@ fi
 installed() { (cd "$OUT" && "$PY" -c "import tigon_torch._C" > /dev/null 2>&1); }
 
 use_jit_if_needed() {
-  if installed; then
+  if [ -n "${TIGON_PRELOAD:-}" ] && [ -f "$TIGON_PRELOAD" ]; then
+    export PYTHONPATH="$ROOT/examples/torch${PYTHONPATH:+:$PYTHONPATH}"
+    note "tigon_torch: the library preloaded from $TIGON_PRELOAD (scripts/stage-torch-ext.sh)"
+  elif installed; then
     note "tigon_torch: the pip-installed extension"
   elif [ -d "$TIGON_TORCH_BUILD_DIR" ]; then
     export PYTHONPATH="$ROOT/examples/torch${PYTHONPATH:+:$PYTHONPATH}" TIGON_TORCH_JIT=1

@@ -253,7 +253,9 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //                   row stay in the block's shared memory from pass 1 to pass 2, which reads them
 //                   from there and re-reads only the rest of the row from global memory (its
 //                   newest lines, the likeliest still in L2). 0 (the default): none. With kRowsPerSm
-//                   it bounds the bytes re-read per row in flight, so that they can stay in L2.
+//                   it bounds the bytes re-read per row in flight, so that they can stay in L2. On a
+//                   GPU whose blocks cannot opt in to kKeepKB KiB + 4 KiB of shared memory, the row
+//                   kernel runs without it.
 // Rows the chosen kernel cannot take (narrow vectors, older GPUs, the split-vocabulary passes, a
 // row over 8 blocks' shared memory) take the row kernel: a first pass for the statistics and a
 // second that re-reads the row (from L2 where it is still there) for the gradient.
@@ -276,7 +278,7 @@ struct CrossEntropyPolicy {
   static constexpr bool kSplitRows = kSplitRows_;
   static constexpr int kKeepKB = kKeepKB_;
   static_assert(!kSplitRows_ || kCluster_ > 0, "the split-row kernel takes an explicit cluster size");
-  static_assert(kKeepKB_ >= 0 && kKeepKB_ <= 224, "0 to 224 KiB of each row kept in shared memory");
+  static_assert(kKeepKB_ >= 0 && kKeepKB_ <= 223, "0 to 223 KiB of each row kept in shared memory");
 };
 using CrossEntropyDefaultPolicy = CrossEntropyPolicy<>;
 
@@ -483,32 +485,21 @@ TIGON_DEVICE void ce_grad_vec(const CeParams<T, I>& p, const AlignedVec<T, kV>& 
 
 // Pass 1 over vectors [lo, hi) of row xr into this thread's statistics: vectors lo + tid,
 // lo + tid + kThreads, ..., kU of them in flight per trip (read with L2 policy `keep`).
-// kKeep: vectors below keep_n are also stored at their index in `kept` (shared memory) and read
-// evict-first (pass 2 takes them from there).
-template <class T, class I, int kV, int kThreads, int kU, bool kKeep = false>
+// kStore: every vector read is also stored at its index in `kept` (shared memory, for pass 2).
+template <class T, class I, int kV, int kThreads, int kU, bool kStore = false>
 TIGON_DEVICE void ce_stats_range(const CeParams<T, I>& p, const T* xr, int lo, int hi, bool want_arg, bool smooth,
                                  const float* wcol, std::uint64_t keep, CeAcc& acc,
-                                 AlignedVec<T, kV>* kept = nullptr, int keep_n = 0, std::uint64_t drop = 0) {
+                                 AlignedVec<T, kV>* kept = nullptr) {
   int i = lo + static_cast<int>(threadIdx.x);
   for (; i + (kU - 1) * kThreads < hi; i += kU * kThreads) {
     AlignedVec<T, kV> raw[kU];
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int j = i + u * kThreads;
-      if constexpr (kKeep) {
-        raw[u] = load_vec_policy<kV>(xr + j * kV, j < keep_n ? drop : keep);
-      } else {
-        raw[u] = load_vec_policy<kV>(xr + j * kV, keep);
-      }
-    }
+    for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i + u * kThreads) * kV, keep);
     // One vector at a time once all kU are in flight: eight fp32 values live, not kU * 8.
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int j = i + u * kThreads;
-      if constexpr (kKeep) {
-        if (j < keep_n) kept[j] = raw[u];
-      }
-      const std::int64_t c0 = static_cast<std::int64_t>(j) * kV;
+      if constexpr (kStore) kept[i + u * kThreads] = raw[u];
+      const std::int64_t c0 = static_cast<std::int64_t>(i + u * kThreads) * kV;
       float x[kV];
       to_x<T, kV>(raw[u], p.bias, c0, p.cap, x);
       ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
@@ -516,13 +507,8 @@ TIGON_DEVICE void ce_stats_range(const CeParams<T, I>& p, const T* xr, int lo, i
   }
   for (; i < hi; i += kThreads) {
     const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
-    AlignedVec<T, kV> raw;
-    if constexpr (kKeep) {
-      raw = load_vec_policy<kV>(xr + c0, i < keep_n ? drop : keep);
-      if (i < keep_n) kept[i] = raw;
-    } else {
-      raw = load_vec_policy<kV>(xr + c0, keep);
-    }
+    const AlignedVec<T, kV> raw = load_vec_policy<kV>(xr + c0, keep);
+    if constexpr (kStore) kept[i] = raw;
     float x[kV];
     to_x<T, kV>(raw, p.bias, c0, p.cap, x);
     ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
@@ -531,21 +517,20 @@ TIGON_DEVICE void ce_stats_range(const CeParams<T, I>& p, const T* xr, int lo, i
 
 // Pass 2 over vectors [lo, hi) of row xr: the gradient written to dr, newest lines first (the end
 // of the range was read last and is the likeliest still in L2), kU vectors in flight per trip.
-// kKeep: vectors below keep_n come from `kept` (shared memory, stored there by pass 1).
-template <class T, class I, int kV, int kThreads, int kU, bool kKeep = false>
+// kFromKept: the vectors come from `kept` (shared memory, stored there by pass 1), not from xr.
+template <class T, class I, int kV, int kThreads, int kU, bool kFromKept = false>
 TIGON_DEVICE void ce_grad_range(const CeParams<T, I>& p, const T* xr, T* dr, int lo, int hi, std::int64_t t,
                                 const ce_math::RowTerms& terms, float scale, const float* wcol,
-                                std::uint64_t drop, const AlignedVec<T, kV>* kept = nullptr, int keep_n = 0) {
+                                std::uint64_t drop, const AlignedVec<T, kV>* kept = nullptr) {
   int i = hi - 1 - static_cast<int>(threadIdx.x);
   for (; i - (kU - 1) * kThreads >= lo; i -= kU * kThreads) {
     AlignedVec<T, kV> raw[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int j = i - u * kThreads;
-      if constexpr (kKeep) {
-        raw[u] = j < keep_n ? kept[j] : load_vec_policy<kV>(xr + j * kV, drop);
+      if constexpr (kFromKept) {
+        raw[u] = kept[i - u * kThreads];
       } else {
-        raw[u] = load_vec_policy<kV>(xr + j * kV, drop);
+        raw[u] = load_vec_policy<kV>(xr + (i - u * kThreads) * kV, drop);
       }
     }
 #pragma unroll
@@ -553,8 +538,8 @@ TIGON_DEVICE void ce_grad_range(const CeParams<T, I>& p, const T* xr, T* dr, int
   }
   for (; i >= lo; i -= kThreads) {
     AlignedVec<T, kV> raw;
-    if constexpr (kKeep) {
-      raw = i < keep_n ? kept[i] : load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop);
+    if constexpr (kFromKept) {
+      raw = kept[i];
     } else {
       raw = load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop);
     }
@@ -585,16 +570,21 @@ TIGON_DEVICE CeParams<T, I> ce_specialise(CeParams<T, I> p) {
   return p;
 }
 
-// kKeep (policy kKeepKB): the first keep_n vectors of each row stay in dynamic shared memory from
-// pass 1 to pass 2 (only when a gradient is wanted and pass 1 runs).
-template <class T, class I, int kV, int kThreads, int kU, bool kPlain, bool kKeep = false>
+// kKeepBytes (policy kKeepKB; one instance per size, since each sets its own shared-memory limit):
+// the first keep_n vectors of each row stay in that much dynamic shared memory from pass 1 to pass
+// 2, when a gradient is wanted and pass 1 runs. Pass 1 reads them evict-first (L2 need not keep
+// them), pass 2 re-reads only the rest from global memory, then takes them from shared memory.
+template <class T, class I, int kV, int kThreads, int kU, bool kPlain, int kKeepBytes = 0>
 TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I> params, int keep_n) {
   detail::grid_dependency_sync();
   const CeParams<T, I> p = ce_specialise<kPlain>(params);
+  constexpr bool kKeep = kKeepBytes > 0;
   extern __shared__ uint4 ce_keep_smem[];
   AlignedVec<T, kV>* const kept = reinterpret_cast<AlignedVec<T, kV>*>(ce_keep_smem);
   if constexpr (kKeep) {
     if (p.dx == nullptr || p.stats != nullptr || p.stats_out != nullptr) keep_n = 0;
+  } else {
+    keep_n = 0;
   }
   using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
   __shared__ CeShared<kThreads> sh;
@@ -613,8 +603,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
     CeAcc total;
     if (p.stats == nullptr) {
       CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
-      ce_stats_range<T, I, kV, kThreads, kU, kKeep>(p, xr, 0, nvec, want_arg, smooth, wcol, keep, acc, kept, keep_n,
-                                                    drop);
+      if constexpr (kKeep) {
+        ce_stats_range<T, I, kV, kThreads, kU, true>(p, xr, 0, keep_n, want_arg, smooth, wcol, drop, acc, kept);
+      }
+      ce_stats_range<T, I, kV, kThreads, kU>(p, xr, keep_n, nvec, want_arg, smooth, wcol, keep, acc);
       acc.best_i += p.col0;
       const CeAcc r = Reduce(sh.reduce).Reduce(acc, CeAccMerge{});
       if (threadIdx.x == 0) {
@@ -651,9 +643,13 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
     const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, sh.x_t, t_raw, ignored || bad);
     if (threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
     if (p.dx != nullptr) {
-      // The kept vectors were stored before the barrier after the reduction: visible to all here.
-      ce_grad_range<T, I, kV, kThreads, kU, kKeep>(p, xr, p.dx + row * p.dxs, 0, nvec, t, terms,
-                                                   ce_grad_scale(p, row, ignored || bad), wcol, drop, kept, keep_n);
+      const float scale = ce_grad_scale(p, row, ignored || bad);
+      ce_grad_range<T, I, kV, kThreads, kU>(p, xr, p.dx + row * p.dxs, keep_n, nvec, t, terms, scale, wcol, drop);
+      if constexpr (kKeep) {
+        // Stored by pass 1 before the barrier that follows the reduction: visible to every thread.
+        ce_grad_range<T, I, kV, kThreads, kU, true>(p, xr, p.dx + row * p.dxs, 0, keep_n, t, terms, scale, wcol,
+                                                    drop, kept);
+      }
     }
     __syncthreads();  // sh (and the kept vectors) are reused by the next row
   }
@@ -952,8 +948,8 @@ template <class T, class I, int kV, int kThreads, class P, bool kPlain, bool kKe
 Status launch_ce_rows_with(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   // One row per resident block (a gradient pass re-reads its row: from L2 where it stayed there,
   // from shared memory for the part kept there).
-  constexpr auto kernel = ce_row_kernel<T, I, kV, kThreads, P::kUnroll, kPlain, kKeep>;
   constexpr int kSmem = kKeep ? P::kKeepKB * 1024 : 0;
+  constexpr auto kernel = ce_row_kernel<T, I, kV, kThreads, P::kUnroll, kPlain, kSmem>;
   DeviceInfo dev;
   TIGON_CHECK(current_device_info(dev));
   int occ = 0;

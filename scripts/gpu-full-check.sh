@@ -6,7 +6,7 @@
 # limit still leaves what it did), the logs under OUTDIR/x, and OUTDIR/x.tgz of them at the end.
 #   scripts/gpu-full-check.sh BINS OUTDIR
 # BINS: a folder of binaries, or a bins.tar.xz from PACK=xz scripts/stage-prebuilt.sh.
-# Per-step limits in seconds (environment): BENCH_S (default 230), TEST_S (110), SANITIZE_S (205);
+# Per-step limits in seconds (environment): BENCH_S (default 230), TEST_S (110), SANITIZE_S (260);
 # SANITIZE_JOBS sanitizer runs at a time (default 10).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -41,8 +41,8 @@ done
 wait
 cat "$out"/x/tests/.tigon_gpu_tests_* >> "$S" 2>/dev/null
 step "compute-sanitizer"
-TESTS=none BENCHES=none SANITIZE_JOBS=${SANITIZE_JOBS:-10} timeout $(( ${SANITIZE_S:-205} + 10 )) \
-  "$here/gpu-run-binaries.sh" "$tests" "$out/x/san" "${SANITIZE_S:-205}" > /dev/null 2>&1
+TESTS=none BENCHES=none SANITIZE_JOBS=${SANITIZE_JOBS:-10} timeout $(( ${SANITIZE_S:-260} + 10 )) \
+  "$here/gpu-run-binaries.sh" "$tests" "$out/x/san" "${SANITIZE_S:-260}" > /dev/null 2>&1
 pkill -f compute-sanitizer 2>/dev/null  # runs a cut left behind
 # Runs that finished before a cut still left their lines.
 cat "$out"/x/san/.sanitize-* 2>/dev/null >> "$S"

@@ -48,13 +48,25 @@ sanitize() {
   echo "compute-sanitizer $tool $n: rc=$rc :: ${extra[*]} $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|All tests passed|test cases:' "$out/$tool-$n.log" | tr '\n' ' ')"
 }
 # SANITIZE_JOBS runs (default 1) at a time: they share the GPU, so the step takes less wall time.
+# The longest runs start first (racecheck on the cross-entropy and launch suites took over 200 s
+# sharing the GPU), so that a step limit cuts the short ones last.
 jobs_max=${SANITIZE_JOBS:-1}
-for tool in memcheck racecheck; do
-  for t in "$bin"/tigon_gpu_tests_${SANITIZE:-*}; do
-    [ -e "$t" ] || continue
-    while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do sleep 1; done
-    sanitize "$tool" "$t" > "$out/.sanitize-$tool-$(basename "$t")" &
-  done
+runs=()
+for t in "$bin"/tigon_gpu_tests_${SANITIZE:-*}; do
+  [ -e "$t" ] || continue
+  case "$(basename "$t")" in
+    *_cross_entropy|*_launch) runs=("racecheck $t" "${runs[@]}") ;;
+    *) runs+=("racecheck $t") ;;
+  esac
+done
+for t in "$bin"/tigon_gpu_tests_${SANITIZE:-*}; do
+  [ -e "$t" ] && runs+=("memcheck $t")
+done
+for r in "${runs[@]}"; do
+  tool=${r%% *}
+  t=${r#* }
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do sleep 1; done
+  sanitize "$tool" "$t" > "$out/.sanitize-$tool-$(basename "$t")" &
 done
 wait
 cat "$out"/.sanitize-* 2>/dev/null >> "$out/summary.txt"

@@ -223,13 +223,13 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
 }
 
 TEST_CASE("cross_entropy: rows kept in shared memory across many rows per block", "[ce][gpu]") {
-  // One block per SM walking 1000 rows, so the kept buffer is reused row after row (the barrier
+  // One block per SM walking 400 rows, so the kept buffer is reused row after row (the barrier
   // between rows); 1 KiB kept = 64 bf16 vectors, not a multiple of the 256-thread block, so the
   // boundary between kept and re-read vectors falls inside a sweep; then two kept sizes on the same
   // kernel shape in the order large, small, large (each size is its own instance with its own
   // shared-memory limit).
   using tigon::CrossEntropyPolicy;
-  Case c{.rows = 1000, .V = 32000};
+  Case c{.rows = 400, .V = 32000};
   Case sep = c;
   sep.in_place = false;
   sep.pad = 8;

@@ -188,5 +188,9 @@ BWD_VARIANT(v2_b256_m2_s3_reread, LayerNormPolicy<4, 256, 2, 256, 2, 3, false, f
 BWD_VARIANT(v2_b256_m2_s3_cs, LayerNormPolicy<4, 256, 2, 256, 2, 3, false, true>)
 BWD_VARIANT(v4_b256_m1_s3_reread, LayerNormPolicy<4, 256, 4, 256, 1, 3, false, false, false>)
 BWD_VARIANT(v1_b1024_m1_s2, LayerNormPolicy<4, 256, 1, 1024, 1, 2>)
+// More resident threads per SM: 3 or 4 blocks of 256 threads, or 2 of 512, each with 2 stages.
+BWD_VARIANT(v2_b256_m3_s2_reread, LayerNormPolicy<4, 256, 2, 256, 3, 2, false, false, false>)
+BWD_VARIANT(v2_b256_m4_s2_reread, LayerNormPolicy<4, 256, 2, 256, 4, 2, false, false, false>)
+BWD_VARIANT(v2_b512_m2_s2_reread, LayerNormPolicy<4, 256, 2, 512, 2, 2, false, false, false>)
 
 BENCH_MAIN

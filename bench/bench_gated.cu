@@ -121,7 +121,7 @@ BENCHMARK(BM_geglu_fwd_fused) GATED_SHAPES;
 BENCHMARK(BM_geglu_bwd_fused) GATED_SHAPES;
 
 // Policy variants (SwiGLU, separate tensors): GatedPolicy<unroll, min blocks per SM, streaming
-// stores, persistent, flat forward grid (vectors per thread; 0: the row grid)>. Defaults: forward
+// stores, persistent, flat forward grid (vectors per thread; 0: the row grid), streaming loads>. Defaults: forward
 // <1, 1, true, true, 2> (the flat grid over dense tensors, where the persistent flag does not
 // apply), backward <1, 1, true, false>.
 #define GATED_VARIANT(label, ...)                                                                    \
@@ -148,6 +148,7 @@ GATED_FWD_VARIANT(flat2_plain, GatedPolicy<1, 1, false, false, 2>)
 GATED_FWD_VARIANT(flat4_stream, GatedPolicy<1, 1, true, false, 4>)
 GATED_FWD_VARIANT(flat4_plain, GatedPolicy<1, 1, false, false, 4>)
 GATED_FWD_VARIANT(flat8_stream, GatedPolicy<1, 1, true, false, 8>)
+GATED_FWD_VARIANT(flat2_plainloads, GatedPolicy<1, 1, true, true, 2, false>)
 // Single calls (bench::SingleCalls: each call alone on the device, as between a training step's
 // GEMMs, nothing overlapping its start or drain): the defaults and the forward grids, so that a
 // default can be chosen on this timing too.
@@ -172,6 +173,14 @@ GATED_SINGLE(flat2_plain, GatedPolicy<1, 1, false, false, 2>)
 GATED_SINGLE(flat4_stream, GatedPolicy<1, 1, true, false, 4>)
 GATED_SINGLE(u1_stream_persistent, GatedPolicy<1, 1, true, true>)
 GATED_SINGLE(u1_stream_nonpersistent, GatedPolicy<1, 1, true, false>)
+// Plain (not evict-first) loads, with streaming and with plain stores.
+GATED_SINGLE(flat2_plainloads, GatedPolicy<1, 1, true, true, 2, false>)
+GATED_SINGLE(flat2_plainloads_plainstores, GatedPolicy<1, 1, false, true, 2, false>)
+void BM_swiglu_bwd_single_plainloads(benchmark::State& st) {
+  bench::SingleCalls single;
+  BM_backward<tigon::Silu, GatedPolicy<1, 1, true, false, 0, false>>(st, "  policy plainloads swiglu", false);
+}
+BENCHMARK(BM_swiglu_bwd_single_plainloads) GATED_SHAPES;
 void BM_swiglu_bwd_single_persistent(benchmark::State& st) {
   bench::SingleCalls single;
   BM_backward<tigon::Silu, GatedPolicy<1, 1, true, true>>(st, "  policy u1_stream_persistent swiglu", false);

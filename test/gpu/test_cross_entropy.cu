@@ -183,8 +183,7 @@ TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce
 
 TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]") {
   // CrossEntropyPolicy<wide block, narrow block, vectors in flight, rows per SM, blocks per row of
-  // the on-chip kernel (-1 automatic, 0 off), its block size, its slice per buffer in KiB, split rows,
-  // KiB of each row kept in shared memory by the row kernel>
+  // the on-chip kernel (-1 automatic, 0 off), its block size, its slice per buffer in KiB, split rows>
   using tigon::CrossEntropyPolicy;
   for (std::int64_t V : {std::int64_t{1000}, std::int64_t{32000}, std::int64_t{128256}}) {
     const std::int64_t rows = V == 128256 ? 16 : 100;
@@ -212,34 +211,7 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
       run_case<bf16, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 4, 256, 36, true>>(c);
       run_case<half, std::int32_t, CrossEntropyPolicy<256, 256, 2, 0, 3, 128, 36, true>>(c);
       run_case<float, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 8, 512, 36, true>>(c);
-      // the row kernel keeping the first KiB of each row in shared memory between its passes: 96
-      // (whole rows at 1000 and 32000 columns, part of a 128256-column one), 8 (part of every row
-      // but the shortest), 40 (fp32: whole rows at 1000 columns, part of the others)
-      run_case<bf16, std::int64_t, CrossEntropyPolicy<512, 256, 4, 2, 0, 256, 36, false, 96>>(c);
-      run_case<half, std::int32_t, CrossEntropyPolicy<256, 256, 2, 0, 0, 256, 36, false, 8>>(c);
-      run_case<float, std::int64_t, CrossEntropyPolicy<256, 128, 4, 3, 0, 256, 36, false, 40>>(c);
     }
-  }
-}
-
-TEST_CASE("cross_entropy: rows kept in shared memory across many rows per block", "[ce][gpu]") {
-  // One block per SM walking 400 rows, so the kept buffer is reused row after row (the barrier
-  // between rows); 1 KiB kept = 64 bf16 vectors, not a multiple of the 256-thread block, so the
-  // boundary between kept and re-read vectors falls inside a sweep; then two kept sizes on the same
-  // kernel shape in the order large, small, large (each size is its own instance with its own
-  // shared-memory limit).
-  using tigon::CrossEntropyPolicy;
-  Case c{.rows = 400, .V = 32000};
-  Case sep = c;
-  sep.in_place = false;
-  sep.pad = 8;
-  sep.grad_output = true;
-  sep.red = Reduction::none;
-  for (const Case& k : {c, sep}) {
-    run_case<bf16, std::int64_t, CrossEntropyPolicy<256, 256, 4, 1, 0, 256, 36, false, 1>>(k);
-    run_case<bf16, std::int64_t, CrossEntropyPolicy<256, 256, 4, 1, 0, 256, 36, false, 40>>(k);
-    run_case<bf16, std::int64_t, CrossEntropyPolicy<256, 256, 4, 1, 0, 256, 36, false, 1>>(k);
-    run_case<bf16, std::int64_t, CrossEntropyPolicy<256, 256, 4, 1, 0, 256, 36, false, 40>>(k);
   }
 }
 

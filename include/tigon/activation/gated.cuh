@@ -109,7 +109,7 @@ TIGON_HD void backward(float dc, float a, float b, float gate_mult, float down_m
 // Tuning knobs of the gated kernels; pass your own as the second template argument of
 // gated_forward / gated_backward. The measured variants are in docs/gated.md.
 template <int kUnroll_ = 1, int kMinBlocksPerSm_ = 1, bool kStreamStores_ = true,
-          bool kPersistent_ = true, int kFlat_ = 0, bool kStreamLoads_ = true>
+          bool kPersistent_ = true, int kFlat_ = 0>
 struct GatedPolicy {
   static_assert(kUnroll_ >= 1 && kUnroll_ <= 8, "1 to 8 vectors per array per loop trip");
   static_assert(kFlat_ >= 0 && kFlat_ <= 8, "0 (row grid) or 1 to 8 vectors per thread (flat grid)");
@@ -119,7 +119,6 @@ struct GatedPolicy {
   static constexpr int kUnroll = kUnroll_;
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // __launch_bounds__: caps registers
   static constexpr bool kStreamStores = kStreamStores_;     // evict-first stores (st.global.cs)
-  static constexpr bool kStreamLoads = kStreamLoads_;       // evict-first loads (ld.global.cs); false: plain
   // true: a grid that fills the device once, each block walking several rows; false: one block
   // per row block (up to the grid limit).
   static constexpr bool kPersistent = kPersistent_;
@@ -296,8 +295,8 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
       for (int u = 0; u < kU; ++u) {
         const std::int64_t i = i0 + u * step;
         if (i < nvec) {
-          av[u] = load_vec_hinted<P::kStreamLoads, kV>(ar + i * kV);
-          bv[u] = load_vec_hinted<P::kStreamLoads, kV>(br + i * kV);
+          av[u] = load_vec_stream<kV>(ar + i * kV);
+          bv[u] = load_vec_stream<kV>(br + i * kV);
         }
       }
 #pragma unroll
@@ -330,8 +329,8 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads) gated_fwd_flat_kernel(const G
   for (int u = 0; u < kN; ++u) {
     const unsigned v = base + u * kGatedThreads;
     if (v < total) {
-      av[u] = load_vec_hinted<P::kStreamLoads, kV>(p.a + static_cast<std::int64_t>(v) * kV);
-      bv[u] = load_vec_hinted<P::kStreamLoads, kV>(p.b + static_cast<std::int64_t>(v) * kV);
+      av[u] = load_vec_stream<kV>(p.a + static_cast<std::int64_t>(v) * kV);
+      bv[u] = load_vec_stream<kV>(p.b + static_cast<std::int64_t>(v) * kV);
     }
   }
 #pragma unroll
@@ -370,9 +369,9 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
       for (int u = 0; u < kU; ++u) {
         const std::int64_t i = i0 + u * step;
         if (i < nvec) {
-          dcv[u] = load_vec_hinted<P::kStreamLoads, kV>(dcr + i * kV);
-          av[u] = load_vec_hinted<P::kStreamLoads, kV>(ar + i * kV);
-          bv[u] = load_vec_hinted<P::kStreamLoads, kV>(br + i * kV);
+          dcv[u] = load_vec_stream<kV>(dcr + i * kV);
+          av[u] = load_vec_stream<kV>(ar + i * kV);
+          bv[u] = load_vec_stream<kV>(br + i * kV);
         }
       }
       // Every load of this trip is issued before the first store, and a thread's stores touch only

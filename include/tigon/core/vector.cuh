@@ -106,16 +106,6 @@ TIGON_DEVICE void store_vec_hinted(T* p, const AlignedVec<T, N>& v) {
   }
 }
 
-// A load whose cache hint is a compile-time choice (a policy's "streaming loads" knob).
-template <bool kStreaming, int N, class T>
-TIGON_DEVICE AlignedVec<T, N> load_vec_hinted(const T* p) {
-  if constexpr (kStreaming) {
-    return load_vec_stream<N>(p);
-  } else {
-    return load_vec<N>(p);
-  }
-}
-
 // L2 eviction priorities (sm_80+): a kernel that reads data twice marks the first read
 // evict-last so the second finds it in L2, and the second read (and the store over it)
 // evict-first so the lines make room once done. Other widths and older targets: plain accesses.

@@ -248,20 +248,12 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //                   few enough for the second read to find them in L2; no shared-memory buffers,
 //                   so as many blocks per SM as registers allow; the statistics are exchanged
 //                   through distributed shared memory. Measured below the row kernel on one H200
-//                   (docs/cross_entropy.md);
-//   kKeepKB:        row kernel, with a gradient and 16-byte vectors: the first kKeepKB KiB of each
-//                   row stay in the block's shared memory from pass 1 to pass 2, which reads them
-//                   from there and re-reads only the rest of the row from global memory (its
-//                   newest lines, the likeliest still in L2). 0 (the default): none. With kRowsPerSm
-//                   it bounds the bytes re-read per row in flight, so that they can stay in L2. On a
-//                   GPU whose blocks cannot opt in to kKeepKB KiB + 4 KiB of shared memory, the row
-//                   kernel runs without it.
+//                   (docs/cross_entropy.md).
 // Rows the chosen kernel cannot take (narrow vectors, older GPUs, the split-vocabulary passes, a
 // row over 8 blocks' shared memory) take the row kernel: a first pass for the statistics and a
 // second that re-reads the row (from L2 where it is still there) for the gradient.
 template <int kWideThreads_ = 256, int kNarrowThreads_ = 256, int kUnroll_ = 4, int kRowsPerSm_ = 0,
-          int kCluster_ = 0, int kClusterThreads_ = 256, int kSliceKB_ = 36, bool kSplitRows_ = false,
-          int kKeepKB_ = 0>
+          int kCluster_ = 0, int kClusterThreads_ = 256, int kSliceKB_ = 36, bool kSplitRows_ = false>
 struct CrossEntropyPolicy {
   static_assert(kUnroll_ >= 1 && kUnroll_ <= 8, "1 to 8 vectors in flight per thread");
   static_assert(kCluster_ >= -1 && kCluster_ <= 8, "-1 (automatic), 0 (off) or 1 to 8 blocks per row");
@@ -276,9 +268,7 @@ struct CrossEntropyPolicy {
   static constexpr int kClusterThreads = kClusterThreads_;
   static constexpr int kSliceKB = kSliceKB_;
   static constexpr bool kSplitRows = kSplitRows_;
-  static constexpr int kKeepKB = kKeepKB_;
   static_assert(!kSplitRows_ || kCluster_ > 0, "the split-row kernel takes an explicit cluster size");
-  static_assert(kKeepKB_ >= 0 && kKeepKB_ <= 223, "0 to 223 KiB of each row kept in shared memory");
 };
 using CrossEntropyDefaultPolicy = CrossEntropyPolicy<>;
 
@@ -485,11 +475,9 @@ TIGON_DEVICE void ce_grad_vec(const CeParams<T, I>& p, const AlignedVec<T, kV>& 
 
 // Pass 1 over vectors [lo, hi) of row xr into this thread's statistics: vectors lo + tid,
 // lo + tid + kThreads, ..., kU of them in flight per trip (read with L2 policy `keep`).
-// kStore: every vector read is also stored at its index in `kept` (shared memory, for pass 2).
-template <class T, class I, int kV, int kThreads, int kU, bool kStore = false>
+template <class T, class I, int kV, int kThreads, int kU>
 TIGON_DEVICE void ce_stats_range(const CeParams<T, I>& p, const T* xr, int lo, int hi, bool want_arg, bool smooth,
-                                 const float* wcol, std::uint64_t keep, CeAcc& acc,
-                                 AlignedVec<T, kV>* kept = nullptr) {
+                                 const float* wcol, std::uint64_t keep, CeAcc& acc) {
   int i = lo + static_cast<int>(threadIdx.x);
   for (; i + (kU - 1) * kThreads < hi; i += kU * kThreads) {
     AlignedVec<T, kV> raw[kU];
@@ -498,7 +486,6 @@ TIGON_DEVICE void ce_stats_range(const CeParams<T, I>& p, const T* xr, int lo, i
     // One vector at a time once all kU are in flight: eight fp32 values live, not kU * 8.
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      if constexpr (kStore) kept[i + u * kThreads] = raw[u];
       const std::int64_t c0 = static_cast<std::int64_t>(i + u * kThreads) * kV;
       float x[kV];
       to_x<T, kV>(raw[u], p.bias, c0, p.cap, x);
@@ -507,43 +494,29 @@ TIGON_DEVICE void ce_stats_range(const CeParams<T, I>& p, const T* xr, int lo, i
   }
   for (; i < hi; i += kThreads) {
     const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
-    const AlignedVec<T, kV> raw = load_vec_policy<kV>(xr + c0, keep);
-    if constexpr (kStore) kept[i] = raw;
     float x[kV];
-    to_x<T, kV>(raw, p.bias, c0, p.cap, x);
+    to_x<T, kV>(load_vec_policy<kV>(xr + c0, keep), p.bias, c0, p.cap, x);
     ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
   }
 }
 
 // Pass 2 over vectors [lo, hi) of row xr: the gradient written to dr, newest lines first (the end
 // of the range was read last and is the likeliest still in L2), kU vectors in flight per trip.
-// kFromKept: the vectors come from `kept` (shared memory, stored there by pass 1), not from xr.
-template <class T, class I, int kV, int kThreads, int kU, bool kFromKept = false>
+template <class T, class I, int kV, int kThreads, int kU>
 TIGON_DEVICE void ce_grad_range(const CeParams<T, I>& p, const T* xr, T* dr, int lo, int hi, std::int64_t t,
                                 const ce_math::RowTerms& terms, float scale, const float* wcol,
-                                std::uint64_t drop, const AlignedVec<T, kV>* kept = nullptr) {
+                                std::uint64_t drop) {
   int i = hi - 1 - static_cast<int>(threadIdx.x);
   for (; i - (kU - 1) * kThreads >= lo; i -= kU * kThreads) {
     AlignedVec<T, kV> raw[kU];
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if constexpr (kFromKept) {
-        raw[u] = kept[i - u * kThreads];
-      } else {
-        raw[u] = load_vec_policy<kV>(xr + (i - u * kThreads) * kV, drop);
-      }
-    }
+    for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i - u * kThreads) * kV, drop);
 #pragma unroll
     for (int u = 0; u < kU; ++u) ce_grad_vec<T, I, kV>(p, raw[u], i - u * kThreads, dr, t, terms, scale, wcol, drop);
   }
   for (; i >= lo; i -= kThreads) {
-    AlignedVec<T, kV> raw;
-    if constexpr (kFromKept) {
-      raw = kept[i];
-    } else {
-      raw = load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop);
-    }
-    ce_grad_vec<T, I, kV>(p, raw, i, dr, t, terms, scale, wcol, drop);
+    ce_grad_vec<T, I, kV>(p, load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop), i, dr, t, terms,
+                          scale, wcol, drop);
   }
 }
 
@@ -570,22 +543,10 @@ TIGON_DEVICE CeParams<T, I> ce_specialise(CeParams<T, I> p) {
   return p;
 }
 
-// kKeepBytes (policy kKeepKB; one instance per size, since each sets its own shared-memory limit):
-// the first keep_n vectors of each row stay in that much dynamic shared memory from pass 1 to pass
-// 2, when a gradient is wanted and pass 1 runs. Pass 1 reads them evict-first (L2 need not keep
-// them), pass 2 re-reads only the rest from global memory, then takes them from shared memory.
-template <class T, class I, int kV, int kThreads, int kU, bool kPlain, int kKeepBytes = 0>
-TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I> params, int keep_n) {
+template <class T, class I, int kV, int kThreads, int kU, bool kPlain>
+TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I> params) {
   detail::grid_dependency_sync();
   const CeParams<T, I> p = ce_specialise<kPlain>(params);
-  constexpr bool kKeep = kKeepBytes > 0;
-  extern __shared__ uint4 ce_keep_smem[];
-  AlignedVec<T, kV>* const kept = reinterpret_cast<AlignedVec<T, kV>*>(ce_keep_smem);
-  if constexpr (kKeep) {
-    if (p.dx == nullptr || p.stats != nullptr || p.stats_out != nullptr) keep_n = 0;
-  } else {
-    keep_n = 0;
-  }
   using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
   __shared__ CeShared<kThreads> sh;
   const int nvec = static_cast<int>(p.vocab / kV);
@@ -603,10 +564,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
     CeAcc total;
     if (p.stats == nullptr) {
       CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
-      if constexpr (kKeep) {
-        ce_stats_range<T, I, kV, kThreads, kU, true>(p, xr, 0, keep_n, want_arg, smooth, wcol, drop, acc, kept);
-      }
-      ce_stats_range<T, I, kV, kThreads, kU>(p, xr, keep_n, nvec, want_arg, smooth, wcol, keep, acc);
+      ce_stats_range<T, I, kV, kThreads, kU>(p, xr, 0, nvec, want_arg, smooth, wcol, keep, acc);
       acc.best_i += p.col0;
       const CeAcc r = Reduce(sh.reduce).Reduce(acc, CeAccMerge{});
       if (threadIdx.x == 0) {
@@ -643,15 +601,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
     const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, sh.x_t, t_raw, ignored || bad);
     if (threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
     if (p.dx != nullptr) {
-      const float scale = ce_grad_scale(p, row, ignored || bad);
-      ce_grad_range<T, I, kV, kThreads, kU>(p, xr, p.dx + row * p.dxs, keep_n, nvec, t, terms, scale, wcol, drop);
-      if constexpr (kKeep) {
-        // Stored by pass 1 before the barrier that follows the reduction: visible to every thread.
-        ce_grad_range<T, I, kV, kThreads, kU, true>(p, xr, p.dx + row * p.dxs, 0, keep_n, t, terms, scale, wcol,
-                                                    drop, kept);
-      }
+      ce_grad_range<T, I, kV, kThreads, kU>(p, xr, p.dx + row * p.dxs, 0, nvec, t, terms,
+                                            ce_grad_scale(p, row, ignored || bad), wcol, drop);
     }
-    __syncthreads();  // sh (and the kept vectors) are reused by the next row
+    __syncthreads();  // sh is reused by the next row
   }
 }
 
@@ -944,38 +897,19 @@ Status launch_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* 
   return launch_ce_rows_as<T, I, kV, kThreads, P, false>(p, stream, op);
 }
 
-template <class T, class I, int kV, int kThreads, class P, bool kPlain, bool kKeep>
-Status launch_ce_rows_with(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
-  // One row per resident block (a gradient pass re-reads its row: from L2 where it stayed there,
-  // from shared memory for the part kept there).
-  constexpr int kSmem = kKeep ? P::kKeepKB * 1024 : 0;
-  constexpr auto kernel = ce_row_kernel<T, I, kV, kThreads, P::kUnroll, kPlain, kSmem>;
+template <class T, class I, int kV, int kThreads, class P, bool kPlain>
+Status launch_ce_rows_as(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
+  // One row per resident block (a gradient pass re-reads its row: from L2 where it stayed there).
+  constexpr auto kernel = ce_row_kernel<T, I, kV, kThreads, P::kUnroll, kPlain>;
   DeviceInfo dev;
   TIGON_CHECK(current_device_info(dev));
   int occ = 0;
-  TIGON_CHECK((blocks_per_sm<kernel, kThreads, kSmem>(dev.device, occ)));
+  TIGON_CHECK((blocks_per_sm<kernel, kThreads>(dev.device, occ)));
   std::int64_t per_sm = occ;
   if constexpr (P::kRowsPerSm > 0) per_sm = std::min<std::int64_t>(P::kRowsPerSm, occ);
   const auto grid = static_cast<unsigned>(
       std::clamp<std::int64_t>(per_sm * dev.sm_count, 1, std::max<std::int64_t>(p.rows, 1)));
-  const auto keep_n = static_cast<int>(
-      std::min<std::int64_t>(p.vocab / kV, kSmem / static_cast<std::int64_t>(sizeof(AlignedVec<T, kV>))));
-  return launch(op, kernel, {dim3(grid), dim3(kThreads), static_cast<std::size_t>(kSmem), stream}, p, keep_n);
-}
-
-template <class T, class I, int kV, int kThreads, class P, bool kPlain>
-Status launch_ce_rows_as(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
-  if constexpr (P::kKeepKB > 0 && kV > 1) {
-    if (p.dx != nullptr && p.stats == nullptr && p.stats_out == nullptr) {
-      DeviceInfo dev;
-      TIGON_CHECK(current_device_info(dev));
-      // The kept slice and the kernel's static shared memory (reduction scratch) in one block.
-      if (dev.smem_per_block_optin >= P::kKeepKB * 1024 + 4096) {
-        return launch_ce_rows_with<T, I, kV, kThreads, P, kPlain, true>(p, stream, op);
-      }
-    }
-  }
-  return launch_ce_rows_with<T, I, kV, kThreads, P, kPlain, false>(p, stream, op);
+  return launch(op, kernel, {dim3(grid), dim3(kThreads), 0, stream}, p);
 }
 
 // A clustered row kernel (`one` describes one cluster: its blocks, threads, shared memory): as many

@@ -185,16 +185,6 @@ void BM_backward_policy(benchmark::State& st, const char* label) {
 
 using tigon::RmsNormPolicy;
 
-// Single calls (bench::SingleCalls): each alone on the device, as between a training step's GEMMs.
-void BM_forward_fused_single(benchmark::State& st) {
-  bench::SingleCalls single;
-  BM_forward_fused(st);
-}
-void BM_backward_fused_single(benchmark::State& st) {
-  bench::SingleCalls single;
-  BM_backward_fused(st);
-}
-
 }  // namespace
 
 #define SHAPES ->Args({16384, 4096})->Args({16384, 8192})
@@ -203,8 +193,9 @@ BENCHMARK(BM_forward_fused) SHAPES TIMED;
 BENCHMARK(BM_forward_separate) SHAPES TIMED;
 BENCHMARK(BM_backward_fused) SHAPES TIMED;
 BENCHMARK(BM_backward_separate) SHAPES TIMED;
-BENCHMARK(BM_forward_fused_single)->Args({16384, 4096}) TIMED;
-BENCHMARK(BM_backward_fused_single)->Args({16384, 4096}) TIMED;
+// Single calls (bench::single): each alone on the device, as between a training step's GEMMs.
+BENCHMARK(bench::single<BM_forward_fused>)->Args({16384, 4096}) TIMED;
+BENCHMARK(bench::single<BM_backward_fused>)->Args({16384, 4096}) TIMED;
 
 #define FWD_VARIANT(label, ...)                                                               \
   void BM_fwd_##label(benchmark::State& st) { BM_forward_policy<__VA_ARGS__>(st, #label); }  \

@@ -51,29 +51,20 @@ void BM_ce(benchmark::State& st, bool grad, const std::string& label = "") {
 
 void BM_grad(benchmark::State& st) { BM_ce(st, true); }
 void BM_loss(benchmark::State& st) { BM_ce(st, false); }
-// Single calls (bench::SingleCalls): each alone on the device, as between a training step's GEMMs.
-void BM_grad_single(benchmark::State& st) {
-  bench::SingleCalls single;
-  BM_ce(st, true);
-}
-void BM_loss_single(benchmark::State& st) {
-  bench::SingleCalls single;
-  BM_ce(st, false);
-}
 
 }  // namespace
 
 #define SHAPES ->Args({8192, 32000})->Args({8192, 128256})->Args({8192, 262144})->Args({16384, 32000})
 BENCHMARK(BM_grad) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_loss) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_grad_single)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_loss_single)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+// Single calls (bench::single): each alone on the device, as between a training step's GEMMs.
+BENCHMARK(bench::single<BM_grad>)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+BENCHMARK(bench::single<BM_loss>)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 
 // Policy variants at 8192 x 128256: CrossEntropyPolicy<row kernel: wide block, narrow block,
 // vectors in flight per thread, rows per SM (0: as many as fit); on-chip kernel: blocks per row
 // (-1: automatic, with a gradient; 0: off), its block size, its slice per buffer in KiB, split rows
-// (the split-row kernel instead of the on-chip one), KiB of each row the row kernel keeps in shared
-// memory between its passes>.
+// (the split-row kernel instead of the on-chip one)>.
 #define CE_VARIANT(label, ...)                                                                   \
   void BM_grad_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, true, #label); }           \
   void BM_loss_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, false, #label); }          \
@@ -94,19 +85,10 @@ CE_VARIANT(split4_b512, CrossEntropyPolicy<256, 256, 4, 0, 4, 512, 36, true>)
 CE_VARIANT(split8_b256, CrossEntropyPolicy<256, 256, 4, 0, 8, 256, 36, true>)
 CE_VARIANT(split8_b512, CrossEntropyPolicy<256, 256, 4, 0, 8, 512, 36, true>)
 CE_VARIANT(split8_b1024, CrossEntropyPolicy<256, 256, 4, 0, 8, 1024, 36, true>)
-// The row kernel with fewer rows in flight per SM (so that the re-read rows can stay in L2), with
-// and without the first KiB of each row kept in shared memory between the passes (kKeepKB).
-// Keeping applies only with a gradient, so the keep variants have no loss-only row.
-#define CE_GRAD_VARIANT(label, ...)                                                              \
-  void BM_grad_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, true, #label); }           \
-  BENCHMARK(BM_grad_##label)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+// The row kernel with fewer rows in flight per SM (so that the re-read rows can stay in L2).
 CE_VARIANT(rows_b1024_r1, CrossEntropyPolicy<1024, 256, 4, 1, 0>)
 CE_VARIANT(rows_b512_r2, CrossEntropyPolicy<512, 256, 4, 2, 0>)
 CE_VARIANT(rows_b256_r2, CrossEntropyPolicy<256, 256, 4, 2, 0>)
 CE_VARIANT(rows_b256_r3, CrossEntropyPolicy<256, 256, 4, 3, 0>)
-CE_GRAD_VARIANT(keep96_b512_r2, CrossEntropyPolicy<512, 256, 4, 2, 0, 256, 36, false, 96>)
-CE_GRAD_VARIANT(keep104_b256_r2, CrossEntropyPolicy<256, 256, 4, 2, 0, 256, 36, false, 104>)
-CE_GRAD_VARIANT(keep64_b256_r3, CrossEntropyPolicy<256, 256, 4, 3, 0, 256, 36, false, 64>)
-CE_GRAD_VARIANT(keep200_b1024_r1, CrossEntropyPolicy<1024, 256, 4, 1, 0, 256, 36, false, 200>)
 
 BENCH_MAIN

@@ -121,7 +121,7 @@ BENCHMARK(BM_geglu_fwd_fused) GATED_SHAPES;
 BENCHMARK(BM_geglu_bwd_fused) GATED_SHAPES;
 
 // Policy variants (SwiGLU, separate tensors): GatedPolicy<unroll, min blocks per SM, streaming
-// stores, persistent, flat forward grid (vectors per thread; 0: the row grid), streaming loads>. Defaults: forward
+// stores, persistent, flat forward grid (vectors per thread; 0: the row grid)>. Defaults: forward
 // <1, 1, true, true, 2> (the flat grid over dense tensors, where the persistent flag does not
 // apply), backward <1, 1, true, false>.
 #define GATED_VARIANT(label, ...)                                                                    \
@@ -148,53 +148,25 @@ GATED_FWD_VARIANT(flat2_plain, GatedPolicy<1, 1, false, false, 2>)
 GATED_FWD_VARIANT(flat4_stream, GatedPolicy<1, 1, true, false, 4>)
 GATED_FWD_VARIANT(flat4_plain, GatedPolicy<1, 1, false, false, 4>)
 GATED_FWD_VARIANT(flat8_stream, GatedPolicy<1, 1, true, false, 8>)
-GATED_FWD_VARIANT(flat2_plainloads, GatedPolicy<1, 1, true, true, 2, false>)
-// Single calls (bench::SingleCalls: each call alone on the device, as between a training step's
-// GEMMs, nothing overlapping its start or drain): the defaults and the forward grids, so that a
+// Single calls (bench::single: each call alone on the device, as between a training step's GEMMs,
+// nothing overlapping its start or drain): the defaults and the forward grids above, so that a
 // default can be chosen on this timing too.
-#define GATED_SINGLE(label, ...)                                                                     \
-  void BM_single_fwd_##label(benchmark::State& st) {                                                 \
-    bench::SingleCalls single;                                                                       \
-    BM_forward<tigon::Silu, __VA_ARGS__>(st, "  policy " #label " swiglu", false);                   \
-  }                                                                                                  \
-  BENCHMARK(BM_single_fwd_##label) GATED_SHAPES;
-void BM_swiglu_fwd_single(benchmark::State& st) {
-  bench::SingleCalls single;
-  BM_forward<tigon::Silu>(st, "swiglu", false);
-}
-void BM_swiglu_bwd_single(benchmark::State& st) {
-  bench::SingleCalls single;
-  BM_backward<tigon::Silu>(st, "swiglu", false);
-}
-BENCHMARK(BM_swiglu_fwd_single) GATED_SHAPES;
-BENCHMARK(BM_swiglu_bwd_single) GATED_SHAPES;
-GATED_SINGLE(flat1_stream, GatedPolicy<1, 1, true, false, 1>)
-GATED_SINGLE(flat2_plain, GatedPolicy<1, 1, false, false, 2>)
-GATED_SINGLE(flat4_stream, GatedPolicy<1, 1, true, false, 4>)
-GATED_SINGLE(u1_stream_persistent, GatedPolicy<1, 1, true, true>)
-GATED_SINGLE(u1_stream_nonpersistent, GatedPolicy<1, 1, true, false>)
-// Plain (not evict-first) loads, with streaming and with plain stores.
-GATED_SINGLE(flat2_plainloads, GatedPolicy<1, 1, true, true, 2, false>)
-GATED_SINGLE(flat2_plainloads_plainstores, GatedPolicy<1, 1, false, true, 2, false>)
-void BM_swiglu_bwd_single_plainloads(benchmark::State& st) {
-  bench::SingleCalls single;
-  BM_backward<tigon::Silu, GatedPolicy<1, 1, true, false, 0, false>>(st, "  policy plainloads swiglu", false);
-}
-BENCHMARK(BM_swiglu_bwd_single_plainloads) GATED_SHAPES;
-void BM_swiglu_bwd_single_persistent(benchmark::State& st) {
-  bench::SingleCalls single;
-  BM_backward<tigon::Silu, GatedPolicy<1, 1, true, true>>(st, "  policy u1_stream_persistent swiglu", false);
-}
-BENCHMARK(BM_swiglu_bwd_single_persistent) GATED_SHAPES;
+BENCHMARK(bench::single<BM_swiglu_fwd>) GATED_SHAPES;
+BENCHMARK(bench::single<BM_swiglu_bwd>) GATED_SHAPES;
+BENCHMARK(bench::single<BM_fwd_flat1_stream>) GATED_SHAPES;
+BENCHMARK(bench::single<BM_fwd_flat2_plain>) GATED_SHAPES;
+BENCHMARK(bench::single<BM_fwd_flat4_stream>) GATED_SHAPES;
+BENCHMARK(bench::single<BM_fwd_u1_stream_persistent>) GATED_SHAPES;
+BENCHMARK(bench::single<BM_fwd_u1_stream_nonpersistent>) GATED_SHAPES;
+BENCHMARK(bench::single<BM_bwd_u1_stream_persistent>) GATED_SHAPES;
 // The default forward with programmatic launch off: whether the launch attribute costs a single
 // call anything.
-void BM_swiglu_fwd_single_serial(benchmark::State& st) {
-  bench::SingleCalls single;
+void BM_swiglu_fwd_serial(benchmark::State& st) {
   tigon::set_programmatic_launch(false);
   BM_forward<tigon::Silu>(st, "  serial launch swiglu", false);
   tigon::set_programmatic_launch(true);
 }
-BENCHMARK(BM_swiglu_fwd_single_serial) GATED_SHAPES;
+BENCHMARK(bench::single<BM_swiglu_fwd_serial>) GATED_SHAPES;
 
 // The defaults once more, last: the spread between this row and the first ones is the noise.
 void BM_swiglu_fwd_again(benchmark::State& st) { BM_forward<tigon::Silu>(st, "swiglu (again)", false); }

@@ -133,16 +133,6 @@ void BM_host_overhead(benchmark::State& st) {
               fwd_us, bwd_us);
 }
 
-// Single calls (bench::SingleCalls): each alone on the device, as between a training step's GEMMs.
-void BM_forward_single(benchmark::State& st) {
-  bench::SingleCalls single;
-  BM_forward(st);
-}
-void BM_backward_single(benchmark::State& st) {
-  bench::SingleCalls single;
-  BM_backward(st);
-}
-
 }  // namespace
 
 BENCHMARK(BM_host_overhead)->Iterations(1);
@@ -150,8 +140,9 @@ BENCHMARK(BM_host_overhead)->Iterations(1);
 #define SHAPES ->Args({16384, 4096})->Args({16384, 8192})->Args({32768, 4096})
 BENCHMARK(BM_forward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_forward_single)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_backward_single)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+// Single calls (bench::single): each alone on the device, as between a training step's GEMMs.
+BENCHMARK(bench::single<BM_forward>)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK(bench::single<BM_backward>)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 
 #define FWD_VARIANT(label, ...)                                                               \
   void BM_fwd_##label(benchmark::State& st) { BM_forward_policy<__VA_ARGS__>(st, #label); }  \

@@ -98,15 +98,6 @@ void BM_forward(benchmark::State& st) { forward_rows(st, false); }
 void BM_backward(benchmark::State& st) { backward_rows(st, false); }
 void BM_forward_serial(benchmark::State& st) { forward_rows(st, true); }
 void BM_backward_serial(benchmark::State& st) { backward_rows(st, true); }
-// Single calls (bench::SingleCalls): each alone on the device, as between a training step's GEMMs.
-void BM_forward_single(benchmark::State& st) {
-  bench::SingleCalls single;
-  forward_rows(st, false);
-}
-void BM_backward_single(benchmark::State& st) {
-  bench::SingleCalls single;
-  backward_rows(st, false);
-}
 
 // Tuning variants of the compiled kernels at 4096 (the policy's parameters are listed below).
 template <class P>
@@ -155,8 +146,9 @@ BENCHMARK(BM_forward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::
 BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_forward_serial)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_backward_serial)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_forward_single)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_backward_single)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+// Single calls (bench::single): each alone on the device, as between a training step's GEMMs.
+BENCHMARK(bench::single<BM_forward>)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK(bench::single<BM_backward>)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 
 #define FWD_VARIANT(label, ...)                                                               \
   void BM_fwd_##label(benchmark::State& st) { BM_forward_policy<__VA_ARGS__>(st, #label); }  \

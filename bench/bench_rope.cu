@@ -96,15 +96,6 @@ void BM_fwd_serial(benchmark::State& st) {
   BM_rope<tigon::RopeHalfSplit>(st, false, false, "  fwd [B,T,H,D] serial launch");
   tigon::set_programmatic_launch(true);
 }
-// Single calls (bench::SingleCalls): each alone on the device, as between a training step's GEMMs.
-void BM_fwd_single(benchmark::State& st) {
-  bench::SingleCalls single;
-  BM_fwd(st);
-}
-void BM_bwd_single(benchmark::State& st) {
-  bench::SingleCalls single;
-  BM_bwd(st);
-}
 
 }  // namespace
 
@@ -126,8 +117,9 @@ BENCHMARK(BM_bwd_onehead) ROPE_ARGS;
 BENCHMARK(BM_inter_onehead) ROPE_ARGS;
 BENCHMARK(BM_fwd_heads4) ROPE_ARGS;
 BENCHMARK(BM_fwd_serial) ROPE_ARGS;
-BENCHMARK(BM_fwd_single) ROPE_ARGS;
-BENCHMARK(BM_bwd_single) ROPE_ARGS;
+// Single calls (bench::single): each alone on the device, as between a training step's GEMMs.
+BENCHMARK(bench::single<BM_fwd>) ROPE_ARGS;
+BENCHMARK(bench::single<BM_bwd>) ROPE_ARGS;
 // The default once more, last: the spread between this row and the first is the noise.
 void BM_fwd_again(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, false, "fwd bf16 B4 T4096 32/8x128 [B,T,H,D] (again)"); }
 BENCHMARK(BM_fwd_again) ROPE_ARGS;

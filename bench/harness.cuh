@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <tigon/core/dtype.hpp>
@@ -83,111 +84,6 @@ inline std::vector<double> time_calls(const std::function<void(int)>& fn, int wa
 
 inline int rotation(double bytes_per_set);
 
-// The device-to-device copy rate (bytes read + written per second / 1e9) when the copy moves
-// `bytes` in all, timed as run() times an op: batches of 20 back-to-back calls, rotating buffer
-// pairs past the L2, median of 15 batches. Smaller moves pay the ramp-up and drain of each call
-// that a 2 GiB copy hides; an op is compared with both. Cached per size.
-inline double copy_gbs_at(double bytes) {
-  static std::map<std::size_t, double> cache;
-  const std::size_t half = (static_cast<std::size_t>(bytes / 2) + 255) / 256 * 256;
-  if (const auto it = cache.find(half); it != cache.end()) return it->second;
-  const int sets = std::min(8, rotation(2.0 * half));
-  std::vector<void*> src(sets), dst(sets);
-  for (int i = 0; i < sets; ++i) {
-    BENCH_CUDA(cudaMalloc(&src[i], half));
-    BENCH_CUDA(cudaMalloc(&dst[i], half));
-    BENCH_CUDA(cudaMemset(src[i], 0x5a, half));
-  }
-  cudaEvent_t a, b;
-  BENCH_CUDA(cudaEventCreate(&a));
-  BENCH_CUDA(cudaEventCreate(&b));
-  std::vector<double> ms;
-  int k = 0;
-  for (int rep = 0; rep < 18; ++rep) {
-    BENCH_CUDA(cudaEventRecord(a));
-    for (int c = 0; c < 20; ++c, ++k) {
-      BENCH_CUDA(cudaMemcpyAsync(dst[k % sets], src[k % sets], half, cudaMemcpyDeviceToDevice));
-    }
-    BENCH_CUDA(cudaEventRecord(b));
-    BENCH_CUDA(cudaEventSynchronize(b));
-    float t = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
-    if (rep >= 3) ms.push_back(t / 20);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  for (int i = 0; i < sets; ++i) {
-    cudaFree(src[i]);
-    cudaFree(dst[i]);
-  }
-  const double gbs = 2.0 * static_cast<double>(half) / (median(ms) * 1e-3) / 1e9;
-  cache[half] = gbs;
-  return gbs;
-}
-
-inline void run_single(benchmark::State& state, const std::string& name, double bytes,
-                       const std::function<void(int)>& fn, Ceiling ceiling);
-
-// While a SingleCalls object lives, run() times single calls (run_single) instead of batches:
-// `void BM_x_single(benchmark::State& st) { bench::SingleCalls single; BM_x(st); }`.
-inline bool& single_calls_flag() {
-  static bool on = false;
-  return on;
-}
-struct SingleCalls {
-  SingleCalls() : was(single_calls_flag()) { single_calls_flag() = true; }
-  ~SingleCalls() { single_calls_flag() = was; }
-  bool was;
-  SingleCalls(const SingleCalls&) = delete;
-  SingleCalls& operator=(const SingleCalls&) = delete;
-};
-
-// Google Benchmark loop with manual (event) time. Each sample times a batch of `batch` calls
-// enqueued back to back (as a training step enqueues them), so the host's launch cost overlaps
-// the device work and the number is the device time per call; the median sample is reported as
-// counters and in the summary. fn(i) runs one call on input set i. Under SingleCalls: run_single.
-inline void run(benchmark::State& state, const std::string& name, double bytes,
-                const std::function<void(int)>& fn, int batch = 20, Ceiling ceiling = Ceiling::copy) {
-  if (single_calls_flag()) {
-    run_single(state, name, bytes, fn, ceiling);
-    return;
-  }
-  cudaEvent_t a, b;
-  BENCH_CUDA(cudaEventCreate(&a));
-  BENCH_CUDA(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) fn(i);
-  BENCH_CUDA(cudaDeviceSynchronize());
-  std::vector<double> ms;
-  int i = 0;
-  for (auto _ : state) {
-    BENCH_CUDA(cudaEventRecord(a));
-    for (int k = 0; k < batch; ++k) fn(i++);
-    BENCH_CUDA(cudaEventRecord(b));
-    BENCH_CUDA(cudaEventSynchronize(b));
-    float t = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
-    state.SetIterationTime(t / 1e3 / batch);
-    ms.push_back(t / batch);
-  }
-  BENCH_CUDA(cudaGetLastError());
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  const double med = median(ms);
-  const double gbs = bytes / (med * 1e-3) / 1e9;
-  const double ceil_gbs = ceiling == Ceiling::copy ? ceilings().copy_gbs : ceilings().read_gbs;
-  const double pct = 100.0 * gbs / ceil_gbs;
-  state.counters["median_ms"] = med;
-  state.counters["GB/s"] = gbs;
-  state.counters[ceiling == Ceiling::copy ? "pct_of_copy" : "pct_of_read"] = pct;
-  state.counters["bytes"] = bytes;
-  double pct_same = 0;
-  if (ceiling == Ceiling::copy && bytes <= 16e9) {  // byte-moving ops (not FLOP counts)
-    pct_same = 100.0 * gbs / copy_gbs_at(bytes);
-    state.counters["pct_of_same_size_copy"] = pct_same;
-  }
-  summary().push_back({name + (ceiling == Ceiling::read ? " [% of read]" : ""), med, gbs, pct, pct_same});
-}
-
 // Keeps the device busy for about `ns` nanoseconds (the global timer), so that the host has
 // enqueued what follows before the device reaches it.
 __global__ void spin_kernel(unsigned long long ns) {
@@ -221,13 +117,15 @@ inline double time_single(const std::function<void()>& call, int* late = nullptr
   return t;
 }
 
-// The device-to-device copy rate for `bytes` moved (read + written) by one cudaMemcpyAsync timed
-// alone as time_single times an op (rotating buffer pairs past the L2, median of 30). Cached per
-// size.
-inline double copy_single_gbs_at(double bytes) {
-  static std::map<std::size_t, double> cache;
+// The device-to-device copy rate (bytes read + written per second / 1e9) when the copy moves
+// `bytes` in all, timed as run() times an op, rotating buffer pairs past the L2: batches of 20
+// back-to-back calls, median of 15 batches; or (single) one cudaMemcpyAsync at a time as
+// time_single times it, median of 30. Smaller moves pay the ramp-up and drain of each call that a
+// 2 GiB copy hides; an op is compared with both. Cached per size and timing.
+inline double copy_gbs_at(double bytes, bool single = false) {
+  static std::map<std::pair<std::size_t, bool>, double> cache;
   const std::size_t half = (static_cast<std::size_t>(bytes / 2) + 255) / 256 * 256;
-  if (const auto it = cache.find(half); it != cache.end()) return it->second;
+  if (const auto it = cache.find({half, single}); it != cache.end()) return it->second;
   const int sets = std::min(8, rotation(2.0 * half));
   std::vector<void*> src(sets), dst(sets);
   for (int i = 0; i < sets; ++i) {
@@ -235,38 +133,102 @@ inline double copy_single_gbs_at(double bytes) {
     BENCH_CUDA(cudaMalloc(&dst[i], half));
     BENCH_CUDA(cudaMemset(src[i], 0x5a, half));
   }
+  const auto copy = [&](int k) {
+    BENCH_CUDA(cudaMemcpyAsync(dst[k % sets], src[k % sets], half, cudaMemcpyDeviceToDevice));
+  };
   std::vector<double> ms;
-  for (int rep = 0; rep < 33; ++rep) {
-    const int k = rep % sets;
-    const double t = time_single(
-        [&] { BENCH_CUDA(cudaMemcpyAsync(dst[k], src[k], half, cudaMemcpyDeviceToDevice)); });
-    if (rep >= 3) ms.push_back(t);
+  if (single) {
+    for (int rep = 0; rep < 33; ++rep) {
+      const double t = time_single([&] { copy(rep); });
+      if (rep >= 3) ms.push_back(t);
+    }
+  } else {
+    cudaEvent_t a, b;
+    BENCH_CUDA(cudaEventCreate(&a));
+    BENCH_CUDA(cudaEventCreate(&b));
+    int k = 0;
+    for (int rep = 0; rep < 18; ++rep) {
+      BENCH_CUDA(cudaEventRecord(a));
+      for (int c = 0; c < 20; ++c) copy(k++);
+      BENCH_CUDA(cudaEventRecord(b));
+      BENCH_CUDA(cudaEventSynchronize(b));
+      float t = 0;
+      BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
+      if (rep >= 3) ms.push_back(t / 20);
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
   }
   for (int i = 0; i < sets; ++i) {
     cudaFree(src[i]);
     cudaFree(dst[i]);
   }
   const double gbs = 2.0 * static_cast<double>(half) / (median(ms) * 1e-3) / 1e9;
-  cache[half] = gbs;
+  cache[{half, single}] = gbs;
   return gbs;
 }
 
-// Google Benchmark loop timing single calls (time_single): each sample is one call fn(i) on input
-// set i, alone on the device. Reported as `name` + " single call"; "% same B" is against one
-// cudaMemcpyAsync of the same bytes timed the same way.
-inline void run_single(benchmark::State& state, const std::string& name, double bytes,
-                       const std::function<void(int)>& fn, Ceiling ceiling) {
+// While a SingleCalls object lives, run() times single calls instead of batches; bench::single<F>
+// is benchmark F run so.
+inline bool& single_calls_flag() {
+  static bool on = false;
+  return on;
+}
+struct SingleCalls {
+  SingleCalls() : was(single_calls_flag()) { single_calls_flag() = true; }
+  ~SingleCalls() { single_calls_flag() = was; }
+  bool was;
+  SingleCalls(const SingleCalls&) = delete;
+  SingleCalls& operator=(const SingleCalls&) = delete;
+};
+template <void (*F)(benchmark::State&)>
+void single(benchmark::State& state) {
+  SingleCalls on;
+  F(state);
+}
+
+// Google Benchmark loop with manual (event) time. Each sample times a batch of `batch` calls
+// enqueued back to back (as a training step enqueues them), so the host's launch cost overlaps
+// the device work and the number is the device time per call; the median sample is reported as
+// counters and in the summary. fn(i) runs one call on input set i. Under SingleCalls each sample
+// is one call alone (time_single), reported as `name` + " single call", its "% same B" against
+// one cudaMemcpyAsync of the same bytes timed the same way.
+inline void run(benchmark::State& state, const std::string& name, double bytes,
+                const std::function<void(int)>& fn, int batch = 20, Ceiling ceiling = Ceiling::copy) {
+  const bool single = single_calls_flag();
   for (int i = 0; i < 3; ++i) fn(i);
   BENCH_CUDA(cudaDeviceSynchronize());
   std::vector<double> ms;
-  int i = 0, late = 0;
-  for (auto _ : state) {
-    const double t = time_single([&] { fn(i++); }, &late);
-    state.SetIterationTime(t / 1e3);
-    ms.push_back(t);
+  int i = 0;
+  if (single) {
+    int late = 0;
+    for (auto _ : state) {
+      const double t = time_single([&] { fn(i++); }, &late);
+      state.SetIterationTime(t / 1e3);
+      ms.push_back(t);
+    }
+    state.counters["late_samples"] = late;
+    if (late > 0) {
+      std::printf("%s single call: %d of %zu samples enqueued after the spin ended\n", name.c_str(), late,
+                  ms.size());
+    }
+  } else {
+    cudaEvent_t a, b;
+    BENCH_CUDA(cudaEventCreate(&a));
+    BENCH_CUDA(cudaEventCreate(&b));
+    for (auto _ : state) {
+      BENCH_CUDA(cudaEventRecord(a));
+      for (int k = 0; k < batch; ++k) fn(i++);
+      BENCH_CUDA(cudaEventRecord(b));
+      BENCH_CUDA(cudaEventSynchronize(b));
+      float t = 0;
+      BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
+      state.SetIterationTime(t / 1e3 / batch);
+      ms.push_back(t / batch);
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
   }
-  state.counters["late_samples"] = late;
-  if (late > 0) std::printf("%s single call: %d of %zu samples enqueued after the spin ended\n", name.c_str(), late, ms.size());
   BENCH_CUDA(cudaGetLastError());
   const double med = median(ms);
   const double gbs = bytes / (med * 1e-3) / 1e9;
@@ -277,12 +239,12 @@ inline void run_single(benchmark::State& state, const std::string& name, double 
   state.counters[ceiling == Ceiling::copy ? "pct_of_copy" : "pct_of_read"] = pct;
   state.counters["bytes"] = bytes;
   double pct_same = 0;
-  if (ceiling == Ceiling::copy && bytes <= 16e9) {
-    pct_same = 100.0 * gbs / copy_single_gbs_at(bytes);
-    state.counters["pct_of_same_size_single_copy"] = pct_same;
+  if (ceiling == Ceiling::copy && bytes <= 16e9) {  // byte-moving ops (not FLOP counts)
+    pct_same = 100.0 * gbs / copy_gbs_at(bytes, single);
+    state.counters[single ? "pct_of_same_size_single_copy" : "pct_of_same_size_copy"] = pct_same;
   }
-  summary().push_back({name + " single call" + (ceiling == Ceiling::read ? " [% of read]" : ""), med, gbs, pct,
-                       pct_same});
+  summary().push_back({name + (single ? " single call" : "") + (ceiling == Ceiling::read ? " [% of read]" : ""),
+                       med, gbs, pct, pct_same});
 }
 
 // Host cost of one launcher call: `calls` calls of a tiny problem, timed on the host.

@@ -91,4 +91,11 @@ CE_VARIANT(rows_b512_r2, CrossEntropyPolicy<512, 256, 4, 2, 0>)
 CE_VARIANT(rows_b256_r2, CrossEntropyPolicy<256, 256, 4, 2, 0>)
 CE_VARIANT(rows_b256_r3, CrossEntropyPolicy<256, 256, 4, 3, 0>)
 
+// The row kernel with 512-thread blocks, loss + gradient at every shape (the loss alone is slower
+// with them: rows_b512_u4 above).
+void BM_grad_rows_b512_all(benchmark::State& st) {
+  BM_ce<CrossEntropyPolicy<512, 256, 4, 0, 0>>(st, true, "rows_b512_u4");
+}
+BENCHMARK(BM_grad_rows_b512_all) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+
 BENCH_MAIN

@@ -13,8 +13,16 @@ using tigon::bf16;
 
 namespace {
 
+// Placement of the separate tensors: -1, each its own cudaMalloc; k >= 0, one allocation per input
+// set holding a, b, c (forward) or dc, a, b, da, db (backward) back to back, each k bytes after the
+// previous one ends (k 0: the tensors exactly n * 2 bytes apart, as a caching allocator that rounds
+// to 2 MiB places tensors whose size is a multiple of it). On one H200 the forward's time depended
+// on where its tensors lay (docs/gated.md), so the benchmark shows more than one placement.
+int g_pack_skew = -1;
+
 struct Data {
   int sets = 1;
+  std::vector<bf16*> packs;
   bool fused = false;
   std::int64_t rows = 0, cols = 0;
   // separate: a, b, da, db are [rows, cols]; fused: a holds gate||up and da d(gate||up),
@@ -24,6 +32,26 @@ struct Data {
   Data(std::int64_t r, std::int64_t k, bool f, bool backward) : fused(f), rows(r), cols(k) {
     const std::size_t n = static_cast<std::size_t>(r * k);
     sets = bench::rotation((backward ? 5.0 : 3.0) * n * sizeof(bf16));
+    if (g_pack_skew >= 0 && !fused) {
+      const std::size_t step = n + static_cast<std::size_t>(g_pack_skew) / sizeof(bf16);
+      const int k = backward ? 5 : 3;
+      for (int s = 0; s < sets; ++s) {
+        bf16* base = bench::alloc<bf16>(k * step);
+        packs.push_back(base);
+        bf16* q[5] = {base, base + step, base + 2 * step, base + 3 * step, base + 4 * step};
+        if (backward) {
+          dc.push_back(q[0]); a.push_back(q[1]); b.push_back(q[2]); da.push_back(q[3]); db.push_back(q[4]);
+          c.push_back(nullptr);
+          bench::fill_random(dc.back(), n, 101 + s);
+        } else {
+          a.push_back(q[0]); b.push_back(q[1]); c.push_back(q[2]);
+          dc.push_back(nullptr); da.push_back(nullptr); db.push_back(nullptr);
+        }
+        bench::fill_random(a.back(), n, 11 + s, 0.0f, 2.0f);
+        bench::fill_random(b.back(), n, 31 + s);
+      }
+      return;
+    }
     for (int s = 0; s < sets; ++s) {
       a.push_back(bench::alloc<bf16>(fused ? 2 * n : n));
       b.push_back(fused ? nullptr : bench::alloc<bf16>(n));
@@ -37,6 +65,8 @@ struct Data {
     }
   }
   ~Data() {
+    for (bf16* p : packs) cudaFree(p);
+    if (!packs.empty()) return;
     for (auto* v : {&a, &b, &c, &dc, &da, &db})
       for (bf16* p : *v) cudaFree(p);
   }
@@ -62,6 +92,10 @@ struct Data {
 double fwd_bytes(std::int64_t r, std::int64_t c) { return 3.0 * r * c * sizeof(bf16); }
 double bwd_bytes(std::int64_t r, std::int64_t c) { return 5.0 * r * c * sizeof(bf16); }
 
+std::string placement() {
+  return g_pack_skew >= 0 ? " packed skew " + std::to_string(g_pack_skew) : std::string();
+}
+
 std::string shape(std::int64_t r, std::int64_t c) { return std::to_string(r) + "x" + std::to_string(c); }
 
 void check(const tigon::Status& s) {
@@ -74,7 +108,7 @@ void check(const tigon::Status& s) {
 template <class Act, class P = tigon::GatedForwardDefaultPolicy>
 void BM_forward(benchmark::State& st, const std::string& name, bool fused) {
   Data d(st.range(0), st.range(1), fused, false);
-  bench::run(st, name + " fwd bf16 " + shape(d.rows, d.cols) + (fused ? " fused" : " separate"),
+  bench::run(st, name + " fwd bf16 " + shape(d.rows, d.cols) + (fused ? " fused" : " separate") + placement(),
              fwd_bytes(d.rows, d.cols),
              [&](int i) { check(tigon::gated_forward<Act, P>(d.fwd(i), nullptr)); });
 }
@@ -82,7 +116,7 @@ void BM_forward(benchmark::State& st, const std::string& name, bool fused) {
 template <class Act, class P = tigon::GatedBackwardDefaultPolicy>
 void BM_backward(benchmark::State& st, const std::string& name, bool fused) {
   Data d(st.range(0), st.range(1), fused, true);
-  bench::run(st, name + " bwd bf16 " + shape(d.rows, d.cols) + (fused ? " fused" : " separate"),
+  bench::run(st, name + " bwd bf16 " + shape(d.rows, d.cols) + (fused ? " fused" : " separate") + placement(),
              bwd_bytes(d.rows, d.cols),
              [&](int i) { check(tigon::gated_backward<Act, P>(d.bwd(i), nullptr)); });
 }
@@ -167,6 +201,30 @@ void BM_swiglu_fwd_serial(benchmark::State& st) {
   tigon::set_programmatic_launch(true);
 }
 BENCHMARK(bench::single<BM_swiglu_fwd_serial>) GATED_SHAPES;
+
+// Placement: each set's tensors in one allocation, exactly n elements apart (skew 0) or 2 KiB,
+// 32 KiB, 1 MiB further apart each.
+template <void (*BM)(benchmark::State&), int kSkew>
+void packed(benchmark::State& st) {
+  g_pack_skew = kSkew;
+  BM(st);
+  g_pack_skew = -1;
+}
+#define GATED_PACKED(fn)                         \
+  BENCHMARK(packed<fn, 0>) GATED_SHAPES;         \
+  BENCHMARK(packed<fn, 2048>) GATED_SHAPES;      \
+  BENCHMARK(packed<fn, 32768>) GATED_SHAPES;     \
+  BENCHMARK(packed<fn, 1048576>) GATED_SHAPES;
+GATED_PACKED(BM_swiglu_fwd)
+GATED_PACKED(BM_swiglu_bwd)
+GATED_PACKED(BM_fwd_flat1_stream)
+GATED_PACKED(BM_fwd_flat4_stream)
+GATED_PACKED(BM_fwd_flat2_plain)
+GATED_PACKED(BM_fwd_u1_stream_persistent)
+GATED_PACKED(BM_fwd_u1_stream_nonpersistent)
+GATED_PACKED(BM_fwd_u1_plain_nonpersistent)
+GATED_PACKED(BM_bwd_u1_stream_persistent)
+GATED_PACKED(BM_bwd_u1_plain_nonpersistent)
 
 // The defaults once more, last: the spread between this row and the first ones is the noise.
 void BM_swiglu_fwd_again(benchmark::State& st) { BM_forward<tigon::Silu>(st, "swiglu (again)", false); }

@@ -473,6 +473,71 @@ TIGON_DEVICE void ce_grad_vec(const CeParams<T, I>& p, const AlignedVec<T, kV>& 
   store_vec_policy(dr + c0, g, policy);
 }
 
+// Two fp32 values rounded into adjacent elements with one packed conversion (bf16, half).
+template <class T>
+TIGON_DEVICE void ce_put2(T* dst, float a, float b) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+  } else if constexpr (std::is_same_v<T, half>) {
+    *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
+  } else {
+    dst[0] = from_float<T>(a);
+    dst[1] = from_float<T>(b);
+  }
+}
+
+// The plain instances' gradient of a vector that does not hold the target: with no smoothing,
+// class weights or softcap, d loss / d x_i = scale (w_t p_i + 2 z lse p_i) = p_i * factor, factor =
+// scale (w_t + 2 z lse), p_i = 2^(x_i log2(e) - lse log2(e)). A skipped row (scale 0) gets zeros.
+template <class T, int kV>
+TIGON_DEVICE void ce_grad_vec_plain(const AlignedVec<T, kV>& raw, int i, T* dr, float neg_lse2, float factor,
+                                    std::uint64_t policy) {
+  static_assert(kV % 2 == 0, "pairs of elements");
+  AlignedVec<T, kV> g;
+  if (factor == 0.0f) {
+#pragma unroll
+    for (int k = 0; k < kV; k += 2) ce_put2<T>(&g.v[k], 0.0f, 0.0f);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kV; k += 2) {
+      const float p0 = exp2_ftz(fmaf(to_float(raw.v[k]), kLog2e, neg_lse2));
+      const float p1 = exp2_ftz(fmaf(to_float(raw.v[k + 1]), kLog2e, neg_lse2));
+      ce_put2<T>(&g.v[k], p0 * factor, p1 * factor);
+    }
+  }
+  store_vec_policy(dr + static_cast<std::int64_t>(i) * kV, g, policy);
+}
+
+// The per-row constants of the plain gradient path, and the vector holding the target (-1: none in
+// this shard), which takes the general ce_grad_vec.
+struct CePlainRow {
+  float neg_lse2, factor;
+  int t_vec;
+};
+template <class T, class I, int kV>
+TIGON_DEVICE CePlainRow ce_plain_row(const CeParams<T, I>& p, std::int64_t t, const ce_math::RowTerms& terms,
+                                     float scale) {
+  CePlainRow r;
+  r.neg_lse2 = -terms.lse * kLog2e;
+  r.factor = scale == 0.0f ? 0.0f : scale * (terms.w_t + 2.0f * p.z * terms.lse);
+  r.t_vec = (t >= 0 && t < p.vocab) ? static_cast<int>(t / kV) : -1;
+  return r;
+}
+
+// One vector's gradient: the plain path unless it holds the target (or the instance is general).
+template <class T, class I, int kV, bool kFast>
+TIGON_DEVICE void ce_grad_any(const CeParams<T, I>& p, const AlignedVec<T, kV>& raw, int i, T* dr, std::int64_t t,
+                              const ce_math::RowTerms& terms, float scale, const float* wcol, std::uint64_t policy,
+                              const CePlainRow& pr) {
+  if constexpr (kFast && kV % 2 == 0) {
+    if (i != pr.t_vec) {
+      ce_grad_vec_plain<T, kV>(raw, i, dr, pr.neg_lse2, pr.factor, policy);
+      return;
+    }
+  }
+  ce_grad_vec<T, I, kV>(p, raw, i, dr, t, terms, scale, wcol, policy);
+}
+
 // Pass 1 over vectors [lo, hi) of row xr into this thread's statistics: vectors lo + tid,
 // lo + tid + kThreads, ..., kU of them in flight per trip (read with L2 policy `keep`).
 template <class T, class I, int kV, int kThreads, int kU>
@@ -502,21 +567,25 @@ TIGON_DEVICE void ce_stats_range(const CeParams<T, I>& p, const T* xr, int lo, i
 
 // Pass 2 over vectors [lo, hi) of row xr: the gradient written to dr, newest lines first (the end
 // of the range was read last and is the likeliest still in L2), kU vectors in flight per trip.
-template <class T, class I, int kV, int kThreads, int kU>
+// kFast (plain instances): vectors without the target take ce_grad_vec_plain.
+template <class T, class I, int kV, int kThreads, int kU, bool kFast = false>
 TIGON_DEVICE void ce_grad_range(const CeParams<T, I>& p, const T* xr, T* dr, int lo, int hi, std::int64_t t,
                                 const ce_math::RowTerms& terms, float scale, const float* wcol,
                                 std::uint64_t drop) {
+  const CePlainRow pr = ce_plain_row<T, I, kV>(p, t, terms, scale);
   int i = hi - 1 - static_cast<int>(threadIdx.x);
   for (; i - (kU - 1) * kThreads >= lo; i -= kU * kThreads) {
     AlignedVec<T, kV> raw[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i - u * kThreads) * kV, drop);
 #pragma unroll
-    for (int u = 0; u < kU; ++u) ce_grad_vec<T, I, kV>(p, raw[u], i - u * kThreads, dr, t, terms, scale, wcol, drop);
+    for (int u = 0; u < kU; ++u) {
+      ce_grad_any<T, I, kV, kFast>(p, raw[u], i - u * kThreads, dr, t, terms, scale, wcol, drop, pr);
+    }
   }
   for (; i >= lo; i -= kThreads) {
-    ce_grad_vec<T, I, kV>(p, load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop), i, dr, t, terms,
-                          scale, wcol, drop);
+    ce_grad_any<T, I, kV, kFast>(p, load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop), i, dr, t,
+                                 terms, scale, wcol, drop, pr);
   }
 }
 
@@ -601,7 +670,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
     const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, sh.x_t, t_raw, ignored || bad);
     if (threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
     if (p.dx != nullptr) {
-      ce_grad_range<T, I, kV, kThreads, kU>(p, xr, p.dx + row * p.dxs, 0, nvec, t, terms,
+      ce_grad_range<T, I, kV, kThreads, kU, kPlain>(p, xr, p.dx + row * p.dxs, 0, nvec, t, terms,
                                             ce_grad_scale(p, row, ignored || bad), wcol, drop);
     }
     __syncthreads();  // sh is reused by the next row
@@ -773,7 +842,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_kernel(const CeParams<T, 
     const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, x_t, t_raw, ignored || bad);
     if (rank == 0 && threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
     if (p.dx != nullptr) {
-      ce_grad_range<T, I, kV, kThreads, kU>(p, xr, p.dx + row * p.dxs, v0, v1, t, terms,
+      ce_grad_range<T, I, kV, kThreads, kU, kPlain>(p, xr, p.dx + row * p.dxs, v0, v1, t, terms,
                                             ce_grad_scale(p, row, ignored || bad), wcol, drop);
     }
   }

@@ -224,4 +224,11 @@ BWD_VARIANT(v2_b512_m1_s3_keep, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, f
 BWD_VARIANT(v2_b256_m2_s3_keep_cs, RmsNormPolicy<4, 256, 2, 256, 2, 3, -1, false, true, true>)
 BWD_VARIANT(v4_b256_m1_s3, RmsNormPolicy<4, 256, 4, 256, 1, 3, -1, false, false, false>)
 
+// The forward variants as single calls (bench::single).
+#define SINGLE_FWD(label) BENCHMARK(bench::single<BM_fwd_##label>)->Arg(16384) TIMED;
+SINGLE_FWD(v4_b128)
+SINGLE_FWD(v2_b256)
+SINGLE_FWD(v8_b256)
+SINGLE_FWD(v4_b256_s2_persistent)
+
 BENCH_MAIN

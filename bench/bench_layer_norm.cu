@@ -184,4 +184,12 @@ BWD_VARIANT(v2_b256_m3_s2_reread, LayerNormPolicy<4, 256, 2, 256, 3, 2, false, f
 BWD_VARIANT(v2_b256_m4_s2_reread, LayerNormPolicy<4, 256, 2, 256, 4, 2, false, false, false>)
 BWD_VARIANT(v2_b512_m2_s2_reread, LayerNormPolicy<4, 256, 2, 512, 2, 2, false, false, false>)
 
+// The forward variants as single calls (bench::single).
+#define SINGLE_FWD(label) \
+  BENCHMARK(bench::single<BM_fwd_##label>)->Arg(16384)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+SINGLE_FWD(v4_b128_direct)
+SINGLE_FWD(v2_b256_direct)
+SINGLE_FWD(v4_b256_staged)
+SINGLE_FWD(v4_b256_s3_persistent)
+
 BENCH_MAIN

@@ -190,4 +190,16 @@ BWD_VARIANT(v2_b256_m4_s2, RmsNormPolicy<4, 256, 2, 256, 4, 2>)
 BWD_VARIANT(v2_b256_m4_s2_reread, RmsNormPolicy<4, 256, 2, 256, 4, 2, -1, false, false, false>)
 BWD_VARIANT(v2_b512_m2_s2, RmsNormPolicy<4, 256, 2, 512, 2, 2>)
 
+// The forward variants as single calls (bench::single): each call alone, as between a training
+// step's GEMMs, where a call's ramp-up and drain are not overlapped by the previous call.
+#define SINGLE_FWD(label) \
+  BENCHMARK(bench::single<BM_fwd_##label>)->Arg(16384)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+SINGLE_FWD(v4_b128)
+SINGLE_FWD(v4_b512)
+SINGLE_FWD(v8_b128)
+SINGLE_FWD(v2_b256)
+SINGLE_FWD(v4_b256_direct)
+SINGLE_FWD(v2_b256_direct)
+SINGLE_FWD(v4_b256_s3_persistent)
+
 BENCH_MAIN

@@ -125,4 +125,10 @@ void BM_fwd_again(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, fals
 BENCHMARK(BM_fwd_again) ROPE_ARGS;
 
 
+// Policy variants as single calls (bench::single).
+BENCHMARK(bench::single<BM_fwd_heads4>) ROPE_ARGS;
+BENCHMARK(bench::single<BM_fwd_onehead>) ROPE_ARGS;
+BENCHMARK(bench::single<BM_fwd_stream>) ROPE_ARGS;
+BENCHMARK(bench::single<BM_fwd_tokens>) ROPE_ARGS;
+
 BENCH_MAIN

@@ -91,22 +91,21 @@ CE_VARIANT(rows_b512_r2, CrossEntropyPolicy<512, 256, 4, 2, 0>)
 CE_VARIANT(rows_b256_r2, CrossEntropyPolicy<256, 256, 4, 2, 0>)
 CE_VARIANT(rows_b256_r3, CrossEntropyPolicy<256, 256, 4, 3, 0>)
 
-// The row kernel with 512-thread blocks, loss + gradient at every shape (the loss alone is slower
-// with them: rows_b512_u4 above).
-void BM_grad_rows_b512_all(benchmark::State& st) {
-  BM_ce<CrossEntropyPolicy<512, 256, 4, 0, 0>>(st, true, "rows_b512_u4");
-}
-BENCHMARK(BM_grad_rows_b512_all) SHAPES->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
-// Around the best measured so far (512 threads, 2 rows per SM: 71.6% with the plain gradient path):
-// rows per SM and vectors in flight, loss + gradient at 8192 x 128256.
-#define CE_GRAD_ROW(label, ...)                                                                  \
+// Loss + gradient only, at the given shapes (SHAPES or ONE_SHAPE).
+#define CE_GRAD_ROW(label, shapes, ...)                                                          \
   void BM_grad_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, true, #label); }           \
-  BENCHMARK(BM_grad_##label)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
-CE_GRAD_ROW(rows_b512_r3, CrossEntropyPolicy<512, 256, 4, 3, 0>)
-CE_GRAD_ROW(rows_b512_u8_r2, CrossEntropyPolicy<512, 256, 8, 2, 0>)
-CE_GRAD_ROW(rows_b512_u2_r2, CrossEntropyPolicy<512, 256, 2, 2, 0>)
-CE_GRAD_ROW(rows_b768_r2, CrossEntropyPolicy<768, 256, 4, 2, 0>)
-CE_GRAD_ROW(rows_b384_r3, CrossEntropyPolicy<384, 256, 4, 3, 0>)
-CE_GRAD_ROW(rows_b256_r4, CrossEntropyPolicy<256, 256, 4, 4, 0>)
+  BENCHMARK(BM_grad_##label) shapes->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+#define ONE_SHAPE ->Args({8192, 128256})
+// The row kernel with 512-thread blocks at every shape (the loss alone is slower with them:
+// rows_b512_u4 above).
+CE_GRAD_ROW(rows_b512_u4_all, SHAPES, CrossEntropyPolicy<512, 256, 4, 0, 0>)
+// Around the best measured so far (512 threads, 2 rows per SM: 71.6% with the plain gradient path):
+// rows per SM and vectors in flight, at 8192 x 128256.
+CE_GRAD_ROW(rows_b512_r3, ONE_SHAPE, CrossEntropyPolicy<512, 256, 4, 3, 0>)
+CE_GRAD_ROW(rows_b512_u8_r2, ONE_SHAPE, CrossEntropyPolicy<512, 256, 8, 2, 0>)
+CE_GRAD_ROW(rows_b512_u2_r2, ONE_SHAPE, CrossEntropyPolicy<512, 256, 2, 2, 0>)
+CE_GRAD_ROW(rows_b768_r2, ONE_SHAPE, CrossEntropyPolicy<768, 256, 4, 2, 0>)
+CE_GRAD_ROW(rows_b384_r3, ONE_SHAPE, CrossEntropyPolicy<384, 256, 4, 3, 0>)
+CE_GRAD_ROW(rows_b256_r4, ONE_SHAPE, CrossEntropyPolicy<256, 256, 4, 4, 0>)
 
 BENCH_MAIN

@@ -32,34 +32,24 @@ struct Data {
   Data(std::int64_t r, std::int64_t k, bool f, bool backward) : fused(f), rows(r), cols(k) {
     const std::size_t n = static_cast<std::size_t>(r * k);
     sets = bench::rotation((backward ? 5.0 : 3.0) * n * sizeof(bf16));
-    if (g_pack_skew >= 0 && !fused) {
-      const std::size_t step = n + static_cast<std::size_t>(g_pack_skew) / sizeof(bf16);
-      const int k = backward ? 5 : 3;
-      for (int s = 0; s < sets; ++s) {
-        bf16* base = bench::alloc<bf16>(k * step);
-        packs.push_back(base);
-        bf16* q[5] = {base, base + step, base + 2 * step, base + 3 * step, base + 4 * step};
-        if (backward) {
-          dc.push_back(q[0]); a.push_back(q[1]); b.push_back(q[2]); da.push_back(q[3]); db.push_back(q[4]);
-          c.push_back(nullptr);
-          bench::fill_random(dc.back(), n, 101 + s);
-        } else {
-          a.push_back(q[0]); b.push_back(q[1]); c.push_back(q[2]);
-          dc.push_back(nullptr); da.push_back(nullptr); db.push_back(nullptr);
-        }
-        bench::fill_random(a.back(), n, 11 + s, 0.0f, 2.0f);
-        bench::fill_random(b.back(), n, 31 + s);
-      }
-      return;
-    }
+    const bool packed = g_pack_skew >= 0 && !fused;
+    const std::size_t step = n + (packed ? static_cast<std::size_t>(g_pack_skew) / sizeof(bf16) : 0);
+    const std::size_t wide = fused ? 2 * n : n;
     for (int s = 0; s < sets; ++s) {
-      a.push_back(bench::alloc<bf16>(fused ? 2 * n : n));
-      b.push_back(fused ? nullptr : bench::alloc<bf16>(n));
-      c.push_back(backward ? nullptr : bench::alloc<bf16>(n));
-      dc.push_back(backward ? bench::alloc<bf16>(n) : nullptr);
-      da.push_back(backward ? bench::alloc<bf16>(fused ? 2 * n : n) : nullptr);
-      db.push_back(backward && !fused ? bench::alloc<bf16>(n) : nullptr);
-      bench::fill_random(a.back(), fused ? 2 * n : n, 11 + s, 0.0f, 2.0f);
+      // The set's tensors: each its own allocation, or the next slot of the set's pack (which
+      // holds dc first).
+      bf16* pack = packed ? bench::alloc<bf16>((backward ? 5 : 3) * step) : nullptr;
+      if (pack != nullptr) packs.push_back(pack);
+      int slot = 0;
+      auto take = [&](std::size_t elems) { return pack != nullptr ? pack + step * slot++ : bench::alloc<bf16>(elems); };
+      bf16* packed_dc = backward && pack != nullptr ? take(n) : nullptr;
+      a.push_back(take(wide));
+      b.push_back(fused ? nullptr : take(n));
+      c.push_back(backward ? nullptr : take(n));
+      dc.push_back(backward ? (packed_dc != nullptr ? packed_dc : take(n)) : nullptr);
+      da.push_back(backward ? take(wide) : nullptr);
+      db.push_back(backward && !fused ? take(n) : nullptr);
+      bench::fill_random(a.back(), wide, 11 + s, 0.0f, 2.0f);
       if (!fused) bench::fill_random(b.back(), n, 31 + s);
       if (backward) bench::fill_random(dc.back(), n, 101 + s);
     }

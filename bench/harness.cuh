@@ -143,21 +143,8 @@ inline double copy_gbs_at(double bytes, bool single = false) {
       if (rep >= 3) ms.push_back(t);
     }
   } else {
-    cudaEvent_t a, b;
-    BENCH_CUDA(cudaEventCreate(&a));
-    BENCH_CUDA(cudaEventCreate(&b));
     int k = 0;
-    for (int rep = 0; rep < 18; ++rep) {
-      BENCH_CUDA(cudaEventRecord(a));
-      for (int c = 0; c < 20; ++c) copy(k++);
-      BENCH_CUDA(cudaEventRecord(b));
-      BENCH_CUDA(cudaEventSynchronize(b));
-      float t = 0;
-      BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
-      if (rep >= 3) ms.push_back(t / 20);
-    }
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
+    for (const double t : time_calls([&](int) { for (int c = 0; c < 20; ++c) copy(k++); }, 3, 15)) ms.push_back(t / 20);
   }
   for (int i = 0; i < sets; ++i) {
     cudaFree(src[i]);

@@ -51,6 +51,30 @@ TIGON_DEVICE void to_floats(const AlignedVec<T, N>& v, float (&f)[N]) {
   }
 }
 
+// The inverse of to_floats: N floats rounded to T (to nearest even), bfloat16 and half two at a
+// time (one paired conversion instead of two).
+template <class T, int N>
+TIGON_DEVICE AlignedVec<T, N> from_floats(const float (&f)[N]) {
+  AlignedVec<T, N> v;
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+#pragma unroll
+    for (int k = 0; k < N; k += 2) {
+      const __nv_bfloat162 r = __floats2bfloat162_rn(f[k], f[k + 1]);  // .x = f[k], .y = f[k + 1]
+      __builtin_memcpy(&v.v[k], &r, 4);
+    }
+  } else if constexpr (std::is_same_v<T, __half> && N % 2 == 0) {
+#pragma unroll
+    for (int k = 0; k < N; k += 2) {
+      const __half2 r = __floats2half2_rn(f[k], f[k + 1]);
+      __builtin_memcpy(&v.v[k], &r, 4);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) v.v[k] = from_float<T>(f[k]);
+  }
+  return v;
+}
+
 // a and b rounded to T's precision and back (round_to<T> of each), two at a time for bfloat16 (one
 // paired conversion instead of two).
 template <class T>

@@ -473,39 +473,22 @@ TIGON_DEVICE void ce_grad_vec(const CeParams<T, I>& p, const AlignedVec<T, kV>& 
   store_vec_policy(dr + c0, g, policy);
 }
 
-// Two fp32 values rounded into adjacent elements with one packed conversion (bf16, half).
-template <class T>
-TIGON_DEVICE void ce_put2(T* dst, float a, float b) {
-  if constexpr (std::is_same_v<T, bf16>) {
-    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
-  } else if constexpr (std::is_same_v<T, half>) {
-    *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
-  } else {
-    dst[0] = from_float<T>(a);
-    dst[1] = from_float<T>(b);
-  }
-}
-
 // The plain instances' gradient of a vector that does not hold the target: with no smoothing,
 // class weights or softcap, d loss / d x_i = scale (w_t p_i + 2 z lse p_i) = p_i * factor, factor =
 // scale (w_t + 2 z lse), p_i = 2^(x_i log2(e) - lse log2(e)). A skipped row (scale 0) gets zeros.
 template <class T, int kV>
 TIGON_DEVICE void ce_grad_vec_plain(const AlignedVec<T, kV>& raw, int i, T* dr, float neg_lse2, float factor,
                                     std::uint64_t policy) {
-  static_assert(kV % 2 == 0, "pairs of elements");
-  AlignedVec<T, kV> g;
+  float x[kV];
+  to_floats(raw, x);
   if (factor == 0.0f) {
 #pragma unroll
-    for (int k = 0; k < kV; k += 2) ce_put2<T>(&g.v[k], 0.0f, 0.0f);
+    for (int k = 0; k < kV; ++k) x[k] = 0.0f;
   } else {
 #pragma unroll
-    for (int k = 0; k < kV; k += 2) {
-      const float p0 = exp2_ftz(fmaf(to_float(raw.v[k]), kLog2e, neg_lse2));
-      const float p1 = exp2_ftz(fmaf(to_float(raw.v[k + 1]), kLog2e, neg_lse2));
-      ce_put2<T>(&g.v[k], p0 * factor, p1 * factor);
-    }
+    for (int k = 0; k < kV; ++k) x[k] = exp2_ftz(fmaf(x[k], kLog2e, neg_lse2)) * factor;
   }
-  store_vec_policy(dr + static_cast<std::int64_t>(i) * kV, g, policy);
+  store_vec_policy(dr + static_cast<std::int64_t>(i) * kV, from_floats<T>(x), policy);
 }
 
 // The per-row constants of the plain gradient path, and the vector holding the target (-1: none in
@@ -529,7 +512,7 @@ template <class T, class I, int kV, bool kFast>
 TIGON_DEVICE void ce_grad_any(const CeParams<T, I>& p, const AlignedVec<T, kV>& raw, int i, T* dr, std::int64_t t,
                               const ce_math::RowTerms& terms, float scale, const float* wcol, std::uint64_t policy,
                               const CePlainRow& pr) {
-  if constexpr (kFast && kV % 2 == 0) {
+  if constexpr (kFast && kV > 1) {  // the 16-byte vector instances
     if (i != pr.t_vec) {
       ce_grad_vec_plain<T, kV>(raw, i, dr, pr.neg_lse2, pr.factor, policy);
       return;

@@ -248,18 +248,25 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //                   few enough for the second read to find them in L2; no shared-memory buffers,
 //                   so as many blocks per SM as registers allow; the statistics are exchanged
 //                   through distributed shared memory. Measured below the row kernel on one H200
-//                   (docs/cross_entropy.md).
+//                   (docs/cross_entropy.md);
+//   kGradThreads:   row kernel: block size for rows longer than 16384 columns when a gradient is
+//                   written (0: kWideThreads). The gradient's second pass wants fewer rows in
+//                   flight per SM than the loss alone (so that more of the re-read comes from L2):
+//                   the default policy takes 512 with a gradient and 256 without.
 // Rows the chosen kernel cannot take (narrow vectors, older GPUs, the split-vocabulary passes, a
 // row over 8 blocks' shared memory) take the row kernel: a first pass for the statistics and a
 // second that re-reads the row (from L2 where it is still there) for the gradient.
 template <int kWideThreads_ = 256, int kNarrowThreads_ = 256, int kUnroll_ = 4, int kRowsPerSm_ = 0,
-          int kCluster_ = 0, int kClusterThreads_ = 256, int kSliceKB_ = 36, bool kSplitRows_ = false>
+          int kCluster_ = 0, int kClusterThreads_ = 256, int kSliceKB_ = 36, bool kSplitRows_ = false,
+          int kGradThreads_ = 0>
 struct CrossEntropyPolicy {
   static_assert(kUnroll_ >= 1 && kUnroll_ <= 8, "1 to 8 vectors in flight per thread");
   static_assert(kCluster_ >= -1 && kCluster_ <= 8, "-1 (automatic), 0 (off) or 1 to 8 blocks per row");
   static_assert(kClusterThreads_ % 32 == 0 && kClusterThreads_ >= 64 && kClusterThreads_ <= 1024,
                 "a whole number of warps, 64 to 1024 threads");
   static_assert(kSliceKB_ >= 4 && kSliceKB_ <= 113, "4 to 113 KiB per buffer (two per block)");
+  static_assert(kGradThreads_ == 0 || (kGradThreads_ % 32 == 0 && kGradThreads_ >= 32 && kGradThreads_ <= 1024),
+                "0 (kWideThreads) or a whole number of warps, at most 1024 threads");
   static constexpr int kWideThreads = kWideThreads_;
   static constexpr int kNarrowThreads = kNarrowThreads_;
   static constexpr int kUnroll = kUnroll_;
@@ -268,9 +275,10 @@ struct CrossEntropyPolicy {
   static constexpr int kClusterThreads = kClusterThreads_;
   static constexpr int kSliceKB = kSliceKB_;
   static constexpr bool kSplitRows = kSplitRows_;
+  static constexpr int kGradThreads = kGradThreads_ > 0 ? kGradThreads_ : kWideThreads_;
   static_assert(!kSplitRows_ || kCluster_ > 0, "the split-row kernel takes an explicit cluster size");
 };
-using CrossEntropyDefaultPolicy = CrossEntropyPolicy<>;
+using CrossEntropyDefaultPolicy = CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512>;
 
 // ------------------------------------------------------------------------------------------------
 // 3. Kernels
@@ -1042,6 +1050,12 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
     }
   }
   if (p.vocab > 16384) {
+    if constexpr (P::kGradThreads != P::kWideThreads) {
+      if (p.dx != nullptr) {
+        return vec ? launch_ce_rows<T, I, kV, P::kGradThreads, P>(p, stream, op)
+                   : launch_ce_rows<T, I, 1, P::kGradThreads, P>(p, stream, op);
+      }
+    }
     return vec ? launch_ce_rows<T, I, kV, P::kWideThreads, P>(p, stream, op)
                : launch_ce_rows<T, I, 1, P::kWideThreads, P>(p, stream, op);
   }

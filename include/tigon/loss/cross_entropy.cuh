@@ -201,6 +201,8 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
 // the row kernel takes the call. want: the policy's kCluster (-1: the fewest of 1, 2, 4, 8 blocks
 // whose slices fit slice_bytes); max_smem: the shared memory a block may have.
 inline constexpr int kCeMaxCluster = 8;
+// Rows longer than this with a gradient take the policy's kGradThreads (CrossEntropyPolicy).
+inline constexpr std::int64_t kCeGradWideCols = 65536;
 struct CeClusterShape {
   int blocks = 0;
   std::int64_t slice = 0;  // vectors per block
@@ -249,10 +251,13 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //                   so as many blocks per SM as registers allow; the statistics are exchanged
 //                   through distributed shared memory. Measured below the row kernel on one H200
 //                   (docs/cross_entropy.md);
-//   kGradThreads:   row kernel: block size for rows longer than 16384 columns when a gradient is
-//                   written (0: kWideThreads). The gradient's second pass wants fewer rows in
-//                   flight per SM than the loss alone (so that more of the re-read comes from L2):
-//                   the default policy takes 512 with a gradient and 256 without.
+//   kGradThreads:   row kernel: block size for rows longer than kCeGradWideCols (65536) columns
+//                   when a gradient is written (0: kWideThreads). There the gradient's second pass
+//                   wants fewer rows in flight per SM than the loss alone (so that more of the
+//                   re-read comes from L2): on one H200 the default's 512 measured 71.2% of the
+//                   copy rate at 8192 x 128256 and 67.5% at 262144 columns against 65.8% / 64.4%
+//                   with 256, while at 32000 columns 256 led (74.6% against 67.9%), and the loss
+//                   alone is faster with 256 at every width (docs/cross_entropy.md).
 // Rows the chosen kernel cannot take (narrow vectors, older GPUs, the split-vocabulary passes, a
 // row over 8 blocks' shared memory) take the row kernel: a first pass for the statistics and a
 // second that re-reads the row (from L2 where it is still there) for the gradient.
@@ -1051,7 +1056,7 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
   }
   if (p.vocab > 16384) {
     if constexpr (P::kGradThreads != P::kWideThreads) {
-      if (p.dx != nullptr) {
+      if (p.dx != nullptr && p.vocab > kCeGradWideCols) {
         return vec ? launch_ce_rows<T, I, kV, P::kGradThreads, P>(p, stream, op)
                    : launch_ce_rows<T, I, 1, P::kGradThreads, P>(p, stream, op);
       }

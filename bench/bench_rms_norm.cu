@@ -171,11 +171,6 @@ FWD_VARIANT(v4_b256_direct, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false
 FWD_VARIANT(v2_b256_direct, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true>)
 FWD_VARIANT(v2_b256_direct_cs, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, true, true, true>)
 FWD_VARIANT(v4_b256_direct_cs, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, true, true, true>)
-// Registers capped for 6 or 8 blocks per SM (kFwdMinBlocksPerSm; the default holds 4).
-FWD_VARIANT(v4_b256_m6, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false, false, 6>)
-FWD_VARIANT(v2_b256_m6, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, false, false, 6>)
-FWD_VARIANT(v2_b256_direct_m6, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, 6>)
-FWD_VARIANT(v2_b256_direct_m8, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, 8>)
 BWD_VARIANT(v2_b512_m1_s3_reread, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false>)
 BWD_VARIANT(v2_b512_m1_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
 BWD_VARIANT(v2_b512_m2_s3_reread, RmsNormPolicy<4, 256, 2, 512, 2, 3, -1, false, false, false>)
@@ -206,9 +201,5 @@ SINGLE_FWD(v2_b256)
 SINGLE_FWD(v4_b256_direct)
 SINGLE_FWD(v2_b256_direct)
 SINGLE_FWD(v4_b256_s3_persistent)
-SINGLE_FWD(v4_b256_m6)
-SINGLE_FWD(v2_b256_m6)
-SINGLE_FWD(v2_b256_direct_m6)
-SINGLE_FWD(v2_b256_direct_m8)
 
 BENCH_MAIN

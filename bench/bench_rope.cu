@@ -90,16 +90,6 @@ void BM_fwd_onehead(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, OneHea
 void BM_bwd_onehead(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, OneHead>(st, true, false, "  policy onehead bwd [B,T,H,D]"); }
 void BM_inter_onehead(benchmark::State& st) { BM_rope<tigon::RopeInterleaved, OneHead>(st, false, false, "  policy onehead fwd interleaved"); }
 void BM_fwd_heads4(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, tigon::RopePolicy<4, 0>>(st, false, false, "  policy heads4 fwd [B,T,H,D]"); }
-// RopePolicy<G, -1, false, M>: G heads per thread, M blocks per SM forced through __launch_bounds__
-// (the default holds 4: 58 registers; 6 leave 40, 8 leave 32).
-using H2M6 = tigon::RopePolicy<2, -1, false, 6>;
-using H2M8 = tigon::RopePolicy<2, -1, false, 8>;
-using H1M8 = tigon::RopePolicy<1, -1, false, 8>;
-void BM_fwd_h2m6(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, H2M6>(st, false, false, "  policy heads2 m6 fwd [B,T,H,D]"); }
-void BM_bwd_h2m6(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, H2M6>(st, true, false, "  policy heads2 m6 bwd [B,T,H,D]"); }
-void BM_fwd_h2m8(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, H2M8>(st, false, false, "  policy heads2 m8 fwd [B,T,H,D]"); }
-void BM_bwd_h2m8(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, H2M8>(st, true, false, "  policy heads2 m8 bwd [B,T,H,D]"); }
-void BM_fwd_h1m8(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, H1M8>(st, false, false, "  policy heads1 m8 fwd [B,T,H,D]"); }
 // The default with programmatic dependent launch off: what the launch overlap is worth.
 void BM_fwd_serial(benchmark::State& st) {
   tigon::set_programmatic_launch(false);
@@ -127,11 +117,6 @@ BENCHMARK(BM_bwd_onehead) ROPE_ARGS;
 BENCHMARK(BM_inter_onehead) ROPE_ARGS;
 BENCHMARK(BM_fwd_heads4) ROPE_ARGS;
 BENCHMARK(BM_fwd_serial) ROPE_ARGS;
-BENCHMARK(BM_fwd_h2m6) ROPE_ARGS;
-BENCHMARK(BM_bwd_h2m6) ROPE_ARGS;
-BENCHMARK(BM_fwd_h2m8) ROPE_ARGS;
-BENCHMARK(BM_bwd_h2m8) ROPE_ARGS;
-BENCHMARK(BM_fwd_h1m8) ROPE_ARGS;
 // Single calls (bench::single): each alone on the device, as between a training step's GEMMs.
 BENCHMARK(bench::single<BM_fwd>) ROPE_ARGS;
 BENCHMARK(bench::single<BM_bwd>) ROPE_ARGS;
@@ -145,9 +130,5 @@ BENCHMARK(bench::single<BM_fwd_heads4>) ROPE_ARGS;
 BENCHMARK(bench::single<BM_fwd_onehead>) ROPE_ARGS;
 BENCHMARK(bench::single<BM_fwd_stream>) ROPE_ARGS;
 BENCHMARK(bench::single<BM_fwd_tokens>) ROPE_ARGS;
-
-BENCHMARK(bench::single<BM_fwd_h2m6>) ROPE_ARGS;
-BENCHMARK(bench::single<BM_fwd_h2m8>) ROPE_ARGS;
-BENCHMARK(bench::single<BM_fwd_h1m8>) ROPE_ARGS;
 
 BENCH_MAIN

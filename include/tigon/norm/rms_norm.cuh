@@ -234,13 +234,8 @@ Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op) {
 template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
           int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
           int kCasting_ = -1, bool kFwdPersistent_ = false, bool kStreamingStores_ = false,
-          bool kBwdKeepRows_ = true, bool kFwdDirect_ = false, bool kBwdDirect_ = false,
-          int kFwdMinBlocksPerSm_ = 1>
+          bool kBwdKeepRows_ = true, bool kFwdDirect_ = false, bool kBwdDirect_ = false>
 struct RmsNormPolicy {
-  static_assert(kFwdMinBlocksPerSm_ >= 1 && kFwdMinBlocksPerSm_ <= 32, "1 to 32 blocks per SM");
-  // Forward (RMSNorm and add + RMSNorm): the second __launch_bounds__ argument, blocks each SM must
-  // hold at once (caps registers: 6 blocks of 256 threads leave 40 per thread).
-  static constexpr int kFwdMinBlocksPerSm = kFwdMinBlocksPerSm_;
   // Backward: each thread loads its vectors of the next row's x and dy straight into registers
   // while it works on this row (true), or the rows are staged through shared memory with
   // cp.async, kStages deep (false: the default until measured against it).
@@ -360,7 +355,7 @@ TIGON_DEVICE void add_dweight_terms(const float (&dy)[kV], float (&xhat)[kV], Rm
 // next kStages-1 rows of its sequence in flight through shared memory; kGroups groups per block;
 // a persistent grid walks all rows. Each thread reads back only the chunks it copied itself.
 template <class T, class W, int kCols, class P>
-TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads, P::kFwdMinBlocksPerSm)
+TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
     rms_norm_fwd_kernel(const RmsFwdParams<T, W> p) {
   detail::grid_dependency_sync();
   using S = RmsFwdShape<T, kCols, P>;

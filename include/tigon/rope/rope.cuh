@@ -62,13 +62,8 @@ struct RopeInterleaved {
 //
 // kStreamLoads = true: the one-head kernel reads q and k with the streaming cache hint (evict
 // first), so that L1 keeps the table rows, which every head of a token reads again.
-//
-// kMinBlocks: the head-group kernel's second __launch_bounds__ argument, blocks of 256 threads each
-// SM must hold at once (caps its registers: 6 leave 40 per thread, 8 leave 32).
-template <int kHeads_ = 2, int kTokenBlocks_ = -1, bool kStreamLoads_ = false, int kMinBlocks_ = 1>
+template <int kHeads_ = 2, int kTokenBlocks_ = -1, bool kStreamLoads_ = false>
 struct RopePolicy {
-  static_assert(kMinBlocks_ >= 1 && kMinBlocks_ <= 8, "1 to 8 blocks of 256 threads per SM");
-  static constexpr int kMinBlocks = kMinBlocks_;
   static_assert(kHeads_ >= 0 && kHeads_ <= 16, "0 (one head per thread) or 1 to 16 heads per thread");
   static_assert(kTokenBlocks_ >= -1 && kTokenBlocks_ <= 1, "-1 (interleaved style only), 0 or 1");
   static constexpr int kHeads = kHeads_;
@@ -404,8 +399,8 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
 // fastest, so that the lanes of a warp cover a head's chunks side by side. q's heads come first,
 // then k's; a group may hold heads of both. Only rotated chunks: the launch takes this kernel in
 // place or without pass-through channels.
-template <class T, class C, class Style, int kV, int kG, int kMinB = 1>
-TIGON_KERNEL void __launch_bounds__(kRopeThreads, kMinB) rope_heads_kernel(const RopeParams<T, C> p) {
+template <class T, class C, class Style, int kV, int kG>
+TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopeParams<T, C> p) {
   detail::grid_dependency_sync();
   constexpr bool kHalf = std::is_same_v<Style, RopeHalfSplit>;
   const int half = p.rotary_dim / 2;
@@ -636,7 +631,7 @@ Status launch_rope(const RopeParams<T, C>& p, cudaStream_t stream, const char* o
 
 // The head-group kernel's launch, when the call allows it (see RopePolicy); `launched` false: not
 // taken (nothing launched).
-template <class T, class C, class Style, int kV, int kG, int kMinB = 1>
+template <class T, class C, class Style, int kV, int kG>
 Status launch_rope_heads(const RopeParams<T, C>& p, cudaStream_t stream, const char* op, bool& launched) {
   launched = false;
   const bool in_place = p.in[0] == p.out[0] && p.sb[0] == p.osb[0] && p.st[0] == p.ost[0] && p.sh[0] == p.osh[0] &&
@@ -648,7 +643,7 @@ Status launch_rope_heads(const RopeParams<T, C>& p, cudaStream_t stream, const c
   const std::int64_t items = p.tokens * groups * chunks;
   if (items <= 0 || items > 0x7fffffff - kRopeThreads) return Status();
   const auto grid = static_cast<unsigned>(ceil_div<std::int64_t>(items, kRopeThreads));
-  TIGON_CHECK(launch(op, rope_heads_kernel<T, C, Style, kV, kG, kMinB>, {dim3(grid), dim3(kRopeThreads), 0, stream}, p));
+  TIGON_CHECK(launch(op, rope_heads_kernel<T, C, Style, kV, kG>, {dim3(grid), dim3(kRopeThreads), 0, stream}, p));
   launched = true;
   return Status();
 }
@@ -694,7 +689,7 @@ Status rope_impl(const RopeArgs<T, C>& a, bool backward, cudaStream_t stream, co
   if (v == kVecElems<T>) {
     if constexpr (Policy::kHeads > 0) {
       bool launched = false;
-      TIGON_CHECK((launch_rope_heads<T, C, Style, kVecElems<T>, Policy::kHeads, Policy::kMinBlocks>(p, stream, op, launched)));
+      TIGON_CHECK((launch_rope_heads<T, C, Style, kVecElems<T>, Policy::kHeads>(p, stream, op, launched)));
       if (launched) return Status();
     }
     return launch_rope<T, C, Style, kVecElems<T>, Policy::kStreamLoads>(p, stream, op);

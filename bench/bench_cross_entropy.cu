@@ -64,18 +64,22 @@ BENCHMARK(bench::single<BM_loss>)->Args({8192, 128256})->UseManualTime()->Iterat
 // Policy variants at 8192 x 128256: CrossEntropyPolicy<row kernel: wide block, narrow block,
 // vectors in flight per thread, rows per SM (0: as many as fit); on-chip kernel: blocks per row
 // (-1: automatic, with a gradient; 0: off), its block size, its slice per buffer in KiB, split rows
-// (the split-row kernel instead of the on-chip one)>.
+// (the split-row kernel instead of the on-chip one); row kernel: gradient block over 65536 columns
+// (0: the wide block)>. Rows<wide block, vectors in flight, rows per SM>: the row kernel with the
+// gradient on the wide block.
 #define CE_VARIANT(label, ...)                                                                   \
   void BM_grad_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, true, #label); }           \
   void BM_loss_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, false, #label); }          \
   BENCHMARK(BM_grad_##label)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond); \
   BENCHMARK(BM_loss_##label)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 using tigon::CrossEntropyPolicy;
-CE_VARIANT(rows_b1024_u4, CrossEntropyPolicy<1024, 256, 4, 0, 0>)
-CE_VARIANT(rows_b512_u4, CrossEntropyPolicy<512, 256, 4, 0, 0>)
-CE_VARIANT(rows_b256_u4, CrossEntropyPolicy<256, 256, 4, 0, 0>)
-CE_VARIANT(rows_b256_u2, CrossEntropyPolicy<256, 256, 2, 0, 0>)
-CE_VARIANT(rows_b128_u4, CrossEntropyPolicy<128, 256, 4, 0, 0>)
+template <int kW, int kU, int kR>
+using Rows = CrossEntropyPolicy<kW, 256, kU, kR, 0, 256, 36, false, 0>;
+CE_VARIANT(rows_b1024_u4, Rows<1024, 4, 0>)
+CE_VARIANT(rows_b512_u4, Rows<512, 4, 0>)
+CE_VARIANT(rows_b256_u4, Rows<256, 4, 0>)
+CE_VARIANT(rows_b256_u2, Rows<256, 2, 0>)
+CE_VARIANT(rows_b128_u4, Rows<128, 4, 0>)
 CE_VARIANT(chip8_b128, CrossEntropyPolicy<256, 256, 4, 0, 8, 128>)
 CE_VARIANT(chip8_b256, CrossEntropyPolicy<256, 256, 4, 0, 8, 256>)
 CE_VARIANT(chip_auto36_b256, CrossEntropyPolicy<256, 256, 4, 0, -1, 256, 36>)
@@ -86,10 +90,10 @@ CE_VARIANT(split8_b256, CrossEntropyPolicy<256, 256, 4, 0, 8, 256, 36, true>)
 CE_VARIANT(split8_b512, CrossEntropyPolicy<256, 256, 4, 0, 8, 512, 36, true>)
 CE_VARIANT(split8_b1024, CrossEntropyPolicy<256, 256, 4, 0, 8, 1024, 36, true>)
 // The row kernel with fewer rows in flight per SM (so that the re-read rows can stay in L2).
-CE_VARIANT(rows_b1024_r1, CrossEntropyPolicy<1024, 256, 4, 1, 0>)
-CE_VARIANT(rows_b512_r2, CrossEntropyPolicy<512, 256, 4, 2, 0>)
-CE_VARIANT(rows_b256_r2, CrossEntropyPolicy<256, 256, 4, 2, 0>)
-CE_VARIANT(rows_b256_r3, CrossEntropyPolicy<256, 256, 4, 3, 0>)
+CE_VARIANT(rows_b1024_r1, Rows<1024, 4, 1>)
+CE_VARIANT(rows_b512_r2, Rows<512, 4, 2>)
+CE_VARIANT(rows_b256_r2, Rows<256, 4, 2>)
+CE_VARIANT(rows_b256_r3, Rows<256, 4, 3>)
 
 // Loss + gradient only, at the given shapes (SHAPES or ONE_SHAPE).
 #define CE_GRAD_ROW(label, shapes, ...)                                                          \
@@ -98,14 +102,14 @@ CE_VARIANT(rows_b256_r3, CrossEntropyPolicy<256, 256, 4, 3, 0>)
 #define ONE_SHAPE ->Args({8192, 128256})
 // The default takes 512-thread blocks for the gradient (kGradThreads) and 256 for the loss alone,
 // which is slower with 512 (rows_b512_u4 above); the gradient with 256 threads at every shape:
-CE_GRAD_ROW(rows_b256_u4_all, SHAPES, CrossEntropyPolicy<256, 256, 4, 0, 0>)
+CE_GRAD_ROW(rows_b256_u4_all, SHAPES, Rows<256, 4, 0>)
 // Around the best measured so far (512 threads, 2 rows per SM: 71.6% with the plain gradient path):
 // rows per SM and vectors in flight, at 8192 x 128256.
-CE_GRAD_ROW(rows_b512_r3, ONE_SHAPE, CrossEntropyPolicy<512, 256, 4, 3, 0>)
-CE_GRAD_ROW(rows_b512_u8_r2, ONE_SHAPE, CrossEntropyPolicy<512, 256, 8, 2, 0>)
-CE_GRAD_ROW(rows_b512_u2_r2, ONE_SHAPE, CrossEntropyPolicy<512, 256, 2, 2, 0>)
-CE_GRAD_ROW(rows_b768_r2, ONE_SHAPE, CrossEntropyPolicy<768, 256, 4, 2, 0>)
-CE_GRAD_ROW(rows_b384_r3, ONE_SHAPE, CrossEntropyPolicy<384, 256, 4, 3, 0>)
-CE_GRAD_ROW(rows_b256_r4, ONE_SHAPE, CrossEntropyPolicy<256, 256, 4, 4, 0>)
+CE_GRAD_ROW(rows_b512_r3, ONE_SHAPE, Rows<512, 4, 3>)
+CE_GRAD_ROW(rows_b512_u8_r2, ONE_SHAPE, Rows<512, 8, 2>)
+CE_GRAD_ROW(rows_b512_u2_r2, ONE_SHAPE, Rows<512, 2, 2>)
+CE_GRAD_ROW(rows_b768_r2, ONE_SHAPE, Rows<768, 4, 2>)
+CE_GRAD_ROW(rows_b384_r3, ONE_SHAPE, Rows<384, 4, 3>)
+CE_GRAD_ROW(rows_b256_r4, ONE_SHAPE, Rows<256, 4, 4>)
 
 BENCH_MAIN

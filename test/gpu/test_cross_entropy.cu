@@ -183,7 +183,8 @@ TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce
 
 TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]") {
   // CrossEntropyPolicy<wide block, narrow block, vectors in flight, rows per SM, blocks per row of
-  // the on-chip kernel (-1 automatic, 0 off), its block size, its slice per buffer in KiB, split rows>
+  // the on-chip kernel (-1 automatic, 0 off), its block size, its slice per buffer in KiB, split rows,
+  // gradient block over 65536 columns (0: the wide block)>
   using tigon::CrossEntropyPolicy;
   for (std::int64_t V : {std::int64_t{1000}, std::int64_t{32000}, std::int64_t{128256}}) {
     const std::int64_t rows = V == 128256 ? 16 : 100;
@@ -196,9 +197,12 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
     Case loss_only = all;
     loss_only.grad = false;
     for (const Case& c : {base, all, sep, loss_only}) {
-      // the row kernel alone: 8 vectors in flight, 2 rows per SM; 1 vector, 8 rows per SM
-      run_case<bf16, std::int64_t, CrossEntropyPolicy<1024, 256, 8, 2, 0>>(c);
-      run_case<half, std::int32_t, CrossEntropyPolicy<256, 64, 1, 8, 0>>(c);
+      // the default (512-thread gradient blocks at 128256 columns)
+      run_case<bf16, std::int64_t, tigon::CrossEntropyDefaultPolicy>(c);
+      // the row kernel alone: 8 vectors in flight, 2 rows per SM, the gradient on the same 1024
+      // threads; 1 vector, 8 rows per SM, a 128-thread gradient block
+      run_case<bf16, std::int64_t, CrossEntropyPolicy<1024, 256, 8, 2, 0, 256, 36, false, 0>>(c);
+      run_case<half, std::int32_t, CrossEntropyPolicy<256, 64, 1, 8, 0, 256, 36, false, 128>>(c);
       // the on-chip kernel, its row split over 2 (V 128256: too big, the row kernel), 3 (uneven
       // slices) and 8 blocks of a cluster, with and without a gradient; and the automatic rule
       // aiming at 4 KiB slices (8 blocks)

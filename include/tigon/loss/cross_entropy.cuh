@@ -252,18 +252,17 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //                   through distributed shared memory. Measured below the row kernel on one H200
 //                   (docs/cross_entropy.md);
 //   kGradThreads:   row kernel: block size for rows longer than kCeGradWideCols (65536) columns
-//                   when a gradient is written (0: kWideThreads). There the gradient's second pass
-//                   wants fewer rows in flight per SM than the loss alone (so that more of the
-//                   re-read comes from L2): on one H200 the default's 512 measured 71.2% of the
-//                   copy rate at 8192 x 128256 and 67.5% at 262144 columns against 65.8% / 64.4%
-//                   with 256, while at 32000 columns 256 led (74.6% against 67.9%), and the loss
-//                   alone is faster with 256 at every width (docs/cross_entropy.md).
+//                   when a gradient is written (0: kWideThreads). On one H200 512 (the default)
+//                   measured 71.2% of the copy rate at 8192 x 128256 and 67.5% at 262144 columns
+//                   against 65.8% / 64.4% with 256, while at 32000 columns 256 led (74.6% against
+//                   67.9%); the loss alone measured 86.2% of the read rate with 512 against 95.0%
+//                   with 256 at 128256, so it keeps kWideThreads (docs/cross_entropy.md).
 // Rows the chosen kernel cannot take (narrow vectors, older GPUs, the split-vocabulary passes, a
 // row over 8 blocks' shared memory) take the row kernel: a first pass for the statistics and a
 // second that re-reads the row (from L2 where it is still there) for the gradient.
 template <int kWideThreads_ = 256, int kNarrowThreads_ = 256, int kUnroll_ = 4, int kRowsPerSm_ = 0,
           int kCluster_ = 0, int kClusterThreads_ = 256, int kSliceKB_ = 36, bool kSplitRows_ = false,
-          int kGradThreads_ = 0>
+          int kGradThreads_ = 512>
 struct CrossEntropyPolicy {
   static_assert(kUnroll_ >= 1 && kUnroll_ <= 8, "1 to 8 vectors in flight per thread");
   static_assert(kCluster_ >= -1 && kCluster_ <= 8, "-1 (automatic), 0 (off) or 1 to 8 blocks per row");
@@ -283,7 +282,7 @@ struct CrossEntropyPolicy {
   static constexpr int kGradThreads = kGradThreads_ > 0 ? kGradThreads_ : kWideThreads_;
   static_assert(!kSplitRows_ || kCluster_ > 0, "the split-row kernel takes an explicit cluster size");
 };
-using CrossEntropyDefaultPolicy = CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512>;
+using CrossEntropyDefaultPolicy = CrossEntropyPolicy<>;
 
 // ------------------------------------------------------------------------------------------------
 // 3. Kernels

@@ -237,10 +237,9 @@ struct LayerNormPolicy {
   // Store y / dx with the streaming (evict-first) cache hint.
   static constexpr bool kStreamingStores = kStreamingStores_;
   // Backward: keep the row's x and dy in registers between the row sums and dx (true: RMSNorm's
-  // default, where it measured 1-2% faster on the H200), or read them again from shared memory
-  // (false: the default here, fewer registers; on the H200 at 16384 x 4096 it led keeping by
-  // 3-5 points of the copy rate in three runs out of four, level in the other). w is read once
-  // per thread either way.
+  // default), or read them again from shared memory (false: the default here, fewer registers;
+  // on the H200 at 16384 x 4096 it led keeping by 3-5 points of the copy rate in four runs out
+  // of five, level in the other). w is read once per thread either way.
   static constexpr bool kBwdKeepRows = kBwdKeepRows_;
 };
 using LayerNormDefaultPolicy = LayerNormPolicy<>;

@@ -158,16 +158,13 @@ std::vector<double> dense(const std::vector<T>& h, const Mat<T>& m, std::int64_t
 // bound allows: a 1x1 float GELU (erf) output of 2.41e-3 came out with relative error 1.3e-5 against
 // the 4e-6 L2 bound while inside its element bound (score 0.002), from fresh random inputs.
 constexpr std::size_t kMinL2Elems = 64;
-inline bool gated_ok(const gpu_test::Compare& c, double max_rel_l2) {
-  return c.bad == 0 && (c.n < kMinL2Elems || c.rel_l2 <= max_rel_l2);
-}
 
 #define CHECK_CLOSE(cmp, what, l2, ref)                                                          \
   do {                                                                                           \
     INFO(what << ": " << (cmp).bad << " of " << (cmp).n << " elements out of tolerance, worst #" \
               << (cmp).worst << " (score " << (cmp).worst_err << ", reference "                 \
               << (ref)[(cmp).worst] << "), rel L2 " << (cmp).rel_l2);                            \
-    CHECK(gated_ok(cmp, l2));                                                                    \
+    CHECK((cmp).ok(l2, kMinL2Elems));                                                            \
   } while (0)
 
 // The buffers a call writes, downloaded before and after: the outputs are compared with the

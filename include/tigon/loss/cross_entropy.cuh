@@ -1019,6 +1019,13 @@ Status launch_ce_split(const CeParams<T, I>& p, int blocks, cudaStream_t stream,
                                   {dim3(b), dim3(kThreads), 0, stream, b}, p.rows, op, launched, p, slice);
 }
 
+// The row kernel in kThreads-thread blocks, on 16-byte vectors when the call allows them (vec).
+template <class T, class I, int kThreads, class P>
+Status launch_ce_rows_sized(const CeParams<T, I>& p, bool vec, cudaStream_t stream, const char* op) {
+  return vec ? launch_ce_rows<T, I, kVecElems<T>, kThreads, P>(p, stream, op)
+             : launch_ce_rows<T, I, 1, kThreads, P>(p, stream, op);
+}
+
 template <class P = CrossEntropyDefaultPolicy, class T, class I>
 Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   constexpr int kV = kVecElems<T>;
@@ -1056,15 +1063,12 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
   if (p.vocab > 16384) {
     if constexpr (P::kGradThreads != P::kWideThreads) {
       if (p.dx != nullptr && p.vocab > kCeGradWideCols) {
-        return vec ? launch_ce_rows<T, I, kV, P::kGradThreads, P>(p, stream, op)
-                   : launch_ce_rows<T, I, 1, P::kGradThreads, P>(p, stream, op);
+        return launch_ce_rows_sized<T, I, P::kGradThreads, P>(p, vec, stream, op);
       }
     }
-    return vec ? launch_ce_rows<T, I, kV, P::kWideThreads, P>(p, stream, op)
-               : launch_ce_rows<T, I, 1, P::kWideThreads, P>(p, stream, op);
+    return launch_ce_rows_sized<T, I, P::kWideThreads, P>(p, vec, stream, op);
   }
-  return vec ? launch_ce_rows<T, I, kV, P::kNarrowThreads, P>(p, stream, op)
-             : launch_ce_rows<T, I, 1, P::kNarrowThreads, P>(p, stream, op);
+  return launch_ce_rows_sized<T, I, P::kNarrowThreads, P>(p, vec, stream, op);
 }
 
 // The three launches of a loss, usable one by one by ops that compose cross-entropy (the chunked

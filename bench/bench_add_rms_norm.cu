@@ -216,6 +216,12 @@ FWD_VARIANT(v8_b256, RmsNormPolicy<8, 256, 2, 512, 1, 3, -1, false>)
 FWD_VARIANT(v4_b256_cs, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, true>)
 FWD_VARIANT(v4_b256_s2_persistent, RmsNormPolicy<4, 256, 2, 512, 1, 2, -1, true>)
 FWD_VARIANT(v4_b256_s3_persistent, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true>)
+// Direct forwards: x and the residual straight into registers (kFwdDirect), with the streaming
+// hint or plain loads (kFwdDirectStream false).
+FWD_VARIANT(v4_b256_direct, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true>)
+FWD_VARIANT(v2_b256_direct, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true>)
+FWD_VARIANT(v4_b256_direct_plain, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
+FWD_VARIANT(v2_b256_direct_plain, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
 BWD_VARIANT(default, tigon::RmsNormDefaultPolicy)
 BWD_VARIANT(v2_b512_m1_s3, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false>)
 BWD_VARIANT(v2_b512_m1_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2, -1, false, false, false>)
@@ -230,5 +236,9 @@ SINGLE_FWD(v4_b128)
 SINGLE_FWD(v2_b256)
 SINGLE_FWD(v8_b256)
 SINGLE_FWD(v4_b256_s2_persistent)
+SINGLE_FWD(v4_b256_direct)
+SINGLE_FWD(v2_b256_direct)
+SINGLE_FWD(v4_b256_direct_plain)
+SINGLE_FWD(v2_b256_direct_plain)
 
 BENCH_MAIN

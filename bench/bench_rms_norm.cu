@@ -171,6 +171,9 @@ FWD_VARIANT(v4_b256_direct, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false
 FWD_VARIANT(v2_b256_direct, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true>)
 FWD_VARIANT(v2_b256_direct_cs, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, true, true, true>)
 FWD_VARIANT(v4_b256_direct_cs, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, true, true, true>)
+// Direct forwards with plain loads (kFwdDirectStream false) instead of the streaming hint:
+FWD_VARIANT(v4_b256_direct_plain, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
+FWD_VARIANT(v2_b256_direct_plain, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
 BWD_VARIANT(v2_b512_m1_s3_reread, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false>)
 BWD_VARIANT(v2_b512_m1_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
 BWD_VARIANT(v2_b512_m2_s3_reread, RmsNormPolicy<4, 256, 2, 512, 2, 3, -1, false, false, false>)
@@ -201,5 +204,7 @@ SINGLE_FWD(v2_b256)
 SINGLE_FWD(v4_b256_direct)
 SINGLE_FWD(v2_b256_direct)
 SINGLE_FWD(v4_b256_s3_persistent)
+SINGLE_FWD(v4_b256_direct_plain)
+SINGLE_FWD(v2_b256_direct_plain)
 
 BENCH_MAIN

@@ -304,6 +304,8 @@ TEST_CASE("rms_norm: every policy knob computes the same function", "[rms_norm][
   run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, true>>(c);          // streaming stores
   run_case<bf16, float, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, false, true>>(c);  // keep rows
   run_case<bf16, bf16, RmsNormPolicy<8, 256, 4, 256, 1, 4, 0>>(c);                        // llama only
+  // the direct forward with plain loads (kFwdDirectStream false)
+  run_case<bf16, float, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>>(c);
   // the forward loading straight into registers (and the persistent grid ignoring it)
   run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true>>(c);
   run_case<bf16, float, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, true, true, true>>(c);

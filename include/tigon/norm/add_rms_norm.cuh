@@ -220,6 +220,12 @@ Status validate(const AddRmsNormBackwardArgs<T, W>& a, const char* op, bool with
 template <class T, int kCols, class P>
 using AddRmsFwdPipe = RowPipeline<FwdRowShape<T, kCols, P>, T, kCols, 2,
                                   P::kFwdPersistent ? P::kStages : 1>;  // x, residual
+// The non-persistent forward may read x and the residual straight into registers (kFwdDirect):
+// no shared memory then.
+template <class P>
+inline constexpr bool kAddRmsFwdDirect = P::kFwdDirect && !P::kFwdPersistent;
+template <class T, int kCols, class P>
+inline constexpr int kAddRmsFwdSmem = kAddRmsFwdDirect<P> ? 0 : AddRmsFwdPipe<T, kCols, P>::kSmemBytes;
 template <class T, int kCols, class P>
 using AddRmsBwdPipe = RowPipeline<BwdRowShape<T, kCols, P>, T, kCols, 3, P::kStages>;  // s, dy, dsum
 
@@ -298,6 +304,62 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads)
   const std::int64_t stride[2] = {p.xs, p.rs};
   int parity = 0;
 
+  if constexpr (kAddRmsFwdDirect<P>) {
+    (void)stages;
+    (void)src;
+    (void)stride;
+    for (std::int64_t row = first; row < p.rows; row += step) {
+      const T* xg = p.x + row * p.xs;
+      const T* rg = p.r + row * p.rs;
+      AlignedVec<T, kV> xv[kVPT], rv[kVPT];
+#pragma unroll
+      for (int v = 0; v < kVPT; ++v) {  // every load in flight before the first use
+        const int i = v * S::kGroupThreads + t;
+        if (S::kExact || i < S::kNumVec) {
+          xv[v] = P::kFwdDirectStream ? load_vec_stream<kV>(xg + i * kV) : load_vec<kV>(xg + i * kV);
+          rv[v] = P::kFwdDirectStream ? load_vec_stream<kV>(rg + i * kV) : load_vec<kV>(rg + i * kV);
+        }
+      }
+      T* sr = p.s + row * p.ss;
+      float ss[1] = {0.0f};
+#pragma unroll
+      for (int v = 0; v < kVPT; ++v) {
+        const int i = v * S::kGroupThreads + t;
+        if (S::kExact || i < S::kNumVec) {
+#pragma unroll
+          for (int c = 0; c < kV; ++c) {
+            xv[v].v[c] = add_rms_norm_math::sum<T>(to_float(xv[v].v[c]), to_float(rv[v].v[c]));  // s
+            const float f = to_float(xv[v].v[c]);
+            ss[0] += f * f;
+          }
+          store_vec_hinted<P::kStreamingStores>(sr + i * kV, xv[v]);
+        }
+      }
+      Reduce::sum(ss, tmp, g, t, parity);
+      parity ^= 1;
+      const float rstd = rms_norm_math::rstd(ss[0], kCols, p.eps);
+      if (t == 0 && p.rstd != nullptr) p.rstd[row] = rstd;
+      const float r = rms_norm_math::effective_rstd<T>(rstd, casting);
+      T* yr = p.y + row * p.ys;
+#pragma unroll
+      for (int v = 0; v < kVPT; ++v) {
+        const int i = v * S::kGroupThreads + t;
+        if (S::kExact || i < S::kNumVec) {
+          AlignedVec<W, kV> wv;
+          if (has_w) wv = load_vec<kV>(p.w + i * kV);
+          AlignedVec<T, kV> yv;
+#pragma unroll
+          for (int c = 0; c < kV; ++c) {
+            const float sc = rms_norm_math::scale<T>(has_w ? to_float(wv.v[c]) : 0.0f, has_w, p.offset,
+                                                     casting);
+            yv.v[c] = from_float<T>(rms_norm_math::forward<T>(to_float(xv[v].v[c]), r, sc, casting));
+          }
+          store_vec_hinted<P::kStreamingStores>(yr + i * kV, yv);
+        }
+      }
+    }
+    return;
+  }
   pipelined_rows<S, kCols, kStages, 2>(stages, src, stride, p.rows, first, step, t,
                                        [&](std::int64_t row, const T* xr) {
     const T* rr = xr + kCols;
@@ -626,7 +688,7 @@ Status plan_forward(const AddRmsFwdParams<T, W>& p, const DeviceInfo& dev, RowPl
   plan = RowPlan{};
   if constexpr (compiled_available<FwdRowShape, T, kCols, P>()) {
     using S = FwdRowShape<T, kCols, P>;
-    constexpr int kSmem = AddRmsFwdPipe<T, kCols, P>::kSmemBytes;
+    constexpr int kSmem = kAddRmsFwdSmem<T, kCols, P>;
     // The compiled kernel's shared-memory pipeline must fit this device's per-block limit.
     if (fwd_vectorizable<T, W, S::kVec>(p) && kSmem + 1024 <= dev.smem_per_block_optin) {
       return plan_compiled_rows<add_rms_norm_fwd_kernel<T, W, kCols, P>, S::kThreads, kSmem>(
@@ -679,7 +741,7 @@ Status launch_forward(const AddRmsFwdParams<T, W>& p, const RowPlan& plan, cudaS
   switch (plan.kernel) {
     case RowKernel::compiled:
       if constexpr (compiled_available<FwdRowShape, T, kCols, P>()) {
-        TIGON_CHECK(launch(kOp, add_rms_norm_fwd_kernel<T, W, kCols, P>, {dim3(plan.grid), dim3(FwdRowShape<T, kCols, P>::kThreads), AddRmsFwdPipe<T, kCols, P>::kSmemBytes, stream}, p));
+        TIGON_CHECK(launch(kOp, add_rms_norm_fwd_kernel<T, W, kCols, P>, {dim3(plan.grid), dim3(FwdRowShape<T, kCols, P>::kThreads), kAddRmsFwdSmem<T, kCols, P>, stream}, p));
       }
       break;
     case RowKernel::general_vec:

@@ -234,8 +234,12 @@ Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op) {
 template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
           int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
           int kCasting_ = -1, bool kFwdPersistent_ = false, bool kStreamingStores_ = false,
-          bool kBwdKeepRows_ = true, bool kFwdDirect_ = false, bool kBwdDirect_ = false>
+          bool kBwdKeepRows_ = true, bool kFwdDirect_ = false, bool kBwdDirect_ = false,
+          bool kFwdDirectStream_ = true>
 struct RmsNormPolicy {
+  // Direct forward (RMSNorm and add + RMSNorm): the row's loads carry the streaming (evict-first)
+  // hint (true), or are plain loads (false).
+  static constexpr bool kFwdDirectStream = kFwdDirectStream_;
   // Backward: each thread loads its vectors of the next row's x and dy straight into registers
   // while it works on this row (true), or the rows are staged through shared memory with
   // cp.async, kStages deep (false: the default until measured against it).
@@ -402,7 +406,9 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
 #pragma unroll
       for (int v = 0; v < S::kVecPerThread; ++v) {
         const int i = v * S::kGroupThreads + t;
-        if (S::kExact || i < S::kNumVec) xv[v] = load_vec_stream<kV>(xr + i * kV);
+        if (S::kExact || i < S::kNumVec) {
+          xv[v] = P::kFwdDirectStream ? load_vec_stream<kV>(xr + i * kV) : load_vec<kV>(xr + i * kV);
+        }
       }
     }
 #pragma unroll

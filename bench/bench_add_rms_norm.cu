@@ -206,10 +206,13 @@ BENCHMARK(bench::single<BM_backward_fused>)->Args({16384, 4096}) TIMED;
 
 // RmsNormPolicy<fwd vec/thread, fwd block, bwd vec/thread, bwd block, bwd min blocks/SM, stages,
 //               casting (-1: chosen at run time), persistent forward grid, streaming stores,
-//               backward keeps rows in registers>
+//               backward keeps rows in registers, direct forward (default true), direct backward,
+//               direct forward's streaming hint (default false)>. Rows that leave the last three
+//               unspelled take the defaults: the direct forward with plain loads.
 // Every knob spelled out (RmsNormPolicy's defaults are RMSNorm's to tune), the default policy first.
 FWD_VARIANT(default, tigon::RmsNormDefaultPolicy)
 FWD_VARIANT(v4_b256, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false>)
+FWD_VARIANT(v4_b256_staged, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false>)
 FWD_VARIANT(v4_b128, RmsNormPolicy<4, 128, 2, 512, 1, 3, -1, false>)
 FWD_VARIANT(v2_b256, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false>)
 FWD_VARIANT(v8_b256, RmsNormPolicy<8, 256, 2, 512, 1, 3, -1, false>)
@@ -239,6 +242,7 @@ SINGLE_FWD(v4_b256_s2_persistent)
 SINGLE_FWD(v4_b256_direct)
 SINGLE_FWD(v2_b256_direct)
 SINGLE_FWD(v4_b256_direct_plain)
+SINGLE_FWD(v4_b256_staged)
 SINGLE_FWD(v2_b256_direct_plain)
 
 BENCH_MAIN

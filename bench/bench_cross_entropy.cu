@@ -31,7 +31,7 @@ void BM_ce(benchmark::State& st, bool grad, const std::string& label = "") {
   std::int64_t* t = bench::alloc<std::int64_t>(rows);
   BENCH_CUDA(cudaMemcpy(t, th.data(), rows * sizeof(std::int64_t), cudaMemcpyHostToDevice));
   float* loss = bench::alloc<float>(1);
-  const std::size_t wsb = tigon::cross_entropy_workspace_bytes(rows);
+  const std::size_t wsb = tigon::cross_entropy_workspace_bytes<P>(rows, V);
   void* ws = bench::alloc<unsigned char>(wsb);
   const double bytes = (grad ? 2.0 : 1.0) * n * sizeof(bf16);
   const std::string name = (label.empty() ? std::string("cross_entropy ") : "  policy " + label + " ") +
@@ -65,8 +65,9 @@ BENCHMARK(bench::single<BM_loss>)->Args({8192, 128256})->UseManualTime()->Iterat
 // vectors in flight per thread, rows per SM (0: as many as fit); on-chip kernel: blocks per row
 // (-1: automatic, with a gradient; 0: off), its block size, its slice per buffer in KiB, split rows
 // (the split-row kernel instead of the on-chip one); row kernel: gradient block over 65536 columns
-// (0: the wide block)>. Rows<wide block, vectors in flight, rows per SM>: the row kernel with the
-// gradient on the wide block.
+// (0: the wide block); segmented kernel: columns per segment (0: off), block size, window in % of
+// the blocks in flight>. Rows<wide block, vectors in flight, rows per SM>: the row kernel with the
+// gradient on the wide block; Chip<...>: the on-chip / split-row kernels; Seg<...>: the segmented one.
 #define CE_VARIANT(label, ...)                                                                   \
   void BM_grad_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, true, #label); }           \
   void BM_loss_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, false, #label); }          \
@@ -74,42 +75,34 @@ BENCHMARK(bench::single<BM_loss>)->Args({8192, 128256})->UseManualTime()->Iterat
   BENCHMARK(BM_loss_##label)->Args({8192, 128256})->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 using tigon::CrossEntropyPolicy;
 template <int kW, int kU, int kR>
-using Rows = CrossEntropyPolicy<kW, 256, kU, kR, 0, 256, 36, false, 0>;
-CE_VARIANT(rows_b1024_u4, Rows<1024, 4, 0>)
+using Rows = CrossEntropyPolicy<kW, 256, kU, kR, 0, 256, 36, false, 0, 0>;
+template <int kBlocks, int kThreads, bool kSplit>
+using Chip = CrossEntropyPolicy<256, 256, 4, 0, kBlocks, kThreads, 36, kSplit, 512, 0>;
+template <int kCols, int kThreads, int kWindowPct>
+using Seg = CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, kCols, kThreads, kWindowPct>;
 CE_VARIANT(rows_b512_u4, Rows<512, 4, 0>)
 CE_VARIANT(rows_b256_u4, Rows<256, 4, 0>)
-CE_VARIANT(rows_b256_u2, Rows<256, 2, 0>)
-CE_VARIANT(rows_b128_u4, Rows<128, 4, 0>)
-CE_VARIANT(chip8_b128, CrossEntropyPolicy<256, 256, 4, 0, 8, 128>)
-CE_VARIANT(chip8_b256, CrossEntropyPolicy<256, 256, 4, 0, 8, 256>)
-CE_VARIANT(chip_auto36_b256, CrossEntropyPolicy<256, 256, 4, 0, -1, 256, 36>)
-CE_VARIANT(split2_b512, CrossEntropyPolicy<256, 256, 4, 0, 2, 512, 36, true>)
-CE_VARIANT(split4_b256, CrossEntropyPolicy<256, 256, 4, 0, 4, 256, 36, true>)
-CE_VARIANT(split4_b512, CrossEntropyPolicy<256, 256, 4, 0, 4, 512, 36, true>)
-CE_VARIANT(split8_b256, CrossEntropyPolicy<256, 256, 4, 0, 8, 256, 36, true>)
-CE_VARIANT(split8_b512, CrossEntropyPolicy<256, 256, 4, 0, 8, 512, 36, true>)
-CE_VARIANT(split8_b1024, CrossEntropyPolicy<256, 256, 4, 0, 8, 1024, 36, true>)
-// The row kernel with fewer rows in flight per SM (so that the re-read rows can stay in L2).
-CE_VARIANT(rows_b1024_r1, Rows<1024, 4, 1>)
-CE_VARIANT(rows_b512_r2, Rows<512, 4, 2>)
-CE_VARIANT(rows_b256_r2, Rows<256, 4, 2>)
-CE_VARIANT(rows_b256_r3, Rows<256, 4, 3>)
+CE_VARIANT(chip_auto36_b256, Chip<-1, 256, false>)
+CE_VARIANT(split4_b256, Chip<4, 256, true>)
 
 // Loss + gradient only, at the given shapes (SHAPES or ONE_SHAPE).
 #define CE_GRAD_ROW(label, shapes, ...)                                                          \
   void BM_grad_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, true, #label); }           \
   BENCHMARK(BM_grad_##label) shapes->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 #define ONE_SHAPE ->Args({8192, 128256})
-// The default takes 512-thread blocks for the gradient (kGradThreads) and 256 for the loss alone,
-// which is slower with 512 (rows_b512_u4 above); the gradient with 256 threads at every shape:
+// The row kernel as the previous default ran it (512-thread blocks for gradients over 65536
+// columns, 256 otherwise), and with 256 threads everywhere, at every shape:
+CE_GRAD_ROW(rowkernel_all, SHAPES, CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 0>)
 CE_GRAD_ROW(rows_b256_u4_all, SHAPES, Rows<256, 4, 0>)
-// Around the best measured so far (512 threads, 2 rows per SM: 71.6% with the plain gradient path):
-// rows per SM and vectors in flight, at 8192 x 128256.
-CE_GRAD_ROW(rows_b512_r3, ONE_SHAPE, Rows<512, 4, 3>)
-CE_GRAD_ROW(rows_b512_u8_r2, ONE_SHAPE, Rows<512, 8, 2>)
-CE_GRAD_ROW(rows_b512_u2_r2, ONE_SHAPE, Rows<512, 2, 2>)
-CE_GRAD_ROW(rows_b768_r2, ONE_SHAPE, Rows<768, 4, 2>)
-CE_GRAD_ROW(rows_b384_r3, ONE_SHAPE, Rows<384, 4, 3>)
-CE_GRAD_ROW(rows_b256_r4, ONE_SHAPE, Rows<256, 4, 4>)
+// The segmented kernel around the default (8192 columns per segment, 256 threads, window 100% of
+// the blocks in flight): window, segment length and block size.
+CE_GRAD_ROW(seg_c8192_b256_w50, SHAPES, Seg<8192, 256, 50>)
+CE_GRAD_ROW(seg_c8192_b256_w200, SHAPES, Seg<8192, 256, 200>)
+CE_GRAD_ROW(seg_c8192_b256_w400, ONE_SHAPE, Seg<8192, 256, 400>)
+CE_GRAD_ROW(seg_c4096_b256_w100, SHAPES, Seg<4096, 256, 100>)
+CE_GRAD_ROW(seg_c16384_b256_w100, SHAPES, Seg<16384, 256, 100>)
+CE_GRAD_ROW(seg_c8192_b128_w100, ONE_SHAPE, Seg<8192, 128, 100>)
+CE_GRAD_ROW(seg_c8192_b512_w100, ONE_SHAPE, Seg<8192, 512, 100>)
+CE_GRAD_ROW(seg_c16384_b512_w100, ONE_SHAPE, Seg<16384, 512, 100>)
 
 BENCH_MAIN

@@ -159,7 +159,10 @@ BENCHMARK(bench::single<BM_backward>)->Args({16384, 4096})->UseManualTime()->Ite
 
 // RmsNormPolicy<fwd vec/thread, fwd block, bwd vec/thread, bwd block, bwd min blocks/SM, stages,
 //               casting (-1: chosen at run time), persistent forward grid, streaming stores,
-//               backward keeps rows in registers>
+//               backward keeps rows in registers, direct forward (default true), direct backward,
+//               direct forward's streaming hint (default false)>. Rows that leave the last three
+//               unspelled take the defaults: the direct forward with plain loads.
+FWD_VARIANT(v4_b256_staged, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false>)
 FWD_VARIANT(v4_b256_s3_persistent, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true>)
 FWD_VARIANT(v4_b128, RmsNormPolicy<4, 128>)
 FWD_VARIANT(v4_b512, RmsNormPolicy<4, 512>)
@@ -205,6 +208,7 @@ SINGLE_FWD(v4_b256_direct)
 SINGLE_FWD(v2_b256_direct)
 SINGLE_FWD(v4_b256_s3_persistent)
 SINGLE_FWD(v4_b256_direct_plain)
+SINGLE_FWD(v4_b256_staged)
 SINGLE_FWD(v2_b256_direct_plain)
 
 BENCH_MAIN

@@ -27,6 +27,7 @@ struct Case {
   bool grad = true;
   double ignore_frac = 0.1;
   std::int64_t pad = 0;  // row stride = V + pad
+  bool argmax = true;    // request the argmax output (without it and the other options: the plain path)
 };
 
 std::string describe(const Case& c) {
@@ -34,7 +35,7 @@ std::string describe(const Case& c) {
          " z " + std::to_string(c.z) + " cap " + std::to_string(c.cap) + (c.weights ? " weights" : "") +
          " red " + std::to_string(int(c.red)) + " scale " + std::to_string(c.grad_scale) +
          (c.grad_output ? " grad_output" : "") + (c.in_place ? " in-place" : " out-of-place") +
-         (c.grad ? "" : " loss-only") + " pad " + std::to_string(c.pad);
+         (c.grad ? "" : " loss-only") + " pad " + std::to_string(c.pad) + (c.argmax ? "" : " no-argmax");
 }
 
 template <class T>
@@ -82,7 +83,7 @@ void run_case(const Case& c) {
   DeviceBuffer<float> loss(1), zl(1), rows(c.rows), lse(c.rows);
   DeviceBuffer<std::int64_t> am(c.rows);
   DeviceBuffer<int> errs(1);
-  DeviceBuffer<unsigned char> ws(cross_entropy_workspace_bytes(c.rows));
+  DeviceBuffer<unsigned char> ws(cross_entropy_workspace_bytes<P>(c.rows, c.V));
   x.upload(xh);
   tb.upload(ti);
   if (c.weights) w.upload(wh);
@@ -105,7 +106,7 @@ void run_case(const Case& c) {
                            .loss = c.red == Reduction::none ? nullptr : loss.ptr,
                            .loss_rows = rows.ptr,
                            .z_loss = c.red == Reduction::none ? nullptr : zl.ptr,
-                           .lse = lse.ptr, .argmax = am.ptr, .error_count = errs.ptr,
+                           .lse = lse.ptr, .argmax = c.argmax ? am.ptr : nullptr, .error_count = errs.ptr,
                            .workspace = ws.ptr, .workspace_bytes = ws.count};
   TIGON_OK(cross_entropy<P>(a, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
@@ -118,7 +119,7 @@ void run_case(const Case& c) {
   const auto cs = gpu_test::compare(lh.size(), [&](std::size_t i) { return double(lh[i]); }, ref.lse, 1e-4, 1e-5);
   CHECK(cs.ok(1e-5));
   int am_bad = 0;  // ties in low precision may pick another index holding the same value
-  for (std::int64_t r = 0; r < c.rows; ++r)
+  for (std::int64_t r = 0; c.argmax && r < c.rows; ++r)
     if (ah[r] != ref.argmax[r] && xd[r * c.V + ah[r]] != xd[r * c.V + ref.argmax[r]]) ++am_bad;
   CHECK(am_bad == 0);
   if (c.red != Reduction::none) {
@@ -173,10 +174,16 @@ TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce
     cases.push_back(all);
     all.red = Reduction::none;
     cases.push_back(all);
-    for (const Case& c : cases) {
-      run_case<bf16>(c);
-      run_case<float>(c);
-      run_case<half, std::int32_t>(c);
+    for (Case c : cases) {
+      // At 32000 columns also without the argmax: the cases without other options then take the
+      // plain path (the segmented kernel with a gradient).
+      for (const bool arg : {true, false}) {
+        if (!arg && V != 32000) continue;
+        c.argmax = arg;
+        run_case<bf16>(c);
+        run_case<float>(c);
+        run_case<half, std::int32_t>(c);
+      }
     }
   }
 }
@@ -184,7 +191,8 @@ TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce
 TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]") {
   // CrossEntropyPolicy<wide block, narrow block, vectors in flight, rows per SM, blocks per row of
   // the on-chip kernel (-1 automatic, 0 off), its block size, its slice per buffer in KiB, split rows,
-  // gradient block over 65536 columns (0: the wide block)>
+  // gradient block over 65536 columns (0: the wide block), the segmented kernel's columns per
+  // segment (0: off), block size, window in % of the blocks in flight>
   using tigon::CrossEntropyPolicy;
   for (std::int64_t V : {std::int64_t{1000}, std::int64_t{32000}, std::int64_t{128256}}) {
     const std::int64_t rows = V == 128256 ? 16 : 100;
@@ -196,7 +204,13 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
     sep.pad = 8;
     Case loss_only = all;
     loss_only.grad = false;
-    for (const Case& c : {base, all, sep, loss_only}) {
+    Case plain = base;  // the plain path: the segmented kernel where the policy has it
+    plain.argmax = false;
+    Case plain_sep = sep;
+    plain_sep.argmax = false;
+    plain_sep.red = Reduction::none;
+    plain_sep.grad_output = true;
+    for (const Case& c : {base, all, sep, loss_only, plain, plain_sep}) {
       // the default (512-thread gradient blocks at 128256 columns)
       run_case<bf16, std::int64_t, tigon::CrossEntropyDefaultPolicy>(c);
       // the row kernel alone: 8 vectors in flight, 2 rows per SM, the gradient on the same 1024
@@ -215,20 +229,32 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
       run_case<bf16, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 4, 256, 36, true>>(c);
       run_case<half, std::int32_t, CrossEntropyPolicy<256, 256, 2, 0, 3, 128, 36, true>>(c);
       run_case<float, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 8, 512, 36, true>>(c);
+      // the segmented kernel: 2048-column segments with the smallest window (statistics and
+      // gradients interleaved from the 16th or so item on), one vector per thread; 4096 columns,
+      // 128 threads (fp32: 8 vectors per thread); 16384 columns on 512 threads, the widest window;
+      // and the row kernel with it off
+      run_case<bf16, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 2048, 256, 10>>(c);
+      run_case<float, std::int32_t, CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 4096, 128, 50>>(c);
+      run_case<half, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 16384, 512, 1000>>(c);
+      run_case<bf16, std::int32_t, CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 0>>(c);
     }
   }
 }
 
 TEST_CASE("cross_entropy: the issue's shapes", "[ce][gpu][large]") {
+  run_case<bf16>({.rows = 8192, .V = 32000, .argmax = false});  // the segmented kernel, interleaved
   run_case<bf16>({.rows = 8192, .V = 32000});
   run_case<bf16, std::int32_t>({.rows = 1269, .V = 32000, .eps = 0.1});
-  run_case<bf16>({.rows = 256, .V = 128256, .z = 1e-4});
+  run_case<bf16>({.rows = 256, .V = 128256, .z = 1e-4, .argmax = false});
   run_case<bf16>({.rows = 2, .V = 262144, .cap = 30});
   run_case<float>({.rows = 64, .V = 128256, .weights = true});
 }
 
 TEST_CASE("cross_entropy: all ignored gives 0 and a zero gradient; bad targets are counted", "[ce][gpu]") {
-  const std::int64_t rows = 16, V = 100;
+  // V 100: the row kernel; V 20000: the segmented kernel (plain options, a gradient)
+  for (const std::int64_t V : {std::int64_t{100}, std::int64_t{20000}}) {
+  INFO("V " << V);
+  const std::int64_t rows = 16;
   DeviceBuffer<bf16> x(rows * V);
   x.upload(gpu_test::random_values<bf16>(rows * V, 0, 1, nullptr));
   std::vector<std::int64_t> t(rows, -100);
@@ -236,7 +262,7 @@ TEST_CASE("cross_entropy: all ignored gives 0 and a zero gradient; bad targets a
   tb.upload(t);
   DeviceBuffer<float> loss(1), lr(rows);
   DeviceBuffer<int> errs(1);
-  DeviceBuffer<unsigned char> ws(cross_entropy_workspace_bytes(rows));
+  DeviceBuffer<unsigned char> ws(cross_entropy_workspace_bytes(rows, V));
   CUDA_OK(cudaMemset(errs.ptr, 0, sizeof(int)));
   CrossEntropyArgs<bf16> a{.logits = x.ptr, .targets = tb.ptr, .rows = rows, .vocab = V, .dlogits = x.ptr,
                            .loss = loss.ptr, .loss_rows = lr.ptr, .error_count = errs.ptr,
@@ -259,9 +285,14 @@ TEST_CASE("cross_entropy: all ignored gives 0 and a zero gradient; bad targets a
   CHECK(std::isnan(l[7]));
   CHECK(std::isfinite(l[0]));
   CHECK(std::isnan(loss.download()[0]));
+  }
 }
 
 TEST_CASE("cross_entropy: graph capture matches eager bitwise", "[ce][gpu][graph]") {
+  // with label smoothing: the row kernel; without: the segmented kernel (its counter reset and
+  // its kernel both captured), replayed twice
+  for (const float eps : {0.1f, 0.0f}) {
+  INFO("eps " << eps);
   const std::int64_t rows = 512, V = 32000;
   DeviceBuffer<bf16> x(rows * V), x0(rows * V);
   const auto xh = gpu_test::random_values<bf16>(rows * V, 0, 2, nullptr);
@@ -270,9 +301,9 @@ TEST_CASE("cross_entropy: graph capture matches eager bitwise", "[ce][gpu][graph
   DeviceBuffer<std::int64_t> tb(rows);
   tb.upload(t);
   DeviceBuffer<float> loss(1);
-  DeviceBuffer<unsigned char> ws(cross_entropy_workspace_bytes(rows));
+  DeviceBuffer<unsigned char> ws(cross_entropy_workspace_bytes(rows, V));
   CrossEntropyArgs<bf16> a{.logits = x.ptr, .targets = tb.ptr, .rows = rows, .vocab = V, .dlogits = x.ptr,
-                           .label_smoothing = 0.1f, .loss = loss.ptr, .workspace = ws.ptr,
+                           .label_smoothing = eps, .loss = loss.ptr, .workspace = ws.ptr,
                            .workspace_bytes = ws.count};
   x.upload(xh);
   TIGON_OK(cross_entropy(a, nullptr));
@@ -289,13 +320,18 @@ TEST_CASE("cross_entropy: graph capture matches eager bitwise", "[ce][gpu][graph
   CUDA_OK(cudaStreamEndCapture(s, &graph));
   cudaGraphExec_t exec;
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  CUDA_OK(cudaGraphLaunch(exec, s));
-  CUDA_OK(cudaStreamSynchronize(s));
-  CHECK(std::memcmp(g1.data(), x.download().data(), g1.size() * sizeof(bf16)) == 0);
-  CHECK(loss.download()[0] == l1);
+  for (int replay = 0; replay < 2; ++replay) {
+    x.upload(xh);
+    loss.poison();
+    CUDA_OK(cudaGraphLaunch(exec, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    CHECK(std::memcmp(g1.data(), x.download().data(), g1.size() * sizeof(bf16)) == 0);
+    CHECK(loss.download()[0] == l1);
+  }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(s);
+  }
 }
 
 TEST_CASE("cross_entropy: split vocabulary equals the unsplit op", "[ce][gpu]") {

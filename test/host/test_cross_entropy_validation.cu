@@ -1,7 +1,9 @@
 // Argument validation of the cross-entropy launchers; runs without a GPU.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include <tigon/loss/cross_entropy.cuh>
 #include <tigon/loss/linear_cross_entropy.cuh>
@@ -102,4 +104,46 @@ TEST_CASE("linear_cross_entropy workspace query rejects bad arguments by name", 
   expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::aliasing, "dx");
   CHECK(linear_cross_entropy_default_chunk(100000, 128256, 2) == 4096);
   CHECK(linear_cross_entropy_default_chunk(1000, 128256, 2) == 1000);
+}
+
+TEST_CASE("cross_entropy: the segmented kernel's workspace and work order", "[ce][host]") {
+  // Workspace: the segmented kernel's share only where it takes the rows (two segments or more).
+  const std::size_t base = cross_entropy_workspace_bytes(8192);
+  CHECK(cross_entropy_workspace_bytes(8192, 0) == base);
+  CHECK(cross_entropy_workspace_bytes(8192, 8192) == base);  // one segment: the row kernel
+  CHECK(cross_entropy_workspace_bytes(8192, 128256) == base + detail::ce_seg_bytes(8192, 16));
+  CHECK(detail::ce_seg_bytes(8192, 16) >= 8192u * 16u * 8u + 8192u * (4u + 16u) + 8u);
+  CHECK(cross_entropy_workspace_bytes<CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 0>>(8192, 128256) ==
+        base);
+  CHECK(cross_entropy_workspace_bytes<CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 2048>>(3, 4097) ==
+        cross_entropy_workspace_bytes(3) + detail::ce_seg_bytes(3, 3));
+  // Work order: every statistics item and every gradient item exactly once, and each row's
+  // gradient items after all of its statistics items (what lets a gradient item wait), for
+  // windows from one row's segments to every item.
+  for (const std::uint64_t segs : {2u, 3u, 16u}) {
+    for (const std::uint64_t rows : {1u, 2u, 7u, 40u}) {
+      const std::uint64_t items = rows * segs;
+      for (std::uint64_t window = segs; window <= items; window += (window < 2 * segs ? 1 : 13)) {
+        INFO("segs " << segs << " rows " << rows << " window " << window);
+        std::vector<int> seen(2 * items, 0);
+        std::vector<std::uint64_t> stats_done(rows, 0);
+        bool order_ok = true;
+        for (std::uint64_t tk = 0; tk < 2 * items; ++tk) {
+          bool grad = false;
+          std::uint64_t j = 0;
+          detail::ce_seg_decode(tk, items, window, grad, j);
+          REQUIRE(j < items);
+          ++seen[(grad ? items : 0) + j];
+          const std::uint64_t r = j / segs;
+          if (!grad) {
+            ++stats_done[r];
+          } else if (stats_done[r] != segs) {
+            order_ok = false;
+          }
+        }
+        CHECK(order_ok);
+        CHECK(std::count(seen.begin(), seen.end(), 1) == static_cast<long>(2 * items));
+      }
+    }
+  }
 }

@@ -44,7 +44,7 @@ void cross_entropy(const Tensor& logits, const Tensor& target, const OptTensor& 
       a.logits_stride = X.stride;
       a.dlogits = static_cast<T*>(D.ptr);
       a.dlogits_stride = D.stride;
-      const std::size_t bytes = tigon::cross_entropy_workspace_bytes(X.rows);
+      const std::size_t bytes = tigon::cross_entropy_workspace_bytes(X.rows, X.cols);
       const Tensor ws = workspace(bytes, logits);
       a.workspace = ws.data_ptr();
       a.workspace_bytes = bytes;

@@ -257,13 +257,35 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //                   against 65.8% / 64.4% with 256, while at 32000 columns 256 led (74.6% against
 //                   67.9%); the loss alone measured 86.2% of the read rate with 512 against 95.0%
 //                   with 256 at 128256, so it keeps kWideThreads (docs/cross_entropy.md).
+//   kSegCols:       the segmented kernel (with a gradient, in the common case: no class weights,
+//                   smoothing, softcap, bias, argmax or split statistics; 16-byte vectors; rows
+//                   longer than kSegCols; a workspace sized with the vocabulary): each row is cut
+//                   into segments of kSegCols columns, and the grid's blocks take work items from
+//                   one device counter in an order that keeps every segment's second read close
+//                   behind its first: the statistics of segments j < window first, then those of
+//                   segment window + i alternating with the gradient of segment i. A segment's
+//                   gradient waits (rarely: the window is wider than the blocks in flight) until
+//                   the last statistics item of its row has merged the row's partials, in a fixed
+//                   order (deterministic). The bytes read between a segment's two reads stay near
+//                   window x kSegCols x dtype size, a fraction of the L2, whatever the row length.
+//                   0: off (the row kernel);
+//   kSegThreads:    the segmented kernel's block size (kSegCols must be a multiple of kSegThreads
+//                   x 8 columns: each thread loads its 16-byte vectors of a segment at once);
+//   kSegWindowPct:  the window in percent of the blocks in flight (at least one row's segments).
 // Rows the chosen kernel cannot take (narrow vectors, older GPUs, the split-vocabulary passes, a
 // row over 8 blocks' shared memory) take the row kernel: a first pass for the statistics and a
 // second that re-reads the row (from L2 where it is still there) for the gradient.
 template <int kWideThreads_ = 256, int kNarrowThreads_ = 256, int kUnroll_ = 4, int kRowsPerSm_ = 0,
           int kCluster_ = 0, int kClusterThreads_ = 256, int kSliceKB_ = 36, bool kSplitRows_ = false,
-          int kGradThreads_ = 512>
+          int kGradThreads_ = 512, int kSegCols_ = 8192, int kSegThreads_ = 256, int kSegWindowPct_ = 100>
 struct CrossEntropyPolicy {
+  static_assert(kSegCols_ == 0 || (kSegThreads_ % 32 == 0 && kSegThreads_ >= 64 && kSegThreads_ <= 1024 &&
+                                   kSegCols_ % (kSegThreads_ * 8) == 0 && kSegCols_ / (kSegThreads_ * 4) <= 16),
+                "kSegCols: 0 (off) or a multiple of kSegThreads x 8 columns, at most 16 fp32 vectors per thread");
+  static_assert(kSegWindowPct_ >= 10 && kSegWindowPct_ <= 1000, "window: 10% to 1000% of the blocks in flight");
+  static constexpr int kSegCols = kSegCols_;
+  static constexpr int kSegThreads = kSegThreads_;
+  static constexpr int kSegWindowPct = kSegWindowPct_;
   static_assert(kUnroll_ >= 1 && kUnroll_ <= 8, "1 to 8 vectors in flight per thread");
   static_assert(kCluster_ >= -1 && kCluster_ <= 8, "-1 (automatic), 0 (off) or 1 to 8 blocks per row");
   static_assert(kClusterThreads_ % 32 == 0 && kClusterThreads_ >= 64 && kClusterThreads_ <= 1024,
@@ -672,6 +694,212 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
   }
 }
 
+// ---- The segmented kernel (CrossEntropyPolicy::kSegCols) ----
+
+// A row's constants for its gradient items, published by the row's last statistics item.
+struct CeSegRow {
+  float lse, scale, x_t, w_t;
+};
+
+// The segmented kernel's share of the workspace (after the loss scratch): the work counter, one
+// progress count per row (segments whose statistics are in; segs + 1 once the row is published),
+// the rows' constants, and each segment's (max, sum of exp).
+struct CeSegWork {
+  unsigned long long* ticket;
+  int* count;
+  CeSegRow* row;
+  float2* part;
+};
+inline std::size_t ce_seg_bytes(std::int64_t rows, std::int64_t segs) {
+  const auto r = static_cast<std::size_t>(rows);
+  return 256 + round_up<std::size_t>(r * 4u, 256u) + round_up<std::size_t>(r * sizeof(CeSegRow), 256u) +
+         round_up<std::size_t>(r * static_cast<std::size_t>(segs) * sizeof(float2), 256u);
+}
+inline CeSegWork ce_seg_work(void* base, std::int64_t rows) {
+  auto* b = static_cast<unsigned char*>(base);
+  const auto r = static_cast<std::size_t>(rows);
+  CeSegWork w;
+  w.ticket = reinterpret_cast<unsigned long long*>(b);
+  b += 256;
+  w.count = reinterpret_cast<int*>(b);
+  b += round_up<std::size_t>(r * 4u, 256u);
+  w.row = reinterpret_cast<CeSegRow*>(b);
+  b += round_up<std::size_t>(r * sizeof(CeSegRow), 256u);
+  w.part = reinterpret_cast<float2*>(b);
+  return w;
+}
+
+// The counter and the row counts start at zero in every call (the workspace is the caller's
+// scratch, shared with other work between calls).
+template <int kThreads = 1024>  // a template: a header's kernel needs one definition per program
+TIGON_KERNEL void __launch_bounds__(kThreads) ce_seg_reset_kernel(CeSegWork w, std::int64_t rows) {
+  detail::grid_dependency_sync();
+  const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i0 == 0) *w.ticket = 0;
+  for (std::int64_t i = i0; i < rows; i += static_cast<std::int64_t>(gridDim.x) * kThreads) w.count[i] = 0;
+}
+
+TIGON_DEVICE int ld_acquire(const int* p) {
+  int v;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#else
+  v = *reinterpret_cast<const volatile int*>(p);
+  __threadfence();
+#endif
+  return v;
+}
+
+// Merge (m, s) pairs across a warp, in a fixed butterfly order.
+TIGON_DEVICE void ce_warp_merge(float& m, float& s) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+    const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    ce_math::merge(m, s, m2, s2);
+  }
+}
+
+// Work item `tk` of 2 * items (items = rows x segs): the statistics (false) or the gradient (true)
+// of segment j. The first `window` tickets take statistics 0 .. window - 1; then statistics
+// window + i and gradient i alternate; the last window tickets take the remaining gradients.
+TIGON_HD void ce_seg_decode(std::uint64_t tk, std::uint64_t items, std::uint64_t window, bool& grad,
+                            std::uint64_t& j) {
+  if (tk < window) {
+    grad = false;
+    j = tk;
+    return;
+  }
+  const std::uint64_t u = tk - window;
+  const std::uint64_t mid = 2 * (items - window);
+  if (u < mid) {
+    grad = (u & 1u) != 0;
+    j = grad ? (u >> 1) : window + (u >> 1);
+  } else {
+    grad = true;
+    j = items - window + (u - mid);
+  }
+}
+
+// The plain instance (ce_plain) with a gradient, kSeg = kThreads * kU vectors per segment, each
+// thread's kU vectors of a segment loaded at once. A statistics item: the segment's (max, sum of
+// exp) to part[j], then the row's count; the item that completes the count merges the row's
+// partials in segment order, writes the row's loss outputs and its CeSegRow, and bumps the count
+// to segs + 1. A gradient item: its loads first, then (one thread) the wait for segs + 1, then the
+// gradient written in place or to dx. One block barrier per item; thread 0 takes the next ticket
+// while the item's loads are in flight.
+template <class T, class I, int kV, int kThreads, int kU>
+TIGON_KERNEL void __launch_bounds__(kThreads)
+    ce_seg_kernel(const CeParams<T, I> params, CeSegWork w, int segs, std::uint64_t window) {
+  detail::grid_dependency_sync();
+  const CeParams<T, I> p = ce_specialise<true>(params);
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kSeg = kThreads * kU;
+  __shared__ float2 red[2][kWarps];
+  __shared__ CeSegRow row_sh[2];
+  __shared__ unsigned long long tk_sh[2];
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int nvec = static_cast<int>(p.vocab / kV);
+  const auto items = static_cast<std::uint64_t>(p.rows) * static_cast<std::uint64_t>(segs);
+  const std::uint64_t total = 2 * items;
+  const std::uint64_t keep = l2_policy<L2Hint::evict_last>();
+  const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
+  if (tid == 0) tk_sh[0] = atomicAdd(w.ticket, 1ull);
+  __syncthreads();
+  int par = 0;
+  std::uint64_t tk = tk_sh[0];
+  while (tk < total) {
+    unsigned long long next = 0;
+    if (tid == 0) next = atomicAdd(w.ticket, 1ull);
+    bool grad;
+    std::uint64_t j;
+    ce_seg_decode(tk, items, window, grad, j);
+    const auto row = static_cast<std::int64_t>(j / static_cast<std::uint64_t>(segs));
+    const int seg = static_cast<int>(j - static_cast<std::uint64_t>(row) * static_cast<std::uint64_t>(segs));
+    const T* xr = p.x + row * p.xs;
+    const int v0 = seg * kSeg + tid;
+    AlignedVec<T, kV> raw[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int i = v0 + u * kThreads;
+      if (i < nvec) raw[u] = load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, grad ? drop : keep);
+    }
+    if (!grad) {
+      CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        if (v0 + u * kThreads < nvec) {
+          float x[kV];
+          to_floats(raw[u], x);
+          ce_accumulate<kV>(acc, x, 0, false, false, nullptr);
+        }
+      }
+      ce_warp_merge(acc.m, acc.s);
+      if (lane == 0) red[par][warp] = make_float2(acc.m, acc.s);
+      if (tid == 0) tk_sh[par ^ 1] = next;
+      __syncthreads();
+      if (tid == 0) {
+        float m = red[par][0].x, s = red[par][0].y;
+#pragma unroll
+        for (int k = 1; k < kWarps; ++k) ce_math::merge(m, s, red[par][k].x, red[par][k].y);
+        w.part[j] = make_float2(m, s);
+        __threadfence();
+        if (atomicAdd(&w.count[row], 1) == segs - 1) {  // the row's last segment: publish the row
+          __threadfence();
+          const float2* pr = w.part + static_cast<std::uint64_t>(row) * static_cast<std::uint64_t>(segs);
+          float2 a = __ldcg(pr);
+          for (int k = 1; k < segs; ++k) {
+            const float2 b = __ldcg(pr + k);
+            ce_math::merge(a.x, a.y, b.x, b.y);
+          }
+          const std::int64_t t = static_cast<std::int64_t>(p.targets[row]);
+          const bool ignored = t == p.ignore_index;
+          const bool bad = !ignored && (t < 0 || t >= p.total_vocab);
+          const CeAcc tot{a.x, a.y, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+          const float lse = a.x + logf(a.y);
+          const ce_math::RowTerms terms =
+              ce_row_terms(p, row, tot, lse, ce_target_logit(p, xr, t), t, ignored || bad);
+          ce_write_row(p, row, terms, tot, ignored, bad);
+          w.row[row] = CeSegRow{lse, ce_grad_scale(p, row, ignored || bad), terms.x_t, terms.w_t};
+          __threadfence();
+          atomicAdd(&w.count[row], 1);
+        }
+      }
+    } else {
+      if (tid == 0) {
+        while (ld_acquire(&w.count[row]) <= segs) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+          __nanosleep(64);
+#endif
+        }
+        const CeSegRow* rp = w.row + row;
+        row_sh[par] = CeSegRow{__ldcg(&rp->lse), __ldcg(&rp->scale), __ldcg(&rp->x_t), __ldcg(&rp->w_t)};
+        tk_sh[par ^ 1] = next;
+      }
+      __syncthreads();
+      const CeSegRow r = row_sh[par];
+      const std::int64_t t = static_cast<std::int64_t>(p.targets[row]);
+      ce_math::RowTerms terms{};
+      terms.w_t = r.w_t;
+      terms.sum_w = static_cast<float>(p.total_vocab);
+      terms.sum_wx = 0.0f;
+      terms.x_t = r.x_t;
+      terms.lse = r.lse;
+      const CePlainRow pr = ce_plain_row<T, I, kV>(p, t, terms, r.scale);
+      T* dr = p.dx + row * p.dxs;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int i = v0 + u * kThreads;
+        if (i < nvec) ce_grad_any<T, I, kV, true>(p, raw[u], i, dr, t, terms, r.scale, nullptr, drop, pr);
+      }
+    }
+    tk = tk_sh[par ^ 1];
+    par ^= 1;
+  }
+}
+
 // Rows kept on chip: a row split across a thread-block cluster of `cluster.num_blocks()` blocks
 // (sm_90+; one block when the row fits one). Cluster c walks rows c, c + clusters, ...; block
 // `rank` owns the vectors [rank * slice, (rank + 1) * slice) of each row, which one thread moves
@@ -1071,6 +1299,47 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
   return launch_ce_rows_sized<T, I, P::kNarrowThreads, P>(p, vec, stream, op);
 }
 
+// The segmented kernel's segments per row (0: the kernel does not take rows this short).
+template <class P>
+constexpr std::int64_t ce_seg_count(std::int64_t vocab) {
+  return (P::kSegCols > 0 && vocab > P::kSegCols) ? ceil_div<std::int64_t>(vocab, P::kSegCols) : 0;
+}
+
+// The segmented kernel, when the call is one it takes and the workspace holds its share (sized by
+// cross_entropy_workspace_bytes with the vocabulary); `launched` false otherwise.
+template <class P, class T, class I>
+Status run_ce_segmented(const CeParams<T, I>& p, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+                        const char* op, bool& launched) {
+  launched = false;
+  constexpr int kV = kVecElems<T>;
+  if constexpr (P::kSegCols > 0 && kV > 1) {
+    const std::int64_t segs = ce_seg_count<P>(p.vocab);
+    if (segs < 2 || p.dx == nullptr || !ce_plain(p) || !ce_vectorizable(p)) return Status();
+    const std::size_t base = ce_workspace_bytes(p.rows);
+    if (workspace_bytes < base + ce_seg_bytes(p.rows, segs)) return Status();
+    DeviceInfo dev;
+    TIGON_CHECK(current_device_info(dev));
+    if (dev.cc_major < 7) return Status();
+    constexpr int kThreads = P::kSegThreads;
+    constexpr int kU = P::kSegCols / (kThreads * kV);
+    constexpr auto kernel = ce_seg_kernel<T, I, kV, kThreads, kU>;
+    int occ = 0;
+    TIGON_CHECK((blocks_per_sm<kernel, kThreads>(dev.device, occ)));
+    const std::int64_t items = p.rows * segs;
+    const std::int64_t resident = std::max<std::int64_t>(1, static_cast<std::int64_t>(occ) * dev.sm_count);
+    const auto grid = static_cast<unsigned>(std::min<std::int64_t>(resident, items));
+    const std::int64_t window =
+        std::min(items, std::max(segs, resident * P::kSegWindowPct / 100));
+    const CeSegWork w = ce_seg_work(static_cast<unsigned char*>(workspace) + base, p.rows);
+    const auto rgrid = static_cast<unsigned>(std::min<std::int64_t>(ceil_div<std::int64_t>(p.rows, 1024), 1024));
+    TIGON_CHECK(launch(op, ce_seg_reset_kernel<1024>, {dim3(rgrid), dim3(1024), 0, stream}, w, p.rows));
+    TIGON_CHECK(launch(op, kernel, {dim3(grid), dim3(kThreads), 0, stream}, p, w, static_cast<int>(segs),
+                       static_cast<std::uint64_t>(window)));
+    launched = true;
+  }
+  return Status();
+}
+
 // The three launches of a loss, usable one by one by ops that compose cross-entropy (the chunked
 // linear cross-entropy runs the row kernel once per chunk between one denominator and one reduce).
 template <class I>
@@ -1110,7 +1379,9 @@ Status ce_impl(const CrossEntropyArgs<T, I>& a, CeParams<T, I> p, cudaStream_t s
     TIGON_CHECK(ce_denominator(a.targets, a.rows, a.ignore_index, a.class_weights, p.total_vocab,
                                ws.denom, stream, op));
   }
-  TIGON_CHECK(run_ce_rows<P>(p, stream, op));
+  bool segmented = false;
+  TIGON_CHECK(run_ce_segmented<P>(p, a.workspace, a.workspace_bytes, stream, op, segmented));
+  if (!segmented) TIGON_CHECK(run_ce_rows<P>(p, stream, op));
   if (p.stats_out == nullptr && a.reduction != Reduction::none) {
     TIGON_CHECK(ce_reduce(p.loss_rows, p.z_rows, a.rows, ws.denom, a.reduction == Reduction::mean, a.loss,
                           a.z_loss, stream, op));
@@ -1124,9 +1395,13 @@ Status ce_impl(const CrossEntropyArgs<T, I>& a, CeParams<T, I> p, cudaStream_t s
 // 4. Launchers
 // ------------------------------------------------------------------------------------------------
 
-// Bytes of workspace a cross-entropy call needs (a function of rows only).
-inline std::size_t cross_entropy_workspace_bytes(std::int64_t rows) {
-  return detail::ce_workspace_bytes(rows);
+// Bytes of workspace a cross-entropy call needs: with the vocabulary (and the policy the call will
+// use), what the fastest kernel for it needs; without (vocab 0), the least any call needs — then
+// calls with a gradient take the row kernel (docs/cross_entropy.md).
+template <class P = CrossEntropyDefaultPolicy>
+inline std::size_t cross_entropy_workspace_bytes(std::int64_t rows, std::int64_t vocab = 0) {
+  const std::int64_t segs = detail::ce_seg_count<P>(vocab);
+  return detail::ce_workspace_bytes(rows) + (segs >= 2 ? detail::ce_seg_bytes(rows, segs) : 0);
 }
 
 // Loss (and the gradient when args.dlogits is set) over the whole vocabulary. P: the row

@@ -94,6 +94,11 @@ CE_VARIANT(split4_b256, Chip<4, 256, true>)
 // columns, 256 otherwise), and with 256 threads everywhere, at every shape:
 CE_GRAD_ROW(rowkernel_all, SHAPES, CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 0>)
 CE_GRAD_ROW(rows_b256_u4_all, SHAPES, Rows<256, 4, 0>)
+// The loss alone on the row kernel at every shape (the default takes the segmented kernel for it).
+#define CE_LOSS_ROW(label, shapes, ...)                                                          \
+  void BM_loss_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, false, #label); }          \
+  BENCHMARK(BM_loss_##label) shapes->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+CE_LOSS_ROW(rowkernel_all, SHAPES, CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 0>)
 // The segmented kernel around the default (8192 columns per segment, 256 threads, window 100% of
 // the blocks in flight): window, segment length and block size.
 CE_GRAD_ROW(seg_c8192_b256_w50, SHAPES, Seg<8192, 256, 50>)

@@ -257,7 +257,7 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //                   against 65.8% / 64.4% with 256, while at 32000 columns 256 led (74.6% against
 //                   67.9%); the loss alone measured 86.2% of the read rate with 512 against 95.0%
 //                   with 256 at 128256, so it keeps kWideThreads (docs/cross_entropy.md).
-//   kSegCols:       the segmented kernel (with a gradient, in the common case: no class weights,
+//   kSegCols:       the segmented kernel (with or without a gradient, in the common case: no class weights,
 //                   smoothing, softcap, bias, argmax or split statistics; 16-byte vectors; rows
 //                   longer than kSegCols; a workspace sized with the vocabulary): each row is cut
 //                   into segments of kSegCols columns, and the grid's blocks take work items from
@@ -781,16 +781,17 @@ TIGON_HD void ce_seg_decode(std::uint64_t tk, std::uint64_t items, std::uint64_t
   }
 }
 
-// The plain instance (ce_plain) with a gradient, kSeg = kThreads * kU vectors per segment, each
+// The plain instance (ce_plain), with a gradient or without, kSeg = kThreads * kU vectors per segment, each
 // thread's kU vectors of a segment loaded at once. A statistics item: the segment's (max, sum of
 // exp) to part[j], then the row's count; the item that completes the count merges the row's
-// partials in segment order, writes the row's loss outputs and its CeSegRow, and bumps the count
-// to segs + 1. A gradient item: its loads first, then (one thread) the wait for segs + 1, then the
+// partials in a fixed order (warp 0: a strided pass, then a butterfly), writes the row's loss
+// outputs and its CeSegRow, and bumps the count to segs + 1. A gradient item: its loads first, then (one thread) the wait for segs + 1, then the
 // gradient written in place or to dx. One block barrier per item; thread 0 takes the next ticket
 // while the item's loads are in flight.
 template <class T, class I, int kV, int kThreads, int kU>
 TIGON_KERNEL void __launch_bounds__(kThreads)
     ce_seg_kernel(const CeParams<T, I> params, CeSegWork w, int segs, std::uint64_t window) {
+  // The loss alone (no dx): statistics items only (window = items).
   detail::grid_dependency_sync();
   const CeParams<T, I> p = ce_specialise<true>(params);
   constexpr int kWarps = kThreads / 32;
@@ -803,9 +804,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads)
   const int warp = tid >> 5;
   const int nvec = static_cast<int>(p.vocab / kV);
   const auto items = static_cast<std::uint64_t>(p.rows) * static_cast<std::uint64_t>(segs);
-  const std::uint64_t total = 2 * items;
+  const std::uint64_t total = p.dx != nullptr ? 2 * items : items;
   const std::uint64_t keep = l2_policy<L2Hint::evict_last>();
   const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
+  const std::uint64_t first = p.dx != nullptr ? keep : drop;  // the statistics' read: kept for the gradient's
   if (tid == 0) tk_sh[0] = atomicAdd(w.ticket, 1ull);
   __syncthreads();
   int par = 0;
@@ -824,7 +826,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int i = v0 + u * kThreads;
-      if (i < nvec) raw[u] = load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, grad ? drop : keep);
+      if (i < nvec) raw[u] = load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, grad ? drop : first);
     }
     if (!grad) {
       CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
@@ -840,31 +842,41 @@ TIGON_KERNEL void __launch_bounds__(kThreads)
       if (lane == 0) red[par][warp] = make_float2(acc.m, acc.s);
       if (tid == 0) tk_sh[par ^ 1] = next;
       __syncthreads();
-      if (tid == 0) {
-        float m = red[par][0].x, s = red[par][0].y;
+      if (warp == 0) {
+        int last = 0;
+        if (lane == 0) {
+          float m = red[par][0].x, s = red[par][0].y;
 #pragma unroll
-        for (int k = 1; k < kWarps; ++k) ce_math::merge(m, s, red[par][k].x, red[par][k].y);
-        w.part[j] = make_float2(m, s);
-        __threadfence();
-        if (atomicAdd(&w.count[row], 1) == segs - 1) {  // the row's last segment: publish the row
+          for (int k = 1; k < kWarps; ++k) ce_math::merge(m, s, red[par][k].x, red[par][k].y);
+          w.part[j] = make_float2(m, s);
           __threadfence();
+          last = atomicAdd(&w.count[row], 1) == segs - 1;
+        }
+        if (__shfl_sync(0xffffffffu, last, 0) != 0) {  // the row's last segment: warp 0 publishes the row
+          __syncwarp();
+          __threadfence();
+          // The partials merged by the warp in a fixed order: lane k takes k, k + 32, ...; then a
+          // butterfly (deterministic).
           const float2* pr = w.part + static_cast<std::uint64_t>(row) * static_cast<std::uint64_t>(segs);
-          float2 a = __ldcg(pr);
-          for (int k = 1; k < segs; ++k) {
+          float m = -__builtin_huge_valf(), s = 0.0f;
+          for (int k = lane; k < segs; k += 32) {
             const float2 b = __ldcg(pr + k);
-            ce_math::merge(a.x, a.y, b.x, b.y);
+            ce_math::merge(m, s, b.x, b.y);
           }
-          const std::int64_t t = static_cast<std::int64_t>(p.targets[row]);
-          const bool ignored = t == p.ignore_index;
-          const bool bad = !ignored && (t < 0 || t >= p.total_vocab);
-          const CeAcc tot{a.x, a.y, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
-          const float lse = a.x + logf(a.y);
-          const ce_math::RowTerms terms =
-              ce_row_terms(p, row, tot, lse, ce_target_logit(p, xr, t), t, ignored || bad);
-          ce_write_row(p, row, terms, tot, ignored, bad);
-          w.row[row] = CeSegRow{lse, ce_grad_scale(p, row, ignored || bad), terms.x_t, terms.w_t};
-          __threadfence();
-          atomicAdd(&w.count[row], 1);
+          ce_warp_merge(m, s);
+          if (lane == 0) {
+            const std::int64_t t = static_cast<std::int64_t>(p.targets[row]);
+            const bool ignored = t == p.ignore_index;
+            const bool bad = !ignored && (t < 0 || t >= p.total_vocab);
+            const CeAcc tot{m, s, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+            const float lse = m + logf(s);
+            const ce_math::RowTerms terms =
+                ce_row_terms(p, row, tot, lse, ce_target_logit(p, xr, t), t, ignored || bad);
+            ce_write_row(p, row, terms, tot, ignored, bad);
+            w.row[row] = CeSegRow{lse, ce_grad_scale(p, row, ignored || bad), terms.x_t, terms.w_t};
+            __threadfence();
+            atomicAdd(&w.count[row], 1);
+          }
         }
       }
     } else {
@@ -1314,7 +1326,7 @@ Status run_ce_segmented(const CeParams<T, I>& p, void* workspace, std::size_t wo
   constexpr int kV = kVecElems<T>;
   if constexpr (P::kSegCols > 0 && kV > 1) {
     const std::int64_t segs = ce_seg_count<P>(p.vocab);
-    if (segs < 2 || p.dx == nullptr || !ce_plain(p) || !ce_vectorizable(p)) return Status();
+    if (segs < 2 || !ce_plain(p) || !ce_vectorizable(p)) return Status();
     const std::size_t base = ce_workspace_bytes(p.rows);
     if (workspace_bytes < base + ce_seg_bytes(p.rows, segs)) return Status();
     DeviceInfo dev;
@@ -1329,7 +1341,7 @@ Status run_ce_segmented(const CeParams<T, I>& p, void* workspace, std::size_t wo
     const std::int64_t resident = std::max<std::int64_t>(1, static_cast<std::int64_t>(occ) * dev.sm_count);
     const auto grid = static_cast<unsigned>(std::min<std::int64_t>(resident, items));
     const std::int64_t window =
-        std::min(items, std::max(segs, resident * P::kSegWindowPct / 100));
+        p.dx == nullptr ? items : std::min(items, std::max(segs, resident * P::kSegWindowPct / 100));
     const CeSegWork w = ce_seg_work(static_cast<unsigned char*>(workspace) + base, p.rows);
     const auto rgrid = static_cast<unsigned>(std::min<std::int64_t>(ceil_div<std::int64_t>(p.rows, 1024), 1024));
     TIGON_CHECK(launch(op, ce_seg_reset_kernel<1024>, {dim3(rgrid), dim3(1024), 0, stream}, w, p.rows));

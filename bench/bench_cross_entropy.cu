@@ -99,9 +99,13 @@ CE_GRAD_ROW(rows_b256_u4_all, SHAPES, Rows<256, 4, 0>)
   void BM_loss_##label(benchmark::State& st) { BM_ce<__VA_ARGS__>(st, false, #label); }          \
   BENCHMARK(BM_loss_##label) shapes->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 CE_LOSS_ROW(rowkernel_all, SHAPES, CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 0>)
-// The segmented kernel (opt-in; measured well below the row kernel, docs/cross_entropy.md): its
-// first setting (8192 columns per segment, 256 threads, window 100% of the blocks in flight), with
-// and without a gradient.
+// The segmented kernel (opt-in; docs/cross_entropy.md): 8192 columns per segment, 256 threads,
+// window 100% of the blocks in flight, with and without a gradient; then segment length, block
+// size and window around it, with a gradient.
 CE_VARIANT(seg_c8192_b256_w100, Seg<8192, 256, 100>)
+CE_GRAD_ROW(seg_c4096_b128_w100, ONE_SHAPE, Seg<4096, 128, 100>)
+CE_GRAD_ROW(seg_c8192_b256_w200, ONE_SHAPE, Seg<8192, 256, 200>)
+CE_GRAD_ROW(seg_c16384_b512_w100, ONE_SHAPE, Seg<16384, 512, 100>)
+CE_GRAD_ROW(seg_c8192_b128_w100, ONE_SHAPE, Seg<8192, 128, 100>)
 
 BENCH_MAIN

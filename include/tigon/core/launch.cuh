@@ -65,25 +65,32 @@ TIGON_DEVICE void grid_dependency_sync() {
 #endif
 }
 
-// Launch geometry; `cluster` > 0 adds a thread-block-cluster dimension (x) to the launch.
+// Launch geometry; `cluster` > 0 adds a thread-block-cluster dimension (x) to the launch;
+// `cooperative` launches the grid with every block resident at once (the launch fails when the
+// grid exceeds what fits), for kernels whose blocks wait on one another; such a launch does not
+// use programmatic dependent launch.
 struct LaunchShape {
   dim3 grid;
   dim3 block;
   std::size_t smem = 0;
   cudaStream_t stream = nullptr;
   unsigned cluster = 0;
+  bool cooperative = false;
 };
+
+inline constexpr int kMaxLaunchAttrs = 3;
 
 // The launch configuration `launch` uses (also what occupancy queries of clustered kernels need).
 // `attrs` must outlive the returned configuration.
-inline cudaLaunchConfig_t launch_config(const LaunchShape& s, bool programmatic, cudaLaunchAttribute (&attrs)[2]) {
+inline cudaLaunchConfig_t launch_config(const LaunchShape& s, bool programmatic,
+                                        cudaLaunchAttribute (&attrs)[kMaxLaunchAttrs]) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = s.grid;
   cfg.blockDim = s.block;
   cfg.dynamicSmemBytes = s.smem;
   cfg.stream = s.stream;
   unsigned n = 0;
-  if (programmatic) {
+  if (programmatic && !s.cooperative) {
     attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attrs[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;
@@ -93,6 +100,11 @@ inline cudaLaunchConfig_t launch_config(const LaunchShape& s, bool programmatic,
     attrs[n].val.clusterDim.x = s.cluster;
     attrs[n].val.clusterDim.y = 1;
     attrs[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (s.cooperative) {
+    attrs[n].id = cudaLaunchAttributeCooperative;
+    attrs[n].val.cooperative = 1;
     ++n;
   }
   cfg.attrs = attrs;
@@ -137,7 +149,7 @@ template <class... Params, class... Args>
                                    Args&&... args) {
   bool programmatic = false;
   TIGON_CHECK(programmatic_launch_here(reinterpret_cast<const void*>(kernel), programmatic));
-  cudaLaunchAttribute attrs[2];
+  cudaLaunchAttribute attrs[kMaxLaunchAttrs];
   const cudaLaunchConfig_t cfg = launch_config(shape, programmatic, attrs);
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
   if (e != cudaSuccess) {

@@ -260,19 +260,19 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //   kSegCols:       the segmented kernel (with or without a gradient, in the common case: no class weights,
 //                   smoothing, softcap, bias, argmax or split statistics; 16-byte vectors; rows
 //                   longer than kSegCols; a workspace sized with the vocabulary): each row is cut
-//                   into segments of kSegCols columns, and the grid's blocks take work items from
-//                   one device counter in an order that keeps every segment's second read close
-//                   behind its first: the statistics of segments j < window first, then those of
-//                   segment window + i alternating with the gradient of segment i. A segment's
-//                   gradient waits (rarely: the window is wider than the blocks in flight) until
-//                   the last statistics item of its row has merged the row's partials, in a fixed
-//                   order (deterministic). The bytes read between a segment's two reads stay near
-//                   window x kSegCols x dtype size, a fraction of the L2, whatever the row length.
-//                   0 (the default): off. On one H200 it measured 45% of the copy rate at 8192 x
-//                   128256 with a gradient (8192 columns, 256 threads; 29-54% for the variants)
-//                   and 45% of the read rate for the loss alone, against 71% / 94% for the row
-//                   kernel: every item costs the block one round trip to the single work counter,
-//                   which some thousand blocks contend for (docs/cross_entropy.md);
+//                   into segments of kSegCols columns, worked in an order that keeps every
+//                   segment's second read close behind its first: the statistics of segments
+//                   j < window first, then those of segment window + i alternating with the
+//                   gradient of segment i; block b of a cooperative (all-resident) grid of G takes
+//                   items b, b + G, ... A segment's gradient waits (rarely: the window is wider
+//                   than the blocks in flight) until the last statistics item of its row has
+//                   merged the row's partials, in a fixed order (deterministic). The bytes read
+//                   between a segment's two reads stay near window x kSegCols x dtype size, a
+//                   fraction of the L2, whatever the row length. 0 (the default): off. Its first
+//                   version, which handed items out from one device counter, measured 45% of the
+//                   copy rate at 8192 x 128256 with a gradient and 45% of the read rate for the
+//                   loss alone on one H200, against 71% / 94% for the row kernel
+//                   (docs/cross_entropy.md);
 //   kSegThreads:    the segmented kernel's block size (kSegCols must be a multiple of kSegThreads
 //                   x 8 columns: each thread loads its 16-byte vectors of a segment at once);
 //   kSegWindowPct:  the window in percent of the blocks in flight (at least one row's segments).
@@ -705,26 +705,23 @@ struct CeSegRow {
   float lse, scale, x_t, w_t;
 };
 
-// The segmented kernel's share of the workspace (after the loss scratch): the work counter, one
-// progress count per row (segments whose statistics are in; segs + 1 once the row is published),
-// the rows' constants, and each segment's (max, sum of exp).
+// The segmented kernel's share of the workspace (after the loss scratch): one progress count per
+// row (segments whose statistics are in; segs + 1 once the row is published), the rows'
+// constants, and each segment's (max, sum of exp).
 struct CeSegWork {
-  unsigned long long* ticket;
   int* count;
   CeSegRow* row;
   float2* part;
 };
 inline std::size_t ce_seg_bytes(std::int64_t rows, std::int64_t segs) {
   const auto r = static_cast<std::size_t>(rows);
-  return 256 + round_up<std::size_t>(r * 4u, 256u) + round_up<std::size_t>(r * sizeof(CeSegRow), 256u) +
+  return round_up<std::size_t>(r * 4u, 256u) + round_up<std::size_t>(r * sizeof(CeSegRow), 256u) +
          round_up<std::size_t>(r * static_cast<std::size_t>(segs) * sizeof(float2), 256u);
 }
 inline CeSegWork ce_seg_work(void* base, std::int64_t rows) {
   auto* b = static_cast<unsigned char*>(base);
   const auto r = static_cast<std::size_t>(rows);
   CeSegWork w;
-  w.ticket = reinterpret_cast<unsigned long long*>(b);
-  b += 256;
   w.count = reinterpret_cast<int*>(b);
   b += round_up<std::size_t>(r * 4u, 256u);
   w.row = reinterpret_cast<CeSegRow*>(b);
@@ -733,13 +730,12 @@ inline CeSegWork ce_seg_work(void* base, std::int64_t rows) {
   return w;
 }
 
-// The counter and the row counts start at zero in every call (the workspace is the caller's
-// scratch, shared with other work between calls).
+// The row counts start at zero in every call (the workspace is the caller's scratch, shared with
+// other work between calls).
 template <int kThreads = 1024>  // a template: a header's kernel needs one definition per program
 TIGON_KERNEL void __launch_bounds__(kThreads) ce_seg_reset_kernel(CeSegWork w, std::int64_t rows) {
   detail::grid_dependency_sync();
   const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i0 == 0) *w.ticket = 0;
   for (std::int64_t i = i0; i < rows; i += static_cast<std::int64_t>(gridDim.x) * kThreads) w.count[i] = 0;
 }
 
@@ -785,24 +781,24 @@ TIGON_HD void ce_seg_decode(std::uint64_t tk, std::uint64_t items, std::uint64_t
   }
 }
 
-// The plain instance (ce_plain), with a gradient or without, kSeg = kThreads * kU vectors per segment, each
-// thread's kU vectors of a segment loaded at once. A statistics item: the segment's (max, sum of
-// exp) to part[j], then the row's count; the item that completes the count merges the row's
-// partials in a fixed order (warp 0: a strided pass, then a butterfly), writes the row's loss
-// outputs and its CeSegRow, and bumps the count to segs + 1. A gradient item: its loads first, then (one thread) the wait for segs + 1, then the
-// gradient written in place or to dx. One block barrier per item; thread 0 takes the next ticket
-// while the item's loads are in flight.
+// The plain instance (ce_plain), with a gradient or without (the loss alone: statistics items
+// only, window = items); kSeg = kThreads * kU vectors per segment, each thread's kU vectors of a
+// segment loaded at once. A statistics item: the segment's (max, sum of exp) to part[j], then the
+// row's count; the item that completes the count merges the row's partials in a fixed order
+// (warp 0: a strided pass, then a butterfly), writes the row's loss outputs and its CeSegRow, and
+// bumps the count to segs + 1. A gradient item: its loads first, then (one thread) the wait for
+// segs + 1, then the gradient written in place or to dx. One block barrier per item. Block b
+// takes tickets b, b + G, b + 2G, ... (G blocks, launched cooperatively: all resident), in
+// increasing order; a ticket waits only on lower tickets, so every wait ends.
 template <class T, class I, int kV, int kThreads, int kU>
 TIGON_KERNEL void __launch_bounds__(kThreads)
     ce_seg_kernel(const CeParams<T, I> params, CeSegWork w, int segs, std::uint64_t window) {
-  // The loss alone (no dx): statistics items only (window = items).
   detail::grid_dependency_sync();
   const CeParams<T, I> p = ce_specialise<true>(params);
   constexpr int kWarps = kThreads / 32;
   constexpr int kSeg = kThreads * kU;
   __shared__ float2 red[2][kWarps];
   __shared__ CeSegRow row_sh[2];
-  __shared__ unsigned long long tk_sh[2];
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
@@ -812,13 +808,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads)
   const std::uint64_t keep = l2_policy<L2Hint::evict_last>();
   const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
   const std::uint64_t first = p.dx != nullptr ? keep : drop;  // the statistics' read: kept for the gradient's
-  if (tid == 0) tk_sh[0] = atomicAdd(w.ticket, 1ull);
-  __syncthreads();
   int par = 0;
-  std::uint64_t tk = tk_sh[0];
-  while (tk < total) {
-    unsigned long long next = 0;
-    if (tid == 0) next = atomicAdd(w.ticket, 1ull);
+  for (std::uint64_t tk = blockIdx.x; tk < total; tk += gridDim.x, par ^= 1) {
     bool grad;
     std::uint64_t j;
     ce_seg_decode(tk, items, window, grad, j);
@@ -844,7 +835,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads)
       }
       ce_warp_merge(acc.m, acc.s);
       if (lane == 0) red[par][warp] = make_float2(acc.m, acc.s);
-      if (tid == 0) tk_sh[par ^ 1] = next;
       __syncthreads();
       if (warp == 0) {
         int last = 0;
@@ -892,7 +882,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads)
         }
         const CeSegRow* rp = w.row + row;
         row_sh[par] = CeSegRow{__ldcg(&rp->lse), __ldcg(&rp->scale), __ldcg(&rp->x_t), __ldcg(&rp->w_t)};
-        tk_sh[par ^ 1] = next;
       }
       __syncthreads();
       const CeSegRow r = row_sh[par];
@@ -911,8 +900,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads)
         if (i < nvec) ce_grad_any<T, I, kV, true>(p, raw[u], i, dr, t, terms, r.scale, nullptr, drop, pr);
       }
     }
-    tk = tk_sh[par ^ 1];
-    par ^= 1;
   }
 }
 
@@ -1227,7 +1214,7 @@ template <class T, class I, class... Params, class... Args>
 Status launch_ce_clusters(void (*kernel)(Params...), LaunchShape one, std::int64_t rows, const char* op,
                           bool& launched, Args&&... args) {
   launched = false;
-  cudaLaunchAttribute attrs[2];
+  cudaLaunchAttribute attrs[kMaxLaunchAttrs];
   const cudaLaunchConfig_t query = launch_config(one, false, attrs);
   int resident = 0;
   TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kernel, &query), op,
@@ -1349,8 +1336,9 @@ Status run_ce_segmented(const CeParams<T, I>& p, void* workspace, std::size_t wo
     const CeSegWork w = ce_seg_work(static_cast<unsigned char*>(workspace) + base, p.rows);
     const auto rgrid = static_cast<unsigned>(std::min<std::int64_t>(ceil_div<std::int64_t>(p.rows, 1024), 1024));
     TIGON_CHECK(launch(op, ce_seg_reset_kernel<1024>, {dim3(rgrid), dim3(1024), 0, stream}, w, p.rows));
-    TIGON_CHECK(launch(op, kernel, {dim3(grid), dim3(kThreads), 0, stream}, p, w, static_cast<int>(segs),
-                       static_cast<std::uint64_t>(window)));
+    LaunchShape shape{dim3(grid), dim3(kThreads), 0, stream};
+    shape.cooperative = true;  // blocks wait on one another's items: all of them resident
+    TIGON_CHECK(launch(op, kernel, shape, p, w, static_cast<int>(segs), static_cast<std::uint64_t>(window)));
     launched = true;
   }
   return Status();

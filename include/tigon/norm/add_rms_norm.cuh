@@ -276,9 +276,10 @@ struct AddRmsBwdParams {
   RmsNormCasting casting;
 };
 
-// Fixed hidden size: x and the residual staged through shared memory (pipelined_rows); s is
-// computed, written and kept in registers for the sum of squares and the output, so every input
-// is read from DRAM once and s is never read back.
+// Fixed hidden size: x and the residual read straight into registers (kFwdDirect, the default for
+// the non-persistent grid) or staged through shared memory (pipelined_rows); s is computed,
+// written and kept in registers for the sum of squares and the output, so every input is read
+// from DRAM once and s is never read back.
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads)
     add_rms_norm_fwd_kernel(const AddRmsFwdParams<T, W> p) {
@@ -304,65 +305,10 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads)
   const std::int64_t stride[2] = {p.xs, p.rs};
   int parity = 0;
 
-  if constexpr (kAddRmsFwdDirect<P>) {
-    (void)stages;
-    (void)src;
-    (void)stride;
-    for (std::int64_t row = first; row < p.rows; row += step) {
-      const T* xg = p.x + row * p.xs;
-      const T* rg = p.r + row * p.rs;
-      AlignedVec<T, kV> xv[kVPT], rv[kVPT];
-#pragma unroll
-      for (int v = 0; v < kVPT; ++v) {  // every load in flight before the first use
-        const int i = v * S::kGroupThreads + t;
-        if (S::kExact || i < S::kNumVec) {
-          xv[v] = P::kFwdDirectStream ? load_vec_stream<kV>(xg + i * kV) : load_vec<kV>(xg + i * kV);
-          rv[v] = P::kFwdDirectStream ? load_vec_stream<kV>(rg + i * kV) : load_vec<kV>(rg + i * kV);
-        }
-      }
-      T* sr = p.s + row * p.ss;
-      float ss[1] = {0.0f};
-#pragma unroll
-      for (int v = 0; v < kVPT; ++v) {
-        const int i = v * S::kGroupThreads + t;
-        if (S::kExact || i < S::kNumVec) {
-#pragma unroll
-          for (int c = 0; c < kV; ++c) {
-            xv[v].v[c] = add_rms_norm_math::sum<T>(to_float(xv[v].v[c]), to_float(rv[v].v[c]));  // s
-            const float f = to_float(xv[v].v[c]);
-            ss[0] += f * f;
-          }
-          store_vec_hinted<P::kStreamingStores>(sr + i * kV, xv[v]);
-        }
-      }
-      Reduce::sum(ss, tmp, g, t, parity);
-      parity ^= 1;
-      const float rstd = rms_norm_math::rstd(ss[0], kCols, p.eps);
-      if (t == 0 && p.rstd != nullptr) p.rstd[row] = rstd;
-      const float r = rms_norm_math::effective_rstd<T>(rstd, casting);
-      T* yr = p.y + row * p.ys;
-#pragma unroll
-      for (int v = 0; v < kVPT; ++v) {
-        const int i = v * S::kGroupThreads + t;
-        if (S::kExact || i < S::kNumVec) {
-          AlignedVec<W, kV> wv;
-          if (has_w) wv = load_vec<kV>(p.w + i * kV);
-          AlignedVec<T, kV> yv;
-#pragma unroll
-          for (int c = 0; c < kV; ++c) {
-            const float sc = rms_norm_math::scale<T>(has_w ? to_float(wv.v[c]) : 0.0f, has_w, p.offset,
-                                                     casting);
-            yv.v[c] = from_float<T>(rms_norm_math::forward<T>(to_float(xv[v].v[c]), r, sc, casting));
-          }
-          store_vec_hinted<P::kStreamingStores>(yr + i * kV, yv);
-        }
-      }
-    }
-    return;
-  }
-  pipelined_rows<S, kCols, kStages, 2>(stages, src, stride, p.rows, first, step, t,
-                                       [&](std::int64_t row, const T* xr) {
-    const T* rr = xr + kCols;
+  // One row from its x and residual vectors (x_at(v, i), r_at(v, i): this thread's v-th vector,
+  // vector index i of the row): s written and kept in registers, the row's sum of squares
+  // reduced, y written.
+  auto do_row = [&](std::int64_t row, auto&& x_at, auto&& r_at) {
     T* sr = p.s + row * p.ss;
     AlignedVec<T, kV> sv[kVPT];
     float ss[1] = {0.0f};
@@ -370,8 +316,8 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads)
     for (int v = 0; v < kVPT; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
-        const AlignedVec<T, kV> xv = load_vec<kV>(xr + i * kV);
-        const AlignedVec<T, kV> rv = load_vec<kV>(rr + i * kV);
+        const AlignedVec<T, kV> xv = x_at(v, i);
+        const AlignedVec<T, kV> rv = r_at(v, i);
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
           sv[v].v[c] = add_rms_norm_math::sum<T>(to_float(xv.v[c]), to_float(rv.v[c]));
@@ -403,7 +349,34 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads)
         store_vec_hinted<P::kStreamingStores>(yr + i * kV, yv);
       }
     }
-  });
+  };
+
+  if constexpr (kAddRmsFwdDirect<P>) {
+    (void)stages;
+    (void)src;
+    (void)stride;
+    for (std::int64_t row = first; row < p.rows; row += step) {
+      const T* xg = p.x + row * p.xs;
+      const T* rg = p.r + row * p.rs;
+      AlignedVec<T, kV> xv[kVPT], rv[kVPT];
+#pragma unroll
+      for (int v = 0; v < kVPT; ++v) {  // every load in flight before the first use
+        const int i = v * S::kGroupThreads + t;
+        if (S::kExact || i < S::kNumVec) {
+          xv[v] = P::kFwdDirectStream ? load_vec_stream<kV>(xg + i * kV) : load_vec<kV>(xg + i * kV);
+          rv[v] = P::kFwdDirectStream ? load_vec_stream<kV>(rg + i * kV) : load_vec<kV>(rg + i * kV);
+        }
+      }
+      do_row(row, [&](int v, int) { return xv[v]; }, [&](int v, int) { return rv[v]; });
+    }
+  } else {
+    pipelined_rows<S, kCols, kStages, 2>(stages, src, stride, p.rows, first, step, t,
+                                         [&](std::int64_t row, const T* xr) {
+      const T* rr = xr + kCols;
+      do_row(row, [&](int, int i) { return load_vec<kV>(xr + i * kV); },
+             [&](int, int i) { return load_vec<kV>(rr + i * kV); });
+    });
+  }
 }
 
 // Fixed hidden size backward: s, dy and dsum staged (dsum only when given); one group reduction

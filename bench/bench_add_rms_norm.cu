@@ -221,8 +221,8 @@ FWD_VARIANT(v4_b256_s2_persistent, RmsNormPolicy<4, 256, 2, 512, 1, 2, -1, true>
 FWD_VARIANT(v4_b256_s3_persistent, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true>)
 // Direct forwards: x and the residual straight into registers (kFwdDirect), with the streaming
 // hint or plain loads (kFwdDirectStream false).
-FWD_VARIANT(v4_b256_direct, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true>)
-FWD_VARIANT(v2_b256_direct, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true>)
+FWD_VARIANT(v4_b256_direct, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, true>)
+FWD_VARIANT(v2_b256_direct, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, true>)
 FWD_VARIANT(v4_b256_direct_plain, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
 FWD_VARIANT(v2_b256_direct_plain, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
 BWD_VARIANT(default, tigon::RmsNormDefaultPolicy)

@@ -180,7 +180,7 @@ TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce
     cases.push_back(all);
     for (Case c : cases) {
       // At 32000 columns also without the argmax: the cases without other options then take the
-      // plain path (the segmented kernel with a gradient).
+      // row kernel's plain instance.
       for (const bool arg : {true, false}) {
         if (!arg && V != 32000) continue;
         c.argmax = arg;
@@ -214,7 +214,9 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
     plain_sep.argmax = false;
     plain_sep.red = Reduction::none;
     plain_sep.grad_output = true;
-    for (const Case& c : {base, all, sep, loss_only, plain, plain_sep}) {
+    Case plain_loss = plain;  // the loss alone on the plain path
+    plain_loss.grad = false;
+    for (const Case& c : {base, all, sep, loss_only, plain, plain_sep, plain_loss}) {
       // the default (512-thread gradient blocks at 128256 columns)
       run_case<bf16, std::int64_t, tigon::CrossEntropyDefaultPolicy>(c);
       // the row kernel alone: 8 vectors in flight, 2 rows per SM, the gradient on the same 1024
@@ -234,8 +236,9 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
       run_case<half, std::int32_t, CrossEntropyPolicy<256, 256, 2, 0, 3, 128, 36, true>>(c);
       run_case<float, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 8, 512, 36, true>>(c);
       // the segmented kernel (opt-in): 2048-column segments with the smallest window (statistics
-      // and gradients interleaved from the 16th or so item on), one vector per thread; 4096
-      // columns, 128 threads (fp32: 8 vectors per thread)
+      // and gradients interleaved once the window, a tenth of the blocks in flight, is passed:
+      // from about the 100th item on the H200), one vector per thread; 4096 columns, 128 threads
+      // (fp32: 8 vectors per thread)
       run_case<bf16, std::int64_t, SegPolicy>(c);
       run_case<float, std::int32_t, CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 4096, 128, 50>>(c);
     }

@@ -264,8 +264,8 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //                   segment's second read close behind its first: the statistics of segments
 //                   j < window first, then those of segment window + i alternating with the
 //                   gradient of segment i; block b of a cooperative (all-resident) grid of G takes
-//                   items b, b + G, ... A segment's gradient waits (rarely: the window is wider
-//                   than the blocks in flight) until the last statistics item of its row has
+//                   items b, b + G, ... A segment's gradient waits (rarely, with a window of at
+//                   least the blocks in flight) until the last statistics item of its row has
 //                   merged the row's partials, in a fixed order (deterministic). The bytes read
 //                   between a segment's two reads stay near window x kSegCols x dtype size, a
 //                   fraction of the L2, whatever the row length. 0 (the default): off. Its first
@@ -843,12 +843,12 @@ TIGON_KERNEL void __launch_bounds__(kThreads)
 #pragma unroll
           for (int k = 1; k < kWarps; ++k) ce_math::merge(m, s, red[par][k].x, red[par][k].y);
           w.part[j] = make_float2(m, s);
-          __threadfence();
+          __threadfence();  // the partial before the count
           last = atomicAdd(&w.count[row], 1) == segs - 1;
+          __threadfence();  // the other partials (counted before this) before the reads below
         }
         if (__shfl_sync(0xffffffffu, last, 0) != 0) {  // the row's last segment: warp 0 publishes the row
           __syncwarp();
-          __threadfence();
           // The partials merged by the warp in a fixed order: lane k takes k, k + 32, ...; then a
           // butterfly (deterministic).
           const float2* pr = w.part + static_cast<std::uint64_t>(row) * static_cast<std::uint64_t>(segs);
@@ -1338,7 +1338,11 @@ Status run_ce_segmented(const CeParams<T, I>& p, void* workspace, std::size_t wo
     TIGON_CHECK(launch(op, ce_seg_reset_kernel<1024>, {dim3(rgrid), dim3(1024), 0, stream}, w, p.rows));
     LaunchShape shape{dim3(grid), dim3(kThreads), 0, stream};
     shape.cooperative = true;  // blocks wait on one another's items: all of them resident
-    TIGON_CHECK(launch(op, kernel, shape, p, w, static_cast<int>(segs), static_cast<std::uint64_t>(window)));
+    const Status st = launch(op, kernel, shape, p, w, static_cast<int>(segs), static_cast<std::uint64_t>(window));
+    // A device that cannot hold the whole grid at once (fewer SMs under MPS, say) takes the row
+    // kernel; the counts the reset kernel zeroed are then unused.
+    if (st.code() == Errc::cuda_error && st.cuda() == cudaErrorCooperativeLaunchTooLarge) return Status();
+    TIGON_CHECK(st);
     launched = true;
   }
   return Status();

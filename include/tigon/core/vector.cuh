@@ -120,6 +120,16 @@ TIGON_DEVICE void store_vec_stream(T* p, const AlignedVec<T, N>& v) {
   }
 }
 
+// A load whose cache hint is a compile-time choice (a policy's streaming-loads knob).
+template <bool kStreaming, int N, class T>
+TIGON_DEVICE AlignedVec<T, N> load_vec_hinted(const T* p) {
+  if constexpr (kStreaming) {
+    return load_vec_stream<N>(p);
+  } else {
+    return load_vec<N>(p);
+  }
+}
+
 // A store whose cache hint is a compile-time choice (a policy's "streaming stores" knob).
 template <bool kStreaming, class T, int N>
 TIGON_DEVICE void store_vec_hinted(T* p, const AlignedVec<T, N>& v) {

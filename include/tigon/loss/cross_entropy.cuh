@@ -702,7 +702,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
 
 // A row's constants for its gradient items, published by the row's last statistics item.
 struct CeSegRow {
-  float lse, scale, x_t, w_t;
+  ce_math::RowTerms terms;
+  float scale;
 };
 
 // The segmented kernel's share of the workspace (after the loss scratch): one progress count per
@@ -867,7 +868,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads)
             const ce_math::RowTerms terms =
                 ce_row_terms(p, row, tot, lse, ce_target_logit(p, xr, t), t, ignored || bad);
             ce_write_row(p, row, terms, tot, ignored, bad);
-            w.row[row] = CeSegRow{lse, ce_grad_scale(p, row, ignored || bad), terms.x_t, terms.w_t};
+            w.row[row] = CeSegRow{terms, ce_grad_scale(p, row, ignored || bad)};
             __threadfence();
             atomicAdd(&w.count[row], 1);
           }
@@ -880,18 +881,20 @@ TIGON_KERNEL void __launch_bounds__(kThreads)
           __nanosleep(64);
 #endif
         }
-        const CeSegRow* rp = w.row + row;
-        row_sh[par] = CeSegRow{__ldcg(&rp->lse), __ldcg(&rp->scale), __ldcg(&rp->x_t), __ldcg(&rp->w_t)};
+        const CeSegRow* rp = w.row + row;  // L2 reads: the row was published by another block
+        CeSegRow r;
+        r.terms.w_t = __ldcg(&rp->terms.w_t);
+        r.terms.sum_w = __ldcg(&rp->terms.sum_w);
+        r.terms.sum_wx = __ldcg(&rp->terms.sum_wx);
+        r.terms.x_t = __ldcg(&rp->terms.x_t);
+        r.terms.lse = __ldcg(&rp->terms.lse);
+        r.scale = __ldcg(&rp->scale);
+        row_sh[par] = r;
       }
       __syncthreads();
       const CeSegRow r = row_sh[par];
+      const ce_math::RowTerms& terms = r.terms;
       const std::int64_t t = static_cast<std::int64_t>(p.targets[row]);
-      ce_math::RowTerms terms{};
-      terms.w_t = r.w_t;
-      terms.sum_w = static_cast<float>(p.total_vocab);
-      terms.sum_wx = 0.0f;
-      terms.x_t = r.x_t;
-      terms.lse = r.lse;
       const CePlainRow pr = ce_plain_row<T, I, kV>(p, t, terms, r.scale);
       T* dr = p.dx + row * p.dxs;
 #pragma unroll
@@ -1404,8 +1407,9 @@ Status ce_impl(const CrossEntropyArgs<T, I>& a, CeParams<T, I> p, cudaStream_t s
 // ------------------------------------------------------------------------------------------------
 
 // Bytes of workspace a cross-entropy call needs: with the vocabulary (and the policy the call will
-// use), what the fastest kernel for it needs; without (vocab 0), the least any call needs — then
-// calls with a gradient take the row kernel (docs/cross_entropy.md).
+// use), what that policy's kernels need for it (more only with the opt-in segmented kernel);
+// without (vocab 0), the least any call needs — then every call takes the row kernel
+// (docs/cross_entropy.md).
 template <class P = CrossEntropyDefaultPolicy>
 inline std::size_t cross_entropy_workspace_bytes(std::int64_t rows, std::int64_t vocab = 0) {
   const std::int64_t segs = detail::ce_seg_count<P>(vocab);

@@ -220,12 +220,10 @@ Status validate(const AddRmsNormBackwardArgs<T, W>& a, const char* op, bool with
 template <class T, int kCols, class P>
 using AddRmsFwdPipe = RowPipeline<FwdRowShape<T, kCols, P>, T, kCols, 2,
                                   P::kFwdPersistent ? P::kStages : 1>;  // x, residual
-// The non-persistent forward may read x and the residual straight into registers (kFwdDirect):
-// no shared memory then.
-template <class P>
-inline constexpr bool kAddRmsFwdDirect = P::kFwdDirect && !P::kFwdPersistent;
+// The non-persistent forward may read x and the residual straight into registers (kFwdDirect,
+// RMSNorm's kRmsFwdDirect rule): no shared memory then.
 template <class T, int kCols, class P>
-inline constexpr int kAddRmsFwdSmem = kAddRmsFwdDirect<P> ? 0 : AddRmsFwdPipe<T, kCols, P>::kSmemBytes;
+inline constexpr int kAddRmsFwdSmem = kRmsFwdDirect<P> ? 0 : AddRmsFwdPipe<T, kCols, P>::kSmemBytes;
 template <class T, int kCols, class P>
 using AddRmsBwdPipe = RowPipeline<BwdRowShape<T, kCols, P>, T, kCols, 3, P::kStages>;  // s, dy, dsum
 
@@ -351,7 +349,7 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads)
     }
   };
 
-  if constexpr (kAddRmsFwdDirect<P>) {
+  if constexpr (kRmsFwdDirect<P>) {
     (void)stages;
     (void)src;
     (void)stride;
@@ -363,8 +361,8 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads)
       for (int v = 0; v < kVPT; ++v) {  // every load in flight before the first use
         const int i = v * S::kGroupThreads + t;
         if (S::kExact || i < S::kNumVec) {
-          xv[v] = P::kFwdDirectStream ? load_vec_stream<kV>(xg + i * kV) : load_vec<kV>(xg + i * kV);
-          rv[v] = P::kFwdDirectStream ? load_vec_stream<kV>(rg + i * kV) : load_vec<kV>(rg + i * kV);
+          xv[v] = load_vec_hinted<P::kFwdDirectStream, kV>(xg + i * kV);
+          rv[v] = load_vec_hinted<P::kFwdDirectStream, kV>(rg + i * kV);
         }
       }
       do_row(row, [&](int v, int) { return xv[v]; }, [&](int v, int) { return rv[v]; });

@@ -409,7 +409,7 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
       for (int v = 0; v < S::kVecPerThread; ++v) {
         const int i = v * S::kGroupThreads + t;
         if (S::kExact || i < S::kNumVec) {
-          xv[v] = P::kFwdDirectStream ? load_vec_stream<kV>(xr + i * kV) : load_vec<kV>(xr + i * kV);
+          xv[v] = load_vec_hinted<P::kFwdDirectStream, kV>(xr + i * kV);
         }
       }
     }

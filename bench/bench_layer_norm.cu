@@ -95,6 +95,21 @@ void BM_backward(benchmark::State& st) {
              bwd_bytes(d.rows, d.cols), [&](int i) { check(tigon::layer_norm_backward(d.bwd(i), nullptr)); });
 }
 
+// The backward without dW and dB (no partial rows, no column sums): where its time goes.
+void BM_backward_dx_only(benchmark::State& st) {
+  Data d(st.range(0), st.range(1));
+  for (int s = 0; s < d.sets; ++s) check(tigon::layer_norm_forward(d.fwd(s), nullptr));
+  bench::run(st, "  layer_norm bwd " + shape(d.rows, d.cols) + " dx only (no dW, dB)",
+             3.0 * d.rows * d.cols * 2 + d.cols * 2.0 + 2.0 * d.rows * 4, [&](int i) {
+               auto a = d.bwd(i);
+               a.dweight = nullptr;
+               a.dbias = nullptr;
+               a.workspace = nullptr;
+               a.workspace_bytes = 0;
+               check(tigon::layer_norm_backward(a, nullptr));
+             });
+}
+
 // Tuning variants of the compiled kernels at 4096 (the policy's parameters are listed below).
 template <class P>
 void BM_forward_policy(benchmark::State& st, const char* label) {
@@ -140,6 +155,7 @@ BENCHMARK(BM_host_overhead)->Iterations(1);
 #define SHAPES ->Args({16384, 4096})->Args({16384, 8192})->Args({32768, 4096})
 BENCHMARK(BM_forward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_backward_dx_only)->Args({16384, 4096})->Args({32768, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 // Single calls (bench::single): each alone on the device, as between a training step's GEMMs.
 BENCHMARK(bench::single<BM_forward>)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK(bench::single<BM_backward>)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);

@@ -94,6 +94,35 @@ void backward_rows(benchmark::State& st, bool serial) {
   tigon::set_programmatic_launch(true);
 }
 
+// Where the backward's time goes: dx alone (no dW: no partial rows, no column sums), and the
+// column sums alone over as many partial rows as the default backward writes at this shape.
+void BM_backward_dx_only(benchmark::State& st) {
+  Data d(st.range(0), st.range(1));
+  for (int s = 0; s < d.sets; ++s) check(tigon::rms_norm_forward(d.fwd(s), nullptr));
+  bench::run(st, "  rms_norm bwd " + shape(d.rows, d.cols) + " dx only (no dW)",
+             3.0 * d.rows * d.cols * 2 + d.cols * 2.0 + d.rows * 4.0, [&](int i) {
+               auto a = d.bwd(i);
+               a.dweight = nullptr;
+               a.workspace = nullptr;
+               a.workspace_bytes = 0;
+               check(tigon::rms_norm_backward(a, nullptr));
+             });
+}
+
+void BM_backward_column_sums(benchmark::State& st) {
+  Data d(st.range(0), st.range(1));
+  auto a = d.bwd(0);
+  check(tigon::rms_norm_backward_workspace_bytes(a, d.ws_bytes));
+  BENCH_CUDA(cudaMalloc(&d.ws, d.ws_bytes));
+  const std::int64_t parts = static_cast<std::int64_t>(d.ws_bytes / (sizeof(float) * d.cols));
+  bench::fill_random(static_cast<float*>(d.ws), static_cast<std::size_t>(parts * d.cols), 7);
+  bench::run(st, "  rms_norm bwd " + shape(d.rows, d.cols) + " column sums alone (" + std::to_string(parts) + " rows)",
+             parts * d.cols * 4.0 + d.cols * 2.0, [&](int) {
+               check(tigon::column_sum(static_cast<const float*>(d.ws), parts, d.cols, d.dw, false, nullptr,
+                                       "bench"));
+             });
+}
+
 void BM_forward(benchmark::State& st) { forward_rows(st, false); }
 void BM_backward(benchmark::State& st) { backward_rows(st, false); }
 void BM_forward_serial(benchmark::State& st) { forward_rows(st, true); }
@@ -144,6 +173,8 @@ BENCHMARK(BM_host_overhead)->Iterations(1);
 #define SHAPES ->Args({16384, 2048})->Args({16384, 4096})->Args({16384, 8192})->Args({32768, 4096})
 BENCHMARK(BM_forward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_backward_dx_only)->Args({16384, 4096})->Args({32768, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_backward_column_sums)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_forward_serial)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_backward_serial)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 // Single calls (bench::single): each alone on the device, as between a training step's GEMMs.

@@ -593,15 +593,7 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
   if (!want_dw) return;
   // One partial row per row group: no cross-group combine, so no block-wide barrier here and no
   // shared memory written by one group and read by another.
-  float* part = p.partials + (static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g) * kCols;
-#pragma unroll
-  for (int v = 0; v < kVPT; ++v) {
-    const int i = v * S::kGroupThreads + t;
-    if (S::kExact || i < S::kNumVec) {
-#pragma unroll
-      for (int c = 0; c < kV; ++c) part[i * kV + c] = acc[v][c];
-    }
-  }
+  store_partial_row<S>(p.partials + (static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g) * kCols, acc, t);
 }
 
 // Any hidden size: one row per block at a time, two passes over the row (the second is served

@@ -194,15 +194,54 @@ TIGON_DEVICE void load_row_weights(const W* w, float offset, int t, float (&out)
 }
 
 // Write this thread's columns of a row group's fp32 partial row (acc[v][c] is column
-// (v * kGroupThreads + t) * kVec + c).
+// (v * kGroupThreads + t) * kVec + c) with whole 32-byte sectors per store instruction: with
+// 8-element vectors (bf16 / half) the two lanes of a pair trade halves so that each 16-byte store
+// pair covers one vector; with 4-element vectors each lane's 16 bytes follow its neighbour's.
+// Scalar stores, 4 bytes in each 32-byte sector per instruction, took about 9 us at the end of the
+// backward for 264 rows of 4096 columns on one H200 (docs/performance.md). Every lane of the group
+// must call it (the pair exchange is a warp shuffle); `part` is 16-byte aligned.
 template <class S>
 TIGON_DEVICE void store_partial_row(float* part, const float (&acc)[S::kVecPerThread][S::kVec], int t) {
+  constexpr int kV = S::kVec;
+  if constexpr (kV == 8 && S::kGroupThreads % 2 == 0 && S::kNumVec % 2 == 0 && S::kThreads % 32 == 0) {
+    const bool odd = (t & 1) != 0;
 #pragma unroll
-  for (int v = 0; v < S::kVecPerThread; ++v) {
-    const int i = v * S::kGroupThreads + t;
-    if (S::kExact || i < S::kNumVec) {
+    for (int v = 0; v < S::kVecPerThread; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      // The even lane keeps its low half and takes its partner's low half; the odd lane the high
+      // halves. Both lanes of a pair are in range or neither (kNumVec is even).
+      float send[4], recv[4];
 #pragma unroll
-      for (int c = 0; c < S::kVec; ++c) part[i * S::kVec + c] = acc[v][c];
+      for (int c = 0; c < 4; ++c) send[c] = odd ? acc[v][c] : acc[v][4 + c];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) recv[c] = __shfl_xor_sync(0xffffffffu, send[c], 1);
+      if (S::kExact || i < S::kNumVec) {
+        const int even = i & ~1;
+        const float4 first = odd ? make_float4(recv[0], recv[1], recv[2], recv[3])
+                                 : make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
+        const float4 second = odd ? make_float4(acc[v][4], acc[v][5], acc[v][6], acc[v][7])
+                                  : make_float4(recv[0], recv[1], recv[2], recv[3]);
+        const int half = odd ? 4 : 0;
+        *reinterpret_cast<float4*>(part + even * kV + half) = first;         // vector `even`
+        *reinterpret_cast<float4*>(part + (even + 1) * kV + half) = second;  // vector `even + 1`
+      }
+    }
+  } else if constexpr (kV == 4) {
+#pragma unroll
+    for (int v = 0; v < S::kVecPerThread; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) {
+        *reinterpret_cast<float4*>(part + i * kV) = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int v = 0; v < S::kVecPerThread; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) {
+#pragma unroll
+        for (int c = 0; c < kV; ++c) part[i * kV + c] = acc[v][c];
+      }
     }
   }
 }

@@ -271,8 +271,8 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //                   fraction of the L2, whatever the row length. 0 (the default): off. Its first
 //                   version, which handed items out from one device counter, measured 45% of the
 //                   copy rate at 8192 x 128256 with a gradient and 45% of the read rate for the
-//                   loss alone on one H200, against 71% / 94% for the row kernel
-//                   (docs/cross_entropy.md);
+//                   loss alone on one H200, against 71% / 94% for the row kernel; this one,
+//                   with its static order, 26% / 27% (docs/cross_entropy.md);
 //   kSegThreads:    the segmented kernel's block size (kSegCols must be a multiple of kSegThreads
 //                   x 8 columns: each thread loads its 16-byte vectors of a segment at once);
 //   kSegWindowPct:  the window in percent of the blocks in flight (at least one row's segments).

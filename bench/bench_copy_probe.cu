@@ -7,6 +7,7 @@
 #include "harness.cuh"
 
 #include <tigon/core/async_copy.cuh>
+#include <tigon/core/vector.cuh>
 
 #include <cstdint>
 
@@ -203,6 +204,89 @@ void BM_bulk(benchmark::State& st) {
   if (a != c) st.SkipWithError("bulk copy produced wrong data");
 }
 
+// ---- L2 retention: how much of a buffer read once (evict-last) is still in L2 for a second read
+// right after it, by the buffer's size (the cross-entropy gradient's question: how many bytes may lie
+// between a line's two reads). Each sample: a 512 MiB read to clear L2, then two timed kernels
+// over the same W MiB: the first read (evict-last) and the second (evict-first), optionally
+// writing its data back in place with the evict-first hint as the in-place gradient does. The
+// second read's rate against the first's says where it came from (DRAM: about the same; L2:
+// several times faster).
+// kMode 0: plain loads (the flush), 1: evict-last, 2: evict-first.
+template <int kMode>
+__global__ void l2_read(const int4* __restrict__ s, int4* __restrict__ w, std::size_t n, float* sink) {
+  const std::uint64_t pol = kMode == 1 ? tigon::l2_policy<tigon::L2Hint::evict_last>()
+                                       : tigon::l2_policy<tigon::L2Hint::evict_first>();
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  int acc = 0;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n; i += stride * 4) {
+    tigon::AlignedVec<int, 4> v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (i + u * stride < n) {
+        const int* q = reinterpret_cast<const int*>(s + i + u * stride);
+        v[u] = kMode == 0 ? tigon::load_vec<4>(q) : tigon::load_vec_policy<4>(q, pol);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (i + u * stride < n) {
+        acc ^= v[u].v[0] ^ v[u].v[1] ^ v[u].v[2] ^ v[u].v[3];
+        if (w != nullptr) tigon::store_vec_policy(reinterpret_cast<int*>(w + i + u * stride), v[u], pol);
+      }
+    }
+  }
+  if (acc == 0x7fffffff) sink[0] = 1.0f;  // keeps the loads
+}
+
+void BM_l2_reread(benchmark::State& st) {
+  const std::size_t bytes = static_cast<std::size_t>(st.range(0)) << 20;
+  const bool write_back = st.range(1) != 0;
+  const std::size_t flush_bytes = std::size_t{512} << 20;
+  char* buf = bench::alloc<char>(bytes);
+  char* flush = bench::alloc<char>(flush_bytes);
+  float* sink = bench::alloc<float>(1);
+  bench::fill_random(reinterpret_cast<float*>(buf), bytes / 4, 3);
+  bench::fill_random(reinterpret_cast<float*>(flush), flush_bytes / 4, 4);
+  const int g = sms() * 8;
+  const auto* s4 = reinterpret_cast<const int4*>(buf);
+  auto* w4 = write_back ? reinterpret_cast<int4*>(buf) : nullptr;
+  cudaEvent_t e0, e1, e2;
+  BENCH_CUDA(cudaEventCreate(&e0));
+  BENCH_CUDA(cudaEventCreate(&e1));
+  BENCH_CUDA(cudaEventCreate(&e2));
+  std::vector<double> first, second;
+  for (auto _ : st) {
+    l2_read<0><<<g, 256>>>(reinterpret_cast<const int4*>(flush), nullptr, flush_bytes / 16, sink);
+    BENCH_CUDA(cudaEventRecord(e0));
+    l2_read<1><<<g, 256>>>(s4, nullptr, bytes / 16, sink);
+    BENCH_CUDA(cudaEventRecord(e1));
+    l2_read<2><<<g, 256>>>(s4, w4, bytes / 16, sink);
+    BENCH_CUDA(cudaEventRecord(e2));
+    BENCH_CUDA(cudaEventSynchronize(e2));
+    float a = 0, b = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&a, e0, e1));
+    BENCH_CUDA(cudaEventElapsedTime(&b, e1, e2));
+    first.push_back(a);
+    second.push_back(b);
+    st.SetIterationTime(b / 1e3);
+  }
+  BENCH_CUDA(cudaGetLastError());
+  const double t1 = bench::median(first), t2 = bench::median(second);
+  const double r1 = static_cast<double>(bytes) / (t1 * 1e-3) / 1e9;
+  const double r2 = static_cast<double>(bytes) * (write_back ? 2 : 1) / (t2 * 1e-3) / 1e9;
+  st.counters["first_read_GBps"] = r1;
+  st.counters["second_pass_GBps"] = r2;
+  std::printf("probe L2 re-read %4zu MiB%s: first read %.4f ms (%.0f GB/s), second %s %.4f ms (%.0f GB/s)\n",
+              bytes >> 20, write_back ? ", written back in place" : "", t1, r1,
+              write_back ? "read + write" : "read", t2, r2);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaEventDestroy(e2);
+  cudaFree(buf);
+  cudaFree(flush);
+  cudaFree(sink);
+}
+
 }  // namespace
 
 #define PROBE(f) BENCHMARK(f)->Arg(1024)->Arg(128)->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond)
@@ -220,5 +304,6 @@ PROBE((BM_bulk<16384, 4, 2>));
 PROBE((BM_bulk<32768, 3, 2>));
 PROBE((BM_bulk<16384, 8, 1>));
 PROBE((BM_bulk<8192, 4, 4>));
+BENCHMARK(BM_l2_reread)->ArgsProduct({{8, 16, 24, 32, 40, 48, 64, 96}, {0, 1}})->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond);
 
 BENCH_MAIN

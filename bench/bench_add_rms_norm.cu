@@ -224,6 +224,9 @@ FWD_VARIANT(v4_b256_s3_persistent, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true>
 FWD_VARIANT(v4_b256_direct, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, true>)
 FWD_VARIANT(v2_b256_direct, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, true>)
 FWD_VARIANT(v4_b256_direct_plain, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
+// The default forward with a floor of 5 or 6 blocks per SM (registers capped at 48 / 40):
+FWD_VARIANT(v4_b256_m5, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 5>)
+FWD_VARIANT(v4_b256_m6, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 6>)
 FWD_VARIANT(v2_b256_direct_plain, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
 BWD_VARIANT(default, tigon::RmsNormDefaultPolicy)
 BWD_VARIANT(v2_b512_m1_s3, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false>)
@@ -242,6 +245,8 @@ SINGLE_FWD(v4_b256_s2_persistent)
 SINGLE_FWD(v4_b256_direct)
 SINGLE_FWD(v2_b256_direct)
 SINGLE_FWD(v4_b256_direct_plain)
+SINGLE_FWD(v4_b256_m5)
+SINGLE_FWD(v4_b256_m6)
 SINGLE_FWD(v4_b256_staged)
 SINGLE_FWD(v2_b256_direct_plain)
 

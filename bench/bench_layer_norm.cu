@@ -177,6 +177,9 @@ FWD_VARIANT(v4_b256_staged_cs, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, true
 // Direct forwards (the default): each thread's vectors straight into registers, no shared memory:
 FWD_VARIANT(v4_b256_direct_default, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true, true>)
 FWD_VARIANT(v4_b128_direct, LayerNormPolicy<4, 128, 2, 512, 1, 3, false, false, true, true>)
+// The default forward with a floor of 5 or 6 blocks per SM (capped registers):
+FWD_VARIANT(v4_b256_m5, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false, true, 5>)
+FWD_VARIANT(v4_b256_m6, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false, true, 6>)
 FWD_VARIANT(v2_b256_direct, LayerNormPolicy<2, 256, 2, 512, 1, 3, false, false, true, true>)
 FWD_VARIANT(v2_b256_direct_cs, LayerNormPolicy<2, 256, 2, 512, 1, 3, false, true, true, true>)
 FWD_VARIANT(v16_b256_direct_warp_per_row, LayerNormPolicy<16, 256, 2, 512, 1, 3, false, false, true, true>)
@@ -204,6 +207,8 @@ BWD_VARIANT(v2_b512_m2_s2_reread, LayerNormPolicy<4, 256, 2, 512, 2, 2, false, f
 #define SINGLE_FWD(label) \
   BENCHMARK(bench::single<BM_fwd_##label>)->Arg(16384)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 SINGLE_FWD(v4_b128_direct)
+SINGLE_FWD(v4_b256_m5)
+SINGLE_FWD(v4_b256_m6)
 SINGLE_FWD(v2_b256_direct)
 SINGLE_FWD(v4_b256_staged)
 SINGLE_FWD(v4_b256_s3_persistent)

@@ -207,6 +207,9 @@ FWD_VARIANT(v2_b256_direct_cs, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, tr
 FWD_VARIANT(v4_b256_direct_cs, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, true, true, true, false, true>)
 // Direct forwards with plain loads (kFwdDirectStream false) instead of the streaming hint:
 FWD_VARIANT(v4_b256_direct_plain, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
+// The default forward with a floor of 5 or 6 blocks per SM (registers capped at 48 / 40):
+FWD_VARIANT(v4_b256_m5, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 5>)
+FWD_VARIANT(v4_b256_m6, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 6>)
 FWD_VARIANT(v2_b256_direct_plain, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
 BWD_VARIANT(v2_b512_m1_s3_reread, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false>)
 BWD_VARIANT(v2_b512_m1_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
@@ -239,6 +242,8 @@ SINGLE_FWD(v4_b256_direct)
 SINGLE_FWD(v2_b256_direct)
 SINGLE_FWD(v4_b256_s3_persistent)
 SINGLE_FWD(v4_b256_direct_plain)
+SINGLE_FWD(v4_b256_m5)
+SINGLE_FWD(v4_b256_m6)
 SINGLE_FWD(v4_b256_staged)
 SINGLE_FWD(v2_b256_direct_plain)
 

@@ -363,6 +363,7 @@ TEST_CASE("layer_norm: compile-time hidden size <T, 4096> and policies", "[layer
   run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 1, true>>(c);                 // ditto, one stage
   run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, true>>(c);          // streaming stores
   run_case<bf16, float, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true>>(c);   // rows kept in registers
+  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false, true, 6>>(c);  // forward capped: 6 blocks/SM
   run_case<float, float, LayerNormPolicy<8, 256, 4, 256, 1, 4, true>>(c);
   run_case<half, half, LayerNormPolicy<16, 256, 8, 256, 1, 3, true, true, false>>(c);  // fwd: a warp per row
   // the staged non-persistent forward (rows through shared memory), bf16 and fp32 weights

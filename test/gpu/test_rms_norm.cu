@@ -309,6 +309,8 @@ TEST_CASE("rms_norm: every policy knob computes the same function", "[rms_norm][
   run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false>>(c);
   run_case<half, float, RmsNormPolicy<2, 256, 2, 512, 1, 2, -1, false, true, true, false>>(c);
   run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, true>>(c);
+  // the forward with registers capped for 6 blocks per SM
+  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 6>>(c);
   run_case<bf16, float, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>>(c);
   // the forward loading straight into registers (and the persistent grid ignoring it)
   run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true>>(c);

@@ -279,7 +279,7 @@ struct AddRmsBwdParams {
 // written and kept in registers for the sum of squares and the output, so every input is read
 // from DRAM once and s is never read back.
 template <class T, class W, int kCols, class P>
-TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads)
+TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdMinBlocksPerSm)
     add_rms_norm_fwd_kernel(const AddRmsFwdParams<T, W> p) {
   detail::grid_dependency_sync();
   using S = FwdRowShape<T, kCols, P>;

@@ -217,8 +217,12 @@ Status validate(const LayerNormBackwardArgs<T, W>& a, const char* op, bool with_
 template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
           int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
           bool kFwdPersistent_ = false, bool kStreamingStores_ = false, bool kBwdKeepRows_ = false,
-          bool kFwdDirect_ = true>
+          bool kFwdDirect_ = true, int kFwdMinBlocksPerSm_ = 0>
 struct LayerNormPolicy {
+  static_assert(kFwdMinBlocksPerSm_ >= 0 && kFwdMinBlocksPerSm_ <= 32, "0 (no bound) to 32 blocks per SM");
+  // Forward: the second __launch_bounds__ argument, a floor on the blocks per SM that caps
+  // registers (0, the default: none), as RmsNormPolicy's.
+  static constexpr int kFwdMinBlocksPerSm = kFwdMinBlocksPerSm_;
   // Non-persistent forward: each thread reads its vectors of the row straight from global memory
   // into registers (true: the default, 0.7-1.3 points faster than staging at 16384 x 4096 on the
   // H200 in two runs), or the row is staged through shared memory with cp.async (false).
@@ -314,7 +318,7 @@ struct LnBwdParams {
 // through shared memory (pipelined_rows); the row stays in registers for its three uses (sum,
 // centred sum of squares, output), so it is read from DRAM once. Two group reductions per row.
 template <class T, class W, int kCols, class P>
-TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads)
+TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdMinBlocksPerSm)
     layer_norm_fwd_kernel(const LnFwdParams<T, W> p) {
   detail::grid_dependency_sync();
   using S = FwdRowShape<T, kCols, P>;

@@ -235,8 +235,14 @@ template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPer
           int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
           int kCasting_ = -1, bool kFwdPersistent_ = false, bool kStreamingStores_ = false,
           bool kBwdKeepRows_ = true, bool kFwdDirect_ = true, bool kBwdDirect_ = false,
-          bool kFwdDirectStream_ = false>
+          bool kFwdDirectStream_ = false, int kFwdMinBlocksPerSm_ = 0>
 struct RmsNormPolicy {
+  static_assert(kFwdMinBlocksPerSm_ >= 0 && kFwdMinBlocksPerSm_ <= 32, "0 (no bound) to 32 blocks per SM");
+  // Forward (RMSNorm and add + RMSNorm): the second __launch_bounds__ argument, a floor on the
+  // blocks per SM that caps registers (0, the default: none; ptxas then gives the default
+  // 4-vector, 256-thread RMSNorm forward 56 registers, 4 blocks per SM; a floor of 5 gives 48
+  // registers without spilling, 6 gives 40 with 44 bytes spilled; sm_90, CUDA 13.0).
+  static constexpr int kFwdMinBlocksPerSm = kFwdMinBlocksPerSm_;
   // Direct forward (RMSNorm and add + RMSNorm): the row's loads carry the streaming (evict-first)
   // hint (true), or are plain loads (false: the default; on one H200 at 16384 x 4096 bf16 plain
   // loads measured 96.7% of the copy rate for RMSNorm and 97.1% for add + RMSNorm, the streaming
@@ -361,7 +367,7 @@ TIGON_DEVICE void add_dweight_terms(const float (&dy)[kV], float (&xhat)[kV], Rm
 // next kStages-1 rows of its sequence in flight through shared memory; kGroups groups per block;
 // a persistent grid walks all rows. Each thread reads back only the chunks it copied itself.
 template <class T, class W, int kCols, class P>
-TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads)
+TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads, P::kFwdMinBlocksPerSm)
     rms_norm_fwd_kernel(const RmsFwdParams<T, W> p) {
   detail::grid_dependency_sync();
   using S = RmsFwdShape<T, kCols, P>;

@@ -1,7 +1,9 @@
 // Copy probes: how close different ways of streaming memory get to cudaMemcpy's device-to-device
 // rate on this GPU. Every memory-bound op in tigon is measured against that rate; these probes say
 // which access technique can reach it (per-thread 16-byte accesses, several loads in flight per
-// thread, block-contiguous chunks, cache hints, or the bulk-copy engine through shared memory).
+// thread, block-contiguous chunks, cache hints, or the bulk-copy engine through shared memory), what
+// a copy in place reaches against one to another buffer, and how much of a buffer read once L2
+// still holds for a second read.
 // Sizes: 1 GiB (the ceiling's size) and 128 MiB (an op the size of RMSNorm 16384 x 4096 bf16), read
 // and written per call; bytes counted = read + written.
 #include "harness.cuh"
@@ -129,6 +131,31 @@ void report(benchmark::State& st, const std::string& name, const std::function<v
   bench::run(st, name + mib(bytes), 2.0 * bytes, [&](int) { launch(); }, 5);
 }
 
+// In place: kU 16-byte loads in flight per thread, each written back to where it was read (x ^ flip,
+// flip 0 at run time, so that no store can be dropped). What an in-place op (RoPE, the
+// cross-entropy gradient) can reach against a copy to another buffer.
+template <int kU>
+__global__ void copy_in_place(int4* p, std::size_t n, int flip) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t base = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; base < n;
+       base += stride * kU) {
+    int4 v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const std::size_t i = base + u * stride;
+      if (i < n) v[u] = p[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const std::size_t i = base + u * stride;
+      if (i < n) {
+        v[u].x ^= flip;
+        p[i] = v[u];
+      }
+    }
+  }
+}
+
 struct Buffers {
   std::size_t kBytes = 0;
   char* src = nullptr;
@@ -167,6 +194,14 @@ void BM_unrolled(benchmark::State& st) {
   const int g = sms() * 8;
   report(st, std::string("probe grid-stride ") + std::to_string(kU) + "x16 B/thread" + (kHints ? " .cs hints" : ""), [&] {
     copy_unrolled<kU, kHints><<<g, 256>>>(reinterpret_cast<const int4*>(b.src), reinterpret_cast<int4*>(b.dst), b.kBytes / 16);
+  });
+}
+template <int kU>
+void BM_in_place(benchmark::State& st) {
+  Buffers b(st);
+  const int g = sms() * 8;
+  report(st, std::string("probe in place, grid-stride ") + std::to_string(kU) + "x16 B/thread", [&] {
+    copy_in_place<kU><<<g, 256>>>(reinterpret_cast<int4*>(b.src), b.kBytes / 16, 0);
   });
 }
 template <int kU>
@@ -295,6 +330,8 @@ PROBE(BM_v1);
 PROBE((BM_unrolled<4, false>));
 PROBE((BM_unrolled<4, true>));
 PROBE((BM_unrolled<8, false>));
+PROBE((BM_in_place<4>));
+PROBE((BM_in_place<8>));
 PROBE((BM_chunks<4>));
 PROBE((BM_chunks<8>));
 PROBE((BM_oneshot<2, 256>));

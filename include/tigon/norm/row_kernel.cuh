@@ -198,8 +198,9 @@ TIGON_DEVICE void load_row_weights(const W* w, float offset, int t, float (&out)
 // 8-element vectors (bf16 / half) the two lanes of a pair trade halves so that each 16-byte store
 // pair covers one vector; with 4-element vectors each lane's 16 bytes follow its neighbour's.
 // Scalar stores, 4 bytes in each 32-byte sector per instruction, took about 9 us at the end of the
-// backward for 264 rows of 4096 columns on one H200 (docs/performance.md). Every lane of the group
-// must call it (the pair exchange is a warp shuffle); `part` is 16-byte aligned.
+// backward for 264 rows of 4096 columns on one H200 (docs/performance.md). Every lane of the warp
+// must call it together, each for its own row group (the pair exchange is a full-warp shuffle);
+// `part` is 16-byte aligned (the workspace is validated so; rows of kCols floats keep it).
 template <class S>
 TIGON_DEVICE void store_partial_row(float* part, const float (&acc)[S::kVecPerThread][S::kVec], int t) {
   constexpr int kV = S::kVec;

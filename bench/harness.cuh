@@ -226,7 +226,7 @@ inline void run(benchmark::State& state, const std::string& name, double bytes,
   state.counters[ceiling == Ceiling::copy ? "pct_of_copy" : "pct_of_read"] = pct;
   state.counters["bytes"] = bytes;
   double pct_same = 0;
-  if (ceiling == Ceiling::copy && bytes <= 16e9) {  // byte-moving ops (not FLOP counts)
+  if (ceiling == Ceiling::copy && bytes > 0 && bytes <= 16e9) {  // byte-moving ops (not FLOP counts)
     pct_same = 100.0 * gbs / copy_gbs_at(bytes, single);
     state.counters[single ? "pct_of_same_size_single_copy" : "pct_of_same_size_copy"] = pct_same;
   }

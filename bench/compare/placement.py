@@ -1,14 +1,16 @@
-"""SwiGLU forward, 16384 x 14336 bf16: tigon's operator (raw, into a preallocated output) and
+"""SwiGLU (or GeGLU) forward, 16384 x 14336 bf16: tigon's operator (raw, into a preallocated output) and
 torch.compile's kernel on a, b, c placed at different addresses: carved from one allocation back to
 back, with 2 KiB / 64 KiB / 1 MiB between them, with c first, and as three separate allocations.
 Each time is the mean of 20 back-to-back calls between CUDA events, after 3 warm-up calls.
 
-    PYTHONPATH=examples/torch python bench/compare/placement.py
+    PYTHONPATH=examples/torch python bench/compare/placement.py [--act silu|gelu_tanh]
 
 (with tigon_torch importable: built in place, or preloaded as scripts/stage-torch-ext.sh says).
 docs/gated.md ("Where the tensors lie matters") gives what these layouts measured on one H200,
 2026-11-30 (with this script's layouts and timing, run from a staged copy).
 """
+
+import argparse
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,8 @@ from tigon_torch.ops import ops
 
 N, I = 16384, 14336
 n = N * I
-SILU = 0  # tigon_torch.ops.ACTIVATIONS["silu"]
+# tigon_torch's activation codes (examples/torch/csrc/gated.cu) and the same activation in PyTorch.
+ACTS = {"silu": (0, F.silu), "gelu_tanh": (1, lambda x: F.gelu(x, approximate="tanh"))}
 
 
 def mean_ms(f, reps=20):
@@ -34,10 +37,13 @@ def mean_ms(f, reps=20):
 
 
 def main():
-    comp = torch.compile(lambda x, y, out: torch.mul(F.silu(x), y, out=out))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--act", choices=sorted(ACTS), default="silu")
+    code, act = ACTS[ap.parse_args().act]
+    comp = torch.compile(lambda x, y, out: torch.mul(act(x), y, out=out))
 
     def both(a, b, c):
-        return (mean_ms(lambda: ops().gated_fwd(a, b, c, SILU, 1.0, 1.0)), mean_ms(lambda: comp(a, b, c)))
+        return (mean_ms(lambda: ops().gated_fwd(a, b, c, code, 1.0, 1.0)), mean_ms(lambda: comp(a, b, c)))
 
     g = torch.Generator(device="cuda").manual_seed(0)
     big = torch.randn(3 * n + 8 * 2**20, device="cuda", generator=g).to(torch.bfloat16)

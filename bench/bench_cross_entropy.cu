@@ -84,6 +84,22 @@ CE_VARIANT(rows_b512_u4, Rows<512, 4, 0>)
 CE_VARIANT(rows_b256_u4, Rows<256, 4, 0>)
 CE_VARIANT(chip_auto36_b256, Chip<-1, 256, false>)
 CE_VARIANT(split4_b256, Chip<4, 256, true>)
+// The pipelined split-row kernel (the next row's first pass while the statistics travel):
+// Pipe<blocks per row, block size, blocks per SM (0: as many as fit)>; at 128256 columns the bytes
+// between a slice's two reads are about 2 x (blocks per SM x 132 / blocks per row) x 256 KB: 8.4 MB
+// for 8 blocks per row and one per SM, 17 MB for 4 (the L2 keeps about 16 MB). Split<...>: the
+// split-row kernel with the same shape, unpipelined.
+template <int kBlocks, int kThreads, int kPerSm>
+using Pipe = CrossEntropyPolicy<256, 256, 4, kPerSm, kBlocks, kThreads, 36, true, 512, 0, 256, 100, true>;
+template <int kBlocks, int kThreads, int kPerSm>
+using Split = CrossEntropyPolicy<256, 256, 4, kPerSm, kBlocks, kThreads, 36, true, 512, 0, 256, 100, false>;
+CE_VARIANT(pipe8_b512_s1, Pipe<8, 512, 1>)
+CE_VARIANT(pipe8_b1024_s1, Pipe<8, 1024, 1>)
+CE_VARIANT(pipe8_b256_s2, Pipe<8, 256, 2>)
+CE_VARIANT(pipe4_b512_s1, Pipe<4, 512, 1>)
+CE_VARIANT(pipe4_b1024_s1, Pipe<4, 1024, 1>)
+CE_VARIANT(pipe2_b1024_s1, Pipe<2, 1024, 1>)
+CE_VARIANT(split8_b512_s1, Split<8, 512, 1>)
 
 // Loss + gradient only, at the given shapes (SHAPES or ONE_SHAPE).
 #define CE_GRAD_ROW(label, shapes, ...)                                                          \

@@ -15,7 +15,11 @@ in three regimes (the table's: flush + spin; spin only; 20 calls back to back):
 at 16384 rows (bandwidth) and at 528, 132 and 1 rows (a call's fixed cost: launch, first loads,
 drain). Prints a table of median milliseconds.
 
-    PYTHONPATH=examples/torch:.liger/src python bench/compare/single_call.py [--reps 40]
+    PYTHONPATH=examples/torch:.liger/src python bench/compare/single_call.py [--reps 40] [--rows 16384,1]
+
+(--rows narrows the shapes, e.g. for Nsight Compute: `ncu --kernel-name regex:rms_norm
+--metrics gpu__time_duration.sum python bench/compare/single_call.py --rows 1 --reps 3` gives each
+kernel's own duration, without the launch around it.)
 
 (tigon_torch importable, or preloaded as scripts/stage-torch-ext.sh says; Liger's source or wheel
 importable.)
@@ -69,6 +73,7 @@ def back_to_back(call, reps: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--rows", default="16384,528,132,1", help="comma list of row counts")
     args = ap.parse_args()
     liger, missing, ldesc = probe_liger()
     tt, tdesc = probe_tigon(True)
@@ -87,7 +92,7 @@ def main() -> int:
                ("spin only", lambda f: single(f, args.reps, None)),
                ("back to back", lambda f: back_to_back(f, args.reps))]
     print(f"\n{'rows':>6s} {'implementation':34s}" + "".join(f"{r[0]:>20s}" for r in regimes))
-    for n in (16384, 528, 132, 1):
+    for n in (int(r) for r in args.rows.split(",")):
         x = torch.randn(n, D, device=dev, generator=g).to(torch.bfloat16)
         w = (1 + 0.1 * torch.randn(D, device=dev, generator=g)).to(torch.bfloat16)
         y = torch.empty_like(x)

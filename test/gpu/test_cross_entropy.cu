@@ -245,6 +245,36 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
   }
 }
 
+// The pipelined split-row kernel (opt-in, kSplitPipelined) on its own, so that the sanitizers can
+// take it alone: the policy case's shapes and options.
+TEST_CASE("cross_entropy: the pipelined split-row kernel computes the same function", "[ce][gpu]") {
+  // CrossEntropyPolicy<..., blocks per SM, blocks per row, block size, ..., split rows, ...,
+  // pipelined>: 4 blocks per row, as many per SM as fit; 3 (uneven slices), 2 vectors in flight,
+  // one block per SM; 8 blocks of 512 threads, two per SM; 8 of 256, one per SM
+  using tigon::CrossEntropyPolicy;
+  for (std::int64_t V : {std::int64_t{1000}, std::int64_t{32000}, std::int64_t{128256}}) {
+    const std::int64_t rows = V == 128256 ? 40 : 100;
+    const Case base{.rows = rows, .V = V};
+    Case all{.rows = rows, .V = V, .eps = 0.1, .z = 1e-4, .cap = 30, .weights = true, .grad_scale = 0.5f,
+             .grad_output = true};
+    Case sep = base;
+    sep.in_place = false;
+    sep.pad = 8;
+    Case loss_only = all;
+    loss_only.grad = false;
+    Case plain = base;
+    plain.argmax = false;
+    Case plain_loss = plain;
+    plain_loss.grad = false;
+    for (const Case& c : {base, all, sep, loss_only, plain, plain_loss}) {
+      run_case<bf16, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 4, 256, 36, true, 512, 0, 256, 100, true>>(c);
+      run_case<half, std::int32_t, CrossEntropyPolicy<256, 256, 2, 1, 3, 128, 36, true, 512, 0, 256, 100, true>>(c);
+      run_case<float, std::int64_t, CrossEntropyPolicy<256, 256, 4, 2, 8, 512, 36, true, 512, 0, 256, 100, true>>(c);
+      run_case<bf16, std::int32_t, CrossEntropyPolicy<256, 256, 4, 1, 8, 256, 36, true, 512, 0, 256, 100, true>>(c);
+    }
+  }
+}
+
 TEST_CASE("cross_entropy: the issue's shapes", "[ce][gpu][large]") {
   run_case<bf16, std::int64_t, SegPolicy>({.rows = 8192, .V = 32000, .argmax = false});  // interleaved at scale
   run_case<bf16>({.rows = 8192, .V = 32000});

@@ -85,6 +85,14 @@ TIGON_DEVICE void mbarrier_wait(std::uint64_t* bar, unsigned parity) {
   } while (done == 0);
 }
 
+// The two halves of a thread-block cluster barrier (sm_90+), for a block that has work to do
+// between announcing that it reached a point and waiting for the other blocks to reach it: every
+// thread of every block of the cluster calls arrive, then wait, alternately, the same number of
+// times (a warp's threads together: .aligned). arrive releases this thread's earlier memory
+// accesses (distributed shared memory included) to the threads that wait, and wait acquires them.
+TIGON_DEVICE void cluster_arrive() { TIGON_SM90_ASM("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+TIGON_DEVICE void cluster_wait() { TIGON_SM90_ASM("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+
 #undef TIGON_SM90_ASM
 
 TIGON_NAMESPACE_END

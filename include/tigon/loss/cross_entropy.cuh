@@ -232,7 +232,9 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //                   at a time);
 //   kNarrowThreads: row kernel: block size for shorter rows;
 //   kUnroll:        row kernel: 16-byte vectors each thread has in flight per trip of either pass;
-//   kRowsPerSm:     row kernel: 0: as many blocks per SM as fit; n > 0: n (at most what fits);
+//   kRowsPerSm:     row kernel: 0: as many blocks per SM as fit; n > 0: n (at most what fits); the
+//                   split-row kernels: blocks per SM likewise (each a slice of a row), which sets
+//                   the rows in flight at once (n x SMs / kCluster);
 //   kCluster:       the on-chip kernel (sm_90+, 16-byte vectors, a whole vocabulary): each row is
 //                   read once into the shared memory of a thread-block cluster of blocks (two
 //                   buffers per block: the next row streams in during this one's math), and the
@@ -251,6 +253,10 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //                   so as many blocks per SM as registers allow; the statistics are exchanged
 //                   through distributed shared memory. Measured below the row kernel on one H200
 //                   (docs/cross_entropy.md);
+//   kSplitPipelined: with kSplitRows, the pipelined split-row kernel: each block streams the next
+//                   row's slice while the cluster's statistics for the row before travel, so no
+//                   block waits on the exchange with its memory pipe idle (the split-row kernel's
+//                   cost on the H200); two rows per cluster in flight. Not yet measured on a GPU;
 //   kGradThreads:   row kernel: block size for rows longer than kCeGradWideCols (65536) columns
 //                   when a gradient is written (0: kWideThreads). On one H200 512 (the default)
 //                   measured 71.2% of the copy rate at 8192 x 128256 and 67.5% at 262144 columns
@@ -281,7 +287,8 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 // second that re-reads the row (from L2 where it is still there) for the gradient.
 template <int kWideThreads_ = 256, int kNarrowThreads_ = 256, int kUnroll_ = 4, int kRowsPerSm_ = 0,
           int kCluster_ = 0, int kClusterThreads_ = 256, int kSliceKB_ = 36, bool kSplitRows_ = false,
-          int kGradThreads_ = 512, int kSegCols_ = 0, int kSegThreads_ = 256, int kSegWindowPct_ = 100>
+          int kGradThreads_ = 512, int kSegCols_ = 0, int kSegThreads_ = 256, int kSegWindowPct_ = 100,
+          bool kSplitPipelined_ = false>
 struct CrossEntropyPolicy {
   static_assert(kSegCols_ == 0 || (kSegThreads_ % 32 == 0 && kSegThreads_ >= 64 && kSegThreads_ <= 1024 &&
                                    kSegCols_ % (kSegThreads_ * 8) == 0 && kSegCols_ / (kSegThreads_ * 4) <= 16),
@@ -307,6 +314,8 @@ struct CrossEntropyPolicy {
   static constexpr bool kSplitRows = kSplitRows_;
   static constexpr int kGradThreads = kGradThreads_ > 0 ? kGradThreads_ : kWideThreads_;
   static_assert(!kSplitRows_ || kCluster_ > 0, "the split-row kernel takes an explicit cluster size");
+  static_assert(!kSplitPipelined_ || kSplitRows_, "the pipelined split-row kernel is a split-row kernel (kSplitRows)");
+  static constexpr bool kSplitPipelined = kSplitPipelined_;
 };
 using CrossEntropyDefaultPolicy = CrossEntropyPolicy<>;
 
@@ -1082,6 +1091,97 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_kernel(const CeParams<T, 
 #endif
 }
 
+// The pipelined split-row kernel (policy kSplitRows with kSplitPipelined): the split-row kernel's
+// two passes over each block's slice, with the cluster's statistics exchange taken off the memory
+// pipe's path. A block streams the next row's slice (its pass 1) while the statistics of the row
+// before travel, and only then waits for them from every block, merges them and writes that row's
+// gradient (its pass 2). Each cluster has two rows in flight, so the bytes read between a slice's
+// two reads stay near twice the rows in flight times a row's bytes: the H200's L2 keeps about 16
+// MB between two reads (docs/cross_entropy.md). Statistics travel through distributed shared
+// memory, double-buffered by row parity, and every block merges them in rank order (the same totals
+// everywhere, deterministic).
+//
+// Order, per block, for its k-th row r_k: pass 1 of r_{k+1}; wait (phase k); merge the slots of
+// r_k; send r_{k+1}'s statistics; arrive (phase k + 1); pass 2 of r_k. Phase k completes once
+// every block has sent r_k's statistics and finished merging r_{k-1}'s (the slots r_{k+1}'s
+// statistics then overwrite), and once every block has read r_k's logits for pass 1 (its target
+// logit included), so no gradient overwrites them early.
+template <class T, class I, int kV, int kThreads, int kU, bool kPlain>
+TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_pipe_kernel(const CeParams<T, I> params, int slice) {
+  detail::grid_dependency_sync();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  const CeParams<T, I> p = ce_specialise<kPlain>(params);
+  using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
+  __shared__ typename Reduce::TempStorage reduce;
+  __shared__ CeAcc slots[2][kCeMaxCluster];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int csize = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const std::int64_t clusters = gridDim.x / csize;
+  const int nvec = static_cast<int>(p.vocab / kV);
+  const int v0 = min(rank * slice, nvec);
+  const int v1 = min(v0 + slice, nvec);
+  const bool smooth = p.eps > 0.0f;
+  const bool want_arg = p.argmax != nullptr;
+  const std::uint64_t keep = l2_policy<L2Hint::evict_last>();
+  const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
+  const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
+  // Pass 1 of `row` over this block's slice: its statistics reduced over the block (valid in
+  // thread 0) and the target's logit.
+  auto pass1 = [&](std::int64_t row, float& x_t) {
+    const T* xr = p.x + row * p.xs;
+    CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+    ce_stats_range<T, I, kV, kThreads, kU>(p, xr, v0, v1, want_arg, smooth, wcol, keep, acc);
+    acc.best_i += p.col0;
+    x_t = ce_target_logit(p, xr, static_cast<std::int64_t>(p.targets[row]) - p.col0);
+    const CeAcc mine = Reduce(reduce).Reduce(acc, CeAccMerge{});
+    __syncthreads();  // the reduction's scratch may be used again
+    return mine;
+  };
+  // Thread 0 sends this block's statistics to the slot of parity `par` of every block.
+  auto send = [&](const CeAcc& mine, int par) {
+    if (threadIdx.x == 0) {
+      for (int r = 0; r < csize; ++r) *cluster.map_shared_rank(&slots[par][rank], r) = mine;
+    }
+  };
+  // Every block of the cluster has started (its shared memory may be written from now on).
+  cluster.sync();
+  const std::int64_t first = blockIdx.x / csize;
+  float x_t = 0.0f;
+  if (first < p.rows) send(pass1(first, x_t), 0);
+  cluster_arrive();  // phase 0 (also without a row: every arrival is paired with a wait)
+  int parity = 0;
+  for (std::int64_t row = first; row < p.rows; row += clusters, parity ^= 1) {
+    const std::int64_t next = row + clusters;
+    float x_t_next = 0.0f;
+    CeAcc mine_next{};
+    if (next < p.rows) mine_next = pass1(next, x_t_next);  // while `row`'s statistics travel
+    cluster_wait();  // every block has sent `row`'s statistics
+    CeAcc total = slots[parity][0];
+    for (int r = 1; r < csize; ++r) total = CeAccMerge{}(total, slots[parity][r]);
+    if (next < p.rows) send(mine_next, parity ^ 1);
+    cluster_arrive();
+    const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
+    const bool ignored = t_raw == p.ignore_index;
+    const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
+    const float lse = total.m + logf(total.s);
+    const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, x_t, t_raw, ignored || bad);
+    if (rank == 0 && threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
+    if (p.dx != nullptr) {
+      ce_grad_range<T, I, kV, kThreads, kU, kPlain>(p, p.x + row * p.xs, p.dx + row * p.dxs, v0, v1,
+                                                    t_raw - p.col0, terms, ce_grad_scale(p, row, ignored || bad),
+                                                    wcol, drop);
+    }
+    x_t = x_t_next;
+  }
+  cluster_wait();  // pairs the last arrival: no block exits while another may still write into its shared memory
+#else
+  (void)params;
+  (void)slice;
+#endif
+}
+
 // The mean's denominator: sum over non-ignored rows of w_t (1 without weights). One block, fixed
 // order. Also clears nothing else: the reduce kernel overwrites its outputs.
 template <class I>
@@ -1213,9 +1313,10 @@ Status launch_ce_rows_as(const CeParams<T, I>& p, cudaStream_t stream, const cha
 // A clustered row kernel (`one` describes one cluster: its blocks, threads, shared memory): as many
 // clusters as can be resident at once, at most one per row (each walks rows). Sets `launched`
 // false (and launches nothing) when no cluster of this shape fits the device.
+// `max_clusters` > 0 caps the clusters launched.
 template <class T, class I, class... Params, class... Args>
-Status launch_ce_clusters(void (*kernel)(Params...), LaunchShape one, std::int64_t rows, const char* op,
-                          bool& launched, Args&&... args) {
+Status launch_ce_clusters(void (*kernel)(Params...), LaunchShape one, std::int64_t rows, std::int64_t max_clusters,
+                          const char* op, bool& launched, Args&&... args) {
   launched = false;
   cudaLaunchAttribute attrs[kMaxLaunchAttrs];
   const cudaLaunchConfig_t query = launch_config(one, false, attrs);
@@ -1223,7 +1324,8 @@ Status launch_ce_clusters(void (*kernel)(Params...), LaunchShape one, std::int64
   TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kernel, &query), op,
                                 "cudaOccupancyMaxActiveClusters"));
   if (resident < 1) return Status();
-  const std::int64_t clusters = std::min<std::int64_t>(resident, std::max<std::int64_t>(rows, 1));
+  std::int64_t clusters = std::min<std::int64_t>(resident, std::max<std::int64_t>(rows, 1));
+  if (max_clusters > 0) clusters = std::min(clusters, max_clusters);
   one.grid = dim3(static_cast<unsigned>(clusters * one.cluster));
   TIGON_CHECK(launch(op, kernel, one, std::forward<Args>(args)...));
   launched = true;
@@ -1241,16 +1343,36 @@ Status launch_ce_cluster(const CeParams<T, I>& p, const CeClusterShape& shape, c
                                 op, "cudaFuncSetAttribute"));
   const auto blocks = static_cast<unsigned>(shape.blocks);
   return launch_ce_clusters<T, I>(kernel, {dim3(blocks), dim3(kThreads), static_cast<std::size_t>(smem), stream, blocks},
-                                  p.rows, op, launched, p, static_cast<int>(shape.slice));
+                                  p.rows, 0, op, launched, p, static_cast<int>(shape.slice));
 }
 
-// The split-row kernel, `blocks` blocks per row.
-template <class T, class I, int kV, int kThreads, int kU, bool kPlain>
-Status launch_ce_split(const CeParams<T, I>& p, int blocks, cudaStream_t stream, const char* op, bool& launched) {
+// The split-row kernel (kPipe: its pipelined form), `blocks` blocks per row; `per_sm` > 0 caps
+// the blocks per SM (the clusters launched: per_sm x SMs / blocks, at least one).
+template <class T, class I, int kV, int kThreads, int kU, bool kPlain, bool kPipe>
+Status launch_ce_split(const CeParams<T, I>& p, int blocks, int per_sm, cudaStream_t stream, const char* op,
+                       bool& launched) {
   const auto slice = static_cast<int>(ceil_div<std::int64_t>(p.vocab / kV, blocks));
   const auto b = static_cast<unsigned>(blocks);
-  return launch_ce_clusters<T, I>(ce_split_kernel<T, I, kV, kThreads, kU, kPlain>,
-                                  {dim3(b), dim3(kThreads), 0, stream, b}, p.rows, op, launched, p, slice);
+  constexpr auto kernel = kPipe ? ce_split_pipe_kernel<T, I, kV, kThreads, kU, kPlain>
+                                : ce_split_kernel<T, I, kV, kThreads, kU, kPlain>;
+  std::int64_t max_clusters = 0;
+  std::size_t smem = 0;
+  if (per_sm > 0) {
+    DeviceInfo dev;
+    TIGON_CHECK(current_device_info(dev));
+    max_clusters = std::max<std::int64_t>(1, static_cast<std::int64_t>(per_sm) * dev.sm_count / blocks);
+    // Shared memory the kernel does not use, reserved so that at most per_sm of its blocks fit an
+    // SM: otherwise the hardware may stack several of the capped launch's blocks on one SM and
+    // leave others idle (2 KiB per block left for the static scratch and the system's share).
+    const int reserve = std::min(dev.smem_per_sm / per_sm - 2048, dev.smem_per_block_optin);
+    if (reserve > 0) {
+      smem = static_cast<std::size_t>(reserve);
+      TIGON_CHECK(Status::from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, reserve),
+                                    op, "cudaFuncSetAttribute"));
+    }
+  }
+  return launch_ce_clusters<T, I>(kernel, {dim3(b), dim3(kThreads), smem, stream, b}, p.rows, max_clusters, op,
+                                  launched, p, slice);
 }
 
 // The row kernel in kThreads-thread blocks, on 16-byte vectors when the call allows them (vec).
@@ -1269,8 +1391,11 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
     TIGON_CHECK(current_device_info(dev));
     if (vec && dev.cc_major >= 9 && p.stats == nullptr && p.stats_out == nullptr) {
       bool launched = false;
-      TIGON_CHECK((ce_plain(p) ? launch_ce_split<T, I, kV, P::kClusterThreads, P::kUnroll, true>(p, P::kCluster, stream, op, launched)
-                               : launch_ce_split<T, I, kV, P::kClusterThreads, P::kUnroll, false>(p, P::kCluster, stream, op, launched)));
+      constexpr bool kPipe = P::kSplitPipelined;
+      TIGON_CHECK((ce_plain(p) ? launch_ce_split<T, I, kV, P::kClusterThreads, P::kUnroll, true, kPipe>(
+                                     p, P::kCluster, P::kRowsPerSm, stream, op, launched)
+                               : launch_ce_split<T, I, kV, P::kClusterThreads, P::kUnroll, false, kPipe>(
+                                     p, P::kCluster, P::kRowsPerSm, stream, op, launched)));
       if (launched) return Status();
     }
   } else if constexpr (P::kCluster != 0 && kV > 1) {

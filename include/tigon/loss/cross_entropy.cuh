@@ -1101,11 +1101,12 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_kernel(const CeParams<T, 
 // memory, double-buffered by row parity, and every block merges them in rank order (the same totals
 // everywhere, deterministic).
 //
-// Order, per block, for its k-th row r_k: pass 1 of r_{k+1}; wait (phase k); merge the slots of
-// r_k; send r_{k+1}'s statistics; arrive (phase k + 1); pass 2 of r_k. Phase k completes once
-// every block has sent r_k's statistics and finished merging r_{k-1}'s (the slots r_{k+1}'s
+// Order, per block, for its k-th row r_k: pass 1 of r_{k+1}; wait (for r_k); merge the slots of
+// r_k; send r_{k+1}'s statistics; arrive (for r_{k+1}); pass 2 of r_k. The wait for r_k returns
+// once every block has sent r_k's statistics and finished merging r_{k-1}'s (the slots r_{k+1}'s
 // statistics then overwrite), and once every block has read r_k's logits for pass 1 (its target
-// logit included), so no gradient overwrites them early.
+// logit included), so no gradient overwrites them early. The calls that arrive and wait must stay
+// uniform across each warp (.aligned) and the same in number for every block of the cluster.
 template <class T, class I, int kV, int kThreads, int kU, bool kPlain>
 TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_pipe_kernel(const CeParams<T, I> params, int slice) {
   detail::grid_dependency_sync();
@@ -1363,8 +1364,18 @@ Status launch_ce_split(const CeParams<T, I>& p, int blocks, int per_sm, cudaStre
     max_clusters = std::max<std::int64_t>(1, static_cast<std::int64_t>(per_sm) * dev.sm_count / blocks);
     // Shared memory the kernel does not use, reserved so that at most per_sm of its blocks fit an
     // SM: otherwise the hardware may stack several of the capped launch's blocks on one SM and
-    // leave others idle (2 KiB per block left for the static scratch and the system's share).
-    const int reserve = std::min(dev.smem_per_sm / per_sm - 2048, dev.smem_per_block_optin);
+    // leave others idle. Each block also holds the kernel's static shared memory and the system's
+    // share per block; a block's total may not pass the opt-in limit. (The limit set here is the
+    // kernel instance's, process-wide: host threads launching one instance with different caps
+    // at once could race on it.)
+    cudaFuncAttributes fa{};
+    TIGON_CHECK(Status::from_cuda(cudaFuncGetAttributes(&fa, kernel), op, "cudaFuncGetAttributes"));
+    int system = 0;
+    TIGON_CHECK(Status::from_cuda(
+        cudaDeviceGetAttribute(&system, cudaDevAttrReservedSharedMemoryPerBlock, dev.device), op,
+        "cudaDeviceGetAttribute"));
+    const int fixed = static_cast<int>(fa.sharedSizeBytes) + system;
+    const int reserve = std::min(dev.smem_per_sm / per_sm - fixed, dev.smem_per_block_optin - static_cast<int>(fa.sharedSizeBytes)) / 128 * 128;
     if (reserve > 0) {
       smem = static_cast<std::size_t>(reserve);
       TIGON_CHECK(Status::from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, reserve),

@@ -191,7 +191,8 @@ BENCHMARK(bench::single<BM_backward>)->Args({16384, 4096})->UseManualTime()->Ite
 // RmsNormPolicy<fwd vec/thread, fwd block, bwd vec/thread, bwd block, bwd min blocks/SM, stages,
 //               casting (-1: chosen at run time), persistent forward grid, streaming stores,
 //               backward keeps rows in registers, direct forward (default true), direct backward,
-//               direct forward's streaming hint (default false)>. Rows that leave the last three
+//               direct forward's streaming hint (default false), forward min blocks per SM (default
+//               0), forward weight in shared memory (default false)>. Rows that leave the last ones
 //               unspelled take the defaults: the direct forward with plain loads.
 FWD_VARIANT(v4_b256_staged, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false>)
 FWD_VARIANT(v4_b256_s3_persistent, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true>)
@@ -211,6 +212,10 @@ FWD_VARIANT(v4_b256_direct_plain, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false,
 FWD_VARIANT(v4_b256_m5, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 5>)
 FWD_VARIANT(v4_b256_m6, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 6>)
 FWD_VARIANT(v2_b256_direct_plain, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
+// The weight staged in shared memory with cp.async as the kernel starts (kFwdWeightSmem), 4 and 2
+// vectors per thread:
+FWD_VARIANT(v4_b256_wsmem, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 0, true>)
+FWD_VARIANT(v2_b256_wsmem, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 0, true>)
 BWD_VARIANT(v2_b512_m1_s3_reread, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false>)
 BWD_VARIANT(v2_b512_m1_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
 BWD_VARIANT(v2_b512_m2_s3_reread, RmsNormPolicy<4, 256, 2, 512, 2, 3, -1, false, false, false>)
@@ -246,5 +251,7 @@ SINGLE_FWD(v4_b256_m5)
 SINGLE_FWD(v4_b256_m6)
 SINGLE_FWD(v4_b256_staged)
 SINGLE_FWD(v2_b256_direct_plain)
+SINGLE_FWD(v4_b256_wsmem)
+SINGLE_FWD(v2_b256_wsmem)
 
 BENCH_MAIN

@@ -1151,7 +1151,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_pipe_kernel(const CeParam
   const std::int64_t first = blockIdx.x / csize;
   float x_t = 0.0f;
   if (first < p.rows) send(pass1(first, x_t), 0);
-  cluster_arrive();  // phase 0 (also without a row: every arrival is paired with a wait)
+  cluster_arrive();  // for row `first` (also without a row: every arrival is paired with a wait)
   int parity = 0;
   for (std::int64_t row = first; row < p.rows; row += clusters, parity ^= 1) {
     const std::int64_t next = row + clusters;

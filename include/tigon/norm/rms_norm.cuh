@@ -249,6 +249,7 @@ struct RmsNormPolicy {
   // default). Staging takes the weight's load off each row's path after the reduction, the one
   // dependent memory access a call's last rows wait for; no registers, kGroups x cols x
   // sizeof(W) bytes of shared memory per block (up to 32 KiB; beyond it the knob is ignored).
+  // RMSNorm only: the add + RMSNorm forward ignores it.
   static constexpr bool kFwdWeightSmem = kFwdWeightSmem_;
   // Direct forward (RMSNorm and add + RMSNorm): the row's loads carry the streaming (evict-first)
   // hint (true), or are plain loads (false: the default; on one H200 at 16384 x 4096 bf16 plain

@@ -302,6 +302,30 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdM
   const T* const src[2] = {p.x, p.r};
   const std::int64_t stride[2] = {p.xs, p.rs};
   int parity = 0;
+  // The weight staged per row group in shared memory (RmsNormPolicy's kFwdWeightSmem, direct
+  // forward), as in the RMSNorm forward: each thread copies exactly the vectors it reads back.
+  constexpr int kWVecBytes = kV * static_cast<int>(sizeof(W));
+  constexpr bool kWSmem = kRmsFwdDirect<P> && P::kFwdWeightSmem && kWVecBytes % 16 == 0 &&
+                          static_cast<std::size_t>(S::kGroups) * kCols * sizeof(W) <= 32768;
+  __shared__ __align__(16) W w_stage[kWSmem ? S::kGroups * kCols : 1];
+  W* const my_w = w_stage + (kWSmem ? g * kCols : 0);
+  bool w_waited = false;
+  if constexpr (kWSmem) {
+    if (has_w && first < p.rows) {
+#pragma unroll
+      for (int v = 0; v < kVPT; ++v) {
+        const int i = v * S::kGroupThreads + t;
+        if (S::kExact || i < S::kNumVec) {
+#pragma unroll
+          for (int b = 0; b < kWVecBytes; b += 16) {
+            cp_async<16>(reinterpret_cast<unsigned char*>(my_w + i * kV) + b,
+                         reinterpret_cast<const unsigned char*>(p.w + i * kV) + b);
+          }
+        }
+      }
+      cp_async_commit();
+    }
+  }
 
   // One row from its x and residual vectors (x_at(v, i), r_at(v, i): this thread's v-th vector,
   // vector index i of the row): s written and kept in registers, the row's sum of squares
@@ -331,12 +355,18 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdM
     if (t == 0 && p.rstd != nullptr) p.rstd[row] = rstd;
     const float r = rms_norm_math::effective_rstd<T>(rstd, casting);
     T* yr = p.y + row * p.ys;
+    if constexpr (kWSmem) {
+      if (has_w && !w_waited) {
+        cp_async_wait<0>();  // this thread's weight vectors have landed
+        w_waited = true;
+      }
+    }
 #pragma unroll
     for (int v = 0; v < kVPT; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
         AlignedVec<W, kV> wv;
-        if (has_w) wv = load_vec<kV>(p.w + i * kV);
+        if (has_w) wv = load_vec<kV>((kWSmem ? static_cast<const W*>(my_w) : p.w) + i * kV);
         AlignedVec<T, kV> yv;
 #pragma unroll
         for (int c = 0; c < kV; ++c) {

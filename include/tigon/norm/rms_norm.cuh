@@ -243,13 +243,13 @@ struct RmsNormPolicy {
   // 4-vector, 256-thread RMSNorm forward 56 registers, 4 blocks per SM; a floor of 5 gives 48
   // registers without spilling, 6 gives 40 with 44 bytes spilled; sm_90, CUDA 13.0).
   static constexpr int kFwdMinBlocksPerSm = kFwdMinBlocksPerSm_;
-  // Direct RMSNorm forward: the weight staged in shared memory (true) — each thread copies its own
+  // Direct forward (RMSNorm and add + RMSNorm): the weight staged in shared memory (true) — each thread copies its own
   // columns of it with cp.async as the kernel starts, beside the row's loads, and reads them back
   // after the row's reduction — or loaded from global memory after the reduction (false: the
   // default). Staging takes the weight's load off each row's path after the reduction, the one
   // dependent memory access a call's last rows wait for; no registers, kGroups x cols x
   // sizeof(W) bytes of shared memory per block (up to 32 KiB; beyond it the knob is ignored).
-  // RMSNorm only: the add + RMSNorm forward ignores it.
+  // Also the add + RMSNorm forward's.
   static constexpr bool kFwdWeightSmem = kFwdWeightSmem_;
   // Direct forward (RMSNorm and add + RMSNorm): the row's loads carry the streaming (evict-first)
   // hint (true), or are plain loads (false: the default; on one H200 at 16384 x 4096 bf16 plain

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include <tigon/loss/cross_entropy.cuh>
 
@@ -157,6 +158,33 @@ void run_case(const Case& c) {
   }
 }
 
+// The policy test cases' options at one shape, in order: defaults; every option with an upstream
+// gradient; out of place with padded rows; every option, loss alone; the plain path (no option:
+// the segmented kernel where the policy has it); with_plain_sep: the plain path out of place,
+// reduction none, an upstream gradient per row; the loss alone on the plain path.
+std::vector<Case> option_cases(std::int64_t rows, std::int64_t V, bool with_plain_sep) {
+  const Case base{.rows = rows, .V = V};
+  Case all{.rows = rows, .V = V, .eps = 0.1, .z = 1e-4, .cap = 30, .weights = true, .grad_scale = 0.5f,
+           .grad_output = true};
+  Case sep = base;
+  sep.in_place = false;
+  sep.pad = 8;
+  Case loss_only = all;
+  loss_only.grad = false;
+  Case plain = base;
+  plain.argmax = false;
+  Case plain_sep = sep;
+  plain_sep.argmax = false;
+  plain_sep.red = Reduction::none;
+  plain_sep.grad_output = true;
+  Case plain_loss = plain;
+  plain_loss.grad = false;
+  std::vector<Case> cases{base, all, sep, loss_only, plain};
+  if (with_plain_sep) cases.push_back(plain_sep);
+  cases.push_back(plain_loss);
+  return cases;
+}
+
 }  // namespace
 
 TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce][gpu]") {
@@ -200,23 +228,7 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
   using tigon::CrossEntropyPolicy;
   for (std::int64_t V : {std::int64_t{1000}, std::int64_t{32000}, std::int64_t{128256}}) {
     const std::int64_t rows = V == 128256 ? 16 : 100;
-    const Case base{.rows = rows, .V = V};
-    Case all{.rows = rows, .V = V, .eps = 0.1, .z = 1e-4, .cap = 30, .weights = true, .grad_scale = 0.5f,
-             .grad_output = true};
-    Case sep = base;
-    sep.in_place = false;
-    sep.pad = 8;
-    Case loss_only = all;
-    loss_only.grad = false;
-    Case plain = base;  // the plain path: the segmented kernel where the policy has it
-    plain.argmax = false;
-    Case plain_sep = sep;
-    plain_sep.argmax = false;
-    plain_sep.red = Reduction::none;
-    plain_sep.grad_output = true;
-    Case plain_loss = plain;  // the loss alone on the plain path
-    plain_loss.grad = false;
-    for (const Case& c : {base, all, sep, loss_only, plain, plain_sep, plain_loss}) {
+    for (const Case& c : option_cases(rows, V, true)) {
       // the default (512-thread gradient blocks at 128256 columns)
       run_case<bf16, std::int64_t, tigon::CrossEntropyDefaultPolicy>(c);
       // the row kernel alone: 8 vectors in flight, 2 rows per SM, the gradient on the same 1024
@@ -254,19 +266,7 @@ TEST_CASE("cross_entropy: the pipelined split-row kernel computes the same funct
   using tigon::CrossEntropyPolicy;
   for (std::int64_t V : {std::int64_t{1000}, std::int64_t{32000}, std::int64_t{128256}}) {
     const std::int64_t rows = V == 128256 ? 40 : 100;
-    const Case base{.rows = rows, .V = V};
-    Case all{.rows = rows, .V = V, .eps = 0.1, .z = 1e-4, .cap = 30, .weights = true, .grad_scale = 0.5f,
-             .grad_output = true};
-    Case sep = base;
-    sep.in_place = false;
-    sep.pad = 8;
-    Case loss_only = all;
-    loss_only.grad = false;
-    Case plain = base;
-    plain.argmax = false;
-    Case plain_loss = plain;
-    plain_loss.grad = false;
-    for (const Case& c : {base, all, sep, loss_only, plain, plain_loss}) {
+    for (const Case& c : option_cases(rows, V, false)) {
       run_case<bf16, std::int64_t, CrossEntropyPolicy<256, 256, 4, 0, 4, 256, 36, true, 512, 0, 256, 100, true>>(c);
       run_case<half, std::int32_t, CrossEntropyPolicy<256, 256, 2, 1, 3, 128, 36, true, 512, 0, 256, 100, true>>(c);
       run_case<float, std::int64_t, CrossEntropyPolicy<256, 256, 4, 2, 8, 512, 36, true, 512, 0, 256, 100, true>>(c);

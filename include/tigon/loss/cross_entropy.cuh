@@ -1025,6 +1025,87 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_cluster_kernel(const CeParams<T
 #endif
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// One block's share of a row in the split-row kernels (sm_90+): the block of rank `rank` in a
+// cluster of csize owns vectors [v0, v1) = [rank * slice, (rank + 1) * slice) of every row its
+// cluster visits, and takes four steps per row — its slice's statistics (pass 1), sending them to
+// every block of the cluster, merging the cluster's in rank order (the same totals everywhere,
+// deterministic), and the row's loss and its slice's gradient (pass 2). The kernels differ only in
+// the order of these steps and the barriers between them.
+template <class T, class I, int kV, int kThreads, int kU, bool kPlain>
+struct CeSplitBlock {
+  using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
+  const CeParams<T, I> p;
+  cooperative_groups::cluster_group cluster;
+  int csize, rank;
+  std::int64_t clusters;  // rows walked at once (a cluster takes rows first, first + clusters, ...)
+  int v0, v1;
+  bool smooth, want_arg;
+  std::uint64_t keep, drop;
+  const float* wcol;
+
+  TIGON_DEVICE CeSplitBlock(const CeParams<T, I>& params, int slice)
+      : p(ce_specialise<kPlain>(params)), cluster(cooperative_groups::this_cluster()) {
+    csize = static_cast<int>(cluster.num_blocks());
+    rank = static_cast<int>(cluster.block_rank());
+    clusters = gridDim.x / csize;
+    const int nvec = static_cast<int>(p.vocab / kV);
+    v0 = min(rank * slice, nvec);
+    v1 = min(v0 + slice, nvec);
+    smooth = p.eps > 0.0f;
+    want_arg = p.argmax != nullptr;
+    keep = l2_policy<L2Hint::evict_last>();
+    drop = l2_policy<L2Hint::evict_first>();
+    wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
+  }
+
+  TIGON_DEVICE std::int64_t first_row() const { return blockIdx.x / csize; }
+
+  // Pass 1 of `row` over the slice (evict-last): the block's statistics, valid in thread 0 (the
+  // reduction's scratch needs a block barrier before its next use), and the target's logit x_t,
+  // read here, before any block may write the row's gradient over it.
+  TIGON_DEVICE CeAcc stats(std::int64_t row, float& x_t, typename Reduce::TempStorage& reduce) const {
+    const T* xr = p.x + row * p.xs;
+    CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+    ce_stats_range<T, I, kV, kThreads, kU>(p, xr, v0, v1, want_arg, smooth, wcol, keep, acc);
+    acc.best_i += p.col0;
+    x_t = ce_target_logit(p, xr, static_cast<std::int64_t>(p.targets[row]) - p.col0);
+    return Reduce(reduce).Reduce(acc, CeAccMerge{});
+  }
+
+  // Thread 0 sends the block's statistics to its slot (`slot`: one parity's row of slots) in every
+  // block of the cluster, through distributed shared memory.
+  TIGON_DEVICE void send(const CeAcc& mine, CeAcc* slot) const {
+    if (threadIdx.x == 0) {
+      for (int r = 0; r < csize; ++r) *cluster.map_shared_rank(slot + rank, r) = mine;
+    }
+  }
+
+  // The cluster's statistics of a row, merged in rank order.
+  TIGON_DEVICE CeAcc merge(const CeAcc* slot) const {
+    CeAcc total = slot[0];
+    for (int r = 1; r < csize; ++r) total = CeAccMerge{}(total, slot[r]);
+    return total;
+  }
+
+  // The row's loss terms (written once, by rank 0) and, with a gradient, pass 2 over the slice
+  // (newest lines first, evict-first).
+  TIGON_DEVICE void finish(std::int64_t row, const CeAcc& total, float x_t) const {
+    const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
+    const bool ignored = t_raw == p.ignore_index;
+    const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
+    const float lse = total.m + logf(total.s);
+    const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, x_t, t_raw, ignored || bad);
+    if (rank == 0 && threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
+    if (p.dx != nullptr) {
+      ce_grad_range<T, I, kV, kThreads, kU, kPlain>(p, p.x + row * p.xs, p.dx + row * p.dxs, v0, v1,
+                                                    t_raw - p.col0, terms, ce_grad_scale(p, row, ignored || bad),
+                                                    wcol, drop);
+    }
+  }
+};
+#endif
+
 // The split-row kernel (policy kSplitRows): a cluster of csize blocks per row, each on its own SM,
 // block `rank` owning vectors [rank * slice, (rank + 1) * slice) of every row its cluster visits.
 // Pass 1 streams the slice (evict-last) into this block's statistics; they go to every block of the
@@ -1037,54 +1118,20 @@ template <class T, class I, int kV, int kThreads, int kU, bool kPlain>
 TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_kernel(const CeParams<T, I> params, int slice) {
   detail::grid_dependency_sync();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  const CeParams<T, I> p = ce_specialise<kPlain>(params);
-  using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
-  __shared__ typename Reduce::TempStorage reduce;
+  using B = CeSplitBlock<T, I, kV, kThreads, kU, kPlain>;
+  __shared__ typename B::Reduce::TempStorage reduce;
   __shared__ CeAcc slots[2][kCeMaxCluster];
-  cg::cluster_group cluster = cg::this_cluster();
-  const int csize = static_cast<int>(cluster.num_blocks());
-  const int rank = static_cast<int>(cluster.block_rank());
-  const std::int64_t clusters = gridDim.x / csize;
-  const int nvec = static_cast<int>(p.vocab / kV);
-  const int v0 = min(rank * slice, nvec);
-  const int v1 = min(v0 + slice, nvec);
-  const bool smooth = p.eps > 0.0f;
-  const bool want_arg = p.argmax != nullptr;
-  const std::uint64_t keep = l2_policy<L2Hint::evict_last>();
-  const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
-  const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
+  const B b(params, slice);
   // Every block of the cluster has started (its shared memory may be written from now on).
-  cluster.sync();
+  b.cluster.sync();
   int parity = 0;
-  for (std::int64_t row = blockIdx.x / csize; row < p.rows; row += clusters, parity ^= 1) {
-    const T* xr = p.x + row * p.xs;
-    const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
-    const std::int64_t t = t_raw - p.col0;
-    const bool ignored = t_raw == p.ignore_index;
-    const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
-    CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
-    ce_stats_range<T, I, kV, kThreads, kU>(p, xr, v0, v1, want_arg, smooth, wcol, keep, acc);
-    acc.best_i += p.col0;
-    // The target's logit, read before the barrier below: after it, the blocks write the gradient
-    // over the row when it is computed in place.
-    const float x_t = ce_target_logit(p, xr, t);
-    const CeAcc mine = Reduce(reduce).Reduce(acc, CeAccMerge{});
-    if (threadIdx.x == 0) {
-      for (int r = 0; r < csize; ++r) *cluster.map_shared_rank(&slots[parity][rank], r) = mine;
-    }
-    cluster.sync();  // every block's statistics have arrived; also a block barrier for `reduce`
-    CeAcc total = slots[parity][0];
-    for (int r = 1; r < csize; ++r) total = CeAccMerge{}(total, slots[parity][r]);
-    const float lse = total.m + logf(total.s);
-    const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, x_t, t_raw, ignored || bad);
-    if (rank == 0 && threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
-    if (p.dx != nullptr) {
-      ce_grad_range<T, I, kV, kThreads, kU, kPlain>(p, xr, p.dx + row * p.dxs, v0, v1, t, terms,
-                                            ce_grad_scale(p, row, ignored || bad), wcol, drop);
-    }
+  for (std::int64_t row = b.first_row(); row < b.p.rows; row += b.clusters, parity ^= 1) {
+    float x_t = 0.0f;
+    b.send(b.stats(row, x_t, reduce), slots[parity]);
+    b.cluster.sync();  // every block's statistics have arrived; also a block barrier for `reduce`
+    b.finish(row, b.merge(slots[parity]), x_t);
   }
-  cluster.sync();  // no block may exit while another still writes into its shared memory
+  b.cluster.sync();  // no block may exit while another still writes into its shared memory
 #else
   (void)params;
   (void)slice;
@@ -1111,69 +1158,35 @@ template <class T, class I, int kV, int kThreads, int kU, bool kPlain>
 TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_pipe_kernel(const CeParams<T, I> params, int slice) {
   detail::grid_dependency_sync();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  const CeParams<T, I> p = ce_specialise<kPlain>(params);
-  using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
-  __shared__ typename Reduce::TempStorage reduce;
+  using B = CeSplitBlock<T, I, kV, kThreads, kU, kPlain>;
+  __shared__ typename B::Reduce::TempStorage reduce;
   __shared__ CeAcc slots[2][kCeMaxCluster];
-  cg::cluster_group cluster = cg::this_cluster();
-  const int csize = static_cast<int>(cluster.num_blocks());
-  const int rank = static_cast<int>(cluster.block_rank());
-  const std::int64_t clusters = gridDim.x / csize;
-  const int nvec = static_cast<int>(p.vocab / kV);
-  const int v0 = min(rank * slice, nvec);
-  const int v1 = min(v0 + slice, nvec);
-  const bool smooth = p.eps > 0.0f;
-  const bool want_arg = p.argmax != nullptr;
-  const std::uint64_t keep = l2_policy<L2Hint::evict_last>();
-  const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
-  const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
-  // Pass 1 of `row` over this block's slice: its statistics reduced over the block (valid in
-  // thread 0) and the target's logit.
-  auto pass1 = [&](std::int64_t row, float& x_t) {
-    const T* xr = p.x + row * p.xs;
-    CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
-    ce_stats_range<T, I, kV, kThreads, kU>(p, xr, v0, v1, want_arg, smooth, wcol, keep, acc);
-    acc.best_i += p.col0;
-    x_t = ce_target_logit(p, xr, static_cast<std::int64_t>(p.targets[row]) - p.col0);
-    const CeAcc mine = Reduce(reduce).Reduce(acc, CeAccMerge{});
-    __syncthreads();  // the reduction's scratch may be used again
+  const B b(params, slice);
+  // Pass 1 with the block barrier the reduction's scratch needs before its next use (the split
+  // cluster barrier below does not hold every thread back).
+  auto stats = [&](std::int64_t row, float& x_t) {
+    const CeAcc mine = b.stats(row, x_t, reduce);
+    __syncthreads();
     return mine;
   };
-  // Thread 0 sends this block's statistics to the slot of parity `par` of every block.
-  auto send = [&](const CeAcc& mine, int par) {
-    if (threadIdx.x == 0) {
-      for (int r = 0; r < csize; ++r) *cluster.map_shared_rank(&slots[par][rank], r) = mine;
-    }
-  };
   // Every block of the cluster has started (its shared memory may be written from now on).
-  cluster.sync();
-  const std::int64_t first = blockIdx.x / csize;
+  b.cluster.sync();
+  const std::int64_t first = b.first_row();
+  const std::int64_t rows = b.p.rows;
   float x_t = 0.0f;
-  if (first < p.rows) send(pass1(first, x_t), 0);
+  if (first < rows) b.send(stats(first, x_t), slots[0]);
   cluster_arrive();  // for row `first` (also without a row: every arrival is paired with a wait)
   int parity = 0;
-  for (std::int64_t row = first; row < p.rows; row += clusters, parity ^= 1) {
-    const std::int64_t next = row + clusters;
+  for (std::int64_t row = first; row < rows; row += b.clusters, parity ^= 1) {
+    const std::int64_t next = row + b.clusters;
     float x_t_next = 0.0f;
     CeAcc mine_next{};
-    if (next < p.rows) mine_next = pass1(next, x_t_next);  // while `row`'s statistics travel
+    if (next < rows) mine_next = stats(next, x_t_next);  // while `row`'s statistics travel
     cluster_wait();  // every block has sent `row`'s statistics
-    CeAcc total = slots[parity][0];
-    for (int r = 1; r < csize; ++r) total = CeAccMerge{}(total, slots[parity][r]);
-    if (next < p.rows) send(mine_next, parity ^ 1);
+    const CeAcc total = b.merge(slots[parity]);
+    if (next < rows) b.send(mine_next, slots[parity ^ 1]);
     cluster_arrive();
-    const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
-    const bool ignored = t_raw == p.ignore_index;
-    const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
-    const float lse = total.m + logf(total.s);
-    const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, x_t, t_raw, ignored || bad);
-    if (rank == 0 && threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
-    if (p.dx != nullptr) {
-      ce_grad_range<T, I, kV, kThreads, kU, kPlain>(p, p.x + row * p.xs, p.dx + row * p.dxs, v0, v1,
-                                                    t_raw - p.col0, terms, ce_grad_scale(p, row, ignored || bad),
-                                                    wcol, drop);
-    }
+    b.finish(row, total, x_t);
     x_t = x_t_next;
   }
   cluster_wait();  // pairs the last arrival: no block exits while another may still write into its shared memory

@@ -398,24 +398,12 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads, P::kFwdM
   constexpr bool kDirect = kRmsFwdDirect<P>;
   // The weight staged per row group in shared memory (policy kFwdWeightSmem, direct forward):
   // each thread copies exactly the vectors it reads back, so its own cp.async wait suffices.
-  constexpr int kWVecBytes = kV * static_cast<int>(sizeof(W));
-  constexpr bool kWSmem = kDirect && P::kFwdWeightSmem && kWVecBytes % 16 == 0 &&
-                          static_cast<std::size_t>(S::kGroups) * kCols * sizeof(W) <= 32768;
+  constexpr bool kWSmem = kDirect && P::kFwdWeightSmem && kWeightStageable<S, kCols, W>;
   __shared__ __align__(16) W w_stage[kWSmem ? S::kGroups * kCols : 1];
   W* const my_w = w_stage + (kWSmem ? g * kCols : 0);
   if constexpr (kWSmem) {
     if (has_w && first < p.rows) {
-#pragma unroll
-      for (int v = 0; v < S::kVecPerThread; ++v) {
-        const int i = v * S::kGroupThreads + t;
-        if (S::kExact || i < S::kNumVec) {
-#pragma unroll
-          for (int b = 0; b < kWVecBytes; b += 16) {
-            cp_async<16>(reinterpret_cast<unsigned char*>(my_w + i * kV) + b,
-                         reinterpret_cast<const unsigned char*>(p.w + i * kV) + b);
-          }
-        }
-      }
+      stage_row<S>(my_w, p.w, t, true);
       cp_async_commit();
     }
   }

@@ -120,18 +120,38 @@ constexpr std::size_t partial_rows_bytes(std::int64_t parts, std::int64_t cols) 
 
 namespace detail {
 
-// Issue the copies of one row (this thread's chunks) into a shared-memory stage, then commit the
-// group (an empty group past the last row keeps the per-thread group count uniform).
+// Issue the copies of one row (this thread's chunks: vectors of S::kVec elements of T) into shared
+// memory; the caller commits the group (an empty group past the last row keeps the per-thread
+// group count uniform). A vector over 16 bytes (a row of fp32 weights beside bf16 activations)
+// moves in 16-byte pieces.
 template <class S, class T>
 TIGON_DEVICE void stage_row(T* dst, const T* src, int t, bool valid) {
+  constexpr int kBytes = S::kVec * static_cast<int>(sizeof(T));
+  static_assert(kBytes <= 16 || kBytes % 16 == 0, "a vector moves in one copy or in 16-byte pieces");
   if (valid) {
 #pragma unroll
     for (int v = 0; v < S::kVecPerThread; ++v) {
       const int i = v * S::kGroupThreads + t;
-      if (S::kExact || i < S::kNumVec) cp_async<S::kAccessBytes>(dst + i * S::kVec, src + i * S::kVec);
+      if (S::kExact || i < S::kNumVec) {
+        if constexpr (kBytes <= 16) {
+          cp_async<kBytes>(dst + i * S::kVec, src + i * S::kVec);
+        } else {
+#pragma unroll
+          for (int b = 0; b < kBytes; b += 16) {
+            cp_async<16>(reinterpret_cast<unsigned char*>(dst + i * S::kVec) + b,
+                         reinterpret_cast<const unsigned char*>(src + i * S::kVec) + b);
+          }
+        }
+      }
     }
   }
 }
+
+// Whether a forward with row shape S can stage its weight (W, kCols columns) per row group in
+// shared memory (RmsNormPolicy's kFwdWeightSmem): 16-byte pieces, at most 32 KiB per block.
+template <class S, int kCols, class W>
+inline constexpr bool kWeightStageable = S::kVec * sizeof(W) % 16 == 0 &&
+                                         static_cast<std::size_t>(S::kGroups) * kCols * sizeof(W) <= 32768;
 
 // One row group's walk over the rows first, first + step, ... < rows, with the next kStages - 1
 // rows of each of kTensors inputs in flight through the group's shared-memory stages, laid out

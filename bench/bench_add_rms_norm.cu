@@ -228,8 +228,6 @@ FWD_VARIANT(v4_b256_direct_plain, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false,
 FWD_VARIANT(v4_b256_m5, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 5>)
 FWD_VARIANT(v4_b256_m6, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 6>)
 FWD_VARIANT(v2_b256_direct_plain, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
-// The weight staged in shared memory with cp.async as the kernel starts (kFwdWeightSmem):
-FWD_VARIANT(v4_b256_wsmem, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 0, true>)
 BWD_VARIANT(default, tigon::RmsNormDefaultPolicy)
 BWD_VARIANT(v2_b512_m1_s3, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false>)
 BWD_VARIANT(v2_b512_m1_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2, -1, false, false, false>)
@@ -251,6 +249,5 @@ SINGLE_FWD(v4_b256_m5)
 SINGLE_FWD(v4_b256_m6)
 SINGLE_FWD(v4_b256_staged)
 SINGLE_FWD(v2_b256_direct_plain)
-SINGLE_FWD(v4_b256_wsmem)
 
 BENCH_MAIN

@@ -3,8 +3,7 @@
 // launched through tigon::launch with PDL on (the default) and off, timed as single calls (a GPU
 // spin, then events around one call: nothing of the same op before or after it) and back to back.
 // At 1 row a call's time is almost all fixed cost (launch, first loads, drain); at 16384 rows the
-// fixed cost is what separates a call from the copy rate. Also the RMSNorm forward with its
-// weight staged in shared memory (kFwdWeightSmem), PDL on.
+// fixed cost is what separates a call from the copy rate.
 #include "harness.cuh"
 
 #include <tigon/core/launch.cuh>
@@ -36,8 +35,7 @@ void empty(benchmark::State& st, bool pdl) {
   tigon::set_programmatic_launch(true);
 }
 
-template <class P = tigon::RmsNormDefaultPolicy>
-void rms_fwd(benchmark::State& st, bool pdl, const char* what = "") {
+void rms_fwd(benchmark::State& st, bool pdl) {
   tigon::set_programmatic_launch(pdl);
   const std::int64_t rows = st.range(0), cols = 4096;
   const std::size_t n = static_cast<std::size_t>(rows * cols);
@@ -52,12 +50,12 @@ void rms_fwd(benchmark::State& st, bool pdl, const char* what = "") {
   }
   bf16* w = bench::alloc<bf16>(cols);
   bench::fill_random(w, cols, 5, 1.0f, 0.2f);
-  bench::run(st, "launch rms_norm fwd " + std::to_string(rows) + "x4096" + what + ", " + pdl_name(pdl),
+  bench::run(st, "launch rms_norm fwd " + std::to_string(rows) + "x4096, " + pdl_name(pdl),
              2.0 * rows * cols * 2 + cols * 2.0 + rows * 4.0, [&](int i) {
                const int s = i % sets;
                tigon::RmsNormForwardArgs<bf16> a{.x = x[s], .y = y[s], .weight = w, .rstd = rstd[s],
                                                  .rows = rows, .cols = cols};
-               check(tigon::rms_norm_forward<bf16, 4096, P>(a, nullptr));
+               check(tigon::rms_norm_forward<bf16, 4096>(a, nullptr));
              });
   for (int s = 0; s < sets; ++s) {
     cudaFree(x[s]);
@@ -72,10 +70,6 @@ void BM_empty_pdl(benchmark::State& st) { empty(st, true); }
 void BM_empty_serial(benchmark::State& st) { empty(st, false); }
 void BM_rms_pdl(benchmark::State& st) { rms_fwd(st, true); }
 void BM_rms_serial(benchmark::State& st) { rms_fwd(st, false); }
-// The weight staged in shared memory as the kernel starts (RmsNormPolicy's kFwdWeightSmem): its
-// load off the path after each row's reduction.
-using WeightSmem = tigon::RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 0, true>;
-void BM_rms_wsmem(benchmark::State& st) { rms_fwd<WeightSmem>(st, true, " weight in smem"); }
 
 }  // namespace
 
@@ -84,11 +78,9 @@ BENCHMARK(bench::single<BM_empty_pdl>) LAUNCH_ARGS;
 BENCHMARK(bench::single<BM_empty_serial>) LAUNCH_ARGS;
 BENCHMARK(bench::single<BM_rms_pdl>)->Arg(1)->Arg(132)->Arg(16384) LAUNCH_ARGS;
 BENCHMARK(bench::single<BM_rms_serial>)->Arg(1)->Arg(132)->Arg(16384) LAUNCH_ARGS;
-BENCHMARK(bench::single<BM_rms_wsmem>)->Arg(1)->Arg(132)->Arg(16384) LAUNCH_ARGS;
 BENCHMARK(BM_empty_pdl) LAUNCH_ARGS;
 BENCHMARK(BM_empty_serial) LAUNCH_ARGS;
 BENCHMARK(BM_rms_pdl)->Arg(1)->Arg(132)->Arg(16384) LAUNCH_ARGS;
 BENCHMARK(BM_rms_serial)->Arg(1)->Arg(132)->Arg(16384) LAUNCH_ARGS;
-BENCHMARK(BM_rms_wsmem)->Arg(1)->Arg(132)->Arg(16384) LAUNCH_ARGS;
 
 BENCH_MAIN

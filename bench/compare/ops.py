@@ -455,11 +455,11 @@ def run(args) -> int:
         log("device is not CUDA: tigon and Liger need CUDA tensors; timings here are not measurements")
 
     shapes = [] if args.sweep_only else [r for r in main_shapes() if r[0] in ops]
-    if args.sweep or args.sweep_only:
-        shapes += [r for r in sweep_shapes() if r[0] in ops]
-    if args.tokens:
+    if args.tokens:  # the LLaMA-3-8B shapes only; the sweep keeps its own sizes
         want = {int(t) for t in args.tokens.split(",")}
         shapes = [r for r in shapes if r[1].get("N", r[1].get("B", 0) * r[1].get("T", 0)) in want]
+    if args.sweep or args.sweep_only:
+        shapes += [r for r in sweep_shapes() if r[0] in ops]
     if args.scale != 1.0:  # smoke tests: shrink every dimension but head_dim
         shapes = [(op, {k: (v if k == "HD" else max(1, int(v * args.scale))) for k, v in s.items()})
                   for op, s in shapes]
@@ -634,7 +634,7 @@ def parse(argv=None):
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {OPS}")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {IMPLS}")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
-    p.add_argument("--tokens", default="", help="keep only shapes with these token counts (e.g. 16384)")
+    p.add_argument("--tokens", default="", help="keep only LLaMA-3-8B shapes with these token counts (e.g. 16384); the sweep is kept whole")
     p.add_argument("--sweep", action="store_true", help="add the sweep of sizes after the LLaMA-3-8B shapes")
     p.add_argument("--sweep-only", action="store_true", help="the sweep of sizes without the LLaMA-3-8B shapes")
     p.add_argument("--reps", type=int, default=50, help="timed calls per row at most")

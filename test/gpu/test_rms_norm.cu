@@ -312,18 +312,6 @@ TEST_CASE("rms_norm: every policy knob computes the same function", "[rms_norm][
   // the forward with registers capped for 6 blocks per SM
   run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 6>>(c);
   run_case<bf16, float, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>>(c);
-  // the direct forward with its weight staged in shared memory (bf16 and fp32 weights, 4 and 2
-  // vectors per thread; without a weight; one row)
-  using WS4 = RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 0, true>;
-  using WS2 = RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 0, true>;
-  run_case<bf16, bf16, WS4>(c);
-  run_case<bf16, float, WS4>(c);
-  run_case<half, half, WS2>(c);
-  run_case<float, float, WS4>({.rows = 77, .cols = 4096, .compile_time = true});  // fp32: 4-wide vectors
-  run_case<bf16, bf16, WS4>({.rows = 1, .cols = 4096, .compile_time = true});
-  Case ws_nw = c;
-  ws_nw.weight = false;
-  run_case<bf16, bf16, WS4>(ws_nw);
   // the forward loading straight into registers (and the persistent grid ignoring it)
   run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true>>(c);
   run_case<bf16, float, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, true, true, true>>(c);

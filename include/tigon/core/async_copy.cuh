@@ -2,7 +2,7 @@
 // the way the row kernels keep several rows in flight without holding them in registers (a thread
 // that reads back only what it copied itself needs no barrier: waiting on its own copy groups is
 // enough); and the bulk-copy engine with a shared-memory barrier (sm_90+), the way one thread
-// moves a whole slice of a row into shared memory for the block.
+// moves a whole slice of a row into shared memory for the block. Also the L2 prefetch hint.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +22,25 @@ TIGON_DEVICE void cp_async(void* smem, const void* gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(gmem), "n"(kBytes)
                  : "memory");
   }
+}
+
+// Before grid_dependency_sync(), a kernel may ask the L2 for the lines of its first loads, so that
+// the blocks scheduled while the kernel before them drains have their data on its way when the
+// wait returns (one H200, back to back at the benchmark shapes: the RoPE forward 0.0847-0.0849 ->
+// 0.0838-0.0839 ms, the RMSNorm forward 0.0661-0.0663 -> 0.0659-0.0661 ms; docs/performance.md). A prefetch is a hint: it returns nothing
+// to the thread and orders nothing, and the L2 is where every write of the kernel before lands, so
+// a line it brings in early is never stale. The thread whose `bytes`-wide vector at `p` starts a
+// 128-byte line asks for that line (vectors of up to 16 bytes read side by side by consecutive
+// threads: one request per line). TIGON_NO_PDL_PREFETCH compiles it out.
+TIGON_DEVICE void prefetch_l2_line_of(const void* p, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(TIGON_NO_PDL_PREFETCH)
+  if ((reinterpret_cast<std::uintptr_t>(p) & 127u) < static_cast<unsigned>(bytes)) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+  }
+#else
+  (void)p;
+  (void)bytes;
+#endif
 }
 
 // Close the group of copies issued since the last commit.

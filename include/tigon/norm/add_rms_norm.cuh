@@ -281,7 +281,6 @@ struct AddRmsBwdParams {
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdMinBlocksPerSm)
     add_rms_norm_fwd_kernel(const AddRmsFwdParams<T, W> p) {
-  detail::grid_dependency_sync();
   using S = FwdRowShape<T, kCols, P>;
   constexpr int kV = S::kVec;
   constexpr int kVPT = S::kVecPerThread;
@@ -298,22 +297,15 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdM
   // [group][stage][x | residual][kCols]
   T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * 2 * kCols;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
+  if (first < p.rows) {  // before the wait: a hint (launch.cuh)
+    prefetch_row_l2<S>(p.x + first * p.xs, t);
+    prefetch_row_l2<S>(p.r + first * p.rs, t);
+  }
+  detail::grid_dependency_sync();
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * S::kGroups;
   const T* const src[2] = {p.x, p.r};
   const std::int64_t stride[2] = {p.xs, p.rs};
   int parity = 0;
-  // The weight staged per row group in shared memory (RmsNormPolicy's kFwdWeightSmem, direct
-  // forward), as in the RMSNorm forward: each thread copies exactly the vectors it reads back.
-  constexpr bool kWSmem = kRmsFwdDirect<P> && P::kFwdWeightSmem && kWeightStageable<S, kCols, W>;
-  __shared__ __align__(16) W w_stage[kWSmem ? S::kGroups * kCols : 1];
-  W* const my_w = w_stage + (kWSmem ? g * kCols : 0);
-  bool w_waited = false;
-  if constexpr (kWSmem) {
-    if (has_w && first < p.rows) {
-      stage_row<S>(my_w, p.w, t, true);
-      cp_async_commit();
-    }
-  }
 
   // One row from its x and residual vectors (x_at(v, i), r_at(v, i): this thread's v-th vector,
   // vector index i of the row): s written and kept in registers, the row's sum of squares
@@ -343,18 +335,12 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdM
     if (t == 0 && p.rstd != nullptr) p.rstd[row] = rstd;
     const float r = rms_norm_math::effective_rstd<T>(rstd, casting);
     T* yr = p.y + row * p.ys;
-    if constexpr (kWSmem) {
-      if (has_w && !w_waited) {
-        cp_async_wait<0>();  // this thread's weight vectors have landed
-        w_waited = true;
-      }
-    }
 #pragma unroll
     for (int v = 0; v < kVPT; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
         AlignedVec<W, kV> wv;
-        if (has_w) wv = load_vec<kV>((kWSmem ? static_cast<const W*>(my_w) : p.w) + i * kV);
+        if (has_w) wv = load_vec<kV>(p.w + i * kV);
         AlignedVec<T, kV> yv;
 #pragma unroll
         for (int c = 0; c < kV; ++c) {

@@ -320,7 +320,6 @@ struct LnBwdParams {
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdMinBlocksPerSm)
     layer_norm_fwd_kernel(const LnFwdParams<T, W> p) {
-  detail::grid_dependency_sync();
   using S = FwdRowShape<T, kCols, P>;
   constexpr int kV = S::kVec;
   constexpr int kVPT = S::kVecPerThread;
@@ -335,6 +334,8 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdM
   const bool has_b = p.b != nullptr;
   T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * kCols;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
+  if (first < p.rows) prefetch_row_l2<S>(p.x + first * p.xs, t);  // before the wait: a hint (launch.cuh)
+  detail::grid_dependency_sync();
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * S::kGroups;
   const T* const src[1] = {p.x};
   const std::int64_t stride[1] = {p.xs};

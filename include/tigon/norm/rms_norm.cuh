@@ -235,7 +235,7 @@ template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPer
           int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
           int kCasting_ = -1, bool kFwdPersistent_ = false, bool kStreamingStores_ = false,
           bool kBwdKeepRows_ = true, bool kFwdDirect_ = true, bool kBwdDirect_ = false,
-          bool kFwdDirectStream_ = false, int kFwdMinBlocksPerSm_ = 0, bool kFwdWeightSmem_ = false>
+          bool kFwdDirectStream_ = false, int kFwdMinBlocksPerSm_ = 0>
 struct RmsNormPolicy {
   static_assert(kFwdMinBlocksPerSm_ >= 0 && kFwdMinBlocksPerSm_ <= 32, "0 (no bound) to 32 blocks per SM");
   // Forward (RMSNorm and add + RMSNorm): the second __launch_bounds__ argument, a floor on the
@@ -243,14 +243,6 @@ struct RmsNormPolicy {
   // 4-vector, 256-thread RMSNorm forward 56 registers, 4 blocks per SM; a floor of 5 gives 48
   // registers without spilling, 6 gives 40 with 44 bytes spilled; sm_90, CUDA 13.0).
   static constexpr int kFwdMinBlocksPerSm = kFwdMinBlocksPerSm_;
-  // Direct forward (RMSNorm and add + RMSNorm): the weight staged in shared memory (true) — each thread copies its own
-  // columns of it with cp.async as the kernel starts, beside the row's loads, and reads them back
-  // after the row's reduction — or loaded from global memory after the reduction (false: the
-  // default). Staging takes the weight's load off each row's path after the reduction, the one
-  // dependent memory access a call's last rows wait for; no registers, kGroups x cols x
-  // sizeof(W) bytes of shared memory per block (up to 32 KiB; beyond it the knob is ignored).
-  // Also the add + RMSNorm forward's.
-  static constexpr bool kFwdWeightSmem = kFwdWeightSmem_;
   // Direct forward (RMSNorm and add + RMSNorm): the row's loads carry the streaming (evict-first)
   // hint (true), or are plain loads (false: the default; on one H200 at 16384 x 4096 bf16 plain
   // loads measured 96.7% of the copy rate for RMSNorm and 97.1% for add + RMSNorm, the streaming
@@ -377,7 +369,6 @@ TIGON_DEVICE void add_dweight_terms(const float (&dy)[kV], float (&xhat)[kV], Rm
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads, P::kFwdMinBlocksPerSm)
     rms_norm_fwd_kernel(const RmsFwdParams<T, W> p) {
-  detail::grid_dependency_sync();
   using S = RmsFwdShape<T, kCols, P>;
   using Pipe = RmsFwdPipe<T, kCols, P>;
   constexpr int kV = S::kVec;
@@ -388,25 +379,16 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads, P::kFwdM
 
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
+  if (first < p.rows) prefetch_row_l2<S>(p.x + first * p.xs, t);  // before the wait: a hint
+  detail::grid_dependency_sync();
   const bool has_w = p.w != nullptr;
   const RmsNormCasting casting =
       P::kCasting < 0 ? p.casting : static_cast<RmsNormCasting>(P::kCasting);
   T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * kCols;
-  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * S::kGroups;
 
   constexpr bool kDirect = kRmsFwdDirect<P>;
-  // The weight staged per row group in shared memory (policy kFwdWeightSmem, direct forward):
-  // each thread copies exactly the vectors it reads back, so its own cp.async wait suffices.
-  constexpr bool kWSmem = kDirect && P::kFwdWeightSmem && kWeightStageable<S, kCols, W>;
-  __shared__ __align__(16) W w_stage[kWSmem ? S::kGroups * kCols : 1];
-  W* const my_w = w_stage + (kWSmem ? g * kCols : 0);
-  if constexpr (kWSmem) {
-    if (has_w && first < p.rows) {
-      stage_row<S>(my_w, p.w, t, true);
-      cp_async_commit();
-    }
-  }
   if constexpr (!kDirect) {
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
@@ -456,15 +438,12 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads, P::kFwdM
     if (t == 0 && p.rstd != nullptr) p.rstd[row] = rstd;
     const float r = rms_norm_math::effective_rstd<T>(rstd, casting);
     T* yr = p.y + row * p.ys;
-    if constexpr (kWSmem) {
-      if (has_w && k == 0) cp_async_wait<0>();  // this thread's weight vectors have landed
-    }
 #pragma unroll
     for (int v = 0; v < S::kVecPerThread; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
         AlignedVec<W, kV> wv;
-        if (has_w) wv = load_vec<kV>((kWSmem ? static_cast<const W*>(my_w) : p.w) + i * kV);
+        if (has_w) wv = load_vec<kV>(p.w + i * kV);
         AlignedVec<T, kV> yv;
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
@@ -485,7 +464,6 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads, P::kFwdM
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdMinBlocksPerSm)
     rms_norm_bwd_kernel(const RmsBwdParams<T, W> p) {
-  detail::grid_dependency_sync();
   using S = RmsBwdShape<T, kCols, P>;
   using Pipe = RmsBwdPipe<T, kCols, P>;
   constexpr int kV = S::kVec;
@@ -497,6 +475,7 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
 
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
+  detail::grid_dependency_sync();
   const RmsNormCasting casting =
       P::kCasting < 0 ? p.casting : static_cast<RmsNormCasting>(P::kCasting);
   const bool want_dw = p.partials != nullptr;

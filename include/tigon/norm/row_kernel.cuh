@@ -120,6 +120,18 @@ constexpr std::size_t partial_rows_bytes(std::int64_t parts, std::int64_t cols) 
 
 namespace detail {
 
+// Ask the L2 for one row (this thread's chunks; one request per 128-byte line), before the
+// kernel's grid_dependency_sync(): a hint that puts the first row's lines on their way while the
+// kernel before drains (launch.cuh).
+template <class S, class T>
+TIGON_DEVICE void prefetch_row_l2(const T* src, int t) {
+#pragma unroll
+  for (int v = 0; v < S::kVecPerThread; ++v) {
+    const int i = v * S::kGroupThreads + t;
+    if (S::kExact || i < S::kNumVec) prefetch_l2_line_of(src + i * S::kVec, S::kVec * static_cast<int>(sizeof(T)));
+  }
+}
+
 // Issue the copies of one row (this thread's chunks: vectors of S::kVec elements of T) into shared
 // memory; the caller commits the group (an empty group past the last row keeps the per-thread
 // group count uniform). A vector over 16 bytes (a row of fp32 weights beside bf16 activations)
@@ -146,12 +158,6 @@ TIGON_DEVICE void stage_row(T* dst, const T* src, int t, bool valid) {
     }
   }
 }
-
-// Whether a forward with row shape S can stage its weight (W, kCols columns) per row group in
-// shared memory (RmsNormPolicy's kFwdWeightSmem): 16-byte pieces, at most 32 KiB per block.
-template <class S, int kCols, class W>
-inline constexpr bool kWeightStageable = S::kVec * sizeof(W) % 16 == 0 &&
-                                         static_cast<std::size_t>(S::kGroups) * kCols * sizeof(W) <= 32768;
 
 // One row group's walk over the rows first, first + step, ... < rows, with the next kStages - 1
 // rows of each of kTensors inputs in flight through the group's shared-memory stages, laid out

@@ -26,6 +26,7 @@
 
 #if defined(__CUDACC__)
 #include "../core/device.hpp"
+#include "../core/async_copy.cuh"
 #include "../core/launch.cuh"
 #include "../core/vector.cuh"
 #endif
@@ -401,7 +402,6 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
 // place or without pass-through channels.
 template <class T, class C, class Style, int kV, int kG>
 TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopeParams<T, C> p) {
-  detail::grid_dependency_sync();
   constexpr bool kHalf = std::is_same_v<Style, RopeHalfSplit>;
   const int half = p.rotary_dim / 2;
   const unsigned rot_chunks = static_cast<unsigned>(kHalf ? half / kV : p.rotary_dim / kV);
@@ -410,13 +410,29 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopePa
   const unsigned per_token = groups * rot_chunks;
   const unsigned total = static_cast<unsigned>(p.tokens) * per_token;  // < 2^31 (launch)
   const unsigned item = blockIdx.x * kRopeThreads + threadIdx.x;
-  if (item >= total) return;
+  if (item >= total) {
+    detail::grid_dependency_sync();
+    return;
+  }
   const unsigned tk = item / per_token;
   const unsigned rem = item - tk * per_token;
   const unsigned group = rem / rot_chunks;
   const int d = static_cast<int>(rem - group * rot_chunks) * kV;
   const unsigned bb = tk / static_cast<unsigned>(p.seq);
   const std::int64_t b = bb, t = tk - bb * static_cast<unsigned>(p.seq);
+  // Before the wait, ask the L2 for this thread's lines of its heads (a hint, launch.cuh).
+#pragma unroll
+  for (int j = 0; j < kG; ++j) {
+    const int h = static_cast<int>(group) * kG + j;
+    if (h < heads) {
+      const int w = h < p.heads[0] ? 0 : 1;
+      const std::int64_t hh = w == 0 ? h : h - p.heads[0];
+      const T* x = p.in[w] + b * p.sb[w] + t * p.st[w] + hh * p.sh[w];
+      prefetch_l2_line_of(x + d, kV * sizeof(T));
+      if constexpr (kHalf) prefetch_l2_line_of(x + d + half, kV * sizeof(T));
+    }
+  }
+  detail::grid_dependency_sync();
   const std::int64_t row = rope_position(p, b, t);
   const bool bad = row < 0 || row >= p.table_rows;
   const C* cr = p.cos + b * p.tsb + (bad ? 0 : row) * p.tst;

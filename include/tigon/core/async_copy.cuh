@@ -27,11 +27,12 @@ TIGON_DEVICE void cp_async(void* smem, const void* gmem) {
 // Before grid_dependency_sync(), a kernel may ask the L2 for the lines of its first loads, so that
 // the blocks scheduled while the kernel before them drains have their data on its way when the
 // wait returns (one H200, back to back at the benchmark shapes: the RoPE forward 0.0847-0.0849 ->
-// 0.0838-0.0839 ms, the RMSNorm forward 0.0661-0.0663 -> 0.0659-0.0661 ms; docs/performance.md). A prefetch is a hint: it returns nothing
-// to the thread and orders nothing, and the L2 is where every write of the kernel before lands, so
-// a line it brings in early is never stale. The thread whose `bytes`-wide vector at `p` starts a
-// 128-byte line asks for that line (vectors of up to 16 bytes read side by side by consecutive
-// threads: one request per line). TIGON_NO_PDL_PREFETCH compiles it out.
+// 0.0838-0.0839 ms, the RMSNorm forward 0.0661-0.0663 -> 0.0659-0.0661 ms; docs/performance.md).
+// A prefetch is a hint: it returns nothing to the thread and orders nothing, and the L2 is where
+// every write of the kernel before lands, so a line it brings in early is never stale. The thread
+// whose `bytes`-wide vector at `p` starts a 128-byte line asks for that line (vectors of up to 16
+// bytes read side by side by consecutive threads: one request per line). TIGON_NO_PDL_PREFETCH
+// compiles it out.
 TIGON_DEVICE void prefetch_l2_line_of(const void* p, int bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(TIGON_NO_PDL_PREFETCH)
   if ((reinterpret_cast<std::uintptr_t>(p) & 127u) < static_cast<unsigned>(bytes)) {

@@ -128,14 +128,16 @@ TIGON_DEVICE void prefetch_row_l2(const T* src, int t) {
 #pragma unroll
   for (int v = 0; v < S::kVecPerThread; ++v) {
     const int i = v * S::kGroupThreads + t;
-    if (S::kExact || i < S::kNumVec) prefetch_l2_line_of(src + i * S::kVec, S::kVec * static_cast<int>(sizeof(T)));
+    if (S::kExact || i < S::kNumVec) {
+      prefetch_l2_line_of(src + i * S::kVec, S::kVec * static_cast<int>(sizeof(T)));
+    }
   }
 }
 
 // Issue the copies of one row (this thread's chunks: vectors of S::kVec elements of T) into shared
 // memory; the caller commits the group (an empty group past the last row keeps the per-thread
-// group count uniform). A vector over 16 bytes (a row of fp32 weights beside bf16 activations)
-// moves in 16-byte pieces.
+// group count uniform). A vector over 16 bytes (a row shape sized for a narrower type) moves in
+// 16-byte pieces.
 template <class S, class T>
 TIGON_DEVICE void stage_row(T* dst, const T* src, int t, bool valid) {
   constexpr int kBytes = S::kVec * static_cast<int>(sizeof(T));

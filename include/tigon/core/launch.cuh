@@ -58,7 +58,8 @@ inline bool programmatic_launch() {
 
 namespace detail {
 
-// First statement of every kernel launched through `launch` (see the contract above).
+// Called by every kernel launched through `launch` before its first global-memory access (see the
+// contract above).
 TIGON_DEVICE void grid_dependency_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -192,8 +192,8 @@ BENCHMARK(bench::single<BM_backward>)->Args({16384, 4096})->UseManualTime()->Ite
 //               casting (-1: chosen at run time), persistent forward grid, streaming stores,
 //               backward keeps rows in registers, direct forward (default true), direct backward,
 //               direct forward's streaming hint (default false), forward min blocks per SM (default
-//               0), forward weight in shared memory (default false)>. Rows that leave the last ones
-//               unspelled take the defaults: the direct forward with plain loads.
+//               0)>. Rows that leave the last ones unspelled take the defaults: the direct forward
+//               with plain loads.
 FWD_VARIANT(v4_b256_staged, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false>)
 FWD_VARIANT(v4_b256_s3_persistent, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true>)
 FWD_VARIANT(v4_b128, RmsNormPolicy<4, 128>)

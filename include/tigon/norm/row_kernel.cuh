@@ -129,34 +129,20 @@ TIGON_DEVICE void prefetch_row_l2(const T* src, int t) {
   for (int v = 0; v < S::kVecPerThread; ++v) {
     const int i = v * S::kGroupThreads + t;
     if (S::kExact || i < S::kNumVec) {
-      prefetch_l2_line_of(src + i * S::kVec, S::kVec * static_cast<int>(sizeof(T)));
+      prefetch_l2_line_of(src + i * S::kVec, S::kAccessBytes);
     }
   }
 }
 
-// Issue the copies of one row (this thread's chunks: vectors of S::kVec elements of T) into shared
-// memory; the caller commits the group (an empty group past the last row keeps the per-thread
-// group count uniform). A vector over 16 bytes (a row shape sized for a narrower type) moves in
-// 16-byte pieces.
+// Issue the copies of one row (this thread's chunks) into a shared-memory stage; the caller
+// commits the group (an empty group past the last row keeps the per-thread group count uniform).
 template <class S, class T>
 TIGON_DEVICE void stage_row(T* dst, const T* src, int t, bool valid) {
-  constexpr int kBytes = S::kVec * static_cast<int>(sizeof(T));
-  static_assert(kBytes <= 16 || kBytes % 16 == 0, "a vector moves in one copy or in 16-byte pieces");
   if (valid) {
 #pragma unroll
     for (int v = 0; v < S::kVecPerThread; ++v) {
       const int i = v * S::kGroupThreads + t;
-      if (S::kExact || i < S::kNumVec) {
-        if constexpr (kBytes <= 16) {
-          cp_async<kBytes>(dst + i * S::kVec, src + i * S::kVec);
-        } else {
-#pragma unroll
-          for (int b = 0; b < kBytes; b += 16) {
-            cp_async<16>(reinterpret_cast<unsigned char*>(dst + i * S::kVec) + b,
-                         reinterpret_cast<const unsigned char*>(src + i * S::kVec) + b);
-          }
-        }
-      }
+      if (S::kExact || i < S::kNumVec) cp_async<S::kAccessBytes>(dst + i * S::kVec, src + i * S::kVec);
     }
   }
 }

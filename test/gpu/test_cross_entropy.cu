@@ -50,6 +50,12 @@ double tol() {
 // The segmented kernel with short segments and the smallest window.
 using SegPolicy = tigon::CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 2048, 256, 10>;
 
+// The resident kernel: block size, vectors per thread, blocks per SM its registers allow; the
+// loss alone takes it too.
+template <int kThreads, int kVecs, int kMinBlocks>
+using ResPolicy = tigon::CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 0, 256, 100, false, kThreads,
+                                            kVecs, true, kMinBlocks>;
+
 template <class T, class I = std::int64_t, class P = tigon::CrossEntropyDefaultPolicy>
 void run_case(const Case& c) {
   INFO(describe(c) << " T=" << dtype_traits<T>::name << " I=" << sizeof(I) * 8);
@@ -275,6 +281,24 @@ TEST_CASE("cross_entropy: the pipelined split-row kernel computes the same funct
   }
 }
 
+// The resident kernel (kResThreads > 0) on its own, so that the sanitizers can take it alone: the
+// policy case's options (those it does not take go to the row kernel) at rows it holds in 2 (20000
+// and 32000 columns), 5 (40000, 128 threads x 8 vectors: uneven cluster), 8 (128256) and 16
+// (262144: beyond the portable cluster size) blocks, and 262144 fp32 logits (32 blocks: over the
+// cluster limit, the row kernel).
+TEST_CASE("cross_entropy: the resident kernel computes the same function", "[ce][gpu]") {
+  for (std::int64_t V : {std::int64_t{20000}, std::int64_t{32000}, std::int64_t{40000}, std::int64_t{128256},
+                         std::int64_t{262144}}) {
+    const std::int64_t rows = V >= 128256 ? 12 : 40;
+    for (const Case& c : option_cases(rows, V, true)) {
+      run_case<bf16, std::int64_t, ResPolicy<256, 8, 1>>(c);
+      run_case<half, std::int32_t, ResPolicy<128, 16, 4>>(c);
+      run_case<float, std::int64_t, ResPolicy<256, 8, 4>>(c);
+      if (V == 40000) run_case<bf16, std::int32_t, ResPolicy<128, 8, 1>>(c);
+    }
+  }
+}
+
 TEST_CASE("cross_entropy: the issue's shapes", "[ce][gpu][large]") {
   run_case<bf16, std::int64_t, SegPolicy>({.rows = 8192, .V = 32000, .argmax = false});  // interleaved at scale
   run_case<bf16>({.rows = 8192, .V = 32000});
@@ -284,10 +308,10 @@ TEST_CASE("cross_entropy: the issue's shapes", "[ce][gpu][large]") {
   run_case<float>({.rows = 64, .V = 128256, .weights = true});
 }
 
-TEST_CASE("cross_entropy: all ignored gives 0 and a zero gradient; bad targets are counted", "[ce][gpu]") {
-  // V 100: the row kernel; V 20000: the segmented kernel (opt-in; plain options, a gradient)
-  using P = SegPolicy;
-  for (const std::int64_t V : {std::int64_t{100}, std::int64_t{20000}}) {
+namespace {
+
+template <class P>
+void check_ignored_and_bad(std::int64_t V) {
   INFO("V " << V);
   const std::int64_t rows = 16;
   DeviceBuffer<bf16> x(rows * V);
@@ -321,7 +345,16 @@ TEST_CASE("cross_entropy: all ignored gives 0 and a zero gradient; bad targets a
   CHECK(std::isnan(l[7]));
   CHECK(std::isfinite(l[0]));
   CHECK(std::isnan(loss.download()[0]));
-  }
+}
+
+}  // namespace
+
+TEST_CASE("cross_entropy: all ignored gives 0 and a zero gradient; bad targets are counted", "[ce][gpu]") {
+  // V 100: the row kernel; V 20000: the segmented kernel (opt-in; plain options, a gradient);
+  // V 40000: the resident kernel (opt-in), 5 blocks per row
+  check_ignored_and_bad<SegPolicy>(100);
+  check_ignored_and_bad<SegPolicy>(20000);
+  check_ignored_and_bad<ResPolicy<128, 8, 1>>(40000);
 }
 
 TEST_CASE("cross_entropy: graph capture matches eager bitwise", "[ce][gpu][graph]") {

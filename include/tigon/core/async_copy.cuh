@@ -113,6 +113,58 @@ TIGON_DEVICE void mbarrier_wait(std::uint64_t* bar, unsigned parity) {
 TIGON_DEVICE void cluster_arrive() { TIGON_SM90_ASM("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
 TIGON_DEVICE void cluster_wait() { TIGON_SM90_ASM("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 
+// ---- Messages between the blocks of a cluster (sm_90+) ----
+
+// One thread initialises a barrier whose phase completes after `count` arrivals (from any block
+// of the cluster: cluster_arrive/cluster_wait must separate this from the first remote arrival).
+TIGON_DEVICE void mbarrier_init_count(std::uint64_t* bar, unsigned count) {
+  TIGON_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+  TIGON_SM90_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// The address of `p` (this block's shared memory) in block `rank` of the cluster.
+TIGON_DEVICE unsigned cluster_smem_addr(const void* p, unsigned rank) {
+  unsigned r = 0;
+  TIGON_SM90_ASM("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_u32(p)), "r"(rank));
+  return r;
+}
+
+// Send 16 bytes to `slot` and then arrive on `bar`, both in another block's shared memory
+// (addresses from cluster_smem_addr): the arrival releases the store to the thread that waits on
+// the barrier there (mbarrier_wait_cluster).
+TIGON_DEVICE void cluster_send_f4(unsigned slot, unsigned bar, float a, float b, float c, float d) {
+  TIGON_SM90_ASM("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "f"(a), "f"(b), "f"(c), "f"(d)
+                 : "memory");
+  TIGON_SM90_ASM("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Wait until the phase of this block's barrier with this parity has completed, acquiring what the
+// arriving threads of the cluster released.
+TIGON_DEVICE void mbarrier_wait_cluster(std::uint64_t* bar, unsigned parity) {
+  const unsigned b = smem_u32(bar);
+  unsigned done = 0;
+  do {
+    TIGON_SM90_ASM(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(b), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+
+// This block's rank in its cluster, and the cluster's blocks.
+TIGON_DEVICE unsigned cluster_rank() {
+  unsigned r = 0;
+  TIGON_SM90_ASM("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+TIGON_DEVICE unsigned cluster_blocks() {
+  unsigned r = 1;
+  TIGON_SM90_ASM("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+  return r;
+}
+
 #undef TIGON_SM90_ASM
 
 TIGON_NAMESPACE_END

@@ -284,13 +284,25 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //   kSegThreads:    the segmented kernel's block size (kSegCols must be a multiple of kSegThreads
 //                   x 8 columns: each thread loads its 16-byte vectors of a segment at once);
 //   kSegWindowPct:  the window in percent of the blocks in flight (at least one row's segments).
+//   kResThreads:    the resident kernel (sm_90+, 16-byte vectors, the common case: no class
+//                   weights, smoothing, softcap, bias, argmax or split statistics; rows over
+//                   16384 columns): one row per thread-block cluster of csize blocks of
+//                   kResThreads threads, each thread holding kResVecs 16-byte vectors of the row in
+//                   registers, so the logits are read once and the gradient written from
+//                   registers; csize = the fewest blocks whose registers hold the row, at most 16
+//                   (longer rows take the row kernel). 0: off;
+//   kResVecs:       the resident kernel's 16-byte vectors per thread;
+//   kResLoss:       whether the loss alone (no gradient) takes the resident kernel too;
+//   kResMinBlocks:  the resident kernel's blocks per SM that its registers must allow
+//                   (__launch_bounds__'s second argument).
 // Rows the chosen kernel cannot take (narrow vectors, older GPUs, the split-vocabulary passes, a
 // row over 8 blocks' shared memory) take the row kernel: a first pass for the statistics and a
 // second that re-reads the row (from L2 where it is still there) for the gradient.
 template <int kWideThreads_ = 256, int kNarrowThreads_ = 256, int kUnroll_ = 4, int kRowsPerSm_ = 0,
           int kCluster_ = 0, int kClusterThreads_ = 256, int kSliceKB_ = 36, bool kSplitRows_ = false,
           int kGradThreads_ = 512, int kSegCols_ = 0, int kSegThreads_ = 256, int kSegWindowPct_ = 100,
-          bool kSplitPipelined_ = false>
+          bool kSplitPipelined_ = false, int kResThreads_ = 0, int kResVecs_ = 8, bool kResLoss_ = false,
+          int kResMinBlocks_ = 1>
 struct CrossEntropyPolicy {
   static_assert(kSegCols_ == 0 || (kSegThreads_ % 32 == 0 && kSegThreads_ >= 64 && kSegThreads_ <= 1024 &&
                                    kSegCols_ % (kSegThreads_ * 8) == 0 && kSegCols_ / (kSegThreads_ * 4) <= 16),
@@ -318,6 +330,14 @@ struct CrossEntropyPolicy {
   static_assert(!kSplitRows_ || kCluster_ > 0, "the split-row kernel takes an explicit cluster size");
   static_assert(!kSplitPipelined_ || kSplitRows_, "the pipelined split-row kernel is a split-row kernel (kSplitRows)");
   static constexpr bool kSplitPipelined = kSplitPipelined_;
+  static_assert(kResThreads_ == 0 || (kResThreads_ % 32 == 0 && kResThreads_ >= 64 && kResThreads_ <= 1024),
+                "kResThreads: 0 (off) or a whole number of warps, 64 to 1024 threads");
+  static_assert(kResVecs_ >= 1 && kResVecs_ <= 32, "1 to 32 vectors per thread");
+  static constexpr int kResThreads = kResThreads_;
+  static constexpr int kResVecs = kResVecs_;
+  static constexpr bool kResLoss = kResLoss_;
+  static_assert(kResMinBlocks_ >= 1 && kResMinBlocks_ <= 32, "1 to 32 blocks per SM");
+  static constexpr int kResMinBlocks = kResMinBlocks_;
 };
 using CrossEntropyDefaultPolicy = CrossEntropyPolicy<>;
 
@@ -1198,6 +1218,155 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_pipe_kernel(const CeParam
 #endif
 }
 
+// The resident kernel (policy kResThreads > 0; the common case only: ce_plain, 16-byte vectors,
+// sm_90+): one row per cluster of csize blocks and one slice per block, no block walks rows. Each
+// thread loads its kVecs vectors of the slice at once and keeps them in registers, so the logits
+// are read from DRAM once and no second pass reads them again; the gradient is written from the
+// registers. A block's statistics (max, sum of exp relative to it, and the target's logit where
+// the block holds the target) go to every block of the cluster through distributed shared
+// memory, one 16-byte message per block, each announced on the receiver's barrier; every block
+// merges the messages in rank order, so all hold the same totals (deterministic). The hardware
+// keeps as many blocks per SM as registers allow, each its own row slice in its own phase, so the
+// memory pipe stays busy while a block waits for its cluster's messages.
+inline constexpr int kCeResMaxCluster = 16;
+template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks>
+TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(const CeParams<T, I> params, std::int64_t row0,
+                                                                  int slice) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kWarps = kThreads / 32;
+  __shared__ std::uint64_t bar;
+  __shared__ float4 slots[kCeResMaxCluster];
+  __shared__ float3 part[kWarps];
+  const unsigned csize = cluster_blocks();
+  const unsigned rank = cluster_rank();
+  if (threadIdx.x == 0) mbarrier_init_count(&bar, csize);
+  cluster_arrive();  // this block's barrier is ready for the cluster's messages
+  detail::grid_dependency_sync();
+  const CeParams<T, I> p = ce_specialise<true>(params);
+  const std::int64_t row = row0 + blockIdx.x / csize;
+  const int nvec = static_cast<int>(p.vocab / kV);
+  const int v0 = min(static_cast<int>(rank) * slice, nvec);
+  const int v1 = min(v0 + slice, nvec);
+  const int tid = static_cast<int>(threadIdx.x);
+  const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
+  const T* xr = p.x + row * p.xs;
+  AlignedVec<T, kV> raw[kVecs];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int i = v0 + tid + j * kThreads;
+    if (i < v1) raw[j] = load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop);
+  }
+  const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
+  const std::int64_t t = t_raw - p.col0;
+  const bool ignored = t_raw == p.ignore_index;
+  const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
+  // The thread holding the target's vector (jt: which of its vectors; kt: the column in it).
+  int jt = -1, kt = 0;
+  if (t >= 0 && t < p.vocab) {
+    const int tv = static_cast<int>(t / kV);
+    const int d = tv - v0 - tid;
+    if (tv < v1 && d >= 0 && d % kThreads == 0 && d / kThreads < kVecs) {
+      jt = d / kThreads;
+      kt = static_cast<int>(t % kV);
+    }
+  }
+  // This thread's max, then its sum of exp relative to it, and the target's logit where it holds it.
+  float m = -__builtin_huge_valf(), s = 0.0f, xt = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (v0 + tid + j * kThreads < v1) {
+      float x[kV];
+      to_floats(raw[j], x);
+#pragma unroll
+      for (int k = 0; k < kV; ++k) m = fmaxf(m, x[k]);
+      if (j == jt) {
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          if (k == kt) xt = x[k];
+        }
+      }
+    }
+  }
+  const float mb = m * kLog2e;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (v0 + tid + j * kThreads < v1) {
+      float x[kV];
+      to_floats(raw[j], x);
+#pragma unroll
+      for (int k = 0; k < kV; ++k) s += exp2_ftz(fmaf(x[k], kLog2e, -mb));
+    }
+  }
+  // (m, s) pairs merge as max and rescaled sums; the target's logit sums (one holder per row).
+  auto merge = [](float& ma, float& sa, float mb2, float sb) {
+    const float mm = fmaxf(ma, mb2);
+    if (mm == -__builtin_huge_valf()) return;
+    sa = sa * exp2_ftz((ma - mm) * kLog2e) + sb * exp2_ftz((mb2 - mm) * kLog2e);
+    ma = mm;
+  };
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+    const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+    xt += __shfl_xor_sync(0xffffffffu, xt, off);
+    merge(m, s, m2, s2);
+  }
+  if ((tid & 31) == 0) part[tid >> 5] = make_float3(m, s, xt);
+  cluster_wait();  // every block's barrier is ready (pairs cluster_arrive above; a block barrier too)
+  if (tid == 0) {
+    float bm = part[0].x, bs = part[0].y, bx = part[0].z;
+    for (int w = 1; w < kWarps; ++w) {
+      merge(bm, bs, part[w].x, part[w].y);
+      bx += part[w].z;
+    }
+    for (unsigned r = 0; r < csize; ++r) {
+      cluster_send_f4(cluster_smem_addr(&slots[rank], r), cluster_smem_addr(&bar, r), bm, bs, bx, 0.0f);
+    }
+  }
+  mbarrier_wait_cluster(&bar, 0);  // every block's message has arrived
+  float tm = slots[0].x, ts = slots[0].y, tx = slots[0].z;
+  for (unsigned r = 1; r < csize; ++r) {
+    merge(tm, ts, slots[r].x, slots[r].y);
+    tx += slots[r].z;
+  }
+  const float lse = tm + logf(ts);
+  const bool skip = ignored || bad;
+  CeAcc total{tm, ts, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+  const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, tx, t_raw, skip);
+  if (rank == 0 && tid == 0) ce_write_row(p, row, terms, total, ignored, bad);
+  if (p.dx == nullptr) return;
+  const float scale = ce_grad_scale(p, row, skip);
+  const float factor = scale == 0.0f ? 0.0f : scale * (terms.w_t + 2.0f * p.z * lse);
+  const float neg_lse2 = -lse * kLog2e;
+  T* dr = p.dx + row * p.dxs;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int i = v0 + tid + j * kThreads;
+    if (i < v1) {
+      float x[kV];
+      to_floats(raw[j], x);
+      if (factor == 0.0f) {
+#pragma unroll
+        for (int k = 0; k < kV; ++k) x[k] = 0.0f;
+      } else {
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          const float pr = exp2_ftz(fmaf(x[k], kLog2e, neg_lse2));
+          // The target's gradient formed in fp32 from p - 1, as the row kernel forms it.
+          x[k] = (j == jt && k == kt) ? ce_math::grad(pr, true, 1.0f, terms, 0.0f, p.z, p.total_vocab) * scale
+                                      : pr * factor;
+        }
+      }
+      store_vec_policy(dr + static_cast<std::int64_t>(i) * kV, from_floats<T>(x), drop);
+    }
+  }
+#else
+  (void)params;
+  (void)row0;
+  (void)slice;
+#endif
+}
+
 // The mean's denominator: sum over non-ignored rows of w_t (1 without weights). One block, fixed
 // order. Also clears nothing else: the reduce kernel overwrites its outputs.
 template <class I>
@@ -1401,6 +1570,40 @@ Status launch_ce_split(const CeParams<T, I>& p, int blocks, int per_sm, cudaStre
                                   launched, p, slice);
 }
 
+// The resident kernel, when the row fits kCeResMaxCluster blocks and such a cluster fits the
+// device; `launched` false (nothing launched) otherwise.
+template <class T, class I, int kThreads, int kVecs, int kMinBlocks>
+Status launch_ce_resident(const CeParams<T, I>& p, cudaStream_t stream, const char* op, bool& launched) {
+  constexpr int kV = kVecElems<T>;
+  launched = false;
+  const std::int64_t nvec = p.vocab / kV;
+  const std::int64_t csize = ceil_div<std::int64_t>(nvec, static_cast<std::int64_t>(kThreads) * kVecs);
+  if (csize > kCeResMaxCluster) return Status();
+  const auto slice = static_cast<int>(ceil_div<std::int64_t>(nvec, csize));
+  constexpr auto kernel = ce_resident_kernel<T, I, kV, kThreads, kVecs, kMinBlocks>;
+  if (csize > 8) {  // beyond the portable cluster size
+    TIGON_CHECK(Status::from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+                                  op, "cudaFuncSetAttribute"));
+  }
+  const auto c = static_cast<unsigned>(csize);
+  LaunchShape one{dim3(c), dim3(kThreads), 0, stream, c};
+  cudaLaunchAttribute attrs[kMaxLaunchAttrs];
+  const cudaLaunchConfig_t query = launch_config(one, false, attrs);
+  int resident = 0;
+  TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kernel, &query), op,
+                                "cudaOccupancyMaxActiveClusters"));
+  if (resident < 1) return Status();
+  // One cluster per row; grids over 2^31 - 1 blocks go in several launches.
+  const std::int64_t max_rows = (std::int64_t{1} << 31) / csize - 1;
+  for (std::int64_t r0 = 0; r0 < p.rows; r0 += max_rows) {
+    const std::int64_t n = std::min(max_rows, p.rows - r0);
+    one.grid = dim3(static_cast<unsigned>(n * csize));
+    TIGON_CHECK(launch(op, kernel, one, p, r0, slice));
+  }
+  launched = true;
+  return Status();
+}
+
 // The row kernel in kThreads-thread blocks, on 16-byte vectors when the call allows them (vec).
 template <class T, class I, int kThreads, class P>
 Status launch_ce_rows_sized(const CeParams<T, I>& p, bool vec, cudaStream_t stream, const char* op) {
@@ -1412,6 +1615,17 @@ template <class P = CrossEntropyDefaultPolicy, class T, class I>
 Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   constexpr int kV = kVecElems<T>;
   const bool vec = ce_vectorizable(p);
+  if constexpr (P::kResThreads > 0 && kV > 1) {
+    if (vec && p.vocab > 16384 && (p.dx != nullptr || P::kResLoss) && ce_plain(p)) {
+      DeviceInfo dev;
+      TIGON_CHECK(current_device_info(dev));
+      if (dev.cc_major >= 9) {
+        bool launched = false;
+        TIGON_CHECK((launch_ce_resident<T, I, P::kResThreads, P::kResVecs, P::kResMinBlocks>(p, stream, op, launched)));
+        if (launched) return Status();
+      }
+    }
+  }
   if constexpr (P::kSplitRows && kV > 1) {
     DeviceInfo dev;
     TIGON_CHECK(current_device_info(dev));

@@ -115,13 +115,6 @@ TIGON_DEVICE void cluster_wait() { TIGON_SM90_ASM("barrier.cluster.wait.acquire.
 
 // ---- Messages between the blocks of a cluster (sm_90+) ----
 
-// One thread initialises a barrier whose phase completes after `count` arrivals (from any block
-// of the cluster: cluster_arrive/cluster_wait must separate this from the first remote arrival).
-TIGON_DEVICE void mbarrier_init_count(std::uint64_t* bar, unsigned count) {
-  TIGON_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-  TIGON_SM90_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
 // The address of `p` (this block's shared memory) in block `rank` of the cluster.
 TIGON_DEVICE unsigned cluster_smem_addr(const void* p, unsigned rank) {
   unsigned r = 0;
@@ -129,17 +122,19 @@ TIGON_DEVICE unsigned cluster_smem_addr(const void* p, unsigned rank) {
   return r;
 }
 
-// Send 16 bytes to `slot` and then arrive on `bar`, both in another block's shared memory
-// (addresses from cluster_smem_addr): the arrival releases the store to the thread that waits on
-// the barrier there (mbarrier_wait_cluster).
-TIGON_DEVICE void cluster_send_f4(unsigned slot, unsigned bar, float a, float b, float c, float d) {
-  TIGON_SM90_ASM("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "f"(a), "f"(b), "f"(c), "f"(d)
-                 : "memory");
-  TIGON_SM90_ASM("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+// Store 16 bytes into another block's shared memory (`slot`, from cluster_smem_addr) without
+// waiting for it: the store counts its bytes on that block's barrier (`bar`, likewise), whose
+// phase the receiver armed with mbarrier_arrive_expect_tx for every byte it awaits, and whose
+// completion makes the bytes visible to the threads that wait on it (mbarrier_wait_cluster).
+TIGON_DEVICE void cluster_store_async_f4(unsigned slot, unsigned bar, float a, float b, float c, float d) {
+  TIGON_SM90_ASM(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(slot),
+      "f"(a), "f"(b), "f"(c), "f"(d), "r"(bar)
+      : "memory");
 }
 
-// Wait until the phase of this block's barrier with this parity has completed, acquiring what the
-// arriving threads of the cluster released.
+// Wait until the phase of this block's barrier with this parity has completed, acquiring at
+// cluster scope (what other blocks of the cluster wrote into this block's shared memory).
 TIGON_DEVICE void mbarrier_wait_cluster(std::uint64_t* bar, unsigned parity) {
   const unsigned b = smem_u32(bar);
   unsigned done = 0;

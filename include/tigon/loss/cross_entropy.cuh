@@ -1224,7 +1224,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_pipe_kernel(const CeParam
 // are read from DRAM once and no second pass reads them again; the gradient is written from the
 // registers. A block's statistics (max, sum of exp relative to it, and the target's logit where
 // the block holds the target) go to every block of the cluster through distributed shared
-// memory, one 16-byte message per block, each announced on the receiver's barrier; every block
+// memory, one 16-byte asynchronous store per block, counted on the receiver's barrier; every block
 // merges the messages in rank order, so all hold the same totals (deterministic). The hardware
 // keeps as many blocks per SM as registers allow, each its own row slice in its own phase, so the
 // memory pipe stays busy while a block waits for its cluster's messages.
@@ -1239,7 +1239,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   __shared__ float3 part[kWarps];
   const unsigned csize = cluster_blocks();
   const unsigned rank = cluster_rank();
-  if (threadIdx.x == 0) mbarrier_init_count(&bar, csize);
+  if (threadIdx.x == 0) {  // one arrival (here) and the bytes of csize messages complete the phase
+    mbarrier_init(&bar);
+    mbarrier_arrive_expect_tx(&bar, csize * static_cast<unsigned>(sizeof(float4)));
+  }
   cluster_arrive();  // this block's barrier is ready for the cluster's messages
   detail::grid_dependency_sync();
   const CeParams<T, I> p = ce_specialise<true>(params);
@@ -1312,7 +1315,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
     merge(m, s, m2, s2);
   }
   if ((tid & 31) == 0) part[tid >> 5] = make_float3(m, s, xt);
-  cluster_wait();  // every block's barrier is ready (pairs cluster_arrive above; a block barrier too)
+  __syncthreads();
+  cluster_wait();  // every block's barrier is ready (pairs cluster_arrive above)
   if (tid == 0) {
     float bm = part[0].x, bs = part[0].y, bx = part[0].z;
     for (int w = 1; w < kWarps; ++w) {
@@ -1320,7 +1324,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
       bx += part[w].z;
     }
     for (unsigned r = 0; r < csize; ++r) {
-      cluster_send_f4(cluster_smem_addr(&slots[rank], r), cluster_smem_addr(&bar, r), bm, bs, bx, 0.0f);
+      cluster_store_async_f4(cluster_smem_addr(&slots[rank], r), cluster_smem_addr(&bar, r), bm, bs, bx, 0.0f);
     }
   }
   mbarrier_wait_cluster(&bar, 0);  // every block's message has arrived

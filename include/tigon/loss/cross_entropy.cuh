@@ -1229,14 +1229,51 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_pipe_kernel(const CeParam
 // keeps as many blocks per SM as registers allow, each its own row slice in its own phase, so the
 // memory pipe stays busy while a block waits for its cluster's messages.
 inline constexpr int kCeResMaxCluster = 16;
+// The largest element of a vector, running across calls: bfloat16 and half pairs compared two at a
+// time (packed), the pair folded once at the end (ce_packed_max_value).
+template <class T>
+struct CePackedMax {
+  static constexpr bool kPacked = std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>;
+  using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  Pair pair;
+  float scalar;
+  TIGON_DEVICE CePackedMax() {
+    if constexpr (kPacked) {
+      const T lo = from_float<T>(-__builtin_huge_valf());
+      pair = Pair(lo, lo);
+    }
+    scalar = -__builtin_huge_valf();
+  }
+  template <int kV>
+  TIGON_DEVICE void add(const AlignedVec<T, kV>& v) {
+    if constexpr (kPacked && kV % 2 == 0) {
+#pragma unroll
+      for (int k = 0; k < kV; k += 2) {
+        Pair q;
+        __builtin_memcpy(&q, &v.v[k], sizeof(q));
+        pair = __hmax2(pair, q);
+      }
+    } else {
+      float x[kV];
+      to_floats(v, x);
+#pragma unroll
+      for (int k = 0; k < kV; ++k) scalar = fmaxf(scalar, x[k]);
+    }
+  }
+  TIGON_DEVICE float value() const {
+    if constexpr (kPacked) return fmaxf(scalar, fmaxf(to_float(pair.x), to_float(pair.y)));
+    return scalar;
+  }
+};
+
 template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks>
-TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(const CeParams<T, I> params, std::int64_t row0,
-                                                                  int slice) {
+TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(const CeParams<T, I> params,
+                                                                              std::int64_t row0, int slice) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kWarps = kThreads / 32;
   __shared__ std::uint64_t bar;
   __shared__ float4 slots[kCeResMaxCluster];
-  __shared__ float3 part[kWarps];
+  __shared__ float2 part[kWarps];
   const unsigned csize = cluster_blocks();
   const unsigned rank = cluster_rank();
   if (threadIdx.x == 0) {  // one arrival (here) and the bytes of csize messages complete the phase
@@ -1249,58 +1286,41 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   const std::int64_t row = row0 + blockIdx.x / csize;
   const int nvec = static_cast<int>(p.vocab / kV);
   const int v0 = min(static_cast<int>(rank) * slice, nvec);
-  const int v1 = min(v0 + slice, nvec);
   const int tid = static_cast<int>(threadIdx.x);
+  const int first = v0 + tid;                          // this thread's first vector
+  const int mine = min(v0 + slice, nvec) - first;      // vector j is this thread's when j * kThreads < mine
   const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
-  const T* xr = p.x + row * p.xs;
+  const T* xv = p.x + row * p.xs + static_cast<std::int64_t>(first) * kV;
   AlignedVec<T, kV> raw[kVecs];
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
-    const int i = v0 + tid + j * kThreads;
-    if (i < v1) raw[j] = load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop);
+    if (j * kThreads < mine) raw[j] = load_vec_policy<kV>(xv + j * kThreads * kV, drop);
   }
   const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
   const std::int64_t t = t_raw - p.col0;
-  const bool ignored = t_raw == p.ignore_index;
-  const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
-  // The thread holding the target's vector (jt: which of its vectors; kt: the column in it).
-  int jt = -1, kt = 0;
-  if (t >= 0 && t < p.vocab) {
-    const int tv = static_cast<int>(t / kV);
-    const int d = tv - v0 - tid;
-    if (tv < v1 && d >= 0 && d % kThreads == 0 && d / kThreads < kVecs) {
-      jt = d / kThreads;
-      kt = static_cast<int>(t % kV);
-    }
-  }
-  // This thread's max, then its sum of exp relative to it, and the target's logit where it holds it.
-  float m = -__builtin_huge_valf(), s = 0.0f, xt = 0.0f;
+  const bool in_row = t >= 0 && t < p.vocab;
+  // The target's logit, read by one thread of the first block before its message leaves, so
+  // before any block of the cluster (all wait for that message) writes its gradient over it.
+  float xt = 0.0f;
+  if (rank == 0 && tid == 0 && in_row) xt = to_float(p.x[row * p.xs + t]);
+  // This thread's max, then its sum of exp relative to it.
+  CePackedMax<T> mx;
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
-    if (v0 + tid + j * kThreads < v1) {
-      float x[kV];
-      to_floats(raw[j], x);
-#pragma unroll
-      for (int k = 0; k < kV; ++k) m = fmaxf(m, x[k]);
-      if (j == jt) {
-#pragma unroll
-        for (int k = 0; k < kV; ++k) {
-          if (k == kt) xt = x[k];
-        }
-      }
-    }
+    if (j * kThreads < mine) mx.add(raw[j]);
   }
+  float m = mx.value(), s = 0.0f;
   const float mb = m * kLog2e;
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
-    if (v0 + tid + j * kThreads < v1) {
+    if (j * kThreads < mine) {
       float x[kV];
       to_floats(raw[j], x);
 #pragma unroll
       for (int k = 0; k < kV; ++k) s += exp2_ftz(fmaf(x[k], kLog2e, -mb));
     }
   }
-  // (m, s) pairs merge as max and rescaled sums; the target's logit sums (one holder per row).
+  // (m, s) pairs merge as max and rescaled sums.
   auto merge = [](float& ma, float& sa, float mb2, float sb) {
     const float mm = fmaxf(ma, mb2);
     if (mm == -__builtin_huge_valf()) return;
@@ -1311,57 +1331,51 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   for (int off = 16; off > 0; off >>= 1) {
     const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
     const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-    xt += __shfl_xor_sync(0xffffffffu, xt, off);
     merge(m, s, m2, s2);
   }
-  if ((tid & 31) == 0) part[tid >> 5] = make_float3(m, s, xt);
+  if ((tid & 31) == 0) part[tid >> 5] = make_float2(m, s);
   __syncthreads();
   cluster_wait();  // every block's barrier is ready (pairs cluster_arrive above)
   if (tid == 0) {
-    float bm = part[0].x, bs = part[0].y, bx = part[0].z;
-    for (int w = 1; w < kWarps; ++w) {
-      merge(bm, bs, part[w].x, part[w].y);
-      bx += part[w].z;
-    }
+    float bm = part[0].x, bs = part[0].y;
+    for (int w = 1; w < kWarps; ++w) merge(bm, bs, part[w].x, part[w].y);
     for (unsigned r = 0; r < csize; ++r) {
-      cluster_store_async_f4(cluster_smem_addr(&slots[rank], r), cluster_smem_addr(&bar, r), bm, bs, bx, 0.0f);
+      cluster_store_async_f4(cluster_smem_addr(&slots[rank], r), cluster_smem_addr(&bar, r), bm, bs, xt, 0.0f);
     }
   }
   mbarrier_wait_cluster(&bar, 0);  // every block's message has arrived
-  float tm = slots[0].x, ts = slots[0].y, tx = slots[0].z;
-  for (unsigned r = 1; r < csize; ++r) {
-    merge(tm, ts, slots[r].x, slots[r].y);
-    tx += slots[r].z;
-  }
+  float tm = slots[0].x, ts = slots[0].y;
+  const float tx = slots[0].z;
+  for (unsigned r = 1; r < csize; ++r) merge(tm, ts, slots[r].x, slots[r].y);
   const float lse = tm + logf(ts);
+  const bool ignored = t_raw == p.ignore_index;
+  const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
   const bool skip = ignored || bad;
-  CeAcc total{tm, ts, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+  const CeAcc total{tm, ts, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
   const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, tx, t_raw, skip);
   if (rank == 0 && tid == 0) ce_write_row(p, row, terms, total, ignored, bad);
   if (p.dx == nullptr) return;
   const float scale = ce_grad_scale(p, row, skip);
   const float factor = scale == 0.0f ? 0.0f : scale * (terms.w_t + 2.0f * p.z * lse);
   const float neg_lse2 = -lse * kLog2e;
-  T* dr = p.dx + row * p.dxs;
+  T* dv = p.dx + row * p.dxs + static_cast<std::int64_t>(first) * kV;
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
-    const int i = v0 + tid + j * kThreads;
-    if (i < v1) {
+    if (j * kThreads < mine) {
       float x[kV];
       to_floats(raw[j], x);
-      if (factor == 0.0f) {
 #pragma unroll
-        for (int k = 0; k < kV; ++k) x[k] = 0.0f;
-      } else {
-#pragma unroll
-        for (int k = 0; k < kV; ++k) {
-          const float pr = exp2_ftz(fmaf(x[k], kLog2e, neg_lse2));
-          // The target's gradient formed in fp32 from p - 1, as the row kernel forms it.
-          x[k] = (j == jt && k == kt) ? ce_math::grad(pr, true, 1.0f, terms, 0.0f, p.z, p.total_vocab) * scale
-                                      : pr * factor;
-        }
-      }
-      store_vec_policy(dr + static_cast<std::int64_t>(i) * kV, from_floats<T>(x), drop);
+      for (int k = 0; k < kV; ++k) x[k] = exp2_ftz(fmaf(x[k], kLog2e, neg_lse2)) * factor;
+      store_vec_policy(dv + j * kThreads * kV, from_floats<T>(x), drop);
+    }
+  }
+  // The target's gradient, formed in fp32 from p - 1 as the row kernel forms it, over the value
+  // just stored by the thread that stored its vector.
+  if (in_row && scale != 0.0f) {
+    const int d = static_cast<int>(t / kV) - first;
+    if (d >= 0 && d % kThreads == 0 && d / kThreads < kVecs && d < mine) {
+      const float pr = exp2_ftz(fmaf(tx, kLog2e, neg_lse2));
+      p.dx[row * p.dxs + t] = from_float<T>(ce_math::grad(pr, true, 1.0f, terms, 0.0f, p.z, p.total_vocab) * scale);
     }
   }
 #else

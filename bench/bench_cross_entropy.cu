@@ -103,16 +103,15 @@ CE_VARIANT(split8_b512_s1, Split<8, 512, 1>)
 
 // The resident kernel (one row per cluster, each thread's vectors of the row held in registers):
 // Res<block size, 16-byte vectors per thread, blocks per SM its registers must allow>; blocks per
-// row at 128256 columns: 8 (256 x 8, 128 x 16, 512 x 4) or 16 (128 x 8).
+// row at 128256 columns: 8 (256 x 8), 11 (192 x 8) or 16 (128 x 8).
 template <int kThreads, int kVecs, int kMinBlocks>
 using Res = CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 0, 256, 100, false, kThreads, kVecs, true,
                                kMinBlocks>;
 CE_VARIANT(res_b256_v8_m1, Res<256, 8, 1>)
 CE_VARIANT(res_b256_v8_m4, Res<256, 8, 4>)
-CE_VARIANT(res_b128_v16_m1, Res<128, 16, 1>)
+CE_VARIANT(res_b256_v8_m5, Res<256, 8, 5>)
+CE_VARIANT(res_b192_v8_m5, Res<192, 8, 5>)
 CE_VARIANT(res_b128_v8_m8, Res<128, 8, 8>)
-CE_VARIANT(res_b512_v4_m2, Res<512, 4, 2>)
-CE_VARIANT(res_b256_v16_m1, Res<256, 16, 1>)
 
 // Loss + gradient only, at the given shapes (SHAPES or ONE_SHAPE).
 #define CE_GRAD_ROW(label, shapes, ...)                                                          \
@@ -129,9 +128,8 @@ CE_GRAD_ROW(rows_b256_u4_all, SHAPES, Rows<256, 4, 0>)
   BENCHMARK(BM_loss_##label) shapes->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 CE_LOSS_ROW(rowkernel_all, SHAPES, CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 0>)
 // The resident kernel at every shape (262144 columns: 16 blocks per row with 256 x 8).
-CE_GRAD_ROW(res_b256_v8_all, SHAPES, Res<256, 8, 1>)
-CE_LOSS_ROW(res_b256_v8_all, SHAPES, Res<256, 8, 1>)
-CE_GRAD_ROW(res_b128_v16_all, SHAPES, Res<128, 16, 1>)
+CE_GRAD_ROW(res_b256_v8_m4_all, SHAPES, Res<256, 8, 4>)
+CE_LOSS_ROW(res_b256_v8_m4_all, SHAPES, Res<256, 8, 4>)
 // The segmented kernel (opt-in; docs/cross_entropy.md): 8192 columns per segment, 256 threads,
 // window 100% of the blocks in flight, with and without a gradient; then segment length, block
 // size and window around it, with a gradient.

@@ -111,6 +111,10 @@ TIGON_DEVICE void mbarrier_wait(std::uint64_t* bar, unsigned parity) {
 // times (a warp's threads together: .aligned). arrive releases this thread's earlier memory
 // accesses (distributed shared memory included) to the threads that wait, and wait acquires them.
 TIGON_DEVICE void cluster_arrive() { TIGON_SM90_ASM("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+// An arrival that releases nothing (after mbarrier_init, whose fence releases the initialisation).
+TIGON_DEVICE void cluster_arrive_relaxed() {
+  TIGON_SM90_ASM("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
 TIGON_DEVICE void cluster_wait() { TIGON_SM90_ASM("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 
 // ---- Messages between the blocks of a cluster (sm_90+) ----

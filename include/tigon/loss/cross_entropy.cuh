@@ -1274,13 +1274,11 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   __shared__ std::uint64_t bar;
   __shared__ float4 slots[kCeResMaxCluster];
   __shared__ float2 part[kWarps];
+  __shared__ float row_lse, row_xt;
   const unsigned csize = cluster_blocks();
   const unsigned rank = cluster_rank();
-  if (threadIdx.x == 0) {  // one arrival (here) and the bytes of csize messages complete the phase
-    mbarrier_init(&bar);
-    mbarrier_arrive_expect_tx(&bar, csize * static_cast<unsigned>(sizeof(float4)));
-  }
-  cluster_arrive();  // this block's barrier is ready for the cluster's messages
+  if (threadIdx.x == 0) mbarrier_init(&bar);  // completes after one arrival and the messages' bytes
+  cluster_arrive_relaxed();  // this block's barrier is ready for the cluster's messages (the init's fence releases it)
   detail::grid_dependency_sync();
   const CeParams<T, I> p = ce_specialise<true>(params);
   const std::int64_t row = row0 + blockIdx.x / csize;
@@ -1303,14 +1301,18 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   // before any block of the cluster (all wait for that message) writes its gradient over it.
   float xt = 0.0f;
   if (rank == 0 && tid == 0 && in_row) xt = to_float(p.x[row * p.xs + t]);
-  // This thread's max, then its sum of exp relative to it.
+  // The warp's max, then this thread's sum of exp relative to it, summed over the warp.
   CePackedMax<T> mx;
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     if (j * kThreads < mine) mx.add(raw[j]);
   }
-  float m = mx.value(), s = 0.0f;
-  const float mb = m * kLog2e;
+  float m = mx.value();
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  // A warp whose elements are all -inf (or that has none) sums nothing: its m stays -inf.
+  const float mb = m == -__builtin_huge_valf() ? 0.0f : m * kLog2e;
+  float s = 0.0f;
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     if (j * kThreads < mine) {
@@ -1320,6 +1322,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
       for (int k = 0; k < kV; ++k) s += exp2_ftz(fmaf(x[k], kLog2e, -mb));
     }
   }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
   // (m, s) pairs merge as max and rescaled sums.
   auto merge = [](float& ma, float& sa, float mb2, float sb) {
     const float mm = fmaxf(ma, mb2);
@@ -1327,46 +1331,62 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
     sa = sa * exp2_ftz((ma - mm) * kLog2e) + sb * exp2_ftz((mb2 - mm) * kLog2e);
     ma = mm;
   };
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-    const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-    merge(m, s, m2, s2);
-  }
   if ((tid & 31) == 0) part[tid >> 5] = make_float2(m, s);
   __syncthreads();
-  cluster_wait();  // every block's barrier is ready (pairs cluster_arrive above)
+  cluster_wait();  // every block's barrier is ready (pairs cluster_arrive_relaxed above)
   if (tid == 0) {
     float bm = part[0].x, bs = part[0].y;
     for (int w = 1; w < kWarps; ++w) merge(bm, bs, part[w].x, part[w].y);
+    // The one arrival, announcing the messages' bytes (some may have landed already).
+    mbarrier_arrive_expect_tx(&bar, csize * static_cast<unsigned>(sizeof(float4)));
     for (unsigned r = 0; r < csize; ++r) {
       cluster_store_async_f4(cluster_smem_addr(&slots[rank], r), cluster_smem_addr(&bar, r), bm, bs, xt, 0.0f);
     }
+    mbarrier_wait_cluster(&bar, 0);  // every block's message has arrived
+    float tm = slots[0].x, ts = slots[0].y;
+    for (unsigned r = 1; r < csize; ++r) merge(tm, ts, slots[r].x, slots[r].y);
+    row_lse = tm + logf(ts);
+    row_xt = slots[0].z;
+    if (rank == 0) {
+      const bool ignored = t_raw == p.ignore_index;
+      const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
+      const CeAcc total{tm, ts, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+      ce_write_row(p, row, ce_row_terms(p, row, total, row_lse, row_xt, t_raw, ignored || bad), total, ignored, bad);
+    }
   }
-  mbarrier_wait_cluster(&bar, 0);  // every block's message has arrived
-  float tm = slots[0].x, ts = slots[0].y;
-  const float tx = slots[0].z;
-  for (unsigned r = 1; r < csize; ++r) merge(tm, ts, slots[r].x, slots[r].y);
-  const float lse = tm + logf(ts);
-  const bool ignored = t_raw == p.ignore_index;
-  const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
-  const bool skip = ignored || bad;
-  const CeAcc total{tm, ts, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
-  const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, tx, t_raw, skip);
-  if (rank == 0 && tid == 0) ce_write_row(p, row, terms, total, ignored, bad);
   if (p.dx == nullptr) return;
+  __syncthreads();
+  const float lse = row_lse;
+  const bool ignored = t_raw == p.ignore_index;
+  const bool skip = ignored || t_raw < 0 || t_raw >= p.total_vocab;
   const float scale = ce_grad_scale(p, row, skip);
-  const float factor = scale == 0.0f ? 0.0f : scale * (terms.w_t + 2.0f * p.z * lse);
+  // d loss / d x_i = p_i * factor off the target, factor = scale (1 + 2 z lse); for factor > 0
+  // its log2 joins the exponent: p_i * factor = 2^(x_i log2(e) + log2(factor) - lse log2(e)).
+  const float factor = scale == 0.0f ? 0.0f : scale * (1.0f + 2.0f * p.z * lse);
   const float neg_lse2 = -lse * kLog2e;
   T* dv = p.dx + row * p.dxs + static_cast<std::int64_t>(first) * kV;
+  if (factor > 0.0f) {
+    const float bias = neg_lse2 + __log2f(factor);
 #pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    if (j * kThreads < mine) {
-      float x[kV];
-      to_floats(raw[j], x);
+    for (int j = 0; j < kVecs; ++j) {
+      if (j * kThreads < mine) {
+        float x[kV];
+        to_floats(raw[j], x);
 #pragma unroll
-      for (int k = 0; k < kV; ++k) x[k] = exp2_ftz(fmaf(x[k], kLog2e, neg_lse2)) * factor;
-      store_vec_policy(dv + j * kThreads * kV, from_floats<T>(x), drop);
+        for (int k = 0; k < kV; ++k) x[k] = exp2_ftz(fmaf(x[k], kLog2e, bias));
+        store_vec_policy(dv + j * kThreads * kV, from_floats<T>(x), drop);
+      }
+    }
+  } else {  // a negative upstream gradient, or none (zeros)
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (j * kThreads < mine) {
+        float x[kV];
+        to_floats(raw[j], x);
+#pragma unroll
+        for (int k = 0; k < kV; ++k) x[k] = factor == 0.0f ? 0.0f : exp2_ftz(fmaf(x[k], kLog2e, neg_lse2)) * factor;
+        store_vec_policy(dv + j * kThreads * kV, from_floats<T>(x), drop);
+      }
     }
   }
   // The target's gradient, formed in fp32 from p - 1 as the row kernel forms it, over the value
@@ -1374,7 +1394,11 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   if (in_row && scale != 0.0f) {
     const int d = static_cast<int>(t / kV) - first;
     if (d >= 0 && d % kThreads == 0 && d / kThreads < kVecs && d < mine) {
-      const float pr = exp2_ftz(fmaf(tx, kLog2e, neg_lse2));
+      ce_math::RowTerms terms{};
+      terms.w_t = 1.0f;
+      terms.lse = lse;
+      terms.x_t = row_xt;
+      const float pr = exp2_ftz(fmaf(row_xt, kLog2e, neg_lse2));
       p.dx[row * p.dxs + t] = from_float<T>(ce_math::grad(pr, true, 1.0f, terms, 0.0f, p.z, p.total_vocab) * scale);
     }
   }

@@ -104,14 +104,20 @@ CE_VARIANT(split8_b512_s1, Split<8, 512, 1>)
 // The resident kernel (one row per cluster, each thread's vectors of the row held in registers):
 // Res<block size, 16-byte vectors per thread, blocks per SM its registers must allow>; blocks per
 // row at 128256 columns: 8 (256 x 8), 11 (192 x 8) or 16 (128 x 8).
-template <int kThreads, int kVecs, int kMinBlocks>
+template <int kThreads, int kVecs, int kMinBlocks, int kAhead = 0>
 using Res = CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 0, 256, 100, false, kThreads, kVecs, true,
-                               kMinBlocks>;
+                               kMinBlocks, kAhead>;
 CE_VARIANT(res_b256_v8_m1, Res<256, 8, 1>)
 CE_VARIANT(res_b256_v8_m4, Res<256, 8, 4>)
 CE_VARIANT(res_b256_v8_m5, Res<256, 8, 5>)
 CE_VARIANT(res_b192_v8_m5, Res<192, 8, 5>)
 CE_VARIANT(res_b128_v8_m8, Res<128, 8, 8>)
+// with each block's slice of the row kResAhead rows on asked of the L2 (a bulk prefetch)
+CE_VARIANT(res_b256_v8_m4_a16, Res<256, 8, 4, 16>)
+CE_VARIANT(res_b256_v8_m4_a32, Res<256, 8, 4, 32>)
+CE_VARIANT(res_b256_v8_m4_a64, Res<256, 8, 4, 64>)
+CE_VARIANT(res_b256_v8_m4_a128, Res<256, 8, 4, 128>)
+CE_VARIANT(res_b128_v8_m8_a32, Res<128, 8, 8, 32>)
 
 // Loss + gradient only, at the given shapes (SHAPES or ONE_SHAPE).
 #define CE_GRAD_ROW(label, shapes, ...)                                                          \
@@ -130,6 +136,8 @@ CE_LOSS_ROW(rowkernel_all, SHAPES, CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36
 // The resident kernel at every shape (262144 columns: 16 blocks per row with 256 x 8).
 CE_GRAD_ROW(res_b256_v8_m4_all, SHAPES, Res<256, 8, 4>)
 CE_LOSS_ROW(res_b256_v8_m4_all, SHAPES, Res<256, 8, 4>)
+CE_GRAD_ROW(res_b256_v8_m4_a32_all, SHAPES, Res<256, 8, 4, 32>)
+CE_LOSS_ROW(res_b256_v8_m4_a32_all, SHAPES, Res<256, 8, 4, 32>)
 // The segmented kernel (opt-in; docs/cross_entropy.md): 8192 columns per segment, 256 threads,
 // window 100% of the blocks in flight, with and without a gradient; then segment length, block
 // size and window around it, with a gradient.

@@ -44,6 +44,18 @@ TIGON_DEVICE void prefetch_l2_line_of(const void* p, int bytes) {
 #endif
 }
 
+// Ask the L2 for `bytes` (a multiple of 16, from a 16-byte aligned address) of global memory with
+// the bulk-copy engine (sm_90+; a hint like prefetch_l2_line_of: it returns nothing and orders
+// nothing, and one instruction covers a whole range).
+TIGON_DEVICE void prefetch_l2_bulk(const void* p, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 // Close the group of copies issued since the last commit.
 TIGON_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 

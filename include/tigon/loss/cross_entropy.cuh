@@ -294,7 +294,10 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //   kResVecs:       the resident kernel's 16-byte vectors per thread;
 //   kResLoss:       whether the loss alone (no gradient) takes the resident kernel too;
 //   kResMinBlocks:  the resident kernel's blocks per SM that its registers must allow
-//                   (__launch_bounds__'s second argument).
+//                   (__launch_bounds__'s second argument);
+//   kResAhead:      the resident kernel: each block asks the L2 (one bulk prefetch) for its slice of
+//                   the row this many rows on, so that DRAM has more bytes in flight than the
+//                   blocks' registers hold (0: off).
 // Rows the chosen kernel cannot take (narrow vectors, older GPUs, the split-vocabulary passes, a
 // row over 8 blocks' shared memory) take the row kernel: a first pass for the statistics and a
 // second that re-reads the row (from L2 where it is still there) for the gradient.
@@ -302,7 +305,7 @@ template <int kWideThreads_ = 256, int kNarrowThreads_ = 256, int kUnroll_ = 4, 
           int kCluster_ = 0, int kClusterThreads_ = 256, int kSliceKB_ = 36, bool kSplitRows_ = false,
           int kGradThreads_ = 512, int kSegCols_ = 0, int kSegThreads_ = 256, int kSegWindowPct_ = 100,
           bool kSplitPipelined_ = false, int kResThreads_ = 0, int kResVecs_ = 8, bool kResLoss_ = false,
-          int kResMinBlocks_ = 1>
+          int kResMinBlocks_ = 1, int kResAhead_ = 0>
 struct CrossEntropyPolicy {
   static_assert(kSegCols_ == 0 || (kSegThreads_ % 32 == 0 && kSegThreads_ >= 64 && kSegThreads_ <= 1024 &&
                                    kSegCols_ % (kSegThreads_ * 8) == 0 && kSegCols_ / (kSegThreads_ * 4) <= 16),
@@ -338,6 +341,8 @@ struct CrossEntropyPolicy {
   static constexpr bool kResLoss = kResLoss_;
   static_assert(kResMinBlocks_ >= 1 && kResMinBlocks_ <= 32, "1 to 32 blocks per SM");
   static constexpr int kResMinBlocks = kResMinBlocks_;
+  static_assert(kResAhead_ >= 0, "rows ahead: 0 (off) or more");
+  static constexpr int kResAhead = kResAhead_;
 };
 using CrossEntropyDefaultPolicy = CrossEntropyPolicy<>;
 
@@ -1268,7 +1273,8 @@ struct CePackedMax {
 
 template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks>
 TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(const CeParams<T, I> params,
-                                                                              std::int64_t row0, int slice) {
+                                                                              std::int64_t row0, int slice,
+                                                                              int ahead) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kWarps = kThreads / 32;
   __shared__ std::uint64_t bar;
@@ -1289,6 +1295,12 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   const int mine = min(v0 + slice, nvec) - first;      // vector j is this thread's when j * kThreads < mine
   const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
   const T* xv = p.x + row * p.xs + static_cast<std::int64_t>(first) * kV;
+  // The same slice of the row `ahead` rows on, asked of the L2 now: the block that takes that row
+  // then finds its logits there, and DRAM has those bytes in flight without registers holding them.
+  if (ahead > 0 && tid == 0 && row + ahead < p.rows && v0 < nvec) {
+    prefetch_l2_bulk(p.x + (row + ahead) * p.xs + static_cast<std::int64_t>(v0) * kV,
+                     static_cast<unsigned>(min(slice, nvec - v0)) * 16u);
+  }
   AlignedVec<T, kV> raw[kVecs];
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
@@ -1406,6 +1418,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   (void)params;
   (void)row0;
   (void)slice;
+  (void)ahead;
 #endif
 }
 
@@ -1614,7 +1627,7 @@ Status launch_ce_split(const CeParams<T, I>& p, int blocks, int per_sm, cudaStre
 
 // The resident kernel, when the row fits kCeResMaxCluster blocks and such a cluster fits the
 // device; `launched` false (nothing launched) otherwise.
-template <class T, class I, int kThreads, int kVecs, int kMinBlocks>
+template <class T, class I, int kThreads, int kVecs, int kMinBlocks, int kAhead>
 Status launch_ce_resident(const CeParams<T, I>& p, cudaStream_t stream, const char* op, bool& launched) {
   constexpr int kV = kVecElems<T>;
   launched = false;
@@ -1640,7 +1653,7 @@ Status launch_ce_resident(const CeParams<T, I>& p, cudaStream_t stream, const ch
   for (std::int64_t r0 = 0; r0 < p.rows; r0 += max_rows) {
     const std::int64_t n = std::min(max_rows, p.rows - r0);
     one.grid = dim3(static_cast<unsigned>(n * csize));
-    TIGON_CHECK(launch(op, kernel, one, p, r0, slice));
+    TIGON_CHECK(launch(op, kernel, one, p, r0, slice, kAhead));
   }
   launched = true;
   return Status();
@@ -1663,7 +1676,7 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
       TIGON_CHECK(current_device_info(dev));
       if (dev.cc_major >= 9) {
         bool launched = false;
-        TIGON_CHECK((launch_ce_resident<T, I, P::kResThreads, P::kResVecs, P::kResMinBlocks>(p, stream, op, launched)));
+        TIGON_CHECK((launch_ce_resident<T, I, P::kResThreads, P::kResVecs, P::kResMinBlocks, P::kResAhead>(p, stream, op, launched)));
         if (launched) return Status();
       }
     }

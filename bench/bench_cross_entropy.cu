@@ -107,7 +107,6 @@ CE_VARIANT(split8_b512_s1, Split<8, 512, 1>)
 template <int kThreads, int kVecs, int kMinBlocks, int kAhead = 0>
 using Res = CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 0, 256, 100, false, kThreads, kVecs, true,
                                kMinBlocks, kAhead>;
-CE_VARIANT(res_b256_v8_m1, Res<256, 8, 1>)
 CE_VARIANT(res_b256_v8_m4, Res<256, 8, 4>)
 CE_VARIANT(res_b256_v8_m5, Res<256, 8, 5>)
 CE_VARIANT(res_b192_v8_m5, Res<192, 8, 5>)
@@ -116,7 +115,7 @@ CE_VARIANT(res_b128_v8_m8, Res<128, 8, 8>)
 CE_VARIANT(res_b256_v8_m4_a16, Res<256, 8, 4, 16>)
 CE_VARIANT(res_b256_v8_m4_a32, Res<256, 8, 4, 32>)
 CE_VARIANT(res_b256_v8_m4_a64, Res<256, 8, 4, 64>)
-CE_VARIANT(res_b256_v8_m4_a128, Res<256, 8, 4, 128>)
+CE_VARIANT(res_b256_v8_m5_a32, Res<256, 8, 5, 32>)
 CE_VARIANT(res_b128_v8_m8_a32, Res<128, 8, 8, 32>)
 
 // Loss + gradient only, at the given shapes (SHAPES or ONE_SHAPE).
@@ -134,8 +133,6 @@ CE_GRAD_ROW(rows_b256_u4_all, SHAPES, Rows<256, 4, 0>)
   BENCHMARK(BM_loss_##label) shapes->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 CE_LOSS_ROW(rowkernel_all, SHAPES, CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 0>)
 // The resident kernel at every shape (262144 columns: 16 blocks per row with 256 x 8).
-CE_GRAD_ROW(res_b256_v8_m4_all, SHAPES, Res<256, 8, 4>)
-CE_LOSS_ROW(res_b256_v8_m4_all, SHAPES, Res<256, 8, 4>)
 CE_GRAD_ROW(res_b256_v8_m4_a32_all, SHAPES, Res<256, 8, 4, 32>)
 CE_LOSS_ROW(res_b256_v8_m4_a32_all, SHAPES, Res<256, 8, 4, 32>)
 // The segmented kernel (opt-in; docs/cross_entropy.md): 8192 columns per segment, 256 threads,

@@ -1336,34 +1336,49 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-  // (m, s) pairs merge as max and rescaled sums.
-  auto merge = [](float& ma, float& sa, float mb2, float sb) {
-    const float mm = fmaxf(ma, mb2);
-    if (mm == -__builtin_huge_valf()) return;
-    sa = sa * exp2_ftz((ma - mm) * kLog2e) + sb * exp2_ftz((mb2 - mm) * kLog2e);
-    ma = mm;
-  };
   if ((tid & 31) == 0) part[tid >> 5] = make_float2(m, s);
   __syncthreads();
   cluster_wait();  // every block's barrier is ready (pairs cluster_arrive_relaxed above)
-  if (tid == 0) {
-    float bm = part[0].x, bs = part[0].y;
-    for (int w = 1; w < kWarps; ++w) merge(bm, bs, part[w].x, part[w].y);
-    // The one arrival, announcing the messages' bytes (some may have landed already).
-    mbarrier_arrive_expect_tx(&bar, csize * static_cast<unsigned>(sizeof(float4)));
-    for (unsigned r = 0; r < csize; ++r) {
-      cluster_store_async_f4(cluster_smem_addr(&slots[rank], r), cluster_smem_addr(&bar, r), bm, bs, xt, 0.0f);
+  if (tid < 32) {  // warp 0: the block's statistics, the messages, the row's
+    const int lane = tid;
+    // (m, s) pairs of lanes [0, n) merged across the warp: the max, then each sum rescaled to it
+    // and added; every lane ends with the same totals, and every block of the cluster, merging the
+    // same messages in the same order, with the same.
+    auto merge_lanes = [lane](float pm, float ps, int n, float& om, float& os) {
+      float mm = lane < n ? pm : -__builtin_huge_valf();
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, off));
+      float ss = (lane < n && pm != -__builtin_huge_valf()) ? ps * exp2_ftz((pm - mm) * kLog2e) : 0.0f;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      om = mm;
+      os = ss;
+    };
+    float bm, bs;
+    const float2 mine_part = lane < kWarps ? part[lane] : make_float2(0.0f, 0.0f);
+    merge_lanes(mine_part.x, mine_part.y, kWarps, bm, bs);
+    // The one arrival, announcing the messages' bytes (some may have landed already); then lane r
+    // sends this block's statistics to block r.
+    if (lane == 0) mbarrier_arrive_expect_tx(&bar, csize * static_cast<unsigned>(sizeof(float4)));
+    __syncwarp();
+    if (lane < static_cast<int>(csize)) {
+      cluster_store_async_f4(cluster_smem_addr(&slots[rank], static_cast<unsigned>(lane)),
+                             cluster_smem_addr(&bar, static_cast<unsigned>(lane)), bm, bs, xt, 0.0f);
     }
     mbarrier_wait_cluster(&bar, 0);  // every block's message has arrived
-    float tm = slots[0].x, ts = slots[0].y;
-    for (unsigned r = 1; r < csize; ++r) merge(tm, ts, slots[r].x, slots[r].y);
-    row_lse = tm + logf(ts);
-    row_xt = slots[0].z;
-    if (rank == 0) {
-      const bool ignored = t_raw == p.ignore_index;
-      const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
-      const CeAcc total{tm, ts, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
-      ce_write_row(p, row, ce_row_terms(p, row, total, row_lse, row_xt, t_raw, ignored || bad), total, ignored, bad);
+    const float4 msg = lane < static_cast<int>(csize) ? slots[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float tm, ts;
+    merge_lanes(msg.x, msg.y, static_cast<int>(csize), tm, ts);
+    if (lane == 0) {
+      row_lse = tm + logf(ts);
+      row_xt = msg.z;  // block 0's message carries the target's logit
+      if (rank == 0) {
+        const bool ignored = t_raw == p.ignore_index;
+        const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
+        const CeAcc total{tm, ts, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+        ce_write_row(p, row, ce_row_terms(p, row, total, row_lse, row_xt, t_raw, ignored || bad), total, ignored,
+                     bad);
+      }
     }
   }
   if (p.dx == nullptr) return;

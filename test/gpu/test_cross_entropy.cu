@@ -150,6 +150,16 @@ void run_case(const Case& c) {
     INFO("grad: " << cg.bad << " of " << cg.n << " bad, worst #" << cg.worst << " score " << cg.worst_err
                   << " rel L2 " << cg.rel_l2);
     CHECK(cg.ok(2 * tol<T>()));
+    // The target's gradient, each row's largest, held to the dtype's relative bound on its own.
+    int target_bad = 0;
+    for (std::int64_t r = 0; r < c.rows; ++r) {
+      if (t[r] < 0) continue;
+      const double want = ref.grad[r * c.V + t[r]];
+      const double got = to_float(gh[r * ld + t[r]]);
+      if (!(std::abs(got - want) <= 2 * tol<T>() * std::abs(want) + 1e-7)) ++target_bad;
+    }
+    INFO("target gradients off: " << target_bad);
+    CHECK(target_bad == 0);
     // Padding between rows is untouched.
     if (c.pad > 0 && !c.in_place) {
       for (std::int64_t r = 0; r < c.rows; ++r)
@@ -357,10 +367,10 @@ TEST_CASE("cross_entropy: all ignored gives 0 and a zero gradient; bad targets a
   check_ignored_and_bad<ResPolicy<128, 8, 1>>(40000);
 }
 
-TEST_CASE("cross_entropy: graph capture matches eager bitwise", "[ce][gpu][graph]") {
-  // with label smoothing: the row kernel; without: the segmented kernel (opt-in; its counter
-  // reset and its kernel both captured), replayed twice
-  for (const float eps : {0.1f, 0.0f}) {
+namespace {
+
+template <class P>
+void check_graph(float eps) {
   INFO("eps " << eps);
   const std::int64_t rows = 512, V = 32000;
   DeviceBuffer<bf16> x(rows * V), x0(rows * V);
@@ -370,12 +380,12 @@ TEST_CASE("cross_entropy: graph capture matches eager bitwise", "[ce][gpu][graph
   DeviceBuffer<std::int64_t> tb(rows);
   tb.upload(t);
   DeviceBuffer<float> loss(1);
-  DeviceBuffer<unsigned char> ws(cross_entropy_workspace_bytes<SegPolicy>(rows, V));
+  DeviceBuffer<unsigned char> ws(cross_entropy_workspace_bytes<P>(rows, V));
   CrossEntropyArgs<bf16> a{.logits = x.ptr, .targets = tb.ptr, .rows = rows, .vocab = V, .dlogits = x.ptr,
                            .label_smoothing = eps, .loss = loss.ptr, .workspace = ws.ptr,
                            .workspace_bytes = ws.count};
   x.upload(xh);
-  TIGON_OK(cross_entropy<SegPolicy>(a, nullptr));
+  TIGON_OK(cross_entropy<P>(a, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
   const auto g1 = x.download();
   const float l1 = loss.download()[0];
@@ -385,7 +395,7 @@ TEST_CASE("cross_entropy: graph capture matches eager bitwise", "[ce][gpu][graph
   CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaGraph_t graph;
   CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  TIGON_OK(cross_entropy<SegPolicy>(a, s));
+  TIGON_OK(cross_entropy<P>(a, s));
   CUDA_OK(cudaStreamEndCapture(s, &graph));
   cudaGraphExec_t exec;
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
@@ -400,7 +410,17 @@ TEST_CASE("cross_entropy: graph capture matches eager bitwise", "[ce][gpu][graph
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(s);
-  }
+}
+
+}  // namespace
+
+TEST_CASE("cross_entropy: graph capture matches eager bitwise", "[ce][gpu][graph]") {
+  // with label smoothing: the row kernel; without: the segmented kernel (opt-in; its counter
+  // reset and its kernel both captured), and the default policy's resident kernel (clusters),
+  // each replayed twice
+  check_graph<SegPolicy>(0.1f);
+  check_graph<SegPolicy>(0.0f);
+  check_graph<tigon::CrossEntropyDefaultPolicy>(0.0f);
 }
 
 TEST_CASE("cross_entropy: split vocabulary equals the unsplit op", "[ce][gpu]") {

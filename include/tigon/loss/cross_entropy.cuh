@@ -283,14 +283,16 @@ constexpr CeClusterShape ce_cluster_shape(std::int64_t nvec, std::int64_t vec_by
 //                   with its static order, 26% / 27% (docs/cross_entropy.md);
 //   kSegThreads:    the segmented kernel's block size (kSegCols must be a multiple of kSegThreads
 //                   x 8 columns: each thread loads its 16-byte vectors of a segment at once);
-//   kSegWindowPct:  the window in percent of the blocks in flight (at least one row's segments).
+//   kSegWindowPct:  the window in percent of the blocks in flight (at least one row's segments);
 //   kResThreads:    the resident kernel (sm_90+, 16-byte vectors, the common case: no class
 //                   weights, smoothing, softcap, bias, argmax or split statistics; rows over
 //                   16384 columns): one row per thread-block cluster of csize blocks of
 //                   kResThreads threads, each thread holding kResVecs 16-byte vectors of the row in
 //                   registers, so the logits are read once and the gradient written from
 //                   registers; csize = the fewest blocks whose registers hold the row, at most 16
-//                   (longer rows take the row kernel). 0: off;
+//                   (longer rows take the row kernel), the on-chip and split-row kernels'
+//                   policies excepted. 0 (CrossEntropyPolicy's default): off; 256 in
+//                   CrossEntropyDefaultPolicy;
 //   kResVecs:       the resident kernel's 16-byte vectors per thread;
 //   kResLoss:       whether the loss alone (no gradient) takes the resident kernel too;
 //   kResMinBlocks:  the resident kernel's blocks per SM that its registers must allow
@@ -344,7 +346,11 @@ struct CrossEntropyPolicy {
   static_assert(kResAhead_ >= 0, "rows ahead: 0 (off) or more");
   static constexpr int kResAhead = kResAhead_;
 };
-using CrossEntropyDefaultPolicy = CrossEntropyPolicy<>;
+// The default: the row kernel's settings above, and the resident kernel for gradients over 16384
+// columns (256 threads x 8 vectors, 4 blocks per SM, slices 32 rows ahead asked of the L2);
+// CrossEntropyPolicy<> alone leaves the resident kernel off (docs/cross_entropy.md).
+using CrossEntropyDefaultPolicy =
+    CrossEntropyPolicy<256, 256, 4, 0, 0, 256, 36, false, 512, 0, 256, 100, false, 256, 8, false, 4, 32>;
 
 // ------------------------------------------------------------------------------------------------
 // 3. Kernels
@@ -1360,7 +1366,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
     // The one arrival, announcing the messages' bytes (some may have landed already); then lane r
     // sends this block's statistics to block r.
     if (lane == 0) mbarrier_arrive_expect_tx(&bar, csize * static_cast<unsigned>(sizeof(float4)));
-    __syncwarp();
+    xt = __shfl_sync(0xffffffffu, xt, 0);  // lane 0 (thread 0) read it; every lane's message carries it
     if (lane < static_cast<int>(csize)) {
       cluster_store_async_f4(cluster_smem_addr(&slots[rank], static_cast<unsigned>(lane)),
                              cluster_smem_addr(&bar, static_cast<unsigned>(lane)), bm, bs, xt, 0.0f);
@@ -1685,7 +1691,7 @@ template <class P = CrossEntropyDefaultPolicy, class T, class I>
 Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   constexpr int kV = kVecElems<T>;
   const bool vec = ce_vectorizable(p);
-  if constexpr (P::kResThreads > 0 && kV > 1) {
+  if constexpr (P::kResThreads > 0 && P::kCluster == 0 && !P::kSplitRows && kV > 1) {
     if (vec && p.vocab > 16384 && (p.dx != nullptr || P::kResLoss) && ce_plain(p)) {
       DeviceInfo dev;
       TIGON_CHECK(current_device_info(dev));

@@ -7,8 +7,10 @@
 //   global-memory access (read or write). That waits until the grids it depends on have completed
 //   and their writes are visible (`griddepcontrol.wait`), then lets the next kernel in the stream
 //   begin to launch (`griddepcontrol.launch_dependents`). Launched without the attribute, or before
-//   sm_90, both instructions do nothing. Before it a kernel may only compute from its parameters
-//   and ask the L2 for lines it is about to read (`prefetch_l2_line_of`: a hint, not an access).
+//   sm_90, both instructions do nothing. Before it a kernel may only compute from its parameters,
+//   set up its own shared memory and cluster barriers (the resident cross-entropy kernel's mbarrier
+//   and first cluster arrival), and ask the L2 for lines it is about to read
+//   (`prefetch_l2_line_of`: a hint, not an access).
 // - host: `launch` adds the programmatic-stream-serialisation attribute when programmatic launch is
 //   enabled (the default; `set_programmatic_launch(false)` turns it off for the process, and
 //   defining TIGON_NO_PROGRAMMATIC_LAUNCH compiles it out), the device is sm_90 or later, and the

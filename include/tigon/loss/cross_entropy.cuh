@@ -1657,18 +1657,31 @@ Status launch_ce_resident(const CeParams<T, I>& p, cudaStream_t stream, const ch
   if (csize > kCeResMaxCluster) return Status();
   const auto slice = static_cast<int>(ceil_div<std::int64_t>(nvec, csize));
   constexpr auto kernel = ce_resident_kernel<T, I, kV, kThreads, kVecs, kMinBlocks>;
-  if (csize > 8) {  // beyond the portable cluster size
-    TIGON_CHECK(Status::from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
-                                  op, "cudaFuncSetAttribute"));
-  }
   const auto c = static_cast<unsigned>(csize);
   LaunchShape one{dim3(c), dim3(kThreads), 0, stream, c};
-  cudaLaunchAttribute attrs[kMaxLaunchAttrs];
-  const cudaLaunchConfig_t query = launch_config(one, false, attrs);
-  int resident = 0;
-  TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kernel, &query), op,
-                                "cudaOccupancyMaxActiveClusters"));
-  if (resident < 1) return Status();
+  // Whether a cluster of csize blocks fits the device: asked once per device and cluster size
+  // (0: not asked yet, 1: fits, -1: does not), so that a call costs no occupancy query.
+  static std::atomic<int> fits[kMaxDevices][kCeResMaxCluster + 1] = {};
+  DeviceInfo dev;
+  TIGON_CHECK(current_device_info(dev));
+  if (dev.device < 0 || dev.device >= kMaxDevices) return Status();
+  std::atomic<int>& known = fits[dev.device][csize];
+  int f = known.load(std::memory_order_relaxed);
+  if (f == 0) {
+    if (csize > 8) {  // beyond the portable cluster size
+      TIGON_CHECK(Status::from_cuda(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), op,
+          "cudaFuncSetAttribute"));
+    }
+    cudaLaunchAttribute attrs[kMaxLaunchAttrs];
+    const cudaLaunchConfig_t query = launch_config(one, false, attrs);
+    int resident = 0;
+    TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kernel, &query), op,
+                                  "cudaOccupancyMaxActiveClusters"));
+    f = resident >= 1 ? 1 : -1;
+    known.store(f, std::memory_order_relaxed);
+  }
+  if (f < 0) return Status();
   // One cluster per row; grids over 2^31 - 1 blocks go in several launches.
   const std::int64_t max_rows = (std::int64_t{1} << 31) / csize - 1;
   for (std::int64_t r0 = 0; r0 < p.rows; r0 += max_rows) {

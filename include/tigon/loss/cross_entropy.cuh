@@ -1233,15 +1233,16 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_split_pipe_kernel(const CeParam
 // sm_90+): one row per cluster of csize blocks and one slice per block, no block walks rows. Each
 // thread loads its kVecs vectors of the slice at once and keeps them in registers, so the logits
 // are read from DRAM once and no second pass reads them again; the gradient is written from the
-// registers. A block's statistics (max, sum of exp relative to it, and the target's logit where
-// the block holds the target) go to every block of the cluster through distributed shared
-// memory, one 16-byte asynchronous store per block, counted on the receiver's barrier; every block
-// merges the messages in rank order, so all hold the same totals (deterministic). The hardware
-// keeps as many blocks per SM as registers allow, each its own row slice in its own phase, so the
-// memory pipe stays busy while a block waits for its cluster's messages.
+// registers. A block's statistics (max and sum of exp relative to it; block 0's also carry the
+// target's logit) go to every block of the cluster through distributed shared memory, one 16-byte
+// asynchronous store per block (lane r of warp 0 to block r), counted on the receiver's barrier;
+// every block merges the same messages in the same lane order, so all hold the same totals
+// (deterministic). The hardware keeps as many blocks per SM as registers allow, each its own row
+// slice in its own phase, so the memory pipe stays busy while a block waits for its cluster's
+// messages; `ahead` (kResAhead) rows on, each block's slice is asked of the L2 (docs/cross_entropy.md).
 inline constexpr int kCeResMaxCluster = 16;
 // The largest element of a vector, running across calls: bfloat16 and half pairs compared two at a
-// time (packed), the pair folded once at the end (ce_packed_max_value).
+// time (packed), the pair folded once at the end (value()).
 template <class T>
 struct CePackedMax {
   static constexpr bool kPacked = std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>;

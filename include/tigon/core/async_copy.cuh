@@ -104,16 +104,28 @@ TIGON_DEVICE void bulk_copy_g2s(void* smem, const void* gmem, unsigned bytes, st
       : "memory");
 }
 
-// Wait until the barrier's phase with this parity has completed.
+// Wait until the barrier's phase with this parity has completed. kCluster: acquire at cluster
+// scope (what other blocks of the cluster wrote into this block's shared memory, as with
+// cluster_store_async_f4); otherwise at the block's.
+template <bool kCluster = false>
 TIGON_DEVICE void mbarrier_wait(std::uint64_t* bar, unsigned parity) {
   const unsigned b = smem_u32(bar);
   unsigned done = 0;
   do {
-    TIGON_SM90_ASM(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(b), "r"(parity)
-        : "memory");
+    if constexpr (kCluster) {
+      TIGON_SM90_ASM(
+          "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+          " selp.u32 %0, 1, 0, p;\n}\n"
+          : "=r"(done)
+          : "r"(b), "r"(parity)
+          : "memory");
+    } else {
+      TIGON_SM90_ASM(
+          "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+          : "=r"(done)
+          : "r"(b), "r"(parity)
+          : "memory");
+    }
   } while (done == 0);
 }
 
@@ -141,27 +153,12 @@ TIGON_DEVICE unsigned cluster_smem_addr(const void* p, unsigned rank) {
 // Store 16 bytes into another block's shared memory (`slot`, from cluster_smem_addr) without
 // waiting for it: the store counts its bytes on that block's barrier (`bar`, likewise), whose
 // phase the receiver armed with mbarrier_arrive_expect_tx for every byte it awaits, and whose
-// completion makes the bytes visible to the threads that wait on it (mbarrier_wait_cluster).
+// completion makes the bytes visible to the threads that wait on it (mbarrier_wait<true>).
 TIGON_DEVICE void cluster_store_async_f4(unsigned slot, unsigned bar, float a, float b, float c, float d) {
   TIGON_SM90_ASM(
       "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(slot),
       "f"(a), "f"(b), "f"(c), "f"(d), "r"(bar)
       : "memory");
-}
-
-// Wait until the phase of this block's barrier with this parity has completed, acquiring at
-// cluster scope (what other blocks of the cluster wrote into this block's shared memory).
-TIGON_DEVICE void mbarrier_wait_cluster(std::uint64_t* bar, unsigned parity) {
-  const unsigned b = smem_u32(bar);
-  unsigned done = 0;
-  do {
-    TIGON_SM90_ASM(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(b), "r"(parity)
-        : "memory");
-  } while (done == 0);
 }
 
 // This block's rank in its cluster, and the cluster's blocks.

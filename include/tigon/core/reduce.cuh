@@ -9,15 +9,29 @@
 
 TIGON_NAMESPACE_BEGIN
 
-// Sum across kWidth consecutive lanes (kWidth a power of two <= 32); every lane gets the sum.
-template <int kWidth, int N>
-TIGON_DEVICE void warp_allreduce_sum(float (&v)[N]) {
+// `op` across kWidth consecutive lanes (kWidth a power of two <= 32), in a fixed butterfly order;
+// every lane gets the result.
+template <int kWidth, int N, class Op>
+TIGON_DEVICE void warp_allreduce(float (&v)[N], Op op) {
   static_assert(kWidth >= 1 && kWidth <= 32 && (kWidth & (kWidth - 1)) == 0);
 #pragma unroll
   for (int offset = kWidth / 2; offset > 0; offset /= 2) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], offset, kWidth);
+    for (int i = 0; i < N; ++i) v[i] = op(v[i], __shfl_xor_sync(0xffffffffu, v[i], offset, kWidth));
   }
+}
+
+struct SumOp {
+  TIGON_DEVICE float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {  // fmaxf: a NaN loses to a number
+  TIGON_DEVICE float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// Sum across kWidth consecutive lanes; every lane gets the sum.
+template <int kWidth, int N>
+TIGON_DEVICE void warp_allreduce_sum(float (&v)[N]) {
+  warp_allreduce<kWidth>(v, SumOp{});
 }
 
 // Synchronise the kThreads threads of one row group: a named barrier (ids 1..15), or the block

@@ -201,6 +201,8 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
 // the row kernel takes the call. want: the policy's kCluster (-1: the fewest of 1, 2, 4, 8 blocks
 // whose slices fit slice_bytes); max_smem: the shared memory a block may have.
 inline constexpr int kCeMaxCluster = 8;
+// A block size of a policy: a whole number of warps in [lo, hi].
+constexpr bool whole_warps(int threads, int lo, int hi) { return threads % 32 == 0 && threads >= lo && threads <= hi; }
 // Rows longer than this with a gradient take the policy's kGradThreads (CrossEntropyPolicy).
 inline constexpr std::int64_t kCeGradWideCols = 65536;
 struct CeClusterShape {
@@ -309,7 +311,7 @@ template <int kWideThreads_ = 256, int kNarrowThreads_ = 256, int kUnroll_ = 4, 
           bool kSplitPipelined_ = false, int kResThreads_ = 0, int kResVecs_ = 8, bool kResLoss_ = false,
           int kResMinBlocks_ = 1, int kResAhead_ = 0>
 struct CrossEntropyPolicy {
-  static_assert(kSegCols_ == 0 || (kSegThreads_ % 32 == 0 && kSegThreads_ >= 64 && kSegThreads_ <= 1024 &&
+  static_assert(kSegCols_ == 0 || (detail::whole_warps(kSegThreads_, 64, 1024) &&
                                    kSegCols_ % (kSegThreads_ * 8) == 0 && kSegCols_ / (kSegThreads_ * 4) <= 16),
                 "kSegCols: 0 (off) or a multiple of kSegThreads x 8 columns, at most 16 fp32 vectors per thread");
   static_assert(kSegWindowPct_ >= 10 && kSegWindowPct_ <= 1000, "window: 10% to 1000% of the blocks in flight");
@@ -318,10 +320,9 @@ struct CrossEntropyPolicy {
   static constexpr int kSegWindowPct = kSegWindowPct_;
   static_assert(kUnroll_ >= 1 && kUnroll_ <= 8, "1 to 8 vectors in flight per thread");
   static_assert(kCluster_ >= -1 && kCluster_ <= 8, "-1 (automatic), 0 (off) or 1 to 8 blocks per row");
-  static_assert(kClusterThreads_ % 32 == 0 && kClusterThreads_ >= 64 && kClusterThreads_ <= 1024,
-                "a whole number of warps, 64 to 1024 threads");
+  static_assert(detail::whole_warps(kClusterThreads_, 64, 1024), "a whole number of warps, 64 to 1024 threads");
   static_assert(kSliceKB_ >= 4 && kSliceKB_ <= 113, "4 to 113 KiB per buffer (two per block)");
-  static_assert(kGradThreads_ == 0 || (kGradThreads_ % 32 == 0 && kGradThreads_ >= 32 && kGradThreads_ <= 1024),
+  static_assert(kGradThreads_ == 0 || detail::whole_warps(kGradThreads_, 32, 1024),
                 "0 (kWideThreads) or a whole number of warps, at most 1024 threads");
   static constexpr int kWideThreads = kWideThreads_;
   static constexpr int kNarrowThreads = kNarrowThreads_;
@@ -335,7 +336,7 @@ struct CrossEntropyPolicy {
   static_assert(!kSplitRows_ || kCluster_ > 0, "the split-row kernel takes an explicit cluster size");
   static_assert(!kSplitPipelined_ || kSplitRows_, "the pipelined split-row kernel is a split-row kernel (kSplitRows)");
   static constexpr bool kSplitPipelined = kSplitPipelined_;
-  static_assert(kResThreads_ == 0 || (kResThreads_ % 32 == 0 && kResThreads_ >= 64 && kResThreads_ <= 1024),
+  static_assert(kResThreads_ == 0 || detail::whole_warps(kResThreads_, 64, 1024),
                 "kResThreads: 0 (off) or a whole number of warps, 64 to 1024 threads");
   static_assert(kResVecs_ >= 1 && kResVecs_ <= 32, "1 to 32 vectors per thread");
   static constexpr int kResThreads = kResThreads_;
@@ -1326,24 +1327,22 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   for (int j = 0; j < kVecs; ++j) {
     if (j * kThreads < mine) mx.add(raw[j]);
   }
-  float m = mx.value();
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  float m[1] = {mx.value()};
+  warp_allreduce<32>(m, MaxOp{});
   // A warp whose elements are all -inf (or that has none) sums nothing: its m stays -inf.
-  const float mb = m == -__builtin_huge_valf() ? 0.0f : m * kLog2e;
-  float s = 0.0f;
+  const float mb = m[0] == -__builtin_huge_valf() ? 0.0f : m[0] * kLog2e;
+  float s[1] = {0.0f};
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     if (j * kThreads < mine) {
       float x[kV];
       to_floats(raw[j], x);
 #pragma unroll
-      for (int k = 0; k < kV; ++k) s += exp2_ftz(fmaf(x[k], kLog2e, -mb));
+      for (int k = 0; k < kV; ++k) s[0] += exp2_ftz(fmaf(x[k], kLog2e, -mb));
     }
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-  if ((tid & 31) == 0) part[tid >> 5] = make_float2(m, s);
+  warp_allreduce_sum<32>(s);
+  if ((tid & 31) == 0) part[tid >> 5] = make_float2(m[0], s[0]);
   __syncthreads();
   cluster_wait();  // every block's barrier is ready (pairs cluster_arrive_relaxed above)
   if (tid < 32) {  // warp 0: the block's statistics, the messages, the row's
@@ -1352,14 +1351,12 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
     // and added; every lane ends with the same totals, and every block of the cluster, merging the
     // same messages in the same order, with the same.
     auto merge_lanes = [lane](float pm, float ps, int n, float& om, float& os) {
-      float mm = lane < n ? pm : -__builtin_huge_valf();
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, off));
-      float ss = (lane < n && pm != -__builtin_huge_valf()) ? ps * exp2_ftz((pm - mm) * kLog2e) : 0.0f;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      om = mm;
-      os = ss;
+      float mm[1] = {lane < n ? pm : -__builtin_huge_valf()};
+      warp_allreduce<32>(mm, MaxOp{});
+      float ss[1] = {(lane < n && pm != -__builtin_huge_valf()) ? ps * exp2_ftz((pm - mm[0]) * kLog2e) : 0.0f};
+      warp_allreduce_sum<32>(ss);
+      om = mm[0];
+      os = ss[0];
     };
     float bm, bs;
     const float2 mine_part = lane < kWarps ? part[lane] : make_float2(0.0f, 0.0f);
@@ -1372,7 +1369,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
       cluster_store_async_f4(cluster_smem_addr(&slots[rank], static_cast<unsigned>(lane)),
                              cluster_smem_addr(&bar, static_cast<unsigned>(lane)), bm, bs, xt, 0.0f);
     }
-    mbarrier_wait_cluster(&bar, 0);  // every block's message has arrived
+    mbarrier_wait<true>(&bar, 0);  // every block's message has arrived
     const float4 msg = lane < static_cast<int>(csize) ? slots[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float tm, ts;
     merge_lanes(msg.x, msg.y, static_cast<int>(csize), tm, ts);

@@ -123,6 +123,46 @@ void BM_backward_column_sums(benchmark::State& st) {
              });
 }
 
+// What the weight and the saved rstd cost the default forward at 16384 x 4096: the same call
+// without either (the bytes counted as with them, so the rows compare by time).
+void BM_forward_without(benchmark::State& st) {
+  Data d(16384, 4096);
+  const bool no_w = st.range(0) & 1, no_rstd = st.range(0) & 2;
+  bench::run(st, std::string("  rms_norm fwd 16384x4096 without") + (no_w ? " weight" : "") + (no_rstd ? " rstd" : ""),
+             fwd_bytes(d.rows, d.cols), [&](int i) {
+               auto a = d.fwd(i);
+               if (no_w) a.weight = nullptr;
+               if (no_rstd) a.rstd = nullptr;
+               check(tigon::rms_norm_forward(a, nullptr));
+             });
+}
+
+// Placement: the forward at 16384 x 4096 with x and y in one allocation, y starting `y_off` KiB
+// after the end of x, and the weight `pad` KiB into a second allocation (rstd 64 KiB after it).
+// The same kernel can run a few percent slower on some relative placements of its tensors.
+template <class P>
+void forward_placement(benchmark::State& st, const char* label) {
+  const std::int64_t rows = 16384, cols = 4096;
+  const std::size_t n = static_cast<std::size_t>(rows * cols);
+  const std::size_t y_off = static_cast<std::size_t>(st.range(0)) * 1024;
+  const std::size_t pad = static_cast<std::size_t>(st.range(1)) * 1024;
+  unsigned char* slab = bench::alloc<unsigned char>(2 * n * sizeof(bf16) + y_off);
+  unsigned char* small = bench::alloc<unsigned char>(pad + (1 << 20));
+  bf16* x = reinterpret_cast<bf16*>(slab);
+  bf16* y = reinterpret_cast<bf16*>(slab + n * sizeof(bf16) + y_off);
+  bf16* w = reinterpret_cast<bf16*>(small + pad);
+  float* rstd = reinterpret_cast<float*>(small + pad + 65536);
+  bench::fill_random(x, n, 11);
+  bench::fill_random(w, cols, 5, 1.0f, 0.2f);
+  const tigon::RmsNormForwardArgs<bf16> a{.x = x, .y = y, .weight = w, .rstd = rstd, .rows = rows, .cols = cols};
+  bench::run(st,
+             std::string("  fwd 4096 ") + label + " y+" + std::to_string(st.range(0)) + "K w+" +
+                 std::to_string(st.range(1)) + "K",
+             fwd_bytes(rows, cols), [&](int) { check(tigon::rms_norm_forward<bf16, 4096, P>(a, nullptr)); });
+  cudaFree(slab);
+  cudaFree(small);
+}
+
 void BM_forward(benchmark::State& st) { forward_rows(st, false); }
 void BM_backward(benchmark::State& st) { backward_rows(st, false); }
 void BM_forward_serial(benchmark::State& st) { forward_rows(st, true); }
@@ -174,6 +214,7 @@ BENCHMARK(BM_host_overhead)->Iterations(1);
 BENCHMARK(BM_forward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_backward) SHAPES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_backward_dx_only)->Args({16384, 4096})->Args({32768, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_forward_without)->Arg(1)->Arg(2)->Arg(3)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_backward_column_sums)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_forward_serial)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_backward_serial)->Args({16384, 4096})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
@@ -192,8 +233,8 @@ BENCHMARK(bench::single<BM_backward>)->Args({16384, 4096})->UseManualTime()->Ite
 //               casting (-1: chosen at run time), persistent forward grid, streaming stores,
 //               backward keeps rows in registers, direct forward (default true), direct backward,
 //               direct forward's streaming hint (default false), forward min blocks per SM (default
-//               0)>. Rows that leave the last ones unspelled take the defaults: the direct forward
-//               with plain loads.
+//               0), forward L2 prefetch (default 2)>. Rows that leave the last ones unspelled take
+//               the defaults: the direct forward with plain loads.
 FWD_VARIANT(v4_b256_staged, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false>)
 FWD_VARIANT(v4_b256_s3_persistent, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true>)
 FWD_VARIANT(v4_b128, RmsNormPolicy<4, 128>)
@@ -212,6 +253,17 @@ FWD_VARIANT(v4_b256_direct_plain, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false,
 FWD_VARIANT(v4_b256_m5, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 5>)
 FWD_VARIANT(v4_b256_m6, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 6>)
 FWD_VARIANT(v2_b256_direct_plain, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
+// The forward's L2 prefetch around the grid-dependency wait: none, or every block its own rows
+// before the wait (the default, 2: the first wave's blocks only, their rows before the wait and
+// the second wave's after it), at the default placement and at eight others.
+#define RMS_PREFETCH(mode) RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 0, mode>
+FWD_VARIANT(prefetch_none, RMS_PREFETCH(0))
+FWD_VARIANT(prefetch_every_block, RMS_PREFETCH(1))
+#define PLACES ->Args({0, 0})->Args({4, 0})->Args({64, 0})->Args({1024, 0})->Args({2112, 0})->Args({0, 8})->Args({0, 128})->Args({0, 1032})
+void BM_place_default(benchmark::State& st) { forward_placement<tigon::RmsNormDefaultPolicy>(st, "placed, default"); }
+void BM_place_every_block(benchmark::State& st) { forward_placement<RMS_PREFETCH(1)>(st, "placed, prefetch_every_block"); }
+BENCHMARK(BM_place_default) PLACES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_place_every_block) PLACES->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BWD_VARIANT(v2_b512_m1_s3_reread, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false>)
 BWD_VARIANT(v2_b512_m1_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2>)
 BWD_VARIANT(v2_b512_m2_s3_reread, RmsNormPolicy<4, 256, 2, 512, 2, 3, -1, false, false, false>)

@@ -7,7 +7,9 @@
 #   scripts/gpu-full-check.sh BINS OUTDIR
 # BINS: a folder of binaries, or a bins.tar.xz from PACK=xz scripts/stage-prebuilt.sh.
 # Per-step limits in seconds (environment): BENCH_S (default 230), TEST_S (110), SANITIZE_S (260);
-# SANITIZE_JOBS sanitizer runs at a time (default 10).
+# SANITIZE_JOBS sanitizer runs at a time (default 10). On a machine with two or more GPUs the
+# sanitizer step runs on GPU 1 from the start, beside the benchmarks and tests on GPU 0 (whose
+# timings it does not share a GPU with); on one GPU it follows them.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # The shared libraries staged by shared/tools/gpu-deps.sh (Debian's Google Benchmark, which the
@@ -28,6 +30,18 @@ fi
 tests=$(mktemp -d)
 ln -sf "$bins"/tigon_gpu_tests_* "$tests"/ 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >> "$S" 2>&1
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
+sanitize_step() {
+  TESTS=none BENCHES=none SANITIZE_JOBS=${SANITIZE_JOBS:-10} timeout $(( ${SANITIZE_S:-260} + 10 )) \
+    "$here/gpu-run-binaries.sh" "$tests" "$out/x/san" "${SANITIZE_S:-260}" > /dev/null 2>&1
+  pkill -f "^compute-sanitizer " 2>/dev/null  # runs a cut left behind (not this script's own command line)
+}
+if [ "$gpus" -ge 2 ]; then
+  step "compute-sanitizer on GPU 1, beside the rest on GPU 0"
+  (export CUDA_VISIBLE_DEVICES=1; sanitize_step) &
+  san_pid=$!
+  export CUDA_VISIBLE_DEVICES=0
+fi
 step "benchmarks and examples"
 TESTS=none SANITIZE=none timeout "${BENCH_S:-230}" "$here/gpu-run-binaries.sh" "$bins" "$out/x/bench" 120 > /dev/null 2>&1
 grep -v "^tigon_gpu_tests_none" "$out/x/bench/summary.txt" >> "$S"
@@ -38,12 +52,15 @@ for t in "$tests"/tigon_gpu_tests_*; do
    echo "$n: rc=$? :: $(grep -E 'All tests passed|test cases:|assertions:' "$out/x/tests/$n.log" | tr '\n' ' ')" \
      > "$out/x/tests/.$n") &
 done
-wait
+wait $(jobs -p | grep -vx "${san_pid:-none}")
 cat "$out"/x/tests/.tigon_gpu_tests_* >> "$S" 2>/dev/null
-step "compute-sanitizer"
-TESTS=none BENCHES=none SANITIZE_JOBS=${SANITIZE_JOBS:-10} timeout $(( ${SANITIZE_S:-260} + 10 )) \
-  "$here/gpu-run-binaries.sh" "$tests" "$out/x/san" "${SANITIZE_S:-260}" > /dev/null 2>&1
-pkill -f compute-sanitizer 2>/dev/null  # runs a cut left behind
+if [ "$gpus" -ge 2 ]; then
+  wait "$san_pid"
+  step "compute-sanitizer (GPU 1) done"
+else
+  step "compute-sanitizer"
+  sanitize_step
+fi
 # Runs that finished before a cut still left their lines.
 cat "$out"/x/san/.sanitize-* 2>/dev/null >> "$S"
 grep compute-sanitizer "$out/x/san/summary.txt" >> "$S" 2>/dev/null

@@ -296,7 +296,8 @@ TEST_CASE("rms_norm: compile-time hidden size <T, 4096>", "[rms_norm][gpu]") {
 
 TEST_CASE("rms_norm: every policy knob computes the same function", "[rms_norm][gpu]") {
   // <fwd vpt, fwd block, bwd vpt, bwd block, bwd min blocks, stages, casting, persistent, streaming,
-  // keep, direct forward, direct backward>
+  // keep, direct forward, direct backward, forward streaming loads, forward min blocks, forward
+  // prefetch>
   const Case c{.rows = 300, .cols = 4096, .compile_time = true};
   run_case<bf16, bf16, RmsNormPolicy<4, 128, 2, 256, 2, 2>>(c);
   run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 1, -1, true>>(c);                // persistent
@@ -323,6 +324,14 @@ TEST_CASE("rms_norm: every policy knob computes the same function", "[rms_norm][
   run_case<bf16, float, RmsNormPolicy<4, 256, 4, 256, 1, 3, -1, false, true, false, true, true>>(c);
   run_case<float, float, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false, true>>(
       {.rows = 1, .cols = 4096, .compile_time = true});  // one row: nothing to prefetch
+  // the forward's L2 prefetch (a hint: the same function whatever it asks for): none, every block
+  // its own rows, and the default's second-wave rows on enough rows for a second wave (a wave is
+  // at most a few thousand rows of 4096), with padded rows and with fp32
+  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 0, 0>>(c);
+  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 0, 1>>(c);
+  run_case<bf16>({.rows = 6001, .cols = 4096, .compile_time = true});
+  run_case<bf16>({.rows = 6001, .cols = 4096, .pad = 8, .compile_time = true});
+  run_case<float>({.rows = 6001, .cols = 4096, .compile_time = true});
   Case nw = c;
   nw.weight = false;
   run_case<half, half, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false, true>>(nw);

@@ -235,9 +235,18 @@ template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPer
           int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
           int kCasting_ = -1, bool kFwdPersistent_ = false, bool kStreamingStores_ = false,
           bool kBwdKeepRows_ = true, bool kFwdDirect_ = true, bool kBwdDirect_ = false,
-          bool kFwdDirectStream_ = false, int kFwdMinBlocksPerSm_ = 0>
+          bool kFwdDirectStream_ = false, int kFwdMinBlocksPerSm_ = 0, int kFwdPrefetch_ = 2>
 struct RmsNormPolicy {
   static_assert(kFwdMinBlocksPerSm_ >= 0 && kFwdMinBlocksPerSm_ <= 32, "0 (no bound) to 32 blocks per SM");
+  static_assert(kFwdPrefetch_ >= 0 && kFwdPrefetch_ <= 2, "forward prefetch: 0, 1 or 2");
+  // RMSNorm forward: what its blocks ask the L2 for around the grid-dependency wait (programmatic
+  // dependent launch), as hints. 0: nothing. 1: every block its own rows, before the wait (add +
+  // RMSNorm and LayerNorm do this). 2 (the default): only the first wave's blocks (those resident
+  // at once) ask, for their own rows before the wait and, right after it, for the rows of the
+  // blocks that take their places in the second wave; later blocks ask nothing. On one H200, 2
+  // was the fastest variant measured and the least sensitive to where the tensors lie
+  // (docs/rms_norm.md).
+  static constexpr int kFwdPrefetch = kFwdPrefetch_;
   // Forward (RMSNorm and add + RMSNorm): the second __launch_bounds__ argument, a floor on the
   // blocks per SM that caps registers (0, the default: none; ptxas then gives the default
   // 4-vector, 256-thread RMSNorm forward 56 registers, 4 blocks per SM; a floor of 5 gives 48
@@ -331,6 +340,7 @@ struct RmsFwdParams {
   std::int64_t xs, ys;
   float eps, offset;
   RmsNormCasting casting;
+  std::int64_t wave_blocks = 0;  // compiled kernel: blocks resident at once (set at launch)
 };
 
 template <class T, class W>
@@ -380,8 +390,20 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads, P::kFwdM
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
-  if (first < p.rows) prefetch_row_l2<S>(p.x + first * p.xs, t);  // before the wait: a hint
+  // L2 prefetches around the wait (policy kFwdPrefetch): hints, not accesses. The first wave is
+  // the blocks resident at once.
+#if !defined(TIGON_NO_PDL_PREFETCH)
+  if constexpr (P::kFwdPrefetch == 1) {
+    if (first < p.rows) prefetch_row_l2_bulk<S>(p.x + first * p.xs, t);
+  } else if constexpr (P::kFwdPrefetch == 2) {
+    if (blockIdx.x < p.wave_blocks && first < p.rows) prefetch_row_l2_bulk<S>(p.x + first * p.xs, t);
+  }
+#endif
   detail::grid_dependency_sync();
+  if constexpr (P::kFwdPrefetch == 2) {  // the second wave's rows, now that x is final
+    const std::int64_t next = first + p.wave_blocks * S::kGroups;
+    if (blockIdx.x < p.wave_blocks && next < p.rows) prefetch_row_l2_bulk<S>(p.x + next * p.xs, t);
+  }
   const bool has_w = p.w != nullptr;
   const RmsNormCasting casting =
       P::kCasting < 0 ? p.casting : static_cast<RmsNormCasting>(P::kCasting);
@@ -809,8 +831,10 @@ Status launch_forward(const RmsFwdParams<T, W>& p, const RmsPlan& plan, cudaStre
     case RmsKernel::compiled:
       if constexpr (compiled_available<RmsFwdShape, T, kCols, P>()) {
         using S = RmsFwdShape<T, kCols, P>;
+        RmsFwdParams<T, W> q = p;
+        q.wave_blocks = plan.resident;
         return launch(kOp, rms_norm_fwd_kernel<T, W, kCols, P>,
-                      {grid, dim3(S::kThreads), kRmsFwdSmem<T, kCols, P>, stream}, p);
+                      {grid, dim3(S::kThreads), kRmsFwdSmem<T, kCols, P>, stream}, q);
       }
       break;
     case RmsKernel::general_vec:

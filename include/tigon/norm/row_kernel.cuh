@@ -105,6 +105,7 @@ struct RowPlan {
   RowKernel kernel = RowKernel::general_scalar;
   int grid = 0;
   int parts = 0;  // partial weight-gradient rows the kernel writes per gradient (backward)
+  std::int64_t resident = 0;  // compiled kernel: blocks resident at once (one wave)
   std::size_t workspace_bytes = 0;
 };
 
@@ -131,6 +132,18 @@ TIGON_DEVICE void prefetch_row_l2(const T* src, int t) {
     if (S::kExact || i < S::kNumVec) {
       prefetch_l2_line_of(src + i * S::kVec, S::kAccessBytes);
     }
+  }
+}
+
+// Ask the L2 for one row: one bulk prefetch by the group's first thread when the row is made of
+// 16-byte vectors (so it starts 16-byte aligned and is a multiple of 16 bytes long), else one
+// request per 128-byte line (prefetch_row_l2). A hint: it returns nothing and orders nothing.
+template <class S, class T>
+TIGON_DEVICE void prefetch_row_l2_bulk(const T* src, int t) {
+  if constexpr (S::kAccessBytes == 16) {
+    if (t == 0) prefetch_l2_bulk(src, static_cast<unsigned>(S::kNumVec * 16));
+  } else {
+    prefetch_row_l2<S>(src, t);
   }
 }
 
@@ -274,6 +287,7 @@ Status plan_compiled_rows(std::int64_t rows, int groups, bool persistent, const 
   const std::int64_t resident = static_cast<std::int64_t>(occ) * dev.sm_count;
   plan.kernel = RowKernel::compiled;
   plan.grid = static_cast<int>(std::min<std::int64_t>(blocks, persistent ? resident : 0x7fffffff));
+  plan.resident = resident;
   plan.parts = persistent ? plan.grid * groups : 0;
   return Status();
 }

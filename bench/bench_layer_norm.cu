@@ -176,6 +176,11 @@ FWD_VARIANT(v4_b128_staged, LayerNormPolicy<4, 128, 2, 512, 1, 3, false, false, 
 FWD_VARIANT(v4_b256_staged_cs, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, true, true, false>)
 // Direct forwards (the default): each thread's vectors straight into registers, no shared memory:
 FWD_VARIANT(v4_b256_direct_default, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true, true>)
+// The L2 prefetch around the grid-dependency wait: none, every block its own rows before the wait
+// (the ninth session's default before it was measured), the first and second waves (default).
+FWD_VARIANT(prefetch_none, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false, true, 0, 0>)
+FWD_VARIANT(prefetch_every_block, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false, true, 0, 1>)
+FWD_VARIANT(prefetch_two_waves, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false, true, 0, 2>)
 FWD_VARIANT(v4_b128_direct, LayerNormPolicy<4, 128, 2, 512, 1, 3, false, false, true, true>)
 // The default forward with a floor of 5 or 6 blocks per SM (capped registers):
 FWD_VARIANT(v4_b256_m5, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false, true, 5>)

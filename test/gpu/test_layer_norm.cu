@@ -376,6 +376,12 @@ TEST_CASE("layer_norm: compile-time hidden size <T, 4096> and policies", "[layer
       {.rows = 300, .cols = 4096, .bias = false, .compile_time = true});
   run_case<float, float, LayerNormPolicy<8, 256, 4, 256, 1, 4, false, false, true, true>>(c);
   run_case<half, half, LayerNormPolicy<16, 256, 8, 256, 1, 3, false, false, true, true>>(c);
+  // the forward's L2 prefetch (hints: the same function): none, every block, and the default's
+  // second-wave rows on enough rows for a second wave, with padded rows
+  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false, true, 0, 0>>(c);
+  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false, true, 0, 1>>(c);
+  run_case<bf16>({.rows = 6001, .cols = 4096, .compile_time = true});
+  run_case<bf16>({.rows = 6001, .cols = 4096, .pad = 8, .compile_time = true});
 }
 
 TEST_CASE("layer_norm: large 16384 x 4096 and 16384 x 8192", "[layer_norm][gpu][large]") {

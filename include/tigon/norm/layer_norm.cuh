@@ -217,9 +217,13 @@ Status validate(const LayerNormBackwardArgs<T, W>& a, const char* op, bool with_
 template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
           int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
           bool kFwdPersistent_ = false, bool kStreamingStores_ = false, bool kBwdKeepRows_ = false,
-          bool kFwdDirect_ = true, int kFwdMinBlocksPerSm_ = 0>
+          bool kFwdDirect_ = true, int kFwdMinBlocksPerSm_ = 0, int kFwdPrefetch_ = 2>
 struct LayerNormPolicy {
   static_assert(kFwdMinBlocksPerSm_ >= 0 && kFwdMinBlocksPerSm_ <= 32, "0 (no bound) to 32 blocks per SM");
+  static_assert(kFwdPrefetch_ >= 0 && kFwdPrefetch_ <= 2, "forward prefetch: 0, 1 or 2");
+  // Forward: what the blocks ask the L2 for around the grid-dependency wait, as RmsNormPolicy's
+  // (2, the default: the first wave its rows before the wait and the second wave's after it).
+  static constexpr int kFwdPrefetch = kFwdPrefetch_;
   // Forward: the second __launch_bounds__ argument, a floor on the blocks per SM that caps
   // registers (0, the default: none), as RmsNormPolicy's.
   static constexpr int kFwdMinBlocksPerSm = kFwdMinBlocksPerSm_;
@@ -297,6 +301,7 @@ struct LnFwdParams {
   std::int64_t cols;
   std::int64_t xs, ys;
   float eps;
+  std::int64_t wave_blocks = 0;  // compiled kernel: blocks resident at once (set at launch)
 };
 
 template <class T, class W>
@@ -334,8 +339,12 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdM
   const bool has_b = p.b != nullptr;
   T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * kCols;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
-  if (first < p.rows) prefetch_row_l2<S>(p.x + first * p.xs, t);  // before the wait: a hint (launch.cuh)
+  // L2 prefetches around the wait (policy kFwdPrefetch): hints, not accesses.
+  const bool first_wave = blockIdx.x < p.wave_blocks;
+  prefetch_first_row<P::kFwdPrefetch, S>(p.x, p.xs, first, p.rows, first_wave, t);
   detail::grid_dependency_sync();
+  prefetch_second_wave_row<P::kFwdPrefetch, S>(p.x, p.xs, first + p.wave_blocks * S::kGroups, p.rows,
+                                               first_wave, t);
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * S::kGroups;
   const T* const src[1] = {p.x};
   const std::int64_t stride[1] = {p.xs};
@@ -741,7 +750,9 @@ Status launch_forward(const LnFwdParams<T, W>& p, const RowPlan& plan, cudaStrea
   switch (plan.kernel) {
     case RowKernel::compiled:
       if constexpr (compiled_available<FwdRowShape, T, kCols, P>()) {
-        TIGON_CHECK(launch(kOp, layer_norm_fwd_kernel<T, W, kCols, P>, {dim3(plan.grid), dim3(FwdRowShape<T, kCols, P>::kThreads), kLnFwdSmem<T, kCols, P>, stream}, p));
+        LnFwdParams<T, W> q = p;
+        q.wave_blocks = plan.resident;
+        TIGON_CHECK(launch(kOp, layer_norm_fwd_kernel<T, W, kCols, P>, {dim3(plan.grid), dim3(FwdRowShape<T, kCols, P>::kThreads), kLnFwdSmem<T, kCols, P>, stream}, q));
       }
       break;
     case RowKernel::general_vec:

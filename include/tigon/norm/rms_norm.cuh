@@ -240,12 +240,13 @@ struct RmsNormPolicy {
   static_assert(kFwdMinBlocksPerSm_ >= 0 && kFwdMinBlocksPerSm_ <= 32, "0 (no bound) to 32 blocks per SM");
   static_assert(kFwdPrefetch_ >= 0 && kFwdPrefetch_ <= 2, "forward prefetch: 0, 1 or 2");
   // RMSNorm forward: what its blocks ask the L2 for around the grid-dependency wait (programmatic
-  // dependent launch), as hints. 0: nothing. 1: every block its own rows, before the wait (add +
-  // RMSNorm and LayerNorm do this). 2 (the default): only the first wave's blocks (those resident
-  // at once) ask, for their own rows before the wait and, right after it, for the rows of the
-  // blocks that take their places in the second wave; later blocks ask nothing. On one H200, 2
-  // was the fastest variant measured and the least sensitive to where the tensors lie
-  // (docs/rms_norm.md).
+  // dependent launch), as hints. 0: nothing. 1: every block its own rows, before the wait. 2 (the
+  // default): only the first wave's blocks (those resident at once) ask, for their own rows before
+  // the wait and, right after it, for the rows of the blocks that take their places in the second
+  // wave; later blocks ask nothing. On one H200, 2 was the fastest variant measured and the least
+  // sensitive to where the tensors lie (docs/rms_norm.md). The add + RMSNorm forward ignores the
+  // knob: every block asks for its rows of x and the residual before the wait (with two inputs,
+  // 2 measured slower there: docs/add_rms_norm.md).
   static constexpr int kFwdPrefetch = kFwdPrefetch_;
   // Forward (RMSNorm and add + RMSNorm): the second __launch_bounds__ argument, a floor on the
   // blocks per SM that caps registers (0, the default: none; ptxas then gives the default
@@ -390,20 +391,12 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads, P::kFwdM
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
-  // L2 prefetches around the wait (policy kFwdPrefetch): hints, not accesses. The first wave is
-  // the blocks resident at once.
-#if !defined(TIGON_NO_PDL_PREFETCH)
-  if constexpr (P::kFwdPrefetch == 1) {
-    if (first < p.rows) prefetch_row_l2_bulk<S>(p.x + first * p.xs, t);
-  } else if constexpr (P::kFwdPrefetch == 2) {
-    if (blockIdx.x < p.wave_blocks && first < p.rows) prefetch_row_l2_bulk<S>(p.x + first * p.xs, t);
-  }
-#endif
+  // L2 prefetches around the wait (policy kFwdPrefetch): hints, not accesses.
+  const bool first_wave = blockIdx.x < p.wave_blocks;
+  prefetch_first_row<P::kFwdPrefetch, S>(p.x, p.xs, first, p.rows, first_wave, t);
   detail::grid_dependency_sync();
-  if constexpr (P::kFwdPrefetch == 2) {  // the second wave's rows, now that x is final
-    const std::int64_t next = first + p.wave_blocks * S::kGroups;
-    if (blockIdx.x < p.wave_blocks && next < p.rows) prefetch_row_l2_bulk<S>(p.x + next * p.xs, t);
-  }
+  prefetch_second_wave_row<P::kFwdPrefetch, S>(p.x, p.xs, first + p.wave_blocks * S::kGroups, p.rows,
+                                               first_wave, t);
   const bool has_w = p.w != nullptr;
   const RmsNormCasting casting =
       P::kCasting < 0 ? p.casting : static_cast<RmsNormCasting>(P::kCasting);

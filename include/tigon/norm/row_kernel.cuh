@@ -147,6 +147,32 @@ TIGON_DEVICE void prefetch_row_l2_bulk(const T* src, int t) {
   }
 }
 
+// The norm forwards' L2 prefetch around the grid-dependency wait (policy kFwdPrefetch): before the
+// wait, mode 1 asks for the row group's first row from every block, mode 2 only from the first
+// wave's blocks (`first_wave`: those resident at once); after the wait, mode 2 has the first wave
+// ask for `next`, the row its place takes in the second wave. Hints, not accesses; before the
+// wait TIGON_NO_PDL_PREFETCH compiles them out.
+template <int kMode, class S, class T>
+TIGON_DEVICE void prefetch_first_row(const T* base, std::int64_t stride, std::int64_t first,
+                                     std::int64_t rows, bool first_wave, int t) {
+#if !defined(TIGON_NO_PDL_PREFETCH)
+  if constexpr (kMode == 1) {
+    if (first < rows) prefetch_row_l2_bulk<S>(base + first * stride, t);
+  } else if constexpr (kMode == 2) {
+    if (first_wave && first < rows) prefetch_row_l2_bulk<S>(base + first * stride, t);
+  }
+#else
+  (void)base, (void)stride, (void)first, (void)rows, (void)first_wave, (void)t;
+#endif
+}
+template <int kMode, class S, class T>
+TIGON_DEVICE void prefetch_second_wave_row(const T* base, std::int64_t stride, std::int64_t next,
+                                           std::int64_t rows, bool first_wave, int t) {
+  if constexpr (kMode == 2) {
+    if (first_wave && next < rows) prefetch_row_l2_bulk<S>(base + next * stride, t);
+  }
+}
+
 // Issue the copies of one row (this thread's chunks) into a shared-memory stage; the caller
 // commits the group (an empty group past the last row keeps the per-thread group count uniform).
 template <class S, class T>

@@ -10,7 +10,7 @@
 //   sm_90, both instructions do nothing. Before it a kernel may only compute from its parameters,
 //   set up its own shared memory and cluster barriers (the resident cross-entropy kernel's mbarrier
 //   and first cluster arrival), and ask the L2 for lines it is about to read
-//   (`prefetch_l2_line_of`: a hint, not an access).
+//   (`prefetch_l2_line_of`, `prefetch_l2_bulk`: hints, not accesses).
 // - host: `launch` adds the programmatic-stream-serialisation attribute when programmatic launch is
 //   enabled (the default; `set_programmatic_launch(false)` turns it off for the process, and
 //   defining TIGON_NO_PROGRAMMATIC_LAUNCH compiles it out), the device is sm_90 or later, and the

@@ -70,33 +70,52 @@ TEST_CASE("cross_entropy math layer matches the reference", "[ce][math]") {
   CHECK(ce_math::softcap(5.0f, 0.0f) == 5.0f);
 }
 
-TEST_CASE("cross_entropy on-chip kernel shape: blocks per row and slices", "[ce][dispatch]") {
-  using detail::ce_cluster_shape;
-  constexpr std::int64_t kSmem = 227 * 1024 - 4096;  // an H200 block's shared memory, less static
-  constexpr std::int64_t k72 = 72 * 1024;
-  // Automatic: the fewest of 1, 2, 4, 8 blocks whose slices fit 72 KiB.
-  auto s = ce_cluster_shape(128256 / 8, 16, -1, k72, kSmem);  // bf16 LLaMA-3: 250.5 KiB a row
-  CHECK(s.blocks == 4);
-  CHECK(s.slice == 4008);
-  CHECK(s.slice * 4 >= 128256 / 8);
-  s = ce_cluster_shape(32000 / 8, 16, -1, k72, kSmem);  // 62.5 KiB: one block
-  CHECK(s.blocks == 1);
-  CHECK(s.slice == 4000);
-  s = ce_cluster_shape(262144 / 8, 16, -1, k72, kSmem);  // 512 KiB: eight 64 KiB slices
-  CHECK(s.blocks == 8);
-  CHECK(s.slice == 4096);
-  s = ce_cluster_shape(128256 / 4, 16, -1, k72, kSmem);  // fp32: 501 KiB
-  CHECK(s.blocks == 8);
-  // Over eight blocks' budget, the slices grow up to a block's shared memory, then the row kernel.
-  s = ce_cluster_shape(1000000 / 8, 16, -1, k72, kSmem);  // 1.9 MiB: eight 244 KiB slices do not fit
-  CHECK(s.blocks == 0);
-  s = ce_cluster_shape(800000 / 8, 16, -1, k72, kSmem);  // 195 KiB slices fit
-  CHECK(s.blocks == 8);
-  // Forced sizes, uneven slices, off.
-  s = ce_cluster_shape(128256 / 8, 16, 3, k72, kSmem);
-  CHECK(s.blocks == 3);
-  CHECK(s.slice == 5344);
-  CHECK(ce_cluster_shape(128256 / 8, 16, 1, k72, kSmem).blocks == 0);  // 250.5 KiB in one block
-  CHECK(ce_cluster_shape(128256 / 8, 16, 0, k72, kSmem).blocks == 0);
-  CHECK(ce_cluster_shape(0, 16, -1, k72, kSmem).blocks == 0);
+TEST_CASE("cross_entropy resident kernels' shape: blocks per row and slices", "[ce][dispatch]") {
+  using detail::ce_res_shape;
+  // The plain kernel's default, 256 threads x 8 vectors: bf16 LLaMA-3 rows in 8 blocks.
+  auto s = ce_res_shape(128256 / 8, 256, 8);
+  CHECK(s.csize == 8);
+  CHECK(s.slice == 2004);
+  CHECK(s.slice * s.csize >= 128256 / 8);
+  s = ce_res_shape(32000 / 8, 256, 8);  // LLaMA-2: 2 blocks
+  CHECK(s.csize == 2);
+  CHECK(s.slice == 2000);
+  s = ce_res_shape(1000 / 8, 256, 8);  // one block, most threads idle
+  CHECK(s.csize == 1);
+  CHECK(s.slice == 125);
+  // The optioned kernel's default, 512 threads x 4 vectors: the same blocks per row.
+  CHECK(ce_res_shape(128256 / 8, 512, 4).csize == 8);
+  CHECK(ce_res_shape(256000 / 8, 512, 4).csize == 16);  // Gemma: 16 blocks, the largest cluster
+  // Uneven clusters, and rows over 16 blocks (the row kernel).
+  s = ce_res_shape(40000 / 8, 128, 8);
+  CHECK(s.csize == 5);
+  CHECK(s.slice == 1000);
+  CHECK(ce_res_shape(262144 / 4, 256, 8).csize == 0);  // fp32: 32 blocks
+  CHECK(ce_res_shape(262144 / 8, 256, 8).csize == 16);
+  CHECK(ce_res_shape(0, 256, 8).csize == 0);
+}
+
+namespace {
+struct Mine : CrossEntropyPolicy {
+  static constexpr int kResAhead = 16;
+};
+}  // namespace
+
+TEST_CASE("cross_entropy policy: a derived policy overrides one member", "[ce][dispatch]") {
+  STATIC_REQUIRE(Mine::kResAhead == 16);
+  STATIC_REQUIRE(Mine::kResThreads == CrossEntropyPolicy::kResThreads);
+  STATIC_REQUIRE(detail::check_ce_policy<Mine>());
+  STATIC_REQUIRE(std::is_same_v<CrossEntropyDefaultPolicy, CrossEntropyPolicy>);
+}
+
+TEST_CASE("cross_entropy softcap: the rational tanh against std::tanh", "[ce][math]") {
+  double worst = 0;
+  for (int i = -200000; i <= 200000; ++i) {
+    const float u = static_cast<float>(i) * 6e-5f;
+    worst = std::max(worst, std::abs(double(ce_math::tanh_rational(u)) - std::tanh(double(u))));
+  }
+  CHECK(worst < 1e-6);
+  CHECK(ce_math::tanh_rational(50.0f) == ce_math::tanh_rational(7.90531110763549805f));
+  CHECK(ce_math::tanh_rational(-50.0f) == -ce_math::tanh_rational(50.0f));
+  CHECK(std::abs(ce_math::tanh_rational(50.0f) - 1.0) < 1e-6);
 }

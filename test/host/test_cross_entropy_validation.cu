@@ -62,7 +62,13 @@ TEST_CASE("cross_entropy rejects bad arguments by name", "[ce][validation]") {
   a = good();
   a.workspace_bytes = 8;
   expect(cross_entropy(a, nullptr), Errc::workspace_too_small, "workspace_bytes");
-  CHECK(cross_entropy_workspace_bytes(8) <= sizeof(ws));
+  std::size_t need = 0;
+  a = good();
+  CHECK(cross_entropy_workspace_bytes(a, need).ok());
+  CHECK(need <= sizeof(ws));
+  a.logits = nullptr;
+  expect(cross_entropy_workspace_bytes(a, need), Errc::null_pointer, "logits");
+  CHECK(need == 0);
   a = good();
   expect(cross_entropy_shard_stats(a, 10, 70, nullptr, nullptr), Errc::null_pointer, "stats");
   CrossEntropyStats st[8];
@@ -81,11 +87,11 @@ TEST_CASE("linear_cross_entropy workspace query rejects bad arguments by name", 
   std::size_t bytes = 0;
   CHECK(linear_cross_entropy_workspace_bytes(a, bytes).ok());
   // One logits chunk (all 8 tokens x 8 classes) after the loss's per-token scratch.
-  CHECK(bytes == cross_entropy_workspace_bytes(8) + 256);
+  CHECK(bytes == detail::ce_workspace_bytes(8) + 256);
   a.chunk = 3;
   a.dbias = loss;
   CHECK(linear_cross_entropy_workspace_bytes(a, bytes).ok());
-  CHECK(bytes == cross_entropy_workspace_bytes(8) + 256 + 256);
+  CHECK(bytes == detail::ce_workspace_bytes(8) + 256 + 256);
   auto bad = a;
   bad.x = nullptr;
   expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::null_pointer, "x");

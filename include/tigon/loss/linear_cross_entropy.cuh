@@ -2,14 +2,15 @@
 // [tokens x vocabulary] logits: tokens are processed in chunks, and per chunk
 //
 //   logits = x_c W^T            one GEMM into a [chunk, vocab] buffer (bias added by the loss kernel)
-//   loss kernel                 the cross-entropy row kernel overwrites the chunk with dlogits
+//   loss kernel                 the cross-entropy kernel overwrites the chunk with dlogits
 //   dx_c   = dlogits W          GEMM
 //   dW    += dlogits^T x_c      GEMM accumulating in fp32 (beta = 1 after the first chunk)
 //   db    += 1^T dlogits        GEMM against a vector of ones, fp32
 //
 // Every cross-entropy option (ignore_index, smoothing, z-loss, softcap, class weights, reductions,
 // upstream gradients, lse, argmax) comes from composing the cross-entropy op's pieces: one
-// denominator over all tokens, the row kernel per chunk, one reduction at the end. The GEMM back end
+// denominator over all tokens, the cross-entropy kernels per chunk (detail::cross_entropy_chunk),
+// one reduction at the end. The GEMM back end
 // is a template parameter (CublasLtGemm by default). Extra device memory: one logits chunk
 // (chunk x vocab x sizeof(T)), a ones vector, and 8 bytes per token — what
 // linear_cross_entropy_workspace_bytes() returns.
@@ -161,23 +162,8 @@ template <class Gemm = CublasLtGemm, class T, class I>
     TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = xc, .b = args.weight, .d = logits, .m = c, .n = vocab,
                                       .k = hidden, .lda = xs, .op_b = Op::t},
                           stream));
-    // The cross-entropy row kernel over this chunk (gradient in place), against the denominator
-    // of all tokens.
-    detail::CeParams<T, I> p = detail::ce_params(ce);
-    p.x = logits;
-    p.xs = vocab;
-    p.dx = want_grad ? logits : nullptr;
-    p.dxs = vocab;
-    p.rows = c;
-    p.targets = ce.targets + r0;
-    p.bias = args.bias;
-    p.denom = scratch.denom;
-    p.loss_rows = (ce.loss_rows != nullptr ? ce.loss_rows : scratch.loss_rows) + r0;
-    p.z_rows = scratch.z_rows + r0;
-    if (ce.lse != nullptr) p.lse = ce.lse + r0;
-    if (ce.argmax != nullptr) p.argmax = ce.argmax + r0;
-    if (ce.grad_output != nullptr && ce.reduction == Reduction::none) p.grad_output = ce.grad_output + r0;
-    TIGON_CHECK(detail::run_ce_rows(p, stream, kOp));
+    // The loss over this chunk (gradient in place), against the denominator of all tokens.
+    TIGON_CHECK(detail::cross_entropy_chunk(ce, logits, args.bias, r0, c, want_grad, scratch, stream, kOp));
     if (!want_grad) continue;
     const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
     if (args.dx != nullptr) {

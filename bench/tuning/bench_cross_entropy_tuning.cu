@@ -1,0 +1,60 @@
+// Cross-entropy policy sweeps around the default (built with -DTIGON_BUILD_TUNING=ON): the row
+// kernel alone against the resident kernels, the optioned resident kernel's block shape, and
+// which kernel the loss alone takes. Same body and counting as bench/bench_cross_entropy.cu.
+#include "../harness.cuh"
+
+#include <tigon/loss/cross_entropy.cuh>
+
+#include "../ce_bench.cuh"
+
+namespace {
+
+using ce_bench::Opt;
+using tigon::CrossEntropyPolicy;
+
+// The row kernel alone (no row reaches kResMinCols).
+struct RowsOnly : CrossEntropyPolicy {
+  static constexpr std::int64_t kResMinCols = std::int64_t{1} << 40;
+};
+// The optioned resident kernel: block size, 16-byte vectors per thread, blocks per SM.
+template <int kThreads, int kVecs, int kMinBlocks>
+struct OptShape : CrossEntropyPolicy {
+  static constexpr int kOptThreads = kThreads;
+  static constexpr int kOptVecs = kVecs;
+  static constexpr int kOptMinBlocks = kMinBlocks;
+};
+// The loss alone on the plain resident kernel; the loss alone with options on the row kernel.
+struct ResLoss : CrossEntropyPolicy {
+  static constexpr bool kResLoss = true;
+};
+struct OptLossRows : CrossEntropyPolicy {
+  static constexpr bool kOptLoss = false;
+};
+
+const Opt kCap{.cap = 30.0f};
+const Opt kAll{.eps = 0.1f, .cap = 30.0f, .weights = true, .argmax = true};
+
+}  // namespace
+
+#define CE_TUNE(label, P, grad, opt)                                                                \
+  void BM_##label(benchmark::State& st) { ce_bench::run<P>(st, grad, opt, #label); }              \
+  BENCHMARK(BM_##label)->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond)
+#define TWO ->Args({8192, 32000})->Args({8192, 128256})
+
+CE_TUNE(rows_plain_grad, RowsOnly, true, Opt{}) TWO->Args({8192, 8192})->Args({8192, 16384});
+CE_TUNE(default_plain_grad_small, CrossEntropyPolicy, true, Opt{})->Args({8192, 8192})->Args({8192, 16384});
+CE_TUNE(rows_softcap_grad, RowsOnly, true, kCap) TWO;
+CE_TUNE(rows_all_grad, RowsOnly, true, kAll) TWO;
+CE_TUNE(opt_b512_v4_m2_softcap, (OptShape<512, 4, 2>), true, kCap) TWO;
+CE_TUNE(opt_b512_v4_m1_softcap, (OptShape<512, 4, 1>), true, kCap) TWO;
+CE_TUNE(opt_b256_v4_m4_softcap, (OptShape<256, 4, 4>), true, kCap) TWO;
+CE_TUNE(opt_b256_v8_m2_softcap, (OptShape<256, 8, 2>), true, kCap) TWO;
+CE_TUNE(opt_b1024_v2_m2_softcap, (OptShape<1024, 2, 2>), true, kCap) TWO;
+CE_TUNE(opt_b512_v4_m2_all, (OptShape<512, 4, 2>), true, kAll) TWO;
+CE_TUNE(opt_b512_v4_m1_all, (OptShape<512, 4, 1>), true, kAll) TWO;
+CE_TUNE(opt_b256_v8_m2_all, (OptShape<256, 8, 2>), true, kAll) TWO;
+CE_TUNE(res_loss_plain, ResLoss, false, Opt{}) TWO;
+CE_TUNE(rows_loss_softcap, OptLossRows, false, kCap) TWO;
+CE_TUNE(default_loss_softcap, CrossEntropyPolicy, false, kCap) TWO;
+
+BENCH_MAIN

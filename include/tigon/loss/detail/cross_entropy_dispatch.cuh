@@ -1,0 +1,224 @@
+// tigon/loss/detail/cross_entropy_dispatch.cuh - which cross-entropy kernel takes a call, the
+// launches, and the pieces the ops composed on cross-entropy call (the chunked linear
+// cross-entropy). Included by <tigon/loss/cross_entropy.cuh>; not a header to include on its own.
+#pragma once
+
+#ifndef TIGON_LOSS_CROSS_ENTROPY_API
+#error "include <tigon/loss/cross_entropy.cuh>"
+#endif
+
+#include <atomic>
+
+TIGON_NAMESPACE_BEGIN
+
+namespace detail {
+
+template <class T, class I>
+CeParams<T, I> ce_params(const CrossEntropyArgs<T, I>& a) {
+  CeParams<T, I> p{};
+  p.x = a.logits;
+  p.targets = a.targets;
+  p.dx = a.dlogits;
+  p.rows = a.rows;
+  p.vocab = a.vocab;
+  p.xs = a.logits_stride ? a.logits_stride : a.vocab;
+  p.dxs = a.dlogits_stride ? a.dlogits_stride : a.vocab;
+  p.weights = a.class_weights;
+  p.ignore_index = a.ignore_index;
+  p.eps = a.label_smoothing;
+  p.z = a.z_loss_scale;
+  p.cap = a.softcap;
+  p.grad_scale = a.grad_scale;
+  p.grad_output = a.grad_output;
+  p.reduction = a.reduction;
+  p.lse = a.lse;
+  p.argmax = a.argmax;
+  p.error_count = a.error_count;
+  p.col0 = 0;
+  p.total_vocab = a.vocab;
+  return p;
+}
+
+// Whether every row (and the bias) allows 16-byte vectors.
+template <class T, class I>
+bool ce_vectorizable(const CeParams<T, I>& p) {
+  constexpr int kV = kVecElems<T>;
+  return p.vocab % kV == 0 && rows_aligned(p.x, p.xs, kV) &&
+         (p.dx == nullptr || rows_aligned(p.dx, p.dxs, kV)) &&
+         (p.bias == nullptr || is_aligned(p.bias, 16));
+}
+
+// The row kernel: one row per resident block at a time (a gradient pass re-reads its row, from L2
+// where it stayed), kThreads threads, kV elements per vector.
+template <class T, class I, int kV, int kThreads, class P, bool kPlain>
+Status launch_ce_rows_as(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
+  constexpr auto kernel = ce_row_kernel<T, I, kV, kThreads, P::kRowUnroll, kPlain>;
+  DeviceInfo dev;
+  TIGON_CHECK(current_device_info(dev));
+  int occ = 0;
+  TIGON_CHECK((blocks_per_sm<kernel, kThreads>(dev.device, occ)));
+  const auto grid = static_cast<unsigned>(
+      std::clamp<std::int64_t>(static_cast<std::int64_t>(occ) * dev.sm_count, 1, std::max<std::int64_t>(p.rows, 1)));
+  return launch(op, kernel, {dim3(grid), dim3(kThreads), 0, stream}, p);
+}
+
+template <class T, class I, int kThreads, class P>
+Status launch_ce_rows(const CeParams<T, I>& p, bool vec, cudaStream_t stream, const char* op) {
+  const bool plain = ce_plain(p);
+  if (vec) {
+    return plain ? launch_ce_rows_as<T, I, kVecElems<T>, kThreads, P, true>(p, stream, op)
+                 : launch_ce_rows_as<T, I, kVecElems<T>, kThreads, P, false>(p, stream, op);
+  }
+  return plain ? launch_ce_rows_as<T, I, 1, kThreads, P, true>(p, stream, op)
+               : launch_ce_rows_as<T, I, 1, kThreads, P, false>(p, stream, op);
+}
+
+// A resident kernel (plain or optioned), when the row fits kCeResMaxCluster blocks and such a
+// cluster fits the device; `launched` false (nothing launched) otherwise.
+template <auto kKernel, int kThreads, int kVecs, int kAhead, class T, class I>
+Status launch_ce_resident(const CeParams<T, I>& p, cudaStream_t stream, const char* op, bool& launched) {
+  constexpr int kV = kVecElems<T>;
+  launched = false;
+  const CeResShape shape = ce_res_shape(p.vocab / kV, kThreads, kVecs);
+  if (shape.csize == 0) return Status();
+  const auto c = static_cast<unsigned>(shape.csize);
+  LaunchShape one{dim3(c), dim3(kThreads), 0, stream, c};
+  // Whether a cluster of csize blocks fits the device: asked once per device and cluster size
+  // (0: not asked yet, 1: fits, -1: does not), so that a call costs no occupancy query.
+  static std::atomic<int> fits[kMaxDevices][kCeResMaxCluster + 1] = {};
+  DeviceInfo dev;
+  TIGON_CHECK(current_device_info(dev));
+  if (dev.device < 0 || dev.device >= kMaxDevices) return Status();
+  std::atomic<int>& known = fits[dev.device][shape.csize];
+  int f = known.load(std::memory_order_relaxed);
+  if (f == 0) {
+    if (shape.csize > 8) {  // beyond the portable cluster size
+      TIGON_CHECK(Status::from_cuda(
+          cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), op,
+          "cudaFuncSetAttribute"));
+    }
+    cudaLaunchAttribute attrs[kMaxLaunchAttrs];
+    const cudaLaunchConfig_t query = launch_config(one, false, attrs);
+    int resident = 0;
+    TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kKernel, &query), op,
+                                  "cudaOccupancyMaxActiveClusters"));
+    f = resident >= 1 ? 1 : -1;
+    known.store(f, std::memory_order_relaxed);
+  }
+  if (f < 0) return Status();
+  // One cluster per row; grids over 2^31 - 1 blocks go in several launches.
+  const std::int64_t max_rows = (std::int64_t{1} << 31) / shape.csize - 1;
+  for (std::int64_t r0 = 0; r0 < p.rows; r0 += max_rows) {
+    const std::int64_t n = std::min(max_rows, p.rows - r0);
+    one.grid = dim3(static_cast<unsigned>(n * shape.csize));
+    TIGON_CHECK(launch(op, kKernel, one, p, r0, shape.slice, kAhead));
+  }
+  launched = true;
+  return Status();
+}
+
+// Which kernel takes a call: a resident kernel where one applies (sm_90+, 16-byte rows, at most
+// kCeResMaxCluster blocks a row, not the split vocabulary's finalize, which has its statistics),
+// else the row kernel.
+template <class P = CrossEntropyPolicy, class T, class I>
+Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
+  constexpr int kV = kVecElems<T>;
+  const bool vec = ce_vectorizable(p);
+  if constexpr (kV > 1) {
+    const bool plain = ce_plain(p);
+    const bool writes = p.dx != nullptr || p.stats_out != nullptr;
+    const bool wanted = plain ? (p.dx != nullptr || P::kResLoss) : (writes || P::kOptLoss);
+    if (vec && wanted && p.stats == nullptr && p.vocab >= P::kResMinCols) {
+      DeviceInfo dev;
+      TIGON_CHECK(current_device_info(dev));
+      if (dev.cc_major >= 9) {
+        bool launched = false;
+        if (plain) {
+          constexpr auto kernel = ce_resident_kernel<T, I, kV, P::kResThreads, P::kResVecs, P::kResMinBlocks>;
+          TIGON_CHECK((launch_ce_resident<kernel, P::kResThreads, P::kResVecs, P::kResAhead>(p, stream, op, launched)));
+        } else {
+          constexpr auto kernel = ce_resident_opt_kernel<T, I, kV, P::kOptThreads, P::kOptVecs, P::kOptMinBlocks>;
+          TIGON_CHECK((launch_ce_resident<kernel, P::kOptThreads, P::kOptVecs, P::kOptAhead>(p, stream, op, launched)));
+        }
+        if (launched) return Status();
+      }
+    }
+  }
+  if (p.dx != nullptr && p.vocab > kCeGradWideCols) return launch_ce_rows<T, I, P::kRowGradThreads, P>(p, vec, stream, op);
+  return launch_ce_rows<T, I, P::kRowThreads, P>(p, vec, stream, op);
+}
+
+// The mean's denominator and the reduction: one launch each, before and after the rows.
+template <class I>
+Status ce_denominator(const I* targets, std::int64_t rows, std::int64_t ignore_index,
+                      const float* weights, std::int64_t vocab, float* denom, cudaStream_t stream,
+                      const char* op) {
+  return launch(op, ce_denominator_kernel<I>, {dim3(1), dim3(1024), 0, stream}, targets, rows, ignore_index,
+                weights, vocab, denom);
+}
+
+inline Status ce_reduce(const float* loss_rows, const float* z_rows, std::int64_t rows, const float* denom,
+                        bool mean, float* loss, float* z_loss, cudaStream_t stream, const char* op) {
+  if (loss == nullptr && z_loss == nullptr) return Status();
+  return launch(op, ce_reduce_kernel<1024>, {dim3(1), dim3(1024), 0, stream}, loss_rows, z_rows, rows, denom,
+                mean, loss, z_loss);
+}
+
+// Workspace layout of a loss: [denominator | 3 spare floats | loss rows | z rows].
+struct CeScratch {
+  float* denom;
+  float* loss_rows;
+  float* z_rows;
+};
+inline CeScratch ce_scratch(void* ws, std::int64_t rows) {
+  float* f = static_cast<float*>(ws);
+  return {f, f + 4, f + 4 + rows};
+}
+
+template <class P = CrossEntropyPolicy, class T, class I>
+Status ce_impl(const CrossEntropyArgs<T, I>& a, CeParams<T, I> p, cudaStream_t stream, const char* op) {
+  TIGON_CHECK(check::workspace(a.workspace, a.workspace_bytes, ce_workspace_bytes(a.rows), op));
+  const CeScratch ws = ce_scratch(a.workspace, a.rows);
+  p.denom = ws.denom;
+  p.loss_rows = a.loss_rows != nullptr ? a.loss_rows : ws.loss_rows;
+  p.z_rows = ws.z_rows;
+  if (a.reduction == Reduction::mean) {
+    TIGON_CHECK(ce_denominator(a.targets, a.rows, a.ignore_index, a.class_weights, p.total_vocab,
+                               ws.denom, stream, op));
+  }
+  TIGON_CHECK(run_ce_rows<P>(p, stream, op));
+  if (p.stats_out == nullptr && a.reduction != Reduction::none) {
+    TIGON_CHECK(ce_reduce(p.loss_rows, p.z_rows, a.rows, ws.denom, a.reduction == Reduction::mean, a.loss,
+                          a.z_loss, stream, op));
+  }
+  return Status();
+}
+
+// One chunk of a loss whose denominator and reduction the caller launches (the chunked linear
+// cross-entropy): rows [r0, r0 + rows) of `loss`, their logits [rows, loss.vocab] contiguous in
+// `logits` with `bias` added, the gradient written over them when `grad`; per-row outputs and the
+// per-row scratch offset to the chunk.
+template <class P = CrossEntropyPolicy, class T, class I>
+Status cross_entropy_chunk(const CrossEntropyArgs<T, I>& loss, T* logits, const T* bias, std::int64_t r0,
+                           std::int64_t rows, bool grad, const CeScratch& scratch, cudaStream_t stream,
+                           const char* op) {
+  CeParams<T, I> p = ce_params(loss);
+  p.x = logits;
+  p.xs = loss.vocab;
+  p.dx = grad ? logits : nullptr;
+  p.dxs = loss.vocab;
+  p.rows = rows;
+  p.targets = loss.targets + r0;
+  p.bias = bias;
+  p.denom = scratch.denom;
+  p.loss_rows = (loss.loss_rows != nullptr ? loss.loss_rows : scratch.loss_rows) + r0;
+  p.z_rows = scratch.z_rows + r0;
+  if (loss.lse != nullptr) p.lse = loss.lse + r0;
+  if (loss.argmax != nullptr) p.argmax = loss.argmax + r0;
+  if (loss.grad_output != nullptr && loss.reduction == Reduction::none) p.grad_output = loss.grad_output + r0;
+  return run_ce_rows<P>(p, stream, op);
+}
+
+}  // namespace detail
+
+TIGON_NAMESPACE_END

@@ -1,0 +1,938 @@
+// tigon/loss/detail/cross_entropy_kernels.cuh - the cross-entropy kernels: the row kernel, the
+// plain and optioned resident kernels, and the denominator, reduction and merge kernels. Included
+// by <tigon/loss/cross_entropy.cuh>; not a header to include on its own.
+#pragma once
+
+#ifndef TIGON_LOSS_CROSS_ENTROPY_API
+#error "include <tigon/loss/cross_entropy.cuh>"
+#endif
+
+TIGON_NAMESPACE_BEGIN
+
+namespace detail {
+
+template <class T, class I>
+struct CeParams {
+  const T* x;
+  const I* targets;
+  T* dx;
+  std::int64_t rows, vocab, xs, dxs;
+  const float* weights;
+  std::int64_t ignore_index;
+  float eps, z, cap, grad_scale;
+  const float* grad_output;
+  Reduction reduction;
+  float* loss_rows;   // caller's or workspace scratch
+  float* z_rows;      // workspace scratch
+  float* lse;
+  std::int64_t* argmax;
+  int* error_count;
+  const float* denom;  // workspace: the mean's denominator
+  // Split vocabulary: this shard's columns are [col0, col0 + vocab) of total_vocab.
+  std::int64_t col0, total_vocab;
+  const CrossEntropyStats* stats;  // merged statistics (finalize), or null: compute them here
+  CrossEntropyStats* stats_out;    // shard statistics (stats pass), or null
+  const T* bias;                   // [vocab] added to the logits before the softcap, or null
+};
+
+struct CeAcc {  // one thread's (or a block's) running statistics
+  float m, s, sum_wx, sum_w, best;
+  std::int64_t best_i;
+};
+
+struct CeAccMerge {
+  TIGON_DEVICE CeAcc operator()(const CeAcc& a, const CeAcc& b) const {
+    CeAcc r = a;
+    ce_math::merge(r.m, r.s, b.m, b.s);
+    r.sum_wx = a.sum_wx + b.sum_wx;
+    r.sum_w = a.sum_w + b.sum_w;
+    if (b.best > a.best || (b.best == a.best && b.best_i < a.best_i)) {
+      r.best = b.best;
+      r.best_i = b.best_i;
+    }
+    return r;
+  }
+};
+
+template <int kThreads>
+struct CeShared {
+  typename cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>::TempStorage reduce;
+  CeAcc total;
+  float x_t;
+};
+
+// The logits of one raw vector (with bias and softcap) in fp32.
+template <class T, int kV>
+TIGON_DEVICE void to_x(const AlignedVec<T, kV>& v, const T* bias, std::int64_t c, float cap, float* x) {
+  AlignedVec<T, kV> b;
+  if (bias != nullptr) b = load_vec<kV>(bias + c);
+#pragma unroll
+  for (int k = 0; k < kV; ++k) {
+    x[k] = ce_math::softcap(to_float(v.v[k]) + (bias != nullptr ? to_float(b.v[k]) : 0.0f), cap);
+  }
+}
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x on the special-function unit, subnormal results flushed to zero (probabilities under 2^-126
+// of the row's largest are zero in any dtype the gradient is written in).
+TIGON_DEVICE float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Fold kN fp32 logits, columns c0 .. c0 + kN - 1, into a thread's running statistics: one rescale
+// per call, exp2 with the log2(e) factor folded into an FMA; the first index wins ties.
+template <int kN>
+TIGON_DEVICE void ce_accumulate(CeAcc& acc, const float* x, std::int64_t c0, bool want_arg, bool smooth,
+                                const float* weights) {
+  float vm = x[0];
+#pragma unroll
+  for (int k = 1; k < kN; ++k) vm = fmaxf(vm, x[k]);
+  const float mm = fmaxf(vm, acc.m);
+  const float mb = mm * kLog2e;
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) s += exp2_ftz(fmaf(x[k], kLog2e, -mb));
+  acc.s = acc.s * exp2_ftz(fmaf(acc.m, kLog2e, -mb)) + s;
+  acc.m = mm;
+  if (want_arg && vm > acc.best) {
+    int bk = 0;
+#pragma unroll
+    for (int k = kN - 1; k >= 0; --k) {
+      if (x[k] == vm) bk = k;
+    }
+    acc.best = vm;
+    acc.best_i = c0 + bk;
+  }
+  if (smooth) {
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      const float w = weights != nullptr ? weights[c0 + k] : 1.0f;
+      acc.sum_wx += w * x[k];
+      acc.sum_w += w;
+    }
+  }
+}
+
+// ---- The per-row steps the kernels share ----
+
+// Column c's logit from its raw value: bias and softcap applied.
+template <class T, class I>
+TIGON_DEVICE float ce_logit(const CeParams<T, I>& p, T raw, std::int64_t c) {
+  return ce_math::softcap(to_float(raw) + (p.bias != nullptr ? to_float(p.bias[c]) : 0.0f), p.cap);
+}
+
+// The target's logit, or 0 when the target is not in this shard.
+template <class T, class I>
+TIGON_DEVICE float ce_target_logit(const CeParams<T, I>& p, const T* xr, std::int64_t t) {
+  return (t >= 0 && t < p.vocab) ? ce_logit(p, xr[t], t) : 0.0f;
+}
+
+// The row's terms from its merged statistics. Merged split-vocabulary statistics carry the target's
+// weight from the shard that holds it.
+template <class T, class I>
+TIGON_DEVICE ce_math::RowTerms ce_row_terms(const CeParams<T, I>& p, std::int64_t row, const CeAcc& total,
+                                            float lse, float x_t, std::int64_t t_raw, bool skip) {
+  ce_math::RowTerms terms{};
+  terms.lse = lse;
+  terms.x_t = x_t;
+  if (skip) {
+    terms.w_t = 0.0f;
+  } else if (p.weights == nullptr) {
+    terms.w_t = 1.0f;
+  } else {
+    terms.w_t = p.stats != nullptr ? p.stats[row].target_weight : p.weights[t_raw];
+  }
+  terms.sum_w = p.weights != nullptr ? total.sum_w : static_cast<float>(p.total_vocab);
+  terms.sum_wx = total.sum_wx;
+  return terms;
+}
+
+// The row's outputs (loss, z term, lse, argmax; a bad target counted once), by one thread.
+template <class T, class I>
+TIGON_DEVICE void ce_write_row(const CeParams<T, I>& p, std::int64_t row, const ce_math::RowTerms& terms,
+                               const CeAcc& total, bool ignored, bool bad) {
+  float l = 0.0f, zl = 0.0f;
+  if (bad) {
+    l = __int_as_float(0x7fc00000);
+    if (p.error_count != nullptr) atomicAdd(p.error_count, 1);
+  } else if (!ignored) {
+    zl = p.z * terms.lse * terms.lse;
+    l = ce_math::row_loss(terms, p.eps, p.total_vocab) + zl;
+  }
+  p.loss_rows[row] = l;
+  if (p.z_rows != nullptr) p.z_rows[row] = zl;
+  if (p.lse != nullptr) p.lse[row] = terms.lse;
+  if (p.argmax != nullptr) p.argmax[row] = total.best_i;
+}
+
+// The factor of the row's gradient: upstream gradient over the mean's denominator (0 when skipped).
+template <class T, class I>
+TIGON_DEVICE float ce_grad_scale(const CeParams<T, I>& p, std::int64_t row, bool skip) {
+  if (skip) return 0.0f;
+  const float up = p.grad_output == nullptr ? 1.0f : p.grad_output[p.reduction == Reduction::none ? row : 0];
+  const float den = p.reduction == Reduction::mean ? *p.denom : 1.0f;
+  return p.grad_scale * up / den;
+}
+
+// The gradient of one vector of logits (vector index i), written to dr.
+template <class T, class I, int kV>
+TIGON_DEVICE void ce_grad_vec(const CeParams<T, I>& p, const AlignedVec<T, kV>& raw, int i, T* dr,
+                              std::int64_t t, const ce_math::RowTerms& terms, float scale, const float* wcol,
+                              std::uint64_t policy) {
+  const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
+  float x[kV];
+  to_x<T, kV>(raw, p.bias, c0, p.cap, x);
+  AlignedVec<T, kV> g;
+#pragma unroll
+  for (int k = 0; k < kV; ++k) {
+    const std::int64_t c = c0 + k;
+    float v = 0.0f;
+    if (scale != 0.0f) {
+      const float pr = exp2_ftz(fmaf(x[k], kLog2e, -terms.lse * kLog2e));
+      const float w = wcol != nullptr ? wcol[c] : 1.0f;
+      v = ce_math::grad(pr, c == t, w, terms, p.eps, p.z, p.total_vocab) * ce_math::softcap_grad(x[k], p.cap) *
+          scale;
+    }
+    g.v[k] = from_float<T>(v);
+  }
+  store_vec_policy(dr + c0, g, policy);
+}
+
+// The plain instances' gradient of a vector that does not hold the target: with no smoothing,
+// class weights or softcap, d loss / d x_i = scale (w_t p_i + 2 z lse p_i) = p_i * factor, factor =
+// scale (w_t + 2 z lse), p_i = 2^(x_i log2(e) - lse log2(e)). A skipped row (scale 0) gets zeros.
+template <class T, int kV>
+TIGON_DEVICE void ce_grad_vec_plain(const AlignedVec<T, kV>& raw, int i, T* dr, float neg_lse2, float factor,
+                                    std::uint64_t policy) {
+  float x[kV];
+  to_floats(raw, x);
+  if (factor == 0.0f) {
+#pragma unroll
+    for (int k = 0; k < kV; ++k) x[k] = 0.0f;
+  } else {
+#pragma unroll
+    for (int k = 0; k < kV; ++k) x[k] = exp2_ftz(fmaf(x[k], kLog2e, neg_lse2)) * factor;
+  }
+  store_vec_policy(dr + static_cast<std::int64_t>(i) * kV, from_floats<T>(x), policy);
+}
+
+// The per-row constants of the plain gradient path, and the vector holding the target (-1: none in
+// this shard), which takes the general ce_grad_vec.
+struct CePlainRow {
+  float neg_lse2, factor;
+  int t_vec;
+};
+template <class T, class I, int kV>
+TIGON_DEVICE CePlainRow ce_plain_row(const CeParams<T, I>& p, std::int64_t t, const ce_math::RowTerms& terms,
+                                     float scale) {
+  CePlainRow r;
+  r.neg_lse2 = -terms.lse * kLog2e;
+  r.factor = scale == 0.0f ? 0.0f : scale * (terms.w_t + 2.0f * p.z * terms.lse);
+  r.t_vec = (t >= 0 && t < p.vocab) ? static_cast<int>(t / kV) : -1;
+  return r;
+}
+
+// One vector's gradient: the plain path unless it holds the target (or the instance is general).
+template <class T, class I, int kV, bool kFast>
+TIGON_DEVICE void ce_grad_any(const CeParams<T, I>& p, const AlignedVec<T, kV>& raw, int i, T* dr, std::int64_t t,
+                              const ce_math::RowTerms& terms, float scale, const float* wcol, std::uint64_t policy,
+                              const CePlainRow& pr) {
+  if constexpr (kFast && kV > 1) {  // the 16-byte vector instances
+    if (i != pr.t_vec) {
+      ce_grad_vec_plain<T, kV>(raw, i, dr, pr.neg_lse2, pr.factor, policy);
+      return;
+    }
+  }
+  ce_grad_vec<T, I, kV>(p, raw, i, dr, t, terms, scale, wcol, policy);
+}
+
+// Pass 1 over vectors [lo, hi) of row xr into this thread's statistics: vectors lo + tid,
+// lo + tid + kThreads, ..., kU of them in flight per trip (read with L2 policy `keep`).
+template <class T, class I, int kV, int kThreads, int kU>
+TIGON_DEVICE void ce_stats_range(const CeParams<T, I>& p, const T* xr, int lo, int hi, bool want_arg, bool smooth,
+                                 const float* wcol, std::uint64_t keep, CeAcc& acc) {
+  int i = lo + static_cast<int>(threadIdx.x);
+  for (; i + (kU - 1) * kThreads < hi; i += kU * kThreads) {
+    AlignedVec<T, kV> raw[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i + u * kThreads) * kV, keep);
+    // One vector at a time once all kU are in flight: eight fp32 values live, not kU * 8.
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const std::int64_t c0 = static_cast<std::int64_t>(i + u * kThreads) * kV;
+      float x[kV];
+      to_x<T, kV>(raw[u], p.bias, c0, p.cap, x);
+      ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
+    }
+  }
+  for (; i < hi; i += kThreads) {
+    const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
+    float x[kV];
+    to_x<T, kV>(load_vec_policy<kV>(xr + c0, keep), p.bias, c0, p.cap, x);
+    ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
+  }
+}
+
+// Pass 2 over vectors [lo, hi) of row xr: the gradient written to dr, newest lines first (the end
+// of the range was read last and is the likeliest still in L2), kU vectors in flight per trip.
+// kFast (plain instances): vectors without the target take ce_grad_vec_plain.
+template <class T, class I, int kV, int kThreads, int kU, bool kFast = false>
+TIGON_DEVICE void ce_grad_range(const CeParams<T, I>& p, const T* xr, T* dr, int lo, int hi, std::int64_t t,
+                                const ce_math::RowTerms& terms, float scale, const float* wcol,
+                                std::uint64_t drop) {
+  const CePlainRow pr = ce_plain_row<T, I, kV>(p, t, terms, scale);
+  int i = hi - 1 - static_cast<int>(threadIdx.x);
+  for (; i - (kU - 1) * kThreads >= lo; i -= kU * kThreads) {
+    AlignedVec<T, kV> raw[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i - u * kThreads) * kV, drop);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      ce_grad_any<T, I, kV, kFast>(p, raw[u], i - u * kThreads, dr, t, terms, scale, wcol, drop, pr);
+    }
+  }
+  for (; i >= lo; i -= kThreads) {
+    ce_grad_any<T, I, kV, kFast>(p, load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop), i, dr, t,
+                                 terms, scale, wcol, drop, pr);
+  }
+}
+
+// The common case (no class weights, smoothing, softcap, bias, argmax or split-vocabulary
+// statistics): those fields as compile-time constants, so their per-element work and registers
+// drop out of the instance.
+template <class T, class I>
+TIGON_HD bool ce_plain(const CeParams<T, I>& p) {
+  return p.weights == nullptr && p.eps == 0.0f && p.cap == 0.0f && p.bias == nullptr && p.argmax == nullptr &&
+         p.stats == nullptr && p.stats_out == nullptr;
+}
+
+template <bool kPlain, class T, class I>
+TIGON_DEVICE CeParams<T, I> ce_specialise(CeParams<T, I> p) {
+  if constexpr (kPlain) {
+    p.weights = nullptr;
+    p.eps = 0.0f;
+    p.cap = 0.0f;
+    p.bias = nullptr;
+    p.argmax = nullptr;
+    p.stats = nullptr;
+    p.stats_out = nullptr;
+  }
+  return p;
+}
+
+// ---- The row kernel ----
+
+// One row per block (grid-stride over rows). Pass 1 (unless merged statistics are given): max,
+// sum of exp, smoothing sums and argmax over the row, kU vectors in flight per thread, read
+// with the evict-last L2 priority. Then the row's loss, and pass 2 (with a gradient): the row
+// again, newest lines first (the likeliest still in L2; at 8 rows of 128K logits per SM most of a
+// row comes from DRAM again), and the gradient written in place or to dx.
+template <class T, class I, int kV, int kThreads, int kU, bool kPlain>
+TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I> params) {
+  detail::grid_dependency_sync();
+  const CeParams<T, I> p = ce_specialise<kPlain>(params);
+  using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
+  __shared__ CeShared<kThreads> sh;
+  const int nvec = static_cast<int>(p.vocab / kV);
+  const bool smooth = p.eps > 0.0f;
+  const bool want_arg = p.argmax != nullptr || p.stats_out != nullptr;
+  const std::uint64_t keep = l2_policy<L2Hint::evict_last>();
+  const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
+  const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
+  for (std::int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* xr = p.x + row * p.xs;
+    const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
+    const std::int64_t t = t_raw - p.col0;  // target column within this shard
+    const bool ignored = t_raw == p.ignore_index;
+    const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
+    CeAcc total;
+    if (p.stats == nullptr) {
+      CeAcc acc{-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+      ce_stats_range<T, I, kV, kThreads, kU>(p, xr, 0, nvec, want_arg, smooth, wcol, keep, acc);
+      acc.best_i += p.col0;
+      const CeAcc r = Reduce(sh.reduce).Reduce(acc, CeAccMerge{});
+      if (threadIdx.x == 0) {
+        sh.total = r;
+        sh.x_t = ce_target_logit(p, xr, t);
+      }
+      __syncthreads();
+      total = sh.total;
+      if (p.stats_out != nullptr) {  // shard statistics: pass 1 only
+        if (threadIdx.x == 0) {
+          CrossEntropyStats st{};
+          st.max = total.m;
+          st.sumexp = total.s;
+          st.has_target = (t >= 0 && t < p.vocab) ? 1 : 0;
+          st.target_logit = sh.x_t;
+          st.target_weight =
+              (st.has_target && p.weights != nullptr) ? p.weights[t_raw] : 1.0f;
+          st.sum_wx = total.sum_wx;
+          st.sum_w = total.sum_w;
+          st.argmax_value = total.best;
+          st.argmax = total.best_i;
+          p.stats_out[row] = st;
+        }
+        __syncthreads();
+        continue;
+      }
+    } else {
+      const CrossEntropyStats& st = p.stats[row];
+      total = {st.max, st.sumexp, st.sum_wx, st.sum_w, st.argmax_value, st.argmax};
+      if (threadIdx.x == 0) sh.x_t = st.target_logit;
+      __syncthreads();
+    }
+    const float lse = total.m + logf(total.s);
+    const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, sh.x_t, t_raw, ignored || bad);
+    if (threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
+    if (p.dx != nullptr) {
+      ce_grad_range<T, I, kV, kThreads, kU, kPlain>(p, xr, p.dx + row * p.dxs, 0, nvec, t, terms,
+                                            ce_grad_scale(p, row, ignored || bad), wcol, drop);
+    }
+    __syncthreads();  // sh is reused by the next row
+  }
+}
+
+
+
+// ---- The resident kernels ----
+
+// The plain resident kernel (the common case: ce_plain, 16-byte vectors, sm_90+): one row per
+// cluster of csize blocks and one slice per block, no block walks rows. Each
+// thread loads its kVecs vectors of the slice at once and keeps them in registers, so the logits
+// are read from DRAM once and no second pass reads them again; the gradient is written from the
+// registers. A block's statistics (max and sum of exp relative to it; block 0's also carry the
+// target's logit) go to every block of the cluster through distributed shared memory, one 16-byte
+// asynchronous store per block (lane r of warp 0 to block r), counted on the receiver's barrier;
+// every block merges the same messages in the same lane order, so all hold the same totals
+// (deterministic). The hardware keeps as many blocks per SM as registers allow, each its own row
+// slice in its own phase, so the memory pipe stays busy while a block waits for its cluster's
+// messages; `ahead` (kResAhead) rows on, each block's slice is asked of the L2 (docs/cross_entropy.md).
+// The largest element of a vector, running across calls: bfloat16 and half pairs compared two at a
+// time (packed), the pair folded once at the end (value()).
+template <class T>
+struct CePackedMax {
+  static constexpr bool kPacked = std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>;
+  using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  Pair pair;
+  float scalar;
+  TIGON_DEVICE CePackedMax() {
+    if constexpr (kPacked) {
+      const T lo = from_float<T>(-__builtin_huge_valf());
+      pair = Pair(lo, lo);
+    }
+    scalar = -__builtin_huge_valf();
+  }
+  template <int kV>
+  TIGON_DEVICE void add(const AlignedVec<T, kV>& v) {
+    if constexpr (kPacked && kV % 2 == 0) {
+#pragma unroll
+      for (int k = 0; k < kV; k += 2) {
+        Pair q;
+        __builtin_memcpy(&q, &v.v[k], sizeof(q));
+        pair = __hmax2(pair, q);
+      }
+    } else {
+      float x[kV];
+      to_floats(v, x);
+#pragma unroll
+      for (int k = 0; k < kV; ++k) scalar = fmaxf(scalar, x[k]);
+    }
+  }
+  TIGON_DEVICE float value() const {
+    if constexpr (kPacked) return fmaxf(scalar, fmaxf(to_float(pair.x), to_float(pair.y)));
+    return scalar;
+  }
+};
+
+// (m, s) pairs of lanes [0, n) merged across the warp: the max, then each sum rescaled to it and
+// added; every lane ends with the same totals, and every block of a cluster, merging the same
+// messages in the same order, with the same (deterministic).
+TIGON_DEVICE void ce_merge_lanes(int lane, float pm, float ps, int n, float& om, float& os) {
+  float mm[1] = {lane < n ? pm : -__builtin_huge_valf()};
+  warp_allreduce<32>(mm, MaxOp{});
+  float ss[1] = {(lane < n && pm != -__builtin_huge_valf()) ? ps * exp2_ftz((pm - mm[0]) * kLog2e) : 0.0f};
+  warp_allreduce_sum<32>(ss);
+  om = mm[0];
+  os = ss[0];
+}
+
+template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks>
+TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(const CeParams<T, I> params,
+                                                                              std::int64_t row0, int slice,
+                                                                              int ahead) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kWarps = kThreads / 32;
+  __shared__ std::uint64_t bar;
+  __shared__ float4 slots[kCeResMaxCluster];
+  __shared__ float2 part[kWarps];
+  __shared__ float row_lse, row_xt;
+  const unsigned csize = cluster_blocks();
+  const unsigned rank = cluster_rank();
+  if (threadIdx.x == 0) mbarrier_init(&bar);  // completes after one arrival and the messages' bytes
+  cluster_arrive_relaxed();  // this block's barrier is ready for the cluster's messages (the init's fence releases it)
+  detail::grid_dependency_sync();
+  const CeParams<T, I> p = ce_specialise<true>(params);
+  const std::int64_t row = row0 + blockIdx.x / csize;
+  const int nvec = static_cast<int>(p.vocab / kV);
+  const int v0 = min(static_cast<int>(rank) * slice, nvec);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int first = v0 + tid;                          // this thread's first vector
+  const int mine = min(v0 + slice, nvec) - first;      // vector j is this thread's when j * kThreads < mine
+  const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
+  const T* xv = p.x + row * p.xs + static_cast<std::int64_t>(first) * kV;
+  // The same slice of the row `ahead` rows on, asked of the L2 now: the block that takes that row
+  // then finds its logits there, and DRAM has those bytes in flight without registers holding them.
+  if (ahead > 0 && tid == 0 && row + ahead < p.rows && v0 < nvec) {
+    prefetch_l2_bulk(p.x + (row + ahead) * p.xs + static_cast<std::int64_t>(v0) * kV,
+                     static_cast<unsigned>(min(slice, nvec - v0)) * 16u);
+  }
+  AlignedVec<T, kV> raw[kVecs];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (j * kThreads < mine) raw[j] = load_vec_policy<kV>(xv + j * kThreads * kV, drop);
+  }
+  const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
+  const std::int64_t t = t_raw - p.col0;
+  const bool in_row = t >= 0 && t < p.vocab;
+  // The target's logit, read by one thread of the first block before its message leaves, so
+  // before any block of the cluster (all wait for that message) writes its gradient over it.
+  float xt = 0.0f;
+  if (rank == 0 && tid == 0 && in_row) xt = to_float(p.x[row * p.xs + t]);
+  // The warp's max, then this thread's sum of exp relative to it, summed over the warp.
+  CePackedMax<T> mx;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (j * kThreads < mine) mx.add(raw[j]);
+  }
+  float m[1] = {mx.value()};
+  warp_allreduce<32>(m, MaxOp{});
+  // A warp whose elements are all -inf (or that has none) sums nothing: its m stays -inf.
+  const float mb = m[0] == -__builtin_huge_valf() ? 0.0f : m[0] * kLog2e;
+  float s[1] = {0.0f};
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (j * kThreads < mine) {
+      float x[kV];
+      to_floats(raw[j], x);
+#pragma unroll
+      for (int k = 0; k < kV; ++k) s[0] += exp2_ftz(fmaf(x[k], kLog2e, -mb));
+    }
+  }
+  warp_allreduce_sum<32>(s);
+  if ((tid & 31) == 0) part[tid >> 5] = make_float2(m[0], s[0]);
+  __syncthreads();
+  cluster_wait();  // every block's barrier is ready (pairs cluster_arrive_relaxed above)
+  if (tid < 32) {  // warp 0: the block's statistics, the messages, the row's
+    const int lane = tid;
+    float bm, bs;
+    const float2 mine_part = lane < kWarps ? part[lane] : make_float2(0.0f, 0.0f);
+    ce_merge_lanes(lane, mine_part.x, mine_part.y, kWarps, bm, bs);
+    // The one arrival, announcing the messages' bytes (some may have landed already); then lane r
+    // sends this block's statistics to block r.
+    if (lane == 0) mbarrier_arrive_expect_tx(&bar, csize * static_cast<unsigned>(sizeof(float4)));
+    xt = __shfl_sync(0xffffffffu, xt, 0);  // lane 0 (thread 0) read it; every lane's message carries it
+    if (lane < static_cast<int>(csize)) {
+      cluster_store_async_f4(cluster_smem_addr(&slots[rank], static_cast<unsigned>(lane)),
+                             cluster_smem_addr(&bar, static_cast<unsigned>(lane)), bm, bs, xt, 0.0f);
+    }
+    mbarrier_wait<true>(&bar, 0);  // every block's message has arrived
+    const float4 msg = lane < static_cast<int>(csize) ? slots[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float tm, ts;
+    ce_merge_lanes(lane, msg.x, msg.y, static_cast<int>(csize), tm, ts);
+    if (lane == 0) {
+      row_lse = tm + logf(ts);
+      row_xt = msg.z;  // block 0's message carries the target's logit
+      if (rank == 0) {
+        const bool ignored = t_raw == p.ignore_index;
+        const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
+        const CeAcc total{tm, ts, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+        ce_write_row(p, row, ce_row_terms(p, row, total, row_lse, row_xt, t_raw, ignored || bad), total, ignored,
+                     bad);
+      }
+    }
+  }
+  if (p.dx == nullptr) return;
+  __syncthreads();
+  const float lse = row_lse;
+  const bool ignored = t_raw == p.ignore_index;
+  const bool skip = ignored || t_raw < 0 || t_raw >= p.total_vocab;
+  const float scale = ce_grad_scale(p, row, skip);
+  // d loss / d x_i = p_i * factor off the target, factor = scale (1 + 2 z lse); for factor > 0
+  // its log2 joins the exponent: p_i * factor = 2^(x_i log2(e) + log2(factor) - lse log2(e)).
+  const float factor = scale == 0.0f ? 0.0f : scale * (1.0f + 2.0f * p.z * lse);
+  const float neg_lse2 = -lse * kLog2e;
+  T* dv = p.dx + row * p.dxs + static_cast<std::int64_t>(first) * kV;
+  if (factor > 0.0f) {
+    const float bias = neg_lse2 + __log2f(factor);
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (j * kThreads < mine) {
+        float x[kV];
+        to_floats(raw[j], x);
+#pragma unroll
+        for (int k = 0; k < kV; ++k) x[k] = exp2_ftz(fmaf(x[k], kLog2e, bias));
+        store_vec_policy(dv + j * kThreads * kV, from_floats<T>(x), drop);
+      }
+    }
+  } else {  // a negative upstream gradient, or none (zeros)
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (j * kThreads < mine) {
+        float x[kV];
+        to_floats(raw[j], x);
+#pragma unroll
+        for (int k = 0; k < kV; ++k) x[k] = factor == 0.0f ? 0.0f : exp2_ftz(fmaf(x[k], kLog2e, neg_lse2)) * factor;
+        store_vec_policy(dv + j * kThreads * kV, from_floats<T>(x), drop);
+      }
+    }
+  }
+  // The target's gradient, formed in fp32 from p - 1 as the row kernel forms it, over the value
+  // just stored by the thread that stored its vector.
+  if (in_row && scale != 0.0f) {
+    const int d = static_cast<int>(t / kV) - first;
+    if (d >= 0 && d % kThreads == 0 && d / kThreads < kVecs && d < mine) {
+      ce_math::RowTerms terms{};
+      terms.w_t = 1.0f;
+      terms.lse = lse;
+      terms.x_t = row_xt;
+      const float pr = exp2_ftz(fmaf(row_xt, kLog2e, neg_lse2));
+      p.dx[row * p.dxs + t] = from_float<T>(ce_math::grad(pr, true, 1.0f, terms, 0.0f, p.z, p.total_vocab) * scale);
+    }
+  }
+#else
+  (void)params;
+  (void)row0;
+  (void)slice;
+  (void)ahead;
+#endif
+}
+
+// The resident kernel for every option (class weights, label smoothing, softcap, bias, argmax and
+// the split-vocabulary statistics pass; the default for them on sm_90+ with 16-byte rows): the
+// plain kernel's structure, with each thread's logits held in registers in fp32 after the bias and
+// the softcap, so each element's softcap is computed once. A block's message is two 16-byte
+// stores: (max, sum of exp, the target's logit, the block's argmax column) and the smoothing sums
+// (sum of w_i x_i, sum of w_i). The argmax is the first column holding the row's largest logit.
+template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks>
+TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel(const CeParams<T, I> p,
+                                                                                  std::int64_t row0, int slice,
+                                                                                  int ahead) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kWarps = kThreads / 32;
+  constexpr unsigned kNoArg = 0x7fffffffu;
+  __shared__ std::uint64_t bar;
+  __shared__ float4 slots[2 * kCeResMaxCluster];  // [block]: statistics; [kCeResMaxCluster + block]: sums
+  __shared__ float4 part[kWarps];                 // per warp: max, sum of exp, argmax column, -
+  __shared__ float2 part_w[kWarps];               // per warp: sum of w_i x_i, sum of w_i
+  __shared__ float row_lse, row_xt, row_swx, row_sw;
+  const unsigned csize = cluster_blocks();
+  const unsigned rank = cluster_rank();
+  if (threadIdx.x == 0) mbarrier_init(&bar);
+  cluster_arrive_relaxed();
+  detail::grid_dependency_sync();
+  const std::int64_t row = row0 + blockIdx.x / csize;
+  const int nvec = static_cast<int>(p.vocab / kV);
+  const int v0 = min(static_cast<int>(rank) * slice, nvec);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int first = v0 + tid;
+  const int mine = min(v0 + slice, nvec) - first;
+  const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
+  const T* xv = p.x + row * p.xs + static_cast<std::int64_t>(first) * kV;
+  if (ahead > 0 && tid == 0 && row + ahead < p.rows && v0 < nvec) {
+    prefetch_l2_bulk(p.x + (row + ahead) * p.xs + static_cast<std::int64_t>(v0) * kV,
+                     static_cast<unsigned>(min(slice, nvec - v0)) * 16u);
+  }
+  const bool smooth = p.eps > 0.0f;
+  const bool want_arg = p.argmax != nullptr || p.stats_out != nullptr;
+  const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
+  // This thread's logits, bias and softcap applied (-inf past the slice's end).
+  float x[kVecs][kV];
+  {
+    AlignedVec<T, kV> raw[kVecs];
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (j * kThreads < mine) raw[j] = load_vec_policy<kV>(xv + j * kThreads * kV, drop);
+    }
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (j * kThreads < mine) {
+        to_x<T, kV>(raw[j], p.bias, static_cast<std::int64_t>(first + j * kThreads) * kV, p.cap, x[j]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kV; ++k) x[j][k] = -__builtin_huge_valf();
+      }
+    }
+  }
+  const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
+  const std::int64_t t = t_raw - p.col0;
+  const bool in_row = t >= 0 && t < p.vocab;
+  float xt = 0.0f;
+  if (rank == 0 && tid == 0 && in_row) xt = ce_logit(p, p.x[row * p.xs + t], t);
+  // The thread's max, the warp's, then the sum of exp relative to the warp's max.
+  float tmax = -__builtin_huge_valf();
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+#pragma unroll
+    for (int k = 0; k < kV; ++k) tmax = fmaxf(tmax, x[j][k]);
+  }
+  float m[1] = {tmax};
+  warp_allreduce<32>(m, MaxOp{});
+  const float mb = m[0] == -__builtin_huge_valf() ? 0.0f : m[0] * kLog2e;
+  float s[1] = {0.0f};
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+#pragma unroll
+    for (int k = 0; k < kV; ++k) s[0] += exp2_ftz(fmaf(x[j][k], kLog2e, -mb));
+  }
+  warp_allreduce_sum<32>(s);
+  // The first column of this thread holding the warp's max, the warp's first of those.
+  unsigned arg = kNoArg;
+  if (want_arg && tmax == m[0]) {
+#pragma unroll
+    for (int j = kVecs - 1; j >= 0; --j) {
+#pragma unroll
+      for (int k = kV - 1; k >= 0; --k) {
+        if (j * kThreads < mine && x[j][k] == tmax) arg = static_cast<unsigned>((first + j * kThreads) * kV + k);
+      }
+    }
+  }
+  if (want_arg) arg = __reduce_min_sync(0xffffffffu, arg);
+  float sw2[2] = {0.0f, 0.0f};  // sum of w_i x_i, sum of w_i
+  if (smooth) {
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (j * kThreads < mine) {
+        const int c0 = (first + j * kThreads) * kV;
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          const float w = wcol != nullptr ? wcol[c0 + k] : 1.0f;
+          sw2[0] = fmaf(w, x[j][k], sw2[0]);
+          sw2[1] += w;
+        }
+      }
+    }
+    warp_allreduce_sum<32>(sw2);
+  }
+  if ((tid & 31) == 0) {
+    part[tid >> 5] = make_float4(m[0], s[0], __uint_as_float(arg), 0.0f);
+    part_w[tid >> 5] = make_float2(sw2[0], sw2[1]);
+  }
+  __syncthreads();
+  cluster_wait();
+  if (tid < 32) {  // warp 0: the block's statistics, the messages, the row's
+    const int lane = tid;
+    const float4 pw = lane < kWarps ? part[lane] : make_float4(-__builtin_huge_valf(), 0.0f, __uint_as_float(kNoArg), 0.0f);
+    float bm, bs;
+    ce_merge_lanes(lane, pw.x, pw.y, kWarps, bm, bs);
+    const unsigned barg = __reduce_min_sync(0xffffffffu, pw.x == bm ? __float_as_uint(pw.z) : kNoArg);
+    float bsum[2] = {0.0f, 0.0f};
+    if (smooth && lane < kWarps) {
+      bsum[0] = part_w[lane].x;
+      bsum[1] = part_w[lane].y;
+    }
+    if (smooth) warp_allreduce_sum<32>(bsum);
+    if (lane == 0) mbarrier_arrive_expect_tx(&bar, 2u * csize * static_cast<unsigned>(sizeof(float4)));
+    xt = __shfl_sync(0xffffffffu, xt, 0);
+    if (lane < static_cast<int>(csize)) {
+      const auto to = static_cast<unsigned>(lane);
+      cluster_store_async_f4(cluster_smem_addr(&slots[rank], to), cluster_smem_addr(&bar, to), bm, bs, xt,
+                             __uint_as_float(barg));
+      cluster_store_async_f4(cluster_smem_addr(&slots[kCeResMaxCluster + rank], to), cluster_smem_addr(&bar, to),
+                             bsum[0], bsum[1], 0.0f, 0.0f);
+    }
+    mbarrier_wait<true>(&bar, 0);
+    const bool from = lane < static_cast<int>(csize);
+    const float4 msg = from ? slots[lane] : make_float4(-__builtin_huge_valf(), 0.0f, 0.0f, __uint_as_float(kNoArg));
+    float tm, ts;
+    ce_merge_lanes(lane, msg.x, msg.y, static_cast<int>(csize), tm, ts);
+    const unsigned targ = __reduce_min_sync(0xffffffffu, (from && msg.x == tm) ? __float_as_uint(msg.w) : kNoArg);
+    float rsum[2] = {0.0f, 0.0f};
+    if (smooth && from) {
+      const float4 w = slots[kCeResMaxCluster + lane];
+      rsum[0] = w.x;
+      rsum[1] = w.y;
+    }
+    if (smooth) warp_allreduce_sum<32>(rsum);
+    if (lane == 0) {
+      row_lse = tm + logf(ts);
+      row_xt = msg.z;  // block 0's message carries the target's logit
+      row_swx = rsum[0];
+      row_sw = rsum[1];
+      if (rank == 0) {
+        const std::int64_t best = (targ == kNoArg ? 0 : static_cast<std::int64_t>(targ)) + p.col0;
+        const CeAcc total{tm, ts, rsum[0], rsum[1], tm, best};
+        if (p.stats_out != nullptr) {
+          CrossEntropyStats st{};
+          st.max = tm;
+          st.sumexp = ts;
+          st.has_target = in_row ? 1 : 0;
+          st.target_logit = row_xt;
+          st.target_weight = (in_row && p.weights != nullptr) ? p.weights[t_raw] : 1.0f;
+          st.sum_wx = rsum[0];
+          st.sum_w = rsum[1];
+          st.argmax_value = tm;
+          st.argmax = best;
+          p.stats_out[row] = st;
+        } else {
+          const bool ignored = t_raw == p.ignore_index;
+          const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
+          ce_write_row(p, row, ce_row_terms(p, row, total, row_lse, row_xt, t_raw, ignored || bad), total,
+                       ignored, bad);
+        }
+      }
+    }
+  }
+  if (p.dx == nullptr || p.stats_out != nullptr) return;
+  __syncthreads();
+  const float lse = row_lse;
+  const bool skip = t_raw == p.ignore_index || t_raw < 0 || t_raw >= p.total_vocab;
+  const float scale = ce_grad_scale(p, row, skip);
+  const CeAcc total{0.0f, 0.0f, row_swx, row_sw, 0.0f, 0};
+  const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, row_xt, t_raw, skip);
+  // d loss / d x_i = (p_i * a - b * w_i) * softcap'(x_i) off the target (ce_math::grad regrouped):
+  // a = scale ((1 - eps) w_t + eps / V * sum_w + 2 z lse), b = scale * eps / V.
+  const float inv_v = 1.0f / static_cast<float>(p.total_vocab);
+  const float a = scale * ((1.0f - p.eps) * terms.w_t + p.eps * inv_v * terms.sum_w + 2.0f * p.z * lse);
+  const float b = scale * p.eps * inv_v;
+  const float neg_lse2 = -lse * kLog2e;
+  const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
+  T* dv = p.dx + row * p.dxs + static_cast<std::int64_t>(first) * kV;
+  // The element loop with smoothing and the softcap as compile-time switches.
+  auto write = [&](auto smooth_c, auto cap_c) {
+    constexpr bool kSmooth = decltype(smooth_c)::value;
+    constexpr bool kCap = decltype(cap_c)::value;
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (j * kThreads < mine) {
+        const int c0 = (first + j * kThreads) * kV;
+        float g[kV];
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          float v = exp2_ftz(fmaf(x[j][k], kLog2e, neg_lse2)) * a;
+          if constexpr (kSmooth) v -= b * (wcol != nullptr ? wcol[c0 + k] : 1.0f);
+          if constexpr (kCap) {
+            const float u = x[j][k] * inv_cap;
+            v *= fmaf(-u, u, 1.0f);
+          }
+          g[k] = v;
+        }
+        store_vec_policy(dv + j * kThreads * kV, from_floats<T>(g), drop);
+      }
+    }
+  };
+  if (scale == 0.0f) {
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (j * kThreads < mine) {
+        float g[kV];
+#pragma unroll
+        for (int k = 0; k < kV; ++k) g[k] = 0.0f;
+        store_vec_policy(dv + j * kThreads * kV, from_floats<T>(g), drop);
+      }
+    }
+    return;
+  }
+  if (smooth) {
+    if (p.cap > 0.0f) write(std::true_type{}, std::true_type{});
+    else write(std::true_type{}, std::false_type{});
+  } else {
+    if (p.cap > 0.0f) write(std::false_type{}, std::true_type{});
+    else write(std::false_type{}, std::false_type{});
+  }
+  // The target's gradient in fp32 from p - 1, over the value this thread just stored.
+  if (in_row) {
+    const int d = static_cast<int>(t / kV) - first;
+    if (d >= 0 && d % kThreads == 0 && d / kThreads < kVecs && d < mine) {
+      const float pr = exp2_ftz(fmaf(row_xt, kLog2e, neg_lse2));
+      const float w = wcol != nullptr ? wcol[t] : 1.0f;
+      p.dx[row * p.dxs + t] = from_float<T>(ce_math::grad(pr, true, w, terms, p.eps, p.z, p.total_vocab) *
+                                            ce_math::softcap_grad(row_xt, p.cap) * scale);
+    }
+  }
+#else
+  (void)p;
+  (void)row0;
+  (void)slice;
+  (void)ahead;
+#endif
+}
+
+// ---- The loss's small kernels ----
+
+// The mean's denominator: sum over non-ignored rows of w_t (1 without weights). One block, fixed
+
+// order. Also clears nothing else: the reduce kernel overwrites its outputs.
+template <class I>
+TIGON_KERNEL void __launch_bounds__(1024)
+    ce_denominator_kernel(const I* targets, std::int64_t rows, std::int64_t ignore_index,
+                          const float* weights, std::int64_t vocab, float* denom) {
+  detail::grid_dependency_sync();
+  using Reduce = BlockAllReduce<1024, 1>;
+  __shared__ typename Reduce::TempStorage tmp;
+  float s[1] = {0.0f};
+  for (std::int64_t r = threadIdx.x; r < rows; r += 1024) {
+    const std::int64_t t = static_cast<std::int64_t>(targets[r]);
+    if (t == ignore_index) continue;
+    s[0] += (weights != nullptr && t >= 0 && t < vocab) ? weights[t] : 1.0f;
+  }
+  Reduce::sum(s, tmp);
+  if (threadIdx.x == 0) *denom = s[0];
+}
+
+// loss = sum(loss_rows) (/ denominator), z_loss likewise; an all-ignored batch gives 0.
+template <int kThreads = 1024>  // a template: a header's kernel needs one definition per program
+TIGON_KERNEL void __launch_bounds__(kThreads)
+    ce_reduce_kernel(const float* loss_rows, const float* z_rows, std::int64_t rows,
+                     const float* denom, bool mean, float* loss, float* z_loss) {
+  detail::grid_dependency_sync();
+  using Reduce = BlockAllReduce<kThreads, 2>;
+  __shared__ typename Reduce::TempStorage tmp;
+  float s[2] = {0.0f, 0.0f};
+  for (std::int64_t r = threadIdx.x; r < rows; r += kThreads) {
+    s[0] += loss_rows[r];
+    s[1] += z_rows[r];
+  }
+  Reduce::sum(s, tmp);
+  if (threadIdx.x == 0) {
+    const float d = mean ? *denom : 1.0f;
+    const float f = (mean && d == 0.0f) ? 0.0f : 1.0f / d;
+    if (loss != nullptr) loss[0] = (mean && d == 0.0f) ? 0.0f : s[0] * f;
+    if (z_loss != nullptr) z_loss[0] = (mean && d == 0.0f) ? 0.0f : s[1] * f;
+  }
+}
+
+// Merge per-shard statistics [shards][rows] into [rows].
+template <int kThreads = 256>  // a template: a header's kernel needs one definition per program
+TIGON_KERNEL void __launch_bounds__(kThreads)
+    ce_merge_kernel(const CrossEntropyStats* shards, int nshards, std::int64_t rows,
+                    CrossEntropyStats* out) {
+  detail::grid_dependency_sync();
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x; r < rows;
+       r += static_cast<std::int64_t>(gridDim.x) * kThreads) {
+    CrossEntropyStats m = shards[r];
+    for (int k = 1; k < nshards; ++k) {
+      const CrossEntropyStats& o = shards[static_cast<std::int64_t>(k) * rows + r];
+      ce_math::merge(m.max, m.sumexp, o.max, o.sumexp);
+      m.sum_wx += o.sum_wx;
+      m.sum_w += o.sum_w;
+      if (o.has_target) {
+        m.target_logit = o.target_logit;
+        m.target_weight = o.target_weight;
+        m.has_target = 1;
+      }
+      if (o.argmax_value > m.argmax_value ||
+          (o.argmax_value == m.argmax_value && o.argmax < m.argmax)) {
+        m.argmax_value = o.argmax_value;
+        m.argmax = o.argmax;
+      }
+    }
+    out[r] = m;
+  }
+}
+
+}  // namespace detail
+
+TIGON_NAMESPACE_END

@@ -49,7 +49,7 @@ void BM_lce(benchmark::State& st) {
   a.workspace_bytes = bytes;
   const std::int64_t chunk = tigon::linear_cross_entropy_default_chunk(N, V, sizeof(bf16));
   // The three GEMMs alone, at the same chunking, on the same buffers.
-  bf16* logits = static_cast<bf16*>(a.workspace) + tigon::cross_entropy_workspace_bytes(N) / sizeof(bf16);
+  bf16* logits = static_cast<bf16*>(a.workspace) + tigon::detail::ce_workspace_bytes(N) / sizeof(bf16);
   auto gemms = [&] {
     for (std::int64_t r0 = 0; r0 < N; r0 += chunk) {
       const std::int64_t c = std::min(chunk, N - r0);

@@ -31,6 +31,12 @@ struct OptLossRows : CrossEntropyPolicy {
   static constexpr bool kOptLoss = false;
 };
 
+using Opt1024x2x2 = OptShape<1024, 2, 2>;
+using Opt256x4x4 = OptShape<256, 4, 4>;
+using Opt256x8x2 = OptShape<256, 8, 2>;
+using Opt512x4x1 = OptShape<512, 4, 1>;
+using Opt512x4x2 = OptShape<512, 4, 2>;
+
 const Opt kCap{.cap = 30.0f};
 const Opt kAll{.eps = 0.1f, .cap = 30.0f, .weights = true, .argmax = true};
 
@@ -45,14 +51,14 @@ CE_TUNE(rows_plain_grad, RowsOnly, true, Opt{}) TWO->Args({8192, 8192})->Args({8
 CE_TUNE(default_plain_grad_small, CrossEntropyPolicy, true, Opt{})->Args({8192, 8192})->Args({8192, 16384});
 CE_TUNE(rows_softcap_grad, RowsOnly, true, kCap) TWO;
 CE_TUNE(rows_all_grad, RowsOnly, true, kAll) TWO;
-CE_TUNE(opt_b512_v4_m2_softcap, (OptShape<512, 4, 2>), true, kCap) TWO;
-CE_TUNE(opt_b512_v4_m1_softcap, (OptShape<512, 4, 1>), true, kCap) TWO;
-CE_TUNE(opt_b256_v4_m4_softcap, (OptShape<256, 4, 4>), true, kCap) TWO;
-CE_TUNE(opt_b256_v8_m2_softcap, (OptShape<256, 8, 2>), true, kCap) TWO;
-CE_TUNE(opt_b1024_v2_m2_softcap, (OptShape<1024, 2, 2>), true, kCap) TWO;
-CE_TUNE(opt_b512_v4_m2_all, (OptShape<512, 4, 2>), true, kAll) TWO;
-CE_TUNE(opt_b512_v4_m1_all, (OptShape<512, 4, 1>), true, kAll) TWO;
-CE_TUNE(opt_b256_v8_m2_all, (OptShape<256, 8, 2>), true, kAll) TWO;
+CE_TUNE(opt_b512_v4_m2_softcap, Opt512x4x2, true, kCap) TWO;
+CE_TUNE(opt_b512_v4_m1_softcap, Opt512x4x1, true, kCap) TWO;
+CE_TUNE(opt_b256_v4_m4_softcap, Opt256x4x4, true, kCap) TWO;
+CE_TUNE(opt_b256_v8_m2_softcap, Opt256x8x2, true, kCap) TWO;
+CE_TUNE(opt_b1024_v2_m2_softcap, Opt1024x2x2, true, kCap) TWO;
+CE_TUNE(opt_b512_v4_m2_all, Opt512x4x2, true, kAll) TWO;
+CE_TUNE(opt_b512_v4_m1_all, Opt512x4x1, true, kAll) TWO;
+CE_TUNE(opt_b256_v8_m2_all, Opt256x8x2, true, kAll) TWO;
 CE_TUNE(res_loss_plain, ResLoss, false, Opt{}) TWO;
 CE_TUNE(rows_loss_softcap, OptLossRows, false, kCap) TWO;
 CE_TUNE(default_loss_softcap, CrossEntropyPolicy, false, kCap) TWO;

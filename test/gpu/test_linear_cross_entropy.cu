@@ -175,7 +175,7 @@ TEST_CASE("linear_cross_entropy: equals the unfused composition", "[lce][gpu]") 
   // Unfused: all the logits, cross-entropy in place, the two gradient GEMMs.
   TIGON_OK(blas.gemm(GemmArgs<bf16>{.a = x.ptr, .b = w.ptr, .d = logits.ptr, .m = N, .n = V, .k = D, .op_b = Op::t},
                      nullptr));
-  DeviceBuffer<unsigned char> cws(cross_entropy_workspace_bytes(N, V));
+  DeviceBuffer<unsigned char> cws(tigon::detail::ce_workspace_bytes(N));
   TIGON_OK(cross_entropy(CrossEntropyArgs<bf16>{.logits = logits.ptr, .targets = tb.ptr, .rows = N, .vocab = V,
                                                 .dlogits = logits.ptr, .loss = l1.ptr, .workspace = cws.ptr,
                                                 .workspace_bytes = cws.count},

@@ -1,10 +1,11 @@
-// Gated-activation benchmarks, bf16, at a LLaMA-3-8B-class MLP (16384 tokens x intermediate 14336):
-// GB/s on useful bytes and the fraction of the device-to-device copy rate measured in the same
-// process.
+// Gated-activation benchmarks, bf16, at a LLaMA-3-8B-class MLP (16384 tokens x intermediate 14336),
+// through the default launchers (gated_forward / gated_backward): GB/s on useful bytes and the
+// fraction of the device-to-device copy rate measured in the same process.
 //   forward:  read a and b, write c                  (3 x rows x cols elements)
 //   backward: read dc, a and b, write da and db      (5 x rows x cols elements)
 // Each with a and b as separate tensors, and as the two halves of one fused gate||up buffer
-// [rows, 2 cols] (da and db then into a fused gradient buffer the same way).
+// [rows, 2 cols] (da and db then into a fused gradient buffer the same way). The policy variants
+// and tensor placements are in bench/tuning/bench_gated_tuning.cu.
 #include "harness.cuh"
 
 #include <tigon/activation/gated.cuh>
@@ -13,53 +14,36 @@ using tigon::bf16;
 
 namespace {
 
-// Placement of the separate tensors: -1, each its own cudaMalloc; k >= 0, one allocation per input
-// set holding a, b, c (forward) or dc, a, b, da, db (backward) back to back, each k bytes after the
-// previous one ends (k 0: the tensors exactly n * 2 bytes apart, as a caching allocator that rounds
-// to 2 MiB places tensors whose size is a multiple of it). On one H200 the forward's time depended
-// on where its tensors lay (docs/gated.md), so the benchmark shows more than one placement.
-int g_pack_skew = -1;
-
+// Input sets, each tensor its own cudaMalloc. separate: a, b, da, db are [rows, cols]; fused: a
+// holds gate||up and da d(gate||up), [rows, 2 cols], and b, db are unused.
 struct Data {
   int sets = 1;
-  std::vector<bf16*> packs;
   bool fused = false;
   std::int64_t rows = 0, cols = 0;
-  // separate: a, b, da, db are [rows, cols]; fused: a holds gate||up and da d(gate||up),
-  // [rows, 2 cols], and b, db are unused.
   std::vector<bf16*> a, b, c, dc, da, db;
 
   Data(std::int64_t r, std::int64_t k, bool f, bool backward) : fused(f), rows(r), cols(k) {
     const std::size_t n = static_cast<std::size_t>(r * k);
     sets = bench::rotation((backward ? 5.0 : 3.0) * n * sizeof(bf16));
-    const bool packed = g_pack_skew >= 0 && !fused;
-    const std::size_t step = n + (packed ? static_cast<std::size_t>(g_pack_skew) / sizeof(bf16) : 0);
     const std::size_t wide = fused ? 2 * n : n;
     for (int s = 0; s < sets; ++s) {
-      // The set's tensors: each its own allocation, or the next slot of the set's pack (which
-      // holds dc first).
-      bf16* pack = packed ? bench::alloc<bf16>((backward ? 5 : 3) * step) : nullptr;
-      if (pack != nullptr) packs.push_back(pack);
-      int slot = 0;
-      auto take = [&](std::size_t elems) { return pack != nullptr ? pack + step * slot++ : bench::alloc<bf16>(elems); };
-      bf16* packed_dc = backward && pack != nullptr ? take(n) : nullptr;
-      a.push_back(take(wide));
-      b.push_back(fused ? nullptr : take(n));
-      c.push_back(backward ? nullptr : take(n));
-      dc.push_back(backward ? (packed_dc != nullptr ? packed_dc : take(n)) : nullptr);
-      da.push_back(backward ? take(wide) : nullptr);
-      db.push_back(backward && !fused ? take(n) : nullptr);
+      a.push_back(bench::alloc<bf16>(wide));
+      b.push_back(fused ? nullptr : bench::alloc<bf16>(n));
+      c.push_back(backward ? nullptr : bench::alloc<bf16>(n));
+      dc.push_back(backward ? bench::alloc<bf16>(n) : nullptr);
+      da.push_back(backward ? bench::alloc<bf16>(wide) : nullptr);
+      db.push_back(backward && !fused ? bench::alloc<bf16>(n) : nullptr);
       bench::fill_random(a.back(), wide, 11 + s, 0.0f, 2.0f);
       if (!fused) bench::fill_random(b.back(), n, 31 + s);
       if (backward) bench::fill_random(dc.back(), n, 101 + s);
     }
   }
   ~Data() {
-    for (bf16* p : packs) cudaFree(p);
-    if (!packs.empty()) return;
     for (auto* v : {&a, &b, &c, &dc, &da, &db})
       for (bf16* p : *v) cudaFree(p);
   }
+  Data(const Data&) = delete;
+  Data& operator=(const Data&) = delete;
   tigon::GatedForwardArgs<bf16> fwd(int i) const {
     const int s = i % sets;
     if (fused) {
@@ -82,10 +66,6 @@ struct Data {
 double fwd_bytes(std::int64_t r, std::int64_t c) { return 3.0 * r * c * sizeof(bf16); }
 double bwd_bytes(std::int64_t r, std::int64_t c) { return 5.0 * r * c * sizeof(bf16); }
 
-std::string placement() {
-  return g_pack_skew >= 0 ? " packed skew " + std::to_string(g_pack_skew) : std::string();
-}
-
 std::string shape(std::int64_t r, std::int64_t c) { return std::to_string(r) + "x" + std::to_string(c); }
 
 void check(const tigon::Status& s) {
@@ -95,20 +75,18 @@ void check(const tigon::Status& s) {
   }
 }
 
-template <class Act, class P = tigon::GatedForwardDefaultPolicy>
+template <class Act>
 void BM_forward(benchmark::State& st, const std::string& name, bool fused) {
   Data d(st.range(0), st.range(1), fused, false);
-  bench::run(st, name + " fwd bf16 " + shape(d.rows, d.cols) + (fused ? " fused" : " separate") + placement(),
-             fwd_bytes(d.rows, d.cols),
-             [&](int i) { check(tigon::gated_forward<Act, P>(d.fwd(i), nullptr)); });
+  bench::run(st, name + " fwd bf16 " + shape(d.rows, d.cols) + (fused ? " fused" : " separate"),
+             fwd_bytes(d.rows, d.cols), [&](int i) { check(tigon::gated_forward<Act>(d.fwd(i), nullptr)); });
 }
 
-template <class Act, class P = tigon::GatedBackwardDefaultPolicy>
+template <class Act>
 void BM_backward(benchmark::State& st, const std::string& name, bool fused) {
   Data d(st.range(0), st.range(1), fused, true);
-  bench::run(st, name + " bwd bf16 " + shape(d.rows, d.cols) + (fused ? " fused" : " separate") + placement(),
-             bwd_bytes(d.rows, d.cols),
-             [&](int i) { check(tigon::gated_backward<Act, P>(d.bwd(i), nullptr)); });
+  bench::run(st, name + " bwd bf16 " + shape(d.rows, d.cols) + (fused ? " fused" : " separate"),
+             bwd_bytes(d.rows, d.cols), [&](int i) { check(tigon::gated_backward<Act>(d.bwd(i), nullptr)); });
 }
 
 void BM_swiglu_fwd(benchmark::State& st) { BM_forward<tigon::Silu>(st, "swiglu", false); }
@@ -143,83 +121,8 @@ BENCHMARK(BM_swiglu_bwd) GATED_SHAPES;
 BENCHMARK(BM_swiglu_bwd_fused) GATED_SHAPES;
 BENCHMARK(BM_geglu_fwd_fused) GATED_SHAPES;
 BENCHMARK(BM_geglu_bwd_fused) GATED_SHAPES;
-
-// Policy variants (SwiGLU, separate tensors): GatedPolicy<unroll, min blocks per SM, streaming
-// stores, persistent, flat forward grid (vectors per thread; 0: the row grid)>. Defaults: forward
-// <1, 1, true, true, 2> (the flat grid over dense tensors, where the persistent flag does not
-// apply), backward <1, 1, true, false>.
-#define GATED_VARIANT(label, ...)                                                                    \
-  void BM_fwd_##label(benchmark::State& st) {                                                        \
-    BM_forward<tigon::Silu, __VA_ARGS__>(st, "  policy " #label " swiglu", false);                   \
-  }                                                                                                  \
-  void BM_bwd_##label(benchmark::State& st) {                                                        \
-    BM_backward<tigon::Silu, __VA_ARGS__>(st, "  policy " #label " swiglu", false);                  \
-  }                                                                                                  \
-  BENCHMARK(BM_fwd_##label) GATED_SHAPES;                                                            \
-  BENCHMARK(BM_bwd_##label) GATED_SHAPES;
-#define GATED_FWD_VARIANT(label, ...)                                                                \
-  void BM_fwd_##label(benchmark::State& st) {                                                        \
-    BM_forward<tigon::Silu, __VA_ARGS__>(st, "  policy " #label " swiglu", false);                   \
-  }                                                                                                  \
-  BENCHMARK(BM_fwd_##label) GATED_SHAPES;
-
-using tigon::GatedPolicy;
-GATED_VARIANT(u1_stream_persistent, GatedPolicy<1, 1, true, true>)
-GATED_VARIANT(u1_stream_nonpersistent, GatedPolicy<1, 1, true, false>)
-GATED_VARIANT(u1_plain_nonpersistent, GatedPolicy<1, 1, false, false>)
-GATED_FWD_VARIANT(flat1_stream, GatedPolicy<1, 1, true, false, 1>)
-GATED_FWD_VARIANT(flat2_plain, GatedPolicy<1, 1, false, false, 2>)
-GATED_FWD_VARIANT(flat4_stream, GatedPolicy<1, 1, true, false, 4>)
-GATED_FWD_VARIANT(flat4_plain, GatedPolicy<1, 1, false, false, 4>)
-GATED_FWD_VARIANT(flat8_stream, GatedPolicy<1, 1, true, false, 8>)
-// Single calls (bench::single: each call alone on the device, as between a training step's GEMMs,
-// nothing overlapping its start or drain): the defaults and the forward grids above, so that a
-// default can be chosen on this timing too.
+// Single calls (bench::single): each alone on the device, as between a training step's GEMMs.
 BENCHMARK(bench::single<BM_swiglu_fwd>) GATED_SHAPES;
 BENCHMARK(bench::single<BM_swiglu_bwd>) GATED_SHAPES;
-BENCHMARK(bench::single<BM_fwd_flat1_stream>) GATED_SHAPES;
-BENCHMARK(bench::single<BM_fwd_flat2_plain>) GATED_SHAPES;
-BENCHMARK(bench::single<BM_fwd_flat4_stream>) GATED_SHAPES;
-BENCHMARK(bench::single<BM_fwd_u1_stream_persistent>) GATED_SHAPES;
-BENCHMARK(bench::single<BM_fwd_u1_stream_nonpersistent>) GATED_SHAPES;
-BENCHMARK(bench::single<BM_bwd_u1_stream_persistent>) GATED_SHAPES;
-// The default forward with programmatic launch off: whether the launch attribute costs a single
-// call anything.
-void BM_swiglu_fwd_serial(benchmark::State& st) {
-  tigon::set_programmatic_launch(false);
-  BM_forward<tigon::Silu>(st, "  serial launch swiglu", false);
-  tigon::set_programmatic_launch(true);
-}
-BENCHMARK(bench::single<BM_swiglu_fwd_serial>) GATED_SHAPES;
-
-// Placement: each set's tensors in one allocation, exactly n elements apart (skew 0) or 2 KiB,
-// 32 KiB, 1 MiB further apart each.
-template <void (*BM)(benchmark::State&), int kSkew>
-void packed(benchmark::State& st) {
-  g_pack_skew = kSkew;
-  BM(st);
-  g_pack_skew = -1;
-}
-#define GATED_PACKED(fn)                         \
-  BENCHMARK(packed<fn, 0>) GATED_SHAPES;         \
-  BENCHMARK(packed<fn, 2048>) GATED_SHAPES;      \
-  BENCHMARK(packed<fn, 32768>) GATED_SHAPES;     \
-  BENCHMARK(packed<fn, 1048576>) GATED_SHAPES;
-GATED_PACKED(BM_swiglu_fwd)
-GATED_PACKED(BM_swiglu_bwd)
-GATED_PACKED(BM_fwd_flat1_stream)
-GATED_PACKED(BM_fwd_flat4_stream)
-GATED_PACKED(BM_fwd_flat2_plain)
-GATED_PACKED(BM_fwd_u1_stream_persistent)
-GATED_PACKED(BM_fwd_u1_stream_nonpersistent)
-GATED_PACKED(BM_fwd_u1_plain_nonpersistent)
-GATED_PACKED(BM_bwd_u1_stream_persistent)
-GATED_PACKED(BM_bwd_u1_plain_nonpersistent)
-
-// The defaults once more, last: the spread between this row and the first ones is the noise.
-void BM_swiglu_fwd_again(benchmark::State& st) { BM_forward<tigon::Silu>(st, "swiglu (again)", false); }
-void BM_swiglu_bwd_again(benchmark::State& st) { BM_backward<tigon::Silu>(st, "swiglu (again)", false); }
-BENCHMARK(BM_swiglu_fwd_again) GATED_SHAPES;
-BENCHMARK(BM_swiglu_bwd_again) GATED_SHAPES;
 
 BENCH_MAIN

@@ -1,9 +1,10 @@
-// What a single call costs beyond its bytes, and what programmatic dependent launch (PDL) changes:
-// an empty kernel and the RMSNorm forward (bf16, 4096 columns) at 1, 132 and 16384 rows, each
-// launched through tigon::launch with PDL on (the default) and off, timed as single calls (a GPU
-// spin, then events around one call: nothing of the same op before or after it) and back to back.
-// At 1 row a call's time is almost all fixed cost (launch, first loads, drain); at 16384 rows the
-// fixed cost is what separates a call from the copy rate.
+// What a single call costs beyond its bytes: an empty kernel launched through tigon::launch and
+// the RMSNorm forward (bf16, 4096 columns) at 1 and 16384 rows, with the default launch
+// (programmatic dependent launch on), timed as single calls (a GPU spin, then events around one
+// call: nothing of the same op before or after it) and back to back. At 1 row a call's time is
+// almost all fixed cost (launch, first loads, drain); at 16384 rows the fixed cost is what
+// separates a call from the copy rate. Programmatic dependent launch off and a one-wave call are
+// in bench/tuning/bench_launch_tuning.cu.
 #include "harness.cuh"
 
 #include <tigon/core/launch.cuh>
@@ -25,18 +26,13 @@ void check(const tigon::Status& s) {
   }
 }
 
-const char* pdl_name(bool pdl) { return pdl ? "PDL on" : "PDL off"; }
-
-void empty(benchmark::State& st, bool pdl) {
-  tigon::set_programmatic_launch(pdl);
-  bench::run(st, std::string("launch empty kernel, 1 block, ") + pdl_name(pdl), 0, [&](int) {
+void BM_empty(benchmark::State& st) {
+  bench::run(st, "launch empty kernel, 1 block", 0, [&](int) {
     check(tigon::detail::launch("empty_kernel", empty_kernel, {dim3(1), dim3(32), 0, nullptr}, static_cast<int*>(nullptr)));
   });
-  tigon::set_programmatic_launch(true);
 }
 
-void rms_fwd(benchmark::State& st, bool pdl) {
-  tigon::set_programmatic_launch(pdl);
+void BM_rms_fwd(benchmark::State& st) {
   const std::int64_t rows = st.range(0), cols = 4096;
   const std::size_t n = static_cast<std::size_t>(rows * cols);
   const int sets = bench::rotation(2.0 * n * sizeof(bf16));
@@ -50,8 +46,8 @@ void rms_fwd(benchmark::State& st, bool pdl) {
   }
   bf16* w = bench::alloc<bf16>(cols);
   bench::fill_random(w, cols, 5, 1.0f, 0.2f);
-  bench::run(st, "launch rms_norm fwd " + std::to_string(rows) + "x4096, " + pdl_name(pdl),
-             2.0 * rows * cols * 2 + cols * 2.0 + rows * 4.0, [&](int i) {
+  bench::run(st, "launch rms_norm fwd " + std::to_string(rows) + "x4096", 2.0 * rows * cols * 2 + cols * 2.0 + rows * 4.0,
+             [&](int i) {
                const int s = i % sets;
                tigon::RmsNormForwardArgs<bf16> a{.x = x[s], .y = y[s], .weight = w, .rstd = rstd[s],
                                                  .rows = rows, .cols = cols};
@@ -63,24 +59,14 @@ void rms_fwd(benchmark::State& st, bool pdl) {
     cudaFree(rstd[s]);
   }
   cudaFree(w);
-  tigon::set_programmatic_launch(true);
 }
-
-void BM_empty_pdl(benchmark::State& st) { empty(st, true); }
-void BM_empty_serial(benchmark::State& st) { empty(st, false); }
-void BM_rms_pdl(benchmark::State& st) { rms_fwd(st, true); }
-void BM_rms_serial(benchmark::State& st) { rms_fwd(st, false); }
 
 }  // namespace
 
 #define LAUNCH_ARGS ->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond)
-BENCHMARK(bench::single<BM_empty_pdl>) LAUNCH_ARGS;
-BENCHMARK(bench::single<BM_empty_serial>) LAUNCH_ARGS;
-BENCHMARK(bench::single<BM_rms_pdl>)->Arg(1)->Arg(132)->Arg(16384) LAUNCH_ARGS;
-BENCHMARK(bench::single<BM_rms_serial>)->Arg(1)->Arg(132)->Arg(16384) LAUNCH_ARGS;
-BENCHMARK(BM_empty_pdl) LAUNCH_ARGS;
-BENCHMARK(BM_empty_serial) LAUNCH_ARGS;
-BENCHMARK(BM_rms_pdl)->Arg(1)->Arg(132)->Arg(16384) LAUNCH_ARGS;
-BENCHMARK(BM_rms_serial)->Arg(1)->Arg(132)->Arg(16384) LAUNCH_ARGS;
+BENCHMARK(bench::single<BM_empty>) LAUNCH_ARGS;
+BENCHMARK(bench::single<BM_rms_fwd>)->Arg(1)->Arg(16384) LAUNCH_ARGS;
+BENCHMARK(BM_empty) LAUNCH_ARGS;
+BENCHMARK(BM_rms_fwd)->Arg(1)->Arg(16384) LAUNCH_ARGS;
 
 BENCH_MAIN

@@ -9,7 +9,9 @@
 # Per-step limits in seconds (environment): BENCH_S (default 230), TEST_S (110), SANITIZE_S (260);
 # SANITIZE_JOBS sanitizer runs at a time (default 10). On a machine with two or more GPUs the
 # sanitizer step runs on GPU 1 from the start, beside the benchmarks and tests on GPU 0 (whose
-# timings it does not share a GPU with); on one GPU it follows them.
+# timings it does not share a GPU with); on one GPU it follows them. TUNING=1 (or a glob, as in
+# gpu-run-binaries.sh) also runs the staged tuning sweeps, alone on the GPU after the benchmarks,
+# within TUNING_S seconds (default 600).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # The shared libraries staged by shared/tools/gpu-deps.sh (Debian's Google Benchmark, which the
@@ -32,7 +34,7 @@ ln -sf "$bins"/tigon_gpu_tests_* "$tests"/ 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >> "$S" 2>&1
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 sanitize_step() {
-  TESTS=none BENCHES=none SANITIZE_JOBS=${SANITIZE_JOBS:-10} timeout $(( ${SANITIZE_S:-260} + 10 )) \
+  TESTS=none BENCHES=none TUNING= SANITIZE_JOBS=${SANITIZE_JOBS:-10} timeout $(( ${SANITIZE_S:-260} + 10 )) \
     "$here/gpu-run-binaries.sh" "$tests" "$out/x/san" "${SANITIZE_S:-260}" > /dev/null 2>&1
   pkill -f "^compute-sanitizer " 2>/dev/null  # runs a cut left behind (not this script's own command line)
 }
@@ -43,8 +45,18 @@ if [ "$gpus" -ge 2 ]; then
   export CUDA_VISIBLE_DEVICES=0
 fi
 step "benchmarks and examples"
-TESTS=none SANITIZE=none timeout "${BENCH_S:-230}" "$here/gpu-run-binaries.sh" "$bins" "$out/x/bench" 120 > /dev/null 2>&1
+TESTS=none SANITIZE=none TUNING= timeout "${BENCH_S:-230}" "$here/gpu-run-binaries.sh" "$bins" "$out/x/bench" 120 > /dev/null 2>&1
 grep -v "^tigon_gpu_tests_none" "$out/x/bench/summary.txt" >> "$S"
+case "${TUNING:-}" in
+  ""|0|none) ;;
+  *)
+    step "tuning sweeps"
+    mkdir -p "$out/x/tuning"
+    TESTS=none EXAMPLES=none BENCHES=none SANITIZE=none timeout "${TUNING_S:-600}" \
+      "$here/gpu-run-binaries.sh" "$bins" "$out/x/tuning" "${TUNING_S:-600}" > /dev/null 2>&1
+    grep -v "^tigon_gpu_tests_none\|^tigon_bench_none" "$out/x/tuning/summary.txt" >> "$S"
+    ;;
+esac
 step "GPU tests, every suite, large shapes included"
 for t in "$tests"/tigon_gpu_tests_*; do
   n=$(basename "$t")

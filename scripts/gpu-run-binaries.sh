@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Run already-built GPU test, example and benchmark binaries on a GPU machine (when the build happened
-# elsewhere; scripts/stage-prebuilt.sh copies and strips them): the GPU tests, compute-sanitizer
-# memcheck and racecheck on them (without [large]),
-# then the benchmarks. Logs to OUTDIR; a summary is printed last.
+# elsewhere; scripts/stage-prebuilt.sh copies and strips them): the GPU tests, the examples, the
+# benchmarks, then compute-sanitizer memcheck and racecheck on the tests (without [large]). Logs to
+# OUTDIR; a summary is printed last.
 #   scripts/gpu-run-binaries.sh BINDIR OUTDIR [seconds per step, default 120]
-# Optional globs narrow each step: TESTS (default *), BENCHES (default *), SANITIZE (default *, none:
-# no sanitizer runs), matched against the part of the name after tigon_gpu_tests_ / tigon_bench_;
-# SANITIZE_JOBS sanitizer runs at a time (default 1).
+# Optional globs narrow each step: TESTS (default *), EXAMPLES (default *), BENCHES (default *),
+# SANITIZE (default *, none: no sanitizer runs), matched against the part of the name after
+# tigon_gpu_tests_ / example_ / tigon_bench_; SANITIZE_JOBS sanitizer runs at a time (default 1).
+# The tuning sweeps (tigon_tuning_*, from -DTIGON_BUILD_TUNING=ON) run only when asked for, after
+# the benchmarks: TUNING=1 every one, or TUNING=GLOB those matching the part after tigon_tuning_.
 set -uo pipefail
 shopt -s extglob nullglob
 bin=${1:?usage: scripts/gpu-run-binaries.sh BINDIR OUTDIR [seconds]}
@@ -21,7 +23,7 @@ for t in "$bin"/tigon_gpu_tests_${TESTS:-*}; do
   timeout "$limit" "$t" > "$out/$n.log" 2>&1
   summary "$n: rc=$? :: $(grep -E 'All tests passed|test cases:|assertions:' "$out/$n.log" | tr '\n' ' ')"
 done
-for e in "$bin"/example_*; do
+for e in "$bin"/example_${EXAMPLES:-*}; do
   [ -x "$e" ] || continue
   n=$(basename "$e")
   timeout "$limit" "$e" > "$out/$n.log" 2>&1
@@ -32,6 +34,18 @@ for b in "$bin"/tigon_bench_${BENCHES:-*}; do
   timeout "$limit" "$b" --benchmark_out="$out/$n.json" --benchmark_out_format=json > "$out/$n.log" 2>&1
   summary "$n: rc=$?"
   grep -E "^ceiling|^host cost" "$out/$n.log" | tee -a "$out/summary.txt"
+  sed -n '/^benchmark (median/,$p' "$out/$n.log" | tee -a "$out/summary.txt"
+done
+case "${TUNING:-}" in
+  ""|0|none) tuning=() ;;
+  1) tuning=("$bin"/tigon_tuning_*) ;;
+  *) tuning=("$bin"/tigon_tuning_$TUNING) ;;
+esac
+for b in "${tuning[@]}"; do
+  n=$(basename "$b")
+  timeout "$limit" "$b" --benchmark_out="$out/$n.json" --benchmark_out_format=json > "$out/$n.log" 2>&1
+  summary "$n: rc=$?"
+  grep -E "^ceiling" "$out/$n.log" | tee -a "$out/summary.txt"
   sed -n '/^benchmark (median/,$p' "$out/$n.log" | tee -a "$out/summary.txt"
 done
 # One sanitizer run; prints its summary line.

@@ -5,7 +5,9 @@
 # most 64 MiB with the working tree).
 #   scripts/stage-prebuilt.sh [BUILD] [DEST]
 # Optional globs, as in gpu-run-binaries.sh (the part after tigon_gpu_tests_ / tigon_bench_ /
-# example_): TESTS, BENCHES, EXAMPLES; default every one. PACK=xz packs the stripped binaries into
+# example_): TESTS, BENCHES, EXAMPLES; default every one. The tuning sweeps (bench/tuning/
+# tigon_tuning_*, built with -DTIGON_BUILD_TUNING=ON) only with TUNING=1 (every one) or TUNING=GLOB
+# (the part after tigon_tuning_). PACK=xz packs the stripped binaries into
 # DEST/bins.tar.xz instead (every test, benchmark and example is about 11 MB so; loose, 65 MB), for
 # scripts/gpu-full-check.sh. Example:
 #   TESTS='@(rope|rms_norm)' BENCHES='@(rope|rms_norm)' EXAMPLES=none scripts/stage-prebuilt.sh
@@ -16,8 +18,13 @@ dest=${2:-.prebuilt}
 rm -rf "$dest"
 mkdir -p "$dest"
 n=0
+case "${TUNING:-}" in
+  ""|0|none) tuning=() ;;
+  1) tuning=("$build"/bench/tuning/tigon_tuning_*) ;;
+  *) tuning=("$build"/bench/tuning/tigon_tuning_$TUNING) ;;
+esac
 for f in "$build"/test/tigon_gpu_tests_${TESTS:-*} "$build"/bench/tigon_bench_${BENCHES:-*} \
-         "$build"/examples/example_${EXAMPLES:-*}; do
+         "$build"/examples/example_${EXAMPLES:-*} "${tuning[@]}"; do
   [ -f "$f" ] && [ -x "$f" ] || continue
   cp "$f" "$dest/"
   n=$((n + 1))

@@ -84,14 +84,14 @@ void check(const tigon::Status& s) {
   }
 }
 
-template <class Act, class P = tigon::GatedForwardDefaultPolicy>
+template <class Act, class P = tigon::GatedPolicy>
 void BM_forward(benchmark::State& st, const std::string& name) {
   Data d(st.range(0), st.range(1), false);
   bench::run(st, name + " fwd bf16 " + shape(d.rows, d.cols) + " separate" + placement(), fwd_bytes(d.rows, d.cols),
              [&](int i) { check(tigon::gated_forward<Act, P>(d.fwd(i), nullptr)); });
 }
 
-template <class Act, class P = tigon::GatedBackwardDefaultPolicy>
+template <class Act, class P = tigon::GatedPolicy>
 void BM_backward(benchmark::State& st, const std::string& name) {
   Data d(st.range(0), st.range(1), true);
   bench::run(st, name + " bwd bf16 " + shape(d.rows, d.cols) + " separate" + placement(), bwd_bytes(d.rows, d.cols),
@@ -107,45 +107,27 @@ void BM_swiglu_bwd(benchmark::State& st) { BM_backward<tigon::Silu>(st, "swiglu"
 BENCHMARK(BM_swiglu_fwd) GATED_SHAPES;
 BENCHMARK(BM_swiglu_bwd) GATED_SHAPES;
 
-// Policy variants (SwiGLU, separate tensors): GatedPolicy<unroll, min blocks per SM, streaming
-// stores, persistent, flat forward grid (vectors per thread; 0: the row grid)>. Defaults: forward
-// <1, 1, true, true, 2> (the flat grid over dense tensors, where the persistent flag does not
-// apply), backward <1, 1, true, false>.
-#define GATED_VARIANT(label, ...)                                                                    \
+// Policy variants (SwiGLU, separate tensors, forward): the flat grid's vectors per thread
+// (GatedPolicy::kFlat; the default: 2).
+#define GATED_FWD_VARIANT(label, n)                                                                  \
+  struct Policy_##label : tigon::GatedPolicy {                                                       \
+    static constexpr int kFlat = n;                                                                  \
+  };                                                                                                 \
   void BM_fwd_##label(benchmark::State& st) {                                                        \
-    BM_forward<tigon::Silu, __VA_ARGS__>(st, "  policy " #label " swiglu");                          \
-  }                                                                                                  \
-  void BM_bwd_##label(benchmark::State& st) {                                                        \
-    BM_backward<tigon::Silu, __VA_ARGS__>(st, "  policy " #label " swiglu");                         \
-  }                                                                                                  \
-  BENCHMARK(BM_fwd_##label) GATED_SHAPES;                                                            \
-  BENCHMARK(BM_bwd_##label) GATED_SHAPES;
-#define GATED_FWD_VARIANT(label, ...)                                                                \
-  void BM_fwd_##label(benchmark::State& st) {                                                        \
-    BM_forward<tigon::Silu, __VA_ARGS__>(st, "  policy " #label " swiglu");                          \
+    BM_forward<tigon::Silu, Policy_##label>(st, "  policy " #label " swiglu");                       \
   }                                                                                                  \
   BENCHMARK(BM_fwd_##label) GATED_SHAPES;
 
-using tigon::GatedPolicy;
-GATED_VARIANT(u1_stream_persistent, GatedPolicy<1, 1, true, true>)
-GATED_VARIANT(u1_stream_nonpersistent, GatedPolicy<1, 1, true, false>)
-GATED_VARIANT(u1_plain_nonpersistent, GatedPolicy<1, 1, false, false>)
-GATED_FWD_VARIANT(flat1_stream, GatedPolicy<1, 1, true, false, 1>)
-GATED_FWD_VARIANT(flat2_plain, GatedPolicy<1, 1, false, false, 2>)
-GATED_FWD_VARIANT(flat4_stream, GatedPolicy<1, 1, true, false, 4>)
-GATED_FWD_VARIANT(flat4_plain, GatedPolicy<1, 1, false, false, 4>)
-GATED_FWD_VARIANT(flat8_stream, GatedPolicy<1, 1, true, false, 8>)
+GATED_FWD_VARIANT(flat1, 1)
+GATED_FWD_VARIANT(flat4, 4)
+GATED_FWD_VARIANT(flat8, 8)
 // Single calls (bench::single: each call alone on the device, as between a training step's GEMMs,
 // nothing overlapping its start or drain): the defaults and the forward grids above, so that a
 // default can be chosen on this timing too.
 BENCHMARK(bench::single<BM_swiglu_fwd>) GATED_SHAPES;
 BENCHMARK(bench::single<BM_swiglu_bwd>) GATED_SHAPES;
-BENCHMARK(bench::single<BM_fwd_flat1_stream>) GATED_SHAPES;
-BENCHMARK(bench::single<BM_fwd_flat2_plain>) GATED_SHAPES;
-BENCHMARK(bench::single<BM_fwd_flat4_stream>) GATED_SHAPES;
-BENCHMARK(bench::single<BM_fwd_u1_stream_persistent>) GATED_SHAPES;
-BENCHMARK(bench::single<BM_fwd_u1_stream_nonpersistent>) GATED_SHAPES;
-BENCHMARK(bench::single<BM_bwd_u1_stream_persistent>) GATED_SHAPES;
+BENCHMARK(bench::single<BM_fwd_flat1>) GATED_SHAPES;
+BENCHMARK(bench::single<BM_fwd_flat4>) GATED_SHAPES;
 // The default forward with programmatic launch off: whether the launch attribute costs a single
 // call anything.
 void BM_swiglu_fwd_serial(benchmark::State& st) {
@@ -170,14 +152,8 @@ void packed(benchmark::State& st) {
   BENCHMARK(packed<fn, 1048576>) GATED_SHAPES;
 GATED_PACKED(BM_swiglu_fwd)
 GATED_PACKED(BM_swiglu_bwd)
-GATED_PACKED(BM_fwd_flat1_stream)
-GATED_PACKED(BM_fwd_flat4_stream)
-GATED_PACKED(BM_fwd_flat2_plain)
-GATED_PACKED(BM_fwd_u1_stream_persistent)
-GATED_PACKED(BM_fwd_u1_stream_nonpersistent)
-GATED_PACKED(BM_fwd_u1_plain_nonpersistent)
-GATED_PACKED(BM_bwd_u1_stream_persistent)
-GATED_PACKED(BM_bwd_u1_plain_nonpersistent)
+GATED_PACKED(BM_fwd_flat1)
+GATED_PACKED(BM_fwd_flat4)
 
 // The defaults once more, last: the spread between this row and the first ones is the noise.
 void BM_swiglu_fwd_again(benchmark::State& st) { BM_forward<tigon::Silu>(st, "swiglu (again)"); }

@@ -70,26 +70,13 @@ void BM_bwd(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, true, fals
 void BM_fwd_bhtd(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, true, "fwd bf16 B4 T4096 32/8x128 [B,H,T,D]"); }
 void BM_fwd_inter(benchmark::State& st) { BM_rope<tigon::RopeInterleaved>(st, false, false, "fwd bf16 B4 T4096 interleaved"); }
 
-// RopePolicy<0, 1>: one block per token, the table chunk loaded once per thread.
-using TokenBlocks = tigon::RopePolicy<0, 1>;
-void BM_fwd_tokens(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, TokenBlocks>(st, false, false, "  policy tokens fwd [B,T,H,D]"); }
-void BM_bwd_tokens(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, TokenBlocks>(st, true, false, "  policy tokens bwd [B,T,H,D]"); }
-void BM_bhtd_tokens(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, TokenBlocks>(st, false, true, "  policy tokens fwd [B,H,T,D]"); }
-void BM_inter_tokens(benchmark::State& st) { BM_rope<tigon::RopeInterleaved, TokenBlocks>(st, false, false, "  policy tokens fwd interleaved"); }
-// RopePolicy<0, 0, true>: one-head kernel, q and k read with the streaming hint, L1 left to the tables.
-using StreamLoads = tigon::RopePolicy<0, 0, true>;
-void BM_fwd_stream(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, StreamLoads>(st, false, false, "  policy stream fwd [B,T,H,D]"); }
-void BM_bwd_stream(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, StreamLoads>(st, true, false, "  policy stream bwd [B,T,H,D]"); }
-void BM_bhtd_stream(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, StreamLoads>(st, false, true, "  policy stream fwd [B,H,T,D]"); }
-void BM_inter_stream(benchmark::State& st) { BM_rope<tigon::RopeInterleaved, StreamLoads>(st, false, false, "  policy stream fwd interleaved"); }
-// RopePolicy<0, 0>: the one-head kernel (one chunk of one head per thread); RopePolicy<4, 0>: four
-// heads per thread. (The default is RopePolicy<2>: two heads per thread, token blocks when
-// interleaved.)
-using OneHead = tigon::RopePolicy<0, 0>;
-void BM_fwd_onehead(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, OneHead>(st, false, false, "  policy onehead fwd [B,T,H,D]"); }
-void BM_bwd_onehead(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, OneHead>(st, true, false, "  policy onehead bwd [B,T,H,D]"); }
-void BM_inter_onehead(benchmark::State& st) { BM_rope<tigon::RopeInterleaved, OneHead>(st, false, false, "  policy onehead fwd interleaved"); }
-void BM_fwd_heads4(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, tigon::RopePolicy<4, 0>>(st, false, false, "  policy heads4 fwd [B,T,H,D]"); }
+// Four heads per thread in the head-group kernel (the default: two).
+struct Heads4 : tigon::RopePolicy {
+  static constexpr int kHeads = 4;
+};
+void BM_fwd_heads4(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, Heads4>(st, false, false, "  policy heads4 fwd [B,T,H,D]"); }
+void BM_bwd_heads4(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, Heads4>(st, true, false, "  policy heads4 bwd [B,T,H,D]"); }
+void BM_bhtd_heads4(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, Heads4>(st, false, true, "  policy heads4 fwd [B,H,T,D]"); }
 // The default with programmatic dependent launch off: what the launch overlap is worth.
 void BM_fwd_serial(benchmark::State& st) {
   tigon::set_programmatic_launch(false);
@@ -104,26 +91,14 @@ BENCHMARK(BM_fwd) ROPE_ARGS;
 BENCHMARK(BM_bwd) ROPE_ARGS;
 BENCHMARK(BM_fwd_bhtd) ROPE_ARGS;
 BENCHMARK(BM_fwd_inter) ROPE_ARGS;
-BENCHMARK(BM_fwd_tokens) ROPE_ARGS;
-BENCHMARK(BM_bwd_tokens) ROPE_ARGS;
-BENCHMARK(BM_bhtd_tokens) ROPE_ARGS;
-BENCHMARK(BM_inter_tokens) ROPE_ARGS;
-BENCHMARK(BM_fwd_stream) ROPE_ARGS;
-BENCHMARK(BM_bwd_stream) ROPE_ARGS;
-BENCHMARK(BM_bhtd_stream) ROPE_ARGS;
-BENCHMARK(BM_inter_stream) ROPE_ARGS;
-BENCHMARK(BM_fwd_onehead) ROPE_ARGS;
-BENCHMARK(BM_bwd_onehead) ROPE_ARGS;
-BENCHMARK(BM_inter_onehead) ROPE_ARGS;
 BENCHMARK(BM_fwd_heads4) ROPE_ARGS;
+BENCHMARK(BM_bwd_heads4) ROPE_ARGS;
+BENCHMARK(BM_bhtd_heads4) ROPE_ARGS;
 BENCHMARK(BM_fwd_serial) ROPE_ARGS;
 // Single calls (bench::single): each alone on the device, as between a training step's GEMMs.
 BENCHMARK(bench::single<BM_fwd>) ROPE_ARGS;
 BENCHMARK(bench::single<BM_bwd>) ROPE_ARGS;
 BENCHMARK(bench::single<BM_fwd_heads4>) ROPE_ARGS;
-BENCHMARK(bench::single<BM_fwd_onehead>) ROPE_ARGS;
-BENCHMARK(bench::single<BM_fwd_stream>) ROPE_ARGS;
-BENCHMARK(bench::single<BM_fwd_tokens>) ROPE_ARGS;
 // The default once more, last: the spread between this row and the first is the noise.
 void BM_fwd_again(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, false, "fwd bf16 B4 T4096 32/8x128 [B,T,H,D] (again)"); }
 BENCHMARK(BM_fwd_again) ROPE_ARGS;

@@ -202,9 +202,7 @@ std::string policy_name() {
   if constexpr (std::is_same_v<P, DefaultPolicies>) {
     return "default policies";
   } else {
-    return "policy: unroll " + std::to_string(P::kUnroll) + ", min blocks " +
-           std::to_string(P::kMinBlocksPerSm) + (P::kStreamStores ? ", streaming stores" : "") +
-           (P::kPersistent ? ", persistent" : "");
+    return "policy: flat grid of " + std::to_string(P::kFlat) + " vectors per thread";
   }
 }
 
@@ -397,29 +395,31 @@ TEST_CASE("gated: options", "[gated][gpu]") {
   }
 }
 
+// Flat-grid sizes other than the default's two vectors per thread (forward only; strided rows
+// and the backward take the row grid whatever the policy).
+struct Flat1 : GatedPolicy {
+  static constexpr int kFlat = 1;
+};
+struct Flat4 : GatedPolicy {
+  static constexpr int kFlat = 4;
+};
+struct Flat8 : GatedPolicy {
+  static constexpr int kFlat = 8;
+};
+
 TEST_CASE("gated: other policies", "[gated][gpu]") {
-  using Plain = GatedPolicy<1, 1, false>;
-  using NonPersistent = GatedPolicy<1, 1, true, false>;  // the backward's default
-  using Persistent = GatedPolicy<1, 1, true, true>;
-  using Flat1 = GatedPolicy<1, 1, true, false, 1>;       // forward: flat grid, 1 vector per thread
-  using Flat4 = GatedPolicy<1, 1, false, false, 4>;      // forward: flat grid, 4 vectors per thread
-  using U2 = GatedPolicy<2>;
-  using U4 = GatedPolicy<4, 1, false>;
-  using U2Min4 = GatedPolicy<2, 4>;
   for (auto cols : {std::int64_t{123}, std::int64_t{4096}, std::int64_t{14336}}) {
-    run_case<bf16, Silu, Plain>({.rows = 17, .cols = cols});
-    run_case<bf16, GeluTanh, NonPersistent>({.rows = 17, .cols = cols, .fused = true});
-    run_case<bf16, Silu, U2>({.rows = 17, .cols = cols, .fused = true});
-    run_case<half, GeluTanh, U4>({.rows = 17, .cols = cols, .in_place = true});
-    run_case<float, GeluErf, U2Min4>({.rows = 17, .cols = cols, .gate = 0.5f});
-    run_case<bf16, SquaredRelu, NonPersistent>({.rows = 17, .cols = cols, .fused = true, .in_place = true});
-    run_case<half, Silu, Persistent>({.rows = 17, .cols = cols, .pad = 8});
     run_case<bf16, Silu, Flat1>({.rows = 17, .cols = cols});
     run_case<bf16, Silu, Flat1>({.rows = 17, .cols = cols, .pad = 8});  // strided: the row grid
+    run_case<bf16, GeluTanh, Flat1>({.rows = 17, .cols = cols, .fused = true});
     run_case<float, GeluTanh, Flat4>({.rows = 17, .cols = cols, .fused = true, .in_place = true});
     run_case<half, Silu, Flat4>({.rows = 17, .cols = cols});
+    run_case<half, GeluTanh, Flat4>({.rows = 17, .cols = cols, .in_place = true});
+    run_case<float, GeluErf, Flat8>({.rows = 17, .cols = cols, .gate = 0.5f});
+    run_case<bf16, SquaredRelu, Flat8>({.rows = 17, .cols = cols, .fused = true, .in_place = true});
   }
-  run_case<bf16, Silu, NonPersistent>({.rows = 3000, .cols = 8, .expect_vec = 1});  // a row per thread
+  run_case<bf16, Silu>({.rows = 3000, .cols = 8, .expect_vec = 1});  // backward: a row per thread
+  run_case<bf16, Silu>({.rows = 3000, .cols = 8, .pad = 8});         // forward too (strided rows)
 }
 
 TEST_CASE("gated: large rows 14336 and 28672", "[gated][gpu][large]") {

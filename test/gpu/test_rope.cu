@@ -233,96 +233,111 @@ TEST_CASE("rope: layouts, partial rotary, position ids, tables, out of place", "
   }
 }
 
-TEST_CASE("rope: the head-group policy computes the same function", "[rope][gpu]") {
-  // RopePolicy<G>: G heads of a token per thread, the table chunk loaded once. Groups that do not
-  // divide the heads (3 of 40, 8 of 10), groups spanning q and k, q only; calls it does not take
-  // (out of place with pass-through channels, the scalar path) fall back to the one-head kernel.
-  using G3 = RopePolicy<3, 0>;
-  using G4 = RopePolicy<4, 0>;
-  using G8 = RopePolicy<8, 0>;
-  for (bool inter : {false, true}) {
-    Case c{.B = 2, .T = 50, .Hq = 32, .Hk = 8, .D = 128, .interleaved = inter};
-    both_directions<bf16, bf16, G3>(c);
-    both_directions<bf16, bf16, G4>(c);
-    both_directions<half, half, G8>(c);
-    both_directions<float, float, G4>(c);
-    Case q = c;
-    q.q_bhtd = true;
-    q.pos_ids = 64;
-    both_directions<bf16, bf16, G4>(q);
-    q.batch_tables = true;
-    q.pos_ids = 32;
-    both_directions<bf16, float, G8>(q);
-    Case o = c;
-    o.in_place = false;
-    both_directions<bf16, bf16, G4>(o);
-    o.with_k = false;
-    both_directions<bf16, bf16, G3>(o);
-    Case r{.B = 1, .T = 33, .Hq = 8, .Hk = 2, .D = 128, .rd = 64, .interleaved = inter};
-    both_directions<bf16, bf16, G4>(r);  // partial rotary in place: the head-group kernel
-    r.in_place = false;
-    both_directions<bf16, bf16, G4>(r);  // out of place: the one-head kernel copies the rest
-    Case odd{.B = 1, .T = 9, .Hq = 5, .Hk = 3, .D = 92, .interleaved = inter};
-    both_directions<bf16, bf16, G4>(odd);  // scalar path
-    Case big{.B = 1, .T = 8192, .Hq = 32, .Hk = 8, .D = 128, .interleaved = inter};
-    both_directions<bf16, bf16, G4>(big);
-  }
+// Head-group policies: kHeads heads of a token per thread (the default: 2).
+struct G3 : RopePolicy {
+  static constexpr int kHeads = 3;
+};
+struct G4 : RopePolicy {
+  static constexpr int kHeads = 4;
+};
+struct G8 : RopePolicy {
+  static constexpr int kHeads = 8;
+};
+
+TEST_CASE("rope: the head-group kernel computes the same function", "[rope][gpu]") {
+  // The half-split style's kernel, with kHeads = G heads of a token per thread, the table chunk
+  // loaded once. Groups that do not divide the heads (3 of 40, 8 of 10), groups spanning q and k,
+  // q only; calls it does not take (out of place with pass-through channels, the scalar path) fall
+  // back to the one-head kernel.
+  Case c{.B = 2, .T = 50, .Hq = 32, .Hk = 8, .D = 128};
+  both_directions<bf16, bf16, G3>(c);
+  both_directions<bf16, bf16, G4>(c);
+  both_directions<half, half, G8>(c);
+  both_directions<float, float, G4>(c);
+  Case q = c;
+  q.q_bhtd = true;
+  q.pos_ids = 64;
+  both_directions<bf16, bf16, G4>(q);
+  q.batch_tables = true;
+  q.pos_ids = 32;
+  both_directions<bf16, float, G8>(q);
+  Case o = c;
+  o.in_place = false;
+  both_directions<bf16, bf16, G4>(o);
+  o.with_k = false;
+  both_directions<bf16, bf16, G3>(o);
+  Case r{.B = 1, .T = 33, .Hq = 8, .Hk = 2, .D = 128, .rd = 64};
+  both_directions<bf16, bf16, G4>(r);  // partial rotary in place: the head-group kernel
+  r.in_place = false;
+  both_directions<bf16, bf16, G4>(r);  // out of place: the one-head kernel copies the rest
+  Case odd{.B = 1, .T = 9, .Hq = 5, .Hk = 3, .D = 92};
+  both_directions<bf16, bf16, G4>(odd);  // scalar path
+  Case big{.B = 1, .T = 8192, .Hq = 32, .Hk = 8, .D = 128};
+  both_directions<bf16, bf16, G4>(big);
 }
 
-TEST_CASE("rope: the token-block policy computes the same function", "[rope][gpu]") {
-  // RopePolicy<0, 1>: one block per token, each thread one chunk of up to two heads per pass.
-  // (The default takes it for the interleaved style; RopePolicy<0, 0> forces the one-head kernel,
-  // RopePolicy<0, 0, true> that kernel with streaming loads.)
+TEST_CASE("rope: the interleaved style past the token-block kernel's batch limit", "[rope][gpu]") {
+  // Batches over 65535: the head-group kernel (in place, or every channel rotated), else the
+  // one-head kernel (out of place with pass-through channels), else the scalar one-head kernel.
+  Case c{.B = 65537, .T = 1, .Hq = 2, .Hk = 1, .D = 16, .interleaved = true};
+  both_directions<bf16>(c);
+  both_directions<bf16, bf16, G3>(c);
+  c.pos_ids = 32;
+  both_directions<half, float>(c);
+  c.pos_ids = 0;
+  c.in_place = false;
+  both_directions<bf16>(c);
+  c.rd = 8;
+  both_directions<bf16>(c);  // the one-head kernel copies the pass-through channels
+  c.D = 6;
+  c.rd = 4;
+  both_directions<bf16>(c);  // scalar path
+}
+
+TEST_CASE("rope: the token-block kernel (interleaved style)", "[rope][gpu]") {
+  // One block per token, each thread one chunk of up to two heads per pass.
   // Head counts that leave a thread one head (41, 5 + 3), many heads (several passes), q only,
   // both layouts, position ids and per-batch tables, partial rotary in and out of place (pass-
   // through chunks), the scalar path (head_dim 92), long sequences.
-  using TB = RopePolicy<0, 1>;
-  using OneHead = RopePolicy<0, 0>;
-  using OneHeadStream = RopePolicy<0, 0, true>;
-  for (bool inter : {false, true}) {
-    Case c{.B = 2, .T = 50, .Hq = 32, .Hk = 8, .D = 128, .interleaved = inter};
-    both_directions<bf16, bf16, TB>(c);
-    both_directions<half, half, TB>(c);
-    both_directions<float, float, TB>(c);
-    Case q = c;
-    q.q_bhtd = true;
-    q.pos_ids = 64;
-    both_directions<bf16, bf16, TB>(q);
-    q.batch_tables = true;
-    q.pos_ids = 32;
-    both_directions<bf16, float, TB>(q);
-    Case o = c;
-    o.in_place = false;
-    o.Hq = 33;
-    both_directions<bf16, bf16, TB>(o);
-    o.with_k = false;
-    both_directions<bf16, bf16, TB>(o);
-    Case many{.B = 1, .T = 7, .Hq = 73, .Hk = 213, .D = 64, .interleaved = inter};
-    both_directions<bf16, bf16, TB>(many);
-    Case r{.B = 1, .T = 33, .Hq = 8, .Hk = 2, .D = 128, .rd = 64, .interleaved = inter};
-    both_directions<bf16, bf16, TB>(r);
-    Case mixed = r;  // q in place, k out of place: a pass may hold a q head and a k head
-    mixed.k_out_of_place = true;
-    both_directions<bf16, bf16, TB>(mixed);
-    both_directions<bf16, bf16>(mixed);
-    mixed.Hq = 1;
-    mixed.Hk = 1;
-    both_directions<half, half, TB>(mixed);
-    r.in_place = false;
-    both_directions<bf16, bf16, TB>(r);
-    Case odd{.B = 1, .T = 9, .Hq = 5, .Hk = 3, .D = 92, .interleaved = inter};
-    both_directions<bf16, bf16, TB>(odd);  // scalar path
-    odd.rd = 46;
-    odd.in_place = false;
-    both_directions<bf16, bf16, TB>(odd);  // scalar path, pass-through channels
-    Case big{.B = 1, .T = 8192, .Hq = 32, .Hk = 8, .D = 128, .interleaved = inter};
-    both_directions<bf16, bf16, TB>(big);
-    both_directions<bf16, bf16, OneHead>(c);
-    both_directions<bf16, bf16, OneHead>(r);
-    both_directions<bf16, bf16, OneHeadStream>(c);
-    both_directions<bf16, bf16, OneHeadStream>(r);
-    both_directions<half, half, OneHeadStream>(odd);
-  }
+  Case c{.B = 2, .T = 50, .Hq = 32, .Hk = 8, .D = 128, .interleaved = true};
+  both_directions<bf16>(c);
+  both_directions<half>(c);
+  both_directions<float>(c);
+  Case q = c;
+  q.q_bhtd = true;
+  q.pos_ids = 64;
+  both_directions<bf16>(q);
+  q.batch_tables = true;
+  q.pos_ids = 32;
+  both_directions<bf16, float>(q);
+  Case o = c;
+  o.in_place = false;
+  o.Hq = 33;
+  both_directions<bf16>(o);
+  o.with_k = false;
+  both_directions<bf16>(o);
+  Case many{.B = 1, .T = 7, .Hq = 73, .Hk = 213, .D = 64, .interleaved = true};
+  both_directions<bf16>(many);
+  Case r{.B = 1, .T = 33, .Hq = 8, .Hk = 2, .D = 128, .rd = 64, .interleaved = true};
+  both_directions<bf16>(r);
+  Case mixed = r;  // q in place, k out of place: a pass may hold a q head and a k head
+  mixed.k_out_of_place = true;
+  both_directions<bf16>(mixed);
+  mixed.interleaved = false;  // the half-split style's kernels on the same call
+  both_directions<bf16>(mixed);
+  mixed.interleaved = true;
+  mixed.Hq = 1;
+  mixed.Hk = 1;
+  both_directions<half>(mixed);
+  r.in_place = false;
+  both_directions<bf16>(r);
+  Case odd{.B = 1, .T = 9, .Hq = 5, .Hk = 3, .D = 92, .interleaved = true};
+  both_directions<bf16>(odd);  // scalar path
+  odd.rd = 46;
+  odd.in_place = false;
+  both_directions<bf16>(odd);  // scalar path, pass-through channels
+  Case big{.B = 1, .T = 8192, .Hq = 32, .Hk = 8, .D = 128, .interleaved = true};
+  both_directions<bf16>(big);
 }
 
 TEST_CASE("rope: an out-of-range position gives NaN for its token only", "[rope][gpu]") {

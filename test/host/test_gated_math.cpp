@@ -277,10 +277,8 @@ TEST_CASE("gated launch shape: every element once, limits, balance", "[gated][sh
       }
     }
   }
-  constexpr int kU = GatedForwardDefaultPolicy::kUnroll;
-  STATIC_REQUIRE(GatedForwardDefaultPolicy::kPersistent);  // strided rows: the persistent row grid
-  STATIC_REQUIRE(GatedForwardDefaultPolicy::kFlat == 2);    // dense tensors: the flat grid
-  STATIC_REQUIRE(!GatedBackwardDefaultPolicy::kPersistent);
+  constexpr int kU = 1;                       // the row-grid kernels' vectors per loop trip
+  STATIC_REQUIRE(GatedPolicy::kFlat == 2);     // dense tensors: the flat grid
   // SwiGLU at 16384 x 14336 bf16 (1792 vectors a row) on an H200-sized device (132 SMs x 4
   // blocks): one column slice, 256 threads of 7 vectors each per row, every row block walking
   // exactly 32 rows.

@@ -19,7 +19,12 @@ struct UserAct {
   static __host__ __device__ float value(float a) { return a * a; }
   static __host__ __device__ float derivative(float a) { return 2.0f * a; }
 };
+// A policy other than the default, derived from it.
+struct Flat4 : GatedPolicy {
+  static constexpr int kFlat = 4;
+};
 }  // namespace gated_validation
+using gated_validation::Flat4;
 using gated_validation::UserAct;
 
 namespace {
@@ -54,14 +59,14 @@ void expect_fwd(const GatedForwardArgs<bf16>& a, Errc code, const char* arg) {
   expect(geglu_forward(a, nullptr), code, arg, "gated_forward");
   expect(gated_forward<GeluErf>(a, nullptr), code, arg, "gated_forward");
   expect(gated_forward<UserAct>(a, nullptr), code, arg, "gated_forward");
-  expect(gated_forward<Silu, GatedPolicy<4, 2, true>>(a, nullptr), code, arg, "gated_forward");
+  expect(gated_forward<Silu, Flat4>(a, nullptr), code, arg, "gated_forward");
 }
 void expect_bwd(const GatedBackwardArgs<bf16>& a, Errc code, const char* arg) {
   expect(swiglu_backward(a, nullptr), code, arg, "gated_backward");
   expect(geglu_backward(a, nullptr), code, arg, "gated_backward");
   expect(gated_backward<GeluErf>(a, nullptr), code, arg, "gated_backward");
   expect(gated_backward<UserAct>(a, nullptr), code, arg, "gated_backward");
-  expect(gated_backward<GeluTanh, GatedPolicy<1>>(a, nullptr), code, arg, "gated_backward");
+  expect(gated_backward<GeluTanh, Flat4>(a, nullptr), code, arg, "gated_backward");
 }
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();

@@ -106,35 +106,36 @@ TIGON_HD void backward(float dc, float a, float b, float gate_mult, float down_m
 // Launch shape (host-compilable; tested on the host)
 // ------------------------------------------------------------------------------------------------
 
-// Tuning knobs of the gated kernels; pass your own as the second template argument of
-// gated_forward / gated_backward. The measured variants are in docs/gated.md.
-template <int kUnroll_ = 1, int kMinBlocksPerSm_ = 1, bool kStreamStores_ = true,
-          bool kPersistent_ = true, int kFlat_ = 0>
+// The gated kernels' policy; derive to change a knob and pass it as the second template argument
+// of gated_forward, e.g. `struct Mine : tigon::GatedPolicy { static constexpr int kFlat = 1; };`
+// (gated_backward accepts one too; none of its knobs applies to the backward).
+// The forward over dense tensors (rows cols apart, fewer than 2^31 vectors) runs a flat grid: the
+// rows x cols / kV vectors in order, one block per run of 256 x kFlat of them, each thread loading
+// its kFlat vectors of a and b before computing (no loop: every block is freshly scheduled, the
+// shape that streams closest to the copy rate). The forward over strided rows (the fused gate‖up
+// buffer) runs the persistent row grid (a grid that fills the device once, each block walking
+// several rows); the backward one block per row block. Outputs are stored with the evict-first
+// hint (st.global.cs), inputs loaded with it. Measured on one H200 at 16384 x 14336 bf16 in
+// docs/gated.md.
 struct GatedPolicy {
-  static_assert(kUnroll_ >= 1 && kUnroll_ <= 8, "1 to 8 vectors per array per loop trip");
-  static_assert(kFlat_ >= 0 && kFlat_ <= 8, "0 (row grid) or 1 to 8 vectors per thread (flat grid)");
-  // Vectors of every input each thread loads before computing (independent 16-byte loads in
-  // flight per thread: 2 x kUnroll in the forward, 3 x kUnroll in the backward). More costs
-  // registers and occupancy.
-  static constexpr int kUnroll = kUnroll_;
-  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // __launch_bounds__: caps registers
-  static constexpr bool kStreamStores = kStreamStores_;     // evict-first stores (st.global.cs)
-  // true: a grid that fills the device once, each block walking several rows; false: one block
-  // per row block (up to the grid limit).
-  static constexpr bool kPersistent = kPersistent_;
-  // Forward only. n > 0: when a, b and c are dense (rows cols apart), a flat grid instead: the
-  // rows x cols / kV vectors in order, one block per run of 256 x n of them and each thread
-  // loading its n vectors of a and b before computing (no loop: every block is freshly scheduled,
-  // the shape that streams closest to the copy rate). kUnroll and kPersistent then do not apply;
-  // strided rows (the fused gate‖up buffer) take the row grid.
-  static constexpr int kFlat = kFlat_;
+  // Forward only: 16-byte vectors per thread of the flat grid, 1 to 8. Two: 104.9% of the copy
+  // rate, one 101.3%, four 94.3%, eight 50.2% (registers and occupancy).
+  static constexpr int kFlat = 2;
 };
-// The defaults, chosen on one H200 at 16384 x 14336 bf16 (docs/gated.md): the forward on a flat
-// grid of two vectors per thread over dense tensors (100% of the copy rate against 88-95% for the
-// persistent row grid), the persistent row grid for strided rows; the backward one block per row
-// block; one vector per array per loop trip and streaming stores in both directions.
-using GatedForwardDefaultPolicy = GatedPolicy<1, 1, true, true, 2>;
-using GatedBackwardDefaultPolicy = GatedPolicy<1, 1, true, false>;
+// The same policy under its former names, for source compatibility.
+using GatedForwardDefaultPolicy = GatedPolicy;
+using GatedBackwardDefaultPolicy = GatedPolicy;
+
+namespace detail {
+
+// Every static check of a GatedPolicy, in one place (asserted by the launchers).
+template <class P>
+constexpr bool check_gated_policy() {
+  static_assert(P::kFlat >= 1 && P::kFlat <= 8, "GatedPolicy::kFlat: 1 to 8 vectors per thread (flat grid)");
+  return true;
+}
+
+}  // namespace detail
 
 namespace detail {
 
@@ -151,7 +152,7 @@ struct GatedShape {
 };
 
 // nvec: vectors per row (cols / vector width); target_blocks: blocks that fill the device once
-// (occupancy x SMs); unroll: the policy's vectors per loop trip. A persistent grid fills the device
+// (occupancy x SMs); unroll: vectors per thread per loop trip (the kernels take 1). A persistent grid fills the device
 // once and is balanced: every row block walks the same number of rows (give or take one), every
 // thread the same number of vectors per row (give or take `unroll`). A non-persistent grid has one
 // block per row block and column slice, up to the grid's limits.
@@ -274,13 +275,11 @@ struct GatedBwdParams {
 // Elementwise over [rows, cols] in vectors of kV elements (16 bytes, or 1 element when pointers,
 // strides or cols do not allow 16-byte accesses). Rows: threadIdx.y + blockDim.y * blockIdx.y,
 // then every blockDim.y * gridDim.y; column vectors: threadIdx.x + blockDim.x * blockIdx.x, then
-// every blockDim.x * gridDim.x. Each loop trip loads P::kUnroll vectors of every input before
-// computing, so that several independent loads are in flight per thread. Offsets are 64-bit.
-template <class T, class Act, int kV, class P>
-TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
-    gated_fwd_kernel(const GatedFwdParams<T> p) {
+// every blockDim.x * gridDim.x. Each loop trip loads one vector of every input, then computes and
+// stores. Offsets are 64-bit.
+template <class T, class Act, int kV>
+TIGON_KERNEL void __launch_bounds__(kGatedThreads, 1) gated_fwd_kernel(const GatedFwdParams<T> p) {
   detail::grid_dependency_sync();
-  constexpr int kU = P::kUnroll;
   const std::int64_t nvec = p.cols / kV;
   const std::int64_t step = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -289,29 +288,16 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
     const T* ar = p.a + row * p.as;
     const T* br = p.b + row * p.bs;
     T* cr = p.c + row * p.cs;
-    for (std::int64_t i0 = first; i0 < nvec; i0 += kU * step) {
-      AlignedVec<T, kV> av[kU], bv[kU];
+    for (std::int64_t i = first; i < nvec; i += step) {
+      const AlignedVec<T, kV> av = load_vec_stream<kV>(ar + i * kV);
+      const AlignedVec<T, kV> bv = load_vec_stream<kV>(br + i * kV);
+      AlignedVec<T, kV> cv;
 #pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const std::int64_t i = i0 + u * step;
-        if (i < nvec) {
-          av[u] = load_vec_stream<kV>(ar + i * kV);
-          bv[u] = load_vec_stream<kV>(br + i * kV);
-        }
+      for (int k = 0; k < kV; ++k) {
+        cv.v[k] = from_float<T>(gated_math::forward<Act>(to_float(av.v[k]), to_float(bv.v[k]),
+                                                         p.gate_mult, p.down_mult));
       }
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const std::int64_t i = i0 + u * step;
-        if (i < nvec) {
-          AlignedVec<T, kV> cv;
-#pragma unroll
-          for (int k = 0; k < kV; ++k) {
-            cv.v[k] = from_float<T>(gated_math::forward<Act>(to_float(av[u].v[k]), to_float(bv[u].v[k]),
-                                                             p.gate_mult, p.down_mult));
-          }
-          store_vec_hinted<P::kStreamStores>(cr + i * kV, cv);
-        }
-      }
+      store_vec_hinted<true>(cr + i * kV, cv);
     }
   }
 }
@@ -319,7 +305,7 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
 // The flat forward grid over dense tensors (every row cols apart): vector v (v < 2^31) is handled
 // by thread v % 256 of block v / (256 * kN) as its (v / 256) % kN-th vector; each thread issues
 // all its loads, then computes and stores.
-template <class T, class Act, int kV, int kN, class P>
+template <class T, class Act, int kV, int kN>
 TIGON_KERNEL void __launch_bounds__(kGatedThreads) gated_fwd_flat_kernel(const GatedFwdParams<T> p) {
   detail::grid_dependency_sync();
   const unsigned total = static_cast<unsigned>(p.cols / kV) * static_cast<unsigned>(p.rows);
@@ -343,16 +329,14 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads) gated_fwd_flat_kernel(const G
         cv.v[k] = from_float<T>(
             gated_math::forward<Act>(to_float(av[u].v[k]), to_float(bv[u].v[k]), p.gate_mult, p.down_mult));
       }
-      store_vec_hinted<P::kStreamStores>(p.c + static_cast<std::int64_t>(v) * kV, cv);
+      store_vec_hinted<true>(p.c + static_cast<std::int64_t>(v) * kV, cv);
     }
   }
 }
 
-template <class T, class Act, int kV, class P>
-TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
-    gated_bwd_kernel(const GatedBwdParams<T> p) {
+template <class T, class Act, int kV>
+TIGON_KERNEL void __launch_bounds__(kGatedThreads, 1) gated_bwd_kernel(const GatedBwdParams<T> p) {
   detail::grid_dependency_sync();
-  constexpr int kU = P::kUnroll;
   const std::int64_t nvec = p.cols / kV;
   const std::int64_t step = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -363,36 +347,23 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, P::kMinBlocksPerSm)
     const T* br = p.b + row * p.bs;
     T* dar = p.da + row * p.das;
     T* dbr = p.db + row * p.dbs;
-    for (std::int64_t i0 = first; i0 < nvec; i0 += kU * step) {
-      AlignedVec<T, kV> dcv[kU], av[kU], bv[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const std::int64_t i = i0 + u * step;
-        if (i < nvec) {
-          dcv[u] = load_vec_stream<kV>(dcr + i * kV);
-          av[u] = load_vec_stream<kV>(ar + i * kV);
-          bv[u] = load_vec_stream<kV>(br + i * kV);
-        }
-      }
+    for (std::int64_t i = first; i < nvec; i += step) {
       // Every load of this trip is issued before the first store, and a thread's stores touch only
       // the elements it loaded: in-place outputs (da over a, db over b, ...) are safe.
+      const AlignedVec<T, kV> dcv = load_vec_stream<kV>(dcr + i * kV);
+      const AlignedVec<T, kV> av = load_vec_stream<kV>(ar + i * kV);
+      const AlignedVec<T, kV> bv = load_vec_stream<kV>(br + i * kV);
+      AlignedVec<T, kV> dav, dbv;
 #pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const std::int64_t i = i0 + u * step;
-        if (i < nvec) {
-          AlignedVec<T, kV> dav, dbv;
-#pragma unroll
-          for (int k = 0; k < kV; ++k) {
-            float da = 0.0f, db = 0.0f;
-            gated_math::backward<Act>(to_float(dcv[u].v[k]), to_float(av[u].v[k]), to_float(bv[u].v[k]),
-                                      p.gate_mult, p.down_mult, da, db);
-            dav.v[k] = from_float<T>(da);
-            dbv.v[k] = from_float<T>(db);
-          }
-          store_vec_hinted<P::kStreamStores>(dar + i * kV, dav);
-          store_vec_hinted<P::kStreamStores>(dbr + i * kV, dbv);
-        }
+      for (int k = 0; k < kV; ++k) {
+        float da = 0.0f, db = 0.0f;
+        gated_math::backward<Act>(to_float(dcv.v[k]), to_float(av.v[k]), to_float(bv.v[k]), p.gate_mult,
+                                  p.down_mult, da, db);
+        dav.v[k] = from_float<T>(da);
+        dbv.v[k] = from_float<T>(db);
       }
+      store_vec_hinted<true>(dar + i * kV, dav);
+      store_vec_hinted<true>(dbr + i * kV, dbv);
     }
   }
 }
@@ -426,24 +397,24 @@ GatedBwdParams<T> gated_bwd_params(const GatedBackwardArgs<T>& x) {
           s(x.da_stride), s(x.db_stride), x.gate_multiplier, x.down_multiplier};
 }
 
-// The flat forward grid (policy kFlat > 0, dense tensors, fewer than 2^31 vectors): one block per
-// 256 x kFlat vectors.
-template <class T, class Act, int kV, class P>
+// The flat forward grid (dense tensors, fewer than 2^31 vectors): one block per 256 x kN vectors.
+template <class T, class Act, int kV, int kN>
 Status gated_flat_launch(const GatedFwdParams<T>& p, cudaStream_t stream, const char* op) {
   const std::int64_t total = p.rows * (p.cols / kV);
-  const auto grid = static_cast<unsigned>(ceil_div<std::int64_t>(total, std::int64_t{kGatedThreads} * P::kFlat));
-  return launch(op, gated_fwd_flat_kernel<T, Act, kV, P::kFlat, P>, {dim3(grid), dim3(kGatedThreads), 0, stream}, p);
+  const auto grid = static_cast<unsigned>(ceil_div<std::int64_t>(total, std::int64_t{kGatedThreads} * kN));
+  return launch(op, gated_fwd_flat_kernel<T, Act, kV, kN>, {dim3(grid), dim3(kGatedThreads), 0, stream}, p);
 }
 
-// Plan (occupancy, cached per device and instance) and launch one kernel instance.
-template <auto Kernel, int kV, class P, class Params>
+// Plan (occupancy, cached per device and instance) and launch one row-grid kernel instance:
+// persistent (the forward) or one block per row block (the backward).
+template <auto Kernel, int kV, bool kPersistent, class Params>
 Status gated_launch(const Params& p, cudaStream_t stream, const char* op) {
   DeviceInfo dev;
   TIGON_CHECK(current_device_info(dev));
   int occ = 0;
   TIGON_CHECK((blocks_per_sm<Kernel, kGatedThreads>(dev.device, occ)));
   const GatedShape s = gated_shape(p.rows, p.cols / kV, static_cast<std::int64_t>(occ) * dev.sm_count,
-                                   P::kUnroll, P::kPersistent);
+                                   1, kPersistent);
   const dim3 block(static_cast<unsigned>(s.bx), static_cast<unsigned>(s.by));
   const dim3 grid(static_cast<unsigned>(s.gx), static_cast<unsigned>(s.gy));
   return launch(op, Kernel, {grid, block, 0, stream}, p);
@@ -463,37 +434,38 @@ Status gated_launch(const Params& p, cudaStream_t stream, const char* op) {
 // one kernel on `stream`. None of them allocates, synchronises or copies to the host: all are
 // graph-capturable.
 
-template <Activation Act, class Policy = GatedForwardDefaultPolicy, class T>
+template <Activation Act, class Policy = GatedPolicy, class T>
 [[nodiscard]] Status gated_forward(const GatedForwardArgs<T>& args, cudaStream_t stream) {
+  static_assert(detail::check_gated_policy<Policy>());
   constexpr const char* kOp = "gated_forward";
   TIGON_CHECK(detail::validate(args, kOp));
   const detail::GatedFwdParams<T> p = detail::gated_fwd_params(args);
   constexpr int kV = kVecElems<T>;
+  constexpr int kN = Policy::kFlat;
   const bool vec = detail::gated_vectorizable<T, kV>(p);
-  if constexpr (Policy::kFlat > 0) {
-    const std::int64_t total = p.rows * (p.cols / (vec ? kV : 1));
-    const bool dense = p.as == p.cols && p.bs == p.cols && p.cs == p.cols;
-    if (dense && total < (std::int64_t{1} << 31) - detail::kGatedThreads * Policy::kFlat) {
-      return vec ? detail::gated_flat_launch<T, Act, kV, Policy>(p, stream, kOp)
-                 : detail::gated_flat_launch<T, Act, 1, Policy>(p, stream, kOp);
-    }
+  const std::int64_t total = p.rows * (p.cols / (vec ? kV : 1));
+  const bool dense = p.as == p.cols && p.bs == p.cols && p.cs == p.cols;
+  if (dense && total < (std::int64_t{1} << 31) - detail::kGatedThreads * kN) {
+    return vec ? detail::gated_flat_launch<T, Act, kV, kN>(p, stream, kOp)
+               : detail::gated_flat_launch<T, Act, 1, kN>(p, stream, kOp);
   }
   if (vec) {
-    return detail::gated_launch<detail::gated_fwd_kernel<T, Act, kV, Policy>, kV, Policy>(p, stream, kOp);
+    return detail::gated_launch<detail::gated_fwd_kernel<T, Act, kV>, kV, true>(p, stream, kOp);
   }
-  return detail::gated_launch<detail::gated_fwd_kernel<T, Act, 1, Policy>, 1, Policy>(p, stream, kOp);
+  return detail::gated_launch<detail::gated_fwd_kernel<T, Act, 1>, 1, true>(p, stream, kOp);
 }
 
-template <Activation Act, class Policy = GatedBackwardDefaultPolicy, class T>
+template <Activation Act, class Policy = GatedPolicy, class T>
 [[nodiscard]] Status gated_backward(const GatedBackwardArgs<T>& args, cudaStream_t stream) {
+  static_assert(detail::check_gated_policy<Policy>());
   constexpr const char* kOp = "gated_backward";
   TIGON_CHECK(detail::validate(args, kOp));
   const detail::GatedBwdParams<T> p = detail::gated_bwd_params(args);
   constexpr int kV = kVecElems<T>;
   if (detail::gated_vectorizable<T, kV>(p)) {
-    return detail::gated_launch<detail::gated_bwd_kernel<T, Act, kV, Policy>, kV, Policy>(p, stream, kOp);
+    return detail::gated_launch<detail::gated_bwd_kernel<T, Act, kV>, kV, false>(p, stream, kOp);
   }
-  return detail::gated_launch<detail::gated_bwd_kernel<T, Act, 1, Policy>, 1, Policy>(p, stream, kOp);
+  return detail::gated_launch<detail::gated_bwd_kernel<T, Act, 1>, 1, false>(p, stream, kOp);
 }
 
 // SwiGLU: c = down * silu(gate * a) * b.

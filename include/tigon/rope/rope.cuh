@@ -45,33 +45,32 @@ struct RopeInterleaved {
   static constexpr const char* name = "interleaved";
 };
 
-// Tuning knobs of the launch. kHeads = 0: one kV-wide chunk of one head per thread (the table
-// chunk loaded again for every head). kHeads = G > 0: one chunk of G heads of a token per thread,
-// the table chunk loaded once for all G (a thread issues the loads of its G heads, then rotates
-// and stores them); it applies to 16-byte vectors, in place or with rotary_dim == head_dim, and
-// fewer than 2^31 work items; other calls take the one-head kernel. The default, G = 2, measured
-// 94.1% of the copy rate at B4 T4096 32/8 x 128 half-split on the H200 against the one-head
-// kernel's 88.0% in the same run.
-//
-// kTokenBlocks = 1: one block per token (whatever kHeads says) (grid = sequence x batch, so no index division), its
-// threads laid out as (chunk, head): each thread loads its table chunk once and rotates that chunk
-// of up to two heads per pass over the token's q and k heads (both heads' loads issued before
-// either is stored). It applies to batches up to 65535; other calls take the one-head kernel.
-// kTokenBlocks = -1 (the default): token blocks for the interleaved style only (86.6% of the copy
-// rate against the one-head kernel's 66.9% at B4 T4096 32/8 x 128 on the H200; the half-split style
-// measured 80.0% against 90.0%); 0: never (the kHeads choice applies to both styles).
-//
-// kStreamLoads = true: the one-head kernel reads q and k with the streaming cache hint (evict
-// first), so that L1 keeps the table rows, which every head of a token reads again.
-template <int kHeads_ = 2, int kTokenBlocks_ = -1, bool kStreamLoads_ = false>
+// The launch's policy. The half-split style runs the head-group kernel: one 16-byte chunk of
+// kHeads heads of a token per thread, the table chunk loaded once for all of them (a thread issues
+// the loads of its heads, then rotates and stores them); it applies to 16-byte vectors, in place
+// or with rotary_dim == head_dim, and fewer than 2^31 work items. The interleaved style runs the
+// token-block kernel: one block per token (batches up to 65535), its threads laid out as
+// (chunk, head), each loading its table chunk once and rotating it for two heads per pass; past
+// its limits the interleaved style takes the head-group kernel. Calls outside both take the
+// one-head kernel (one chunk of one head per thread). Derive to change a knob:
+// `struct Mine : tigon::RopePolicy { static constexpr int kHeads = 4; };`.
 struct RopePolicy {
-  static_assert(kHeads_ >= 0 && kHeads_ <= 16, "0 (one head per thread) or 1 to 16 heads per thread");
-  static_assert(kTokenBlocks_ >= -1 && kTokenBlocks_ <= 1, "-1 (interleaved style only), 0 or 1");
-  static constexpr int kHeads = kHeads_;
-  static constexpr int kTokenBlocks = kTokenBlocks_;
-  static constexpr bool kStreamLoads = kStreamLoads_;
+  // Heads per thread of the head-group kernel, 1 to 16. Two: 94.5% of the copy rate at B4 T4096
+  // 32/8 x 128 half-split on the H200, four 93.3%, the one-head kernel 88.1%.
+  static constexpr int kHeads = 2;
 };
-using RopeDefaultPolicy = RopePolicy<>;
+using RopeDefaultPolicy = RopePolicy;  // the same policy, for source compatibility
+
+namespace detail {
+
+// Every static check of a RopePolicy, in one place (asserted by the launchers).
+template <class P>
+constexpr bool check_rope_policy() {
+  static_assert(P::kHeads >= 1 && P::kHeads <= 16, "RopePolicy::kHeads: 1 to 16 heads per thread");
+  return true;
+}
+
+}  // namespace detail
 
 // One of q or k: element (b, t, h, d) lives at ptr[b*stride_b + t*stride_t + h*stride_h + d].
 template <class T>
@@ -314,7 +313,7 @@ TIGON_DEVICE void rope_rotate_pairs(const AlignedVec<T, kV>& x, const AlignedVec
 
 // One work item = one kV-wide chunk of one head of one token: a rotated chunk pair (half split),
 // a rotated chunk of pairs (interleaved), or a pass-through chunk (partial rotary, out of place).
-template <class T, class C, class Style, int kV, bool kStream = false>
+template <class T, class C, class Style, int kV>
 TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T, C> p) {
   detail::grid_dependency_sync();
   constexpr bool kHalf = std::is_same_v<Style, RopeHalfSplit>;
@@ -352,13 +351,7 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
     if (which == 1) head -= p.heads[0];
     const T* x = p.in[which] + b * p.sb[which] + t * p.st[which] + head * p.sh[which];
     T* y = p.out[which] + b * p.osb[which] + t * p.ost[which] + head * p.osh[which];
-    auto load_x = [&](const T* a) {
-      if constexpr (kStream) {
-        return load_vec_stream<kV>(a);
-      } else {
-        return load_vec<kV>(a);
-      }
-    };
+    auto load_x = [&](const T* a) { return load_vec<kV>(a); };
     if (chunk >= rot_chunks) {  // partial rotary: channels past rotary_dim pass through
       const int d = rd + (chunk - rot_chunks) * kV;
       if (x != y) store_vec(y + d, load_x(x + d));
@@ -478,17 +471,15 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopePa
   }
 }
 
-// The token-block kernel (policy kTokenBlocks): block (blockIdx.x, blockIdx.y) = token (t, b);
+// The token-block kernel (the interleaved style): block (blockIdx.x, blockIdx.y) = token (t, b);
 // thread (x, y) = chunk x of heads y, y + 2 * blockDim.y, ... and y + blockDim.y, ... (q's heads
 // first, then k's). Chunks past the rotated ones pass through (out of place).
-template <class T, class C, class Style, int kV>
+template <class T, class C, int kV>
 TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_token_kernel(const RopeParams<T, C> p) {
   detail::grid_dependency_sync();
-  constexpr bool kHalf = std::is_same_v<Style, RopeHalfSplit>;
   constexpr int kPairW = kV < 2 ? 2 : kV;
   const int rd = p.rotary_dim;
-  const int half = rd / 2;
-  const int rot_chunks = kHalf ? half / kV : rd / kPairW;
+  const int rot_chunks = rd / kPairW;
   const int chunk = static_cast<int>(threadIdx.x);
   const bool rotated = chunk < rot_chunks;
   const int heads = p.heads[0] + p.heads[1];
@@ -498,18 +489,13 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_token_kernel(const RopePa
   const bool bad = row < 0 || row >= p.table_rows;
   const C* cr = p.cos + b * p.tsb + (bad ? 0 : row) * p.tst;
   const C* sr = p.sin + b * p.tsb + (bad ? 0 : row) * p.tst;
-  // Element offset of this thread's chunk: rotated (half split: first half; interleaved: pairs),
-  // or passed through.
-  const int d = rotated ? chunk * (kHalf ? kV : kPairW) : rd + (chunk - rot_chunks) * kV;
-  AlignedVec<C, kV> c1{}, c2{}, s1{}, s2{};
+  // Element offset of this thread's chunk: rotated (a chunk of pairs), or passed through.
+  const int d = rotated ? chunk * kPairW : rd + (chunk - rot_chunks) * kV;
+  AlignedVec<C, kV> c1{}, s1{};
   if constexpr (kV > 1) {
     if (rotated) {
       c1 = load_vec<kV>(cr + d);
       s1 = load_vec<kV>(sr + d);
-      if constexpr (kHalf) {
-        c2 = load_vec<kV>(cr + d + half);
-        s2 = load_vec<kV>(sr + d + half);
-      }
     }
   }
   auto in_ptr = [&](int h) {
@@ -544,33 +530,11 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_token_kernel(const RopePa
         const T* x = j == 0 ? x0 : x1;
         T* y = j == 0 ? y0 : y1;
         float a, c;
-        if constexpr (kHalf) {
-          rope_math::rotate(to_float(x[chunk]), to_float(x[chunk + half]), to_float(cr[chunk]),
-                            to_float(cr[chunk + half]), to_float(sr[chunk]), to_float(sr[chunk + half]),
-                            p.backward, a, c);
-        } else {
-          rope_math::rotate(to_float(x[dd]), to_float(x[dd + 1]), to_float(cr[dd]), to_float(cr[dd + 1]),
-                            to_float(sr[dd]), to_float(sr[dd + 1]), p.backward, a, c);
-        }
+        rope_math::rotate(to_float(x[dd]), to_float(x[dd + 1]), to_float(cr[dd]), to_float(cr[dd + 1]),
+                          to_float(sr[dd]), to_float(sr[dd + 1]), p.backward, a, c);
         if (bad) a = c = __int_as_float(0x7fc00000);
-        y[kHalf ? chunk : dd] = from_float<T>(a);
-        y[kHalf ? chunk + half : dd + 1] = from_float<T>(c);
-      }
-    } else if constexpr (kHalf) {
-      const AlignedVec<T, kV> a1 = load_vec<kV>(x0 + d), a2 = load_vec<kV>(x0 + d + half);
-      AlignedVec<T, kV> b1{}, b2{};
-      if (two) {
-        b1 = load_vec<kV>(x1 + d);
-        b2 = load_vec<kV>(x1 + d + half);
-      }
-      AlignedVec<T, kV> o1, o2;
-      rope_rotate_halves(a1, a2, c1, c2, s1, s2, p.backward, bad, o1, o2);
-      store_vec(y0 + d, o1);
-      store_vec(y0 + d + half, o2);
-      if (two) {
-        rope_rotate_halves(b1, b2, c1, c2, s1, s2, p.backward, bad, o1, o2);
-        store_vec(y1 + d, o1);
-        store_vec(y1 + d + half, o2);
+        y[dd] = from_float<T>(a);
+        y[dd + 1] = from_float<T>(c);
       }
     } else {
       const AlignedVec<T, kV> a = load_vec<kV>(x0 + d);
@@ -631,7 +595,7 @@ int rope_vec(const RopeParams<T, C>& p) {
   return vec ? kV : 1;
 }
 
-template <class T, class C, class Style, int kV, bool kStream = false>
+template <class T, class C, class Style, int kV>
 Status launch_rope(const RopeParams<T, C>& p, cudaStream_t stream, const char* op) {
   const int chunks = std::is_same_v<Style, RopeHalfSplit> ? p.rotary_dim / 2 / kV
                                                           : p.rotary_dim / (kV < 2 ? 2 : kV);
@@ -642,11 +606,12 @@ Status launch_rope(const RopeParams<T, C>& p, cudaStream_t stream, const char* o
   // looping over the tensor (measured on the H200).
   const auto grid = static_cast<unsigned>(
       std::clamp<std::int64_t>(ceil_div<std::int64_t>(items, kRopeThreads), 1, 0x7fffffff));
-  return launch(op, rope_kernel<T, C, Style, kV, kStream>, {dim3(grid), dim3(kRopeThreads), 0, stream}, p);
+  return launch(op, rope_kernel<T, C, Style, kV>, {dim3(grid), dim3(kRopeThreads), 0, stream}, p);
 }
 
 // The head-group kernel's launch, when the call allows it (see RopePolicy); `launched` false: not
-// taken (nothing launched).
+// taken (nothing launched). The half-split style's kernel; the interleaved style's where its
+// token-block kernel does not apply.
 template <class T, class C, class Style, int kV, int kG>
 Status launch_rope_heads(const RopeParams<T, C>& p, cudaStream_t stream, const char* op, bool& launched) {
   launched = false;
@@ -664,17 +629,16 @@ Status launch_rope_heads(const RopeParams<T, C>& p, cudaStream_t stream, const c
   return Status();
 }
 
-// The token-block kernel's launch (see RopePolicy); `launched` false: not taken (batch > 65535, or
-// more chunks per head than threads per block).
+// The token-block kernel's launch (the interleaved style); `launched` false: not taken (batch >
+// 65535, or more chunks per head than threads per block).
 // Block: (chunks per head) x (heads per pass), about 256 threads, each thread two heads per pass.
-template <class T, class C, class Style, int kV>
+template <class T, class C, int kV>
 Status launch_rope_tokens(const RopeParams<T, C>& p, std::int64_t batch, cudaStream_t stream, const char* op,
                           bool& launched) {
   launched = false;
   if (batch > 65535 || p.seq < 1) return Status();
-  const bool half = std::is_same_v<Style, RopeHalfSplit>;
   const int pair_w = kV < 2 ? 2 : kV;
-  const int per_head = (half ? p.rotary_dim / 2 / kV : p.rotary_dim / pair_w) + (p.head_dim - p.rotary_dim) / kV;
+  const int per_head = p.rotary_dim / pair_w + (p.head_dim - p.rotary_dim) / kV;
   if (per_head < 1 || per_head > kRopeThreads) return Status();
   const int heads = p.heads[0] + p.heads[1];
   const int max_y = std::max(1, kRopeThreads / per_head);
@@ -682,33 +646,31 @@ Status launch_rope_tokens(const RopeParams<T, C>& p, std::int64_t batch, cudaStr
   const int hy = std::min(max_y, static_cast<int>(ceil_div<std::int64_t>(heads, 2 * passes)));
   const dim3 grid(static_cast<unsigned>(p.seq), static_cast<unsigned>(batch));
   const dim3 block(static_cast<unsigned>(per_head), static_cast<unsigned>(std::max(hy, 1)));
-  TIGON_CHECK(launch(op, rope_token_kernel<T, C, Style, kV>, {grid, block, 0, stream}, p));
+  TIGON_CHECK(launch(op, rope_token_kernel<T, C, kV>, {grid, block, 0, stream}, p));
   launched = true;
   return Status();
 }
 
 template <class Style, class Policy, class T, class C>
 Status rope_impl(const RopeArgs<T, C>& a, bool backward, cudaStream_t stream, const char* op) {
+  static_assert(check_rope_policy<Policy>());
   TIGON_CHECK(validate(a, op));
   const RopeParams<T, C> p = rope_params(a, backward);
   const int v = rope_vec<T, C, Style>(p);
-  if constexpr (Policy::kTokenBlocks == 1 ||
-                (Policy::kTokenBlocks == -1 && std::is_same_v<Style, RopeInterleaved>)) {
+  if constexpr (std::is_same_v<Style, RopeInterleaved>) {
     bool launched = false;
     if (v == kVecElems<T>) {
-      TIGON_CHECK((launch_rope_tokens<T, C, Style, kVecElems<T>>(p, a.batch, stream, op, launched)));
+      TIGON_CHECK((launch_rope_tokens<T, C, kVecElems<T>>(p, a.batch, stream, op, launched)));
     } else {
-      TIGON_CHECK((launch_rope_tokens<T, C, Style, 1>(p, a.batch, stream, op, launched)));
+      TIGON_CHECK((launch_rope_tokens<T, C, 1>(p, a.batch, stream, op, launched)));
     }
     if (launched) return Status();
   }
   if (v == kVecElems<T>) {
-    if constexpr (Policy::kHeads > 0) {
-      bool launched = false;
-      TIGON_CHECK((launch_rope_heads<T, C, Style, kVecElems<T>, Policy::kHeads>(p, stream, op, launched)));
-      if (launched) return Status();
-    }
-    return launch_rope<T, C, Style, kVecElems<T>, Policy::kStreamLoads>(p, stream, op);
+    bool launched = false;
+    TIGON_CHECK((launch_rope_heads<T, C, Style, kVecElems<T>, Policy::kHeads>(p, stream, op, launched)));
+    if (launched) return Status();
+    return launch_rope<T, C, Style, kVecElems<T>>(p, stream, op);
   }
   return launch_rope<T, C, Style, 1>(p, stream, op);
 }

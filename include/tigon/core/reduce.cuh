@@ -41,6 +41,9 @@ TIGON_DEVICE void group_barrier(int group) {
   if constexpr (kGroups == 1) {
     __syncthreads();
   } else {
+    // Inline PTX: the intrinsic __barrier_sync_count emits the non-aligned barrier.sync, around
+    // which ptxas adds a fallback for divergent warps (LayerNorm forward: 808 -> 952 SASS
+    // instructions); bar.sync is barrier.sync.aligned.
     asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(kThreads) : "memory");
   }
 }

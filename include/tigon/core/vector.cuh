@@ -145,6 +145,10 @@ TIGON_DEVICE void store_vec_hinted(T* p, const AlignedVec<T, N>& v) {
 // evict-first so the lines make room once done. Other widths and older targets: plain accesses.
 enum class L2Hint { evict_last, evict_first };
 
+// Inline PTX (here and in the two accesses below): cuda::ptx in CUDA 13.0 has no createpolicy
+// (cuda::access_property is a precomputed descriptor, not this instruction), and its cache-hinted
+// 16-byte ld / st (.b128, memory-clobbering) change the SASS of every cross-entropy kernel (up to
+// 64 more instructions).
 template <L2Hint kHint>
 TIGON_DEVICE std::uint64_t l2_policy() {
   std::uint64_t pol = 0;

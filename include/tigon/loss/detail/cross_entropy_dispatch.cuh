@@ -117,6 +117,14 @@ Status launch_ce_resident(const CeParams<T, I>& p, cudaStream_t stream, const ch
   return Status();
 }
 
+// The optioned resident kernel with the softcap and the bias as compile-time switches.
+template <class P, bool kCap, bool kBias, class T, class I>
+Status launch_ce_opt(const CeParams<T, I>& p, cudaStream_t stream, const char* op, bool& launched) {
+  constexpr auto kernel =
+      ce_resident_opt_kernel<T, I, kVecElems<T>, P::kOptThreads, P::kOptVecs, P::kOptMinBlocks, kCap, kBias>;
+  return launch_ce_resident<kernel, P::kOptThreads, P::kOptVecs, P::kOptAhead>(p, stream, op, launched);
+}
+
 // Which kernel takes a call: a resident kernel where one applies (sm_90+, 16-byte rows, at most
 // kCeResMaxCluster blocks a row, not the split vocabulary's finalize, which has its statistics),
 // else the row kernel.
@@ -136,9 +144,12 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
         if (plain) {
           constexpr auto kernel = ce_resident_kernel<T, I, kV, P::kResThreads, P::kResVecs, P::kResMinBlocks>;
           TIGON_CHECK((launch_ce_resident<kernel, P::kResThreads, P::kResVecs, P::kResAhead>(p, stream, op, launched)));
+        } else if (p.cap > 0.0f) {
+          TIGON_CHECK((p.bias != nullptr ? launch_ce_opt<P, true, true>(p, stream, op, launched)
+                                        : launch_ce_opt<P, true, false>(p, stream, op, launched)));
         } else {
-          constexpr auto kernel = ce_resident_opt_kernel<T, I, kV, P::kOptThreads, P::kOptVecs, P::kOptMinBlocks>;
-          TIGON_CHECK((launch_ce_resident<kernel, P::kOptThreads, P::kOptVecs, P::kOptAhead>(p, stream, op, launched)));
+          TIGON_CHECK((p.bias != nullptr ? launch_ce_opt<P, false, true>(p, stream, op, launched)
+                                        : launch_ce_opt<P, false, false>(p, stream, op, launched)));
         }
         if (launched) return Status();
       }

@@ -67,8 +67,11 @@ TIGON_DEVICE void to_x(const AlignedVec<T, kV>& v, const T* bias, std::int64_t c
   AlignedVec<T, kV> b;
   if (bias != nullptr) b = load_vec<kV>(bias + c);
 #pragma unroll
-  for (int k = 0; k < kV; ++k) {
-    x[k] = ce_math::softcap(to_float(v.v[k]) + (bias != nullptr ? to_float(b.v[k]) : 0.0f), cap);
+  for (int k = 0; k < kV; ++k) x[k] = to_float(v.v[k]) + (bias != nullptr ? to_float(b.v[k]) : 0.0f);
+  if (cap > 0.0f) {  // a branch per vector, not a select per element: the rational tanh costs a dozen FMAs
+    const float inv = 1.0f / cap;
+#pragma unroll
+    for (int k = 0; k < kV; ++k) x[k] = cap * ce_math::tanh_rational(x[k] * inv);
   }
 }
 
@@ -610,23 +613,41 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
 #endif
 }
 
+// The largest (value, column) pair of lanes [0, n), the first column on ties; every lane ends with
+// the same pair.
+TIGON_DEVICE void ce_argmax_lanes(int lane, int n, float& v, unsigned& c) {
+  if (lane >= n) {
+    v = -__builtin_huge_valf();
+    c = 0xffffffffu;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, offset);
+    const unsigned oc = __shfl_xor_sync(0xffffffffu, c, offset);
+    if (ov > v || (ov == v && oc < c)) {
+      v = ov;
+      c = oc;
+    }
+  }
+}
+
 // The resident kernel for every option (class weights, label smoothing, softcap, bias, argmax and
 // the split-vocabulary statistics pass; the default for them on sm_90+ with 16-byte rows): the
 // plain kernel's structure, with each thread's logits held in registers in fp32 after the bias and
-// the softcap, so each element's softcap is computed once. A block's message is two 16-byte
-// stores: (max, sum of exp, the target's logit, the block's argmax column) and the smoothing sums
-// (sum of w_i x_i, sum of w_i). The argmax is the first column holding the row's largest logit.
-template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks>
+// the softcap (kBias, kCap: compile-time, so that a call without them pays nothing), each
+// element's softcap computed once. A block's message is two 16-byte stores: (max, sum of exp, the
+// target's logit) and (sum of w_i x_i, sum of w_i, the block's largest logit and its first column).
+template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks, bool kCap, bool kBias>
 TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel(const CeParams<T, I> p,
                                                                                   std::int64_t row0, int slice,
                                                                                   int ahead) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kWarps = kThreads / 32;
-  constexpr unsigned kNoArg = 0x7fffffffu;
+  constexpr unsigned kNoCol = 0xffffffffu;
   __shared__ std::uint64_t bar;
-  __shared__ float4 slots[2 * kCeResMaxCluster];  // [block]: statistics; [kCeResMaxCluster + block]: sums
-  __shared__ float4 part[kWarps];                 // per warp: max, sum of exp, argmax column, -
-  __shared__ float2 part_w[kWarps];               // per warp: sum of w_i x_i, sum of w_i
+  __shared__ float4 slots[2 * kCeResMaxCluster];  // [block]: statistics; [kCeResMaxCluster + block]: sums, argmax
+  __shared__ float2 part[kWarps];                 // per warp: max, sum of exp
+  __shared__ float4 part_w[kWarps];               // per warp: sum of w_i x_i, sum of w_i, largest logit, its column
   __shared__ float row_lse, row_xt, row_swx, row_sw;
   const unsigned csize = cluster_blocks();
   const unsigned rank = cluster_rank();
@@ -637,6 +658,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   const int nvec = static_cast<int>(p.vocab / kV);
   const int v0 = min(static_cast<int>(rank) * slice, nvec);
   const int tid = static_cast<int>(threadIdx.x);
+  const int lane_id = tid & 31;
   const int first = v0 + tid;
   const int mine = min(v0 + slice, nvec) - first;
   const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
@@ -648,6 +670,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   const bool smooth = p.eps > 0.0f;
   const bool want_arg = p.argmax != nullptr || p.stats_out != nullptr;
   const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
+  const float cap = kCap ? p.cap : 0.0f;
+  const float inv_cap = kCap ? 1.0f / p.cap : 0.0f;
   // This thread's logits, bias and softcap applied (-inf past the slice's end).
   float x[kVecs][kV];
   {
@@ -659,7 +683,16 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       if (j * kThreads < mine) {
-        to_x<T, kV>(raw[j], p.bias, static_cast<std::int64_t>(first + j * kThreads) * kV, p.cap, x[j]);
+        to_floats(raw[j], x[j]);
+        if constexpr (kBias) {
+          const AlignedVec<T, kV> b = load_vec<kV>(p.bias + static_cast<std::int64_t>(first + j * kThreads) * kV);
+#pragma unroll
+          for (int k = 0; k < kV; ++k) x[j][k] += to_float(b.v[k]);
+        }
+        if constexpr (kCap) {
+#pragma unroll
+          for (int k = 0; k < kV; ++k) x[j][k] = cap * ce_math::tanh_rational(x[j][k] * inv_cap);
+        }
       } else {
 #pragma unroll
         for (int k = 0; k < kV; ++k) x[j][k] = -__builtin_huge_valf();
@@ -688,18 +721,24 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     for (int k = 0; k < kV; ++k) s[0] += exp2_ftz(fmaf(x[j][k], kLog2e, -mb));
   }
   warp_allreduce_sum<32>(s);
-  // The first column of this thread holding the warp's max, the warp's first of those.
-  unsigned arg = kNoArg;
-  if (want_arg && tmax == m[0]) {
+  // The warp's largest logit and its first column (columns rise with j, then k).
+  float av = -__builtin_huge_valf();
+  unsigned ac = kNoCol;
+  if (want_arg) {
 #pragma unroll
-    for (int j = kVecs - 1; j >= 0; --j) {
+    for (int j = 0; j < kVecs; ++j) {
+      if (j * kThreads < mine) {
 #pragma unroll
-      for (int k = kV - 1; k >= 0; --k) {
-        if (j * kThreads < mine && x[j][k] == tmax) arg = static_cast<unsigned>((first + j * kThreads) * kV + k);
+        for (int k = 0; k < kV; ++k) {
+          if (x[j][k] > av) {
+            av = x[j][k];
+            ac = static_cast<unsigned>((first + j * kThreads) * kV + k);
+          }
+        }
       }
     }
+    ce_argmax_lanes(lane_id, 32, av, ac);
   }
-  if (want_arg) arg = __reduce_min_sync(0xffffffffu, arg);
   float sw2[2] = {0.0f, 0.0f};  // sum of w_i x_i, sum of w_i
   if (smooth) {
 #pragma unroll
@@ -716,70 +755,67 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     }
     warp_allreduce_sum<32>(sw2);
   }
-  if ((tid & 31) == 0) {
-    part[tid >> 5] = make_float4(m[0], s[0], __uint_as_float(arg), 0.0f);
-    part_w[tid >> 5] = make_float2(sw2[0], sw2[1]);
+  if (lane_id == 0) {
+    part[tid >> 5] = make_float2(m[0], s[0]);
+    part_w[tid >> 5] = make_float4(sw2[0], sw2[1], av, __uint_as_float(ac));
   }
   __syncthreads();
   cluster_wait();
   if (tid < 32) {  // warp 0: the block's statistics, the messages, the row's
     const int lane = tid;
-    const float4 pw = lane < kWarps ? part[lane] : make_float4(-__builtin_huge_valf(), 0.0f, __uint_as_float(kNoArg), 0.0f);
+    const float2 pm = lane < kWarps ? part[lane] : make_float2(0.0f, 0.0f);
     float bm, bs;
-    ce_merge_lanes(lane, pw.x, pw.y, kWarps, bm, bs);
-    const unsigned barg = __reduce_min_sync(0xffffffffu, pw.x == bm ? __float_as_uint(pw.z) : kNoArg);
-    float bsum[2] = {0.0f, 0.0f};
-    if (smooth && lane < kWarps) {
-      bsum[0] = part_w[lane].x;
-      bsum[1] = part_w[lane].y;
-    }
+    ce_merge_lanes(lane, pm.x, pm.y, kWarps, bm, bs);
+    const float4 pw = lane < kWarps ? part_w[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float bsum[2] = {lane < kWarps ? pw.x : 0.0f, lane < kWarps ? pw.y : 0.0f};
     if (smooth) warp_allreduce_sum<32>(bsum);
+    float bv = pw.z;
+    unsigned bc = __float_as_uint(pw.w);
+    if (want_arg) ce_argmax_lanes(lane, kWarps, bv, bc);
     if (lane == 0) mbarrier_arrive_expect_tx(&bar, 2u * csize * static_cast<unsigned>(sizeof(float4)));
     xt = __shfl_sync(0xffffffffu, xt, 0);
     if (lane < static_cast<int>(csize)) {
       const auto to = static_cast<unsigned>(lane);
-      cluster_store_async_f4(cluster_smem_addr(&slots[rank], to), cluster_smem_addr(&bar, to), bm, bs, xt,
-                             __uint_as_float(barg));
+      cluster_store_async_f4(cluster_smem_addr(&slots[rank], to), cluster_smem_addr(&bar, to), bm, bs, xt, 0.0f);
       cluster_store_async_f4(cluster_smem_addr(&slots[kCeResMaxCluster + rank], to), cluster_smem_addr(&bar, to),
-                             bsum[0], bsum[1], 0.0f, 0.0f);
+                             bsum[0], bsum[1], bv, __uint_as_float(bc));
     }
     mbarrier_wait<true>(&bar, 0);
     const bool from = lane < static_cast<int>(csize);
-    const float4 msg = from ? slots[lane] : make_float4(-__builtin_huge_valf(), 0.0f, 0.0f, __uint_as_float(kNoArg));
+    const float4 msg = from ? slots[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float4 msg_w = from ? slots[kCeResMaxCluster + lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float tm, ts;
     ce_merge_lanes(lane, msg.x, msg.y, static_cast<int>(csize), tm, ts);
-    const unsigned targ = __reduce_min_sync(0xffffffffu, (from && msg.x == tm) ? __float_as_uint(msg.w) : kNoArg);
-    float rsum[2] = {0.0f, 0.0f};
-    if (smooth && from) {
-      const float4 w = slots[kCeResMaxCluster + lane];
-      rsum[0] = w.x;
-      rsum[1] = w.y;
-    }
+    float rsum[2] = {from ? msg_w.x : 0.0f, from ? msg_w.y : 0.0f};
     if (smooth) warp_allreduce_sum<32>(rsum);
+    float rv = msg_w.z;
+    unsigned rc = __float_as_uint(msg_w.w);
+    if (want_arg) ce_argmax_lanes(lane, static_cast<int>(csize), rv, rc);
+    const float row_x = __shfl_sync(0xffffffffu, msg.z, 0);  // block 0's message carries the target's logit
     if (lane == 0) {
       row_lse = tm + logf(ts);
-      row_xt = msg.z;  // block 0's message carries the target's logit
+      row_xt = row_x;
       row_swx = rsum[0];
       row_sw = rsum[1];
       if (rank == 0) {
-        const std::int64_t best = (targ == kNoArg ? 0 : static_cast<std::int64_t>(targ)) + p.col0;
-        const CeAcc total{tm, ts, rsum[0], rsum[1], tm, best};
+        const std::int64_t best = (rc == kNoCol ? 0 : static_cast<std::int64_t>(rc)) + p.col0;
+        const CeAcc total{tm, ts, rsum[0], rsum[1], rv, best};
         if (p.stats_out != nullptr) {
           CrossEntropyStats st{};
           st.max = tm;
           st.sumexp = ts;
           st.has_target = in_row ? 1 : 0;
-          st.target_logit = row_xt;
+          st.target_logit = row_x;
           st.target_weight = (in_row && p.weights != nullptr) ? p.weights[t_raw] : 1.0f;
           st.sum_wx = rsum[0];
           st.sum_w = rsum[1];
-          st.argmax_value = tm;
+          st.argmax_value = rv;
           st.argmax = best;
           p.stats_out[row] = st;
         } else {
           const bool ignored = t_raw == p.ignore_index;
           const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
-          ce_write_row(p, row, ce_row_terms(p, row, total, row_lse, row_xt, t_raw, ignored || bad), total,
+          ce_write_row(p, row, ce_row_terms(p, row, total, row_lse, row_x, t_raw, ignored || bad), total,
                        ignored, bad);
         }
       }
@@ -798,12 +834,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   const float a = scale * ((1.0f - p.eps) * terms.w_t + p.eps * inv_v * terms.sum_w + 2.0f * p.z * lse);
   const float b = scale * p.eps * inv_v;
   const float neg_lse2 = -lse * kLog2e;
-  const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
   T* dv = p.dx + row * p.dxs + static_cast<std::int64_t>(first) * kV;
-  // The element loop with smoothing and the softcap as compile-time switches.
-  auto write = [&](auto smooth_c, auto cap_c) {
+  // The element loop, with smoothing a compile-time switch.
+  auto write = [&](auto smooth_c) {
     constexpr bool kSmooth = decltype(smooth_c)::value;
-    constexpr bool kCap = decltype(cap_c)::value;
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       if (j * kThreads < mine) {
@@ -836,11 +870,9 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     return;
   }
   if (smooth) {
-    if (p.cap > 0.0f) write(std::true_type{}, std::true_type{});
-    else write(std::true_type{}, std::false_type{});
+    write(std::true_type{});
   } else {
-    if (p.cap > 0.0f) write(std::false_type{}, std::true_type{});
-    else write(std::false_type{}, std::false_type{});
+    write(std::false_type{});
   }
   // The target's gradient in fp32 from p - 1, over the value this thread just stored.
   if (in_row) {
@@ -849,7 +881,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
       const float pr = exp2_ftz(fmaf(row_xt, kLog2e, neg_lse2));
       const float w = wcol != nullptr ? wcol[t] : 1.0f;
       p.dx[row * p.dxs + t] = from_float<T>(ce_math::grad(pr, true, w, terms, p.eps, p.z, p.total_vocab) *
-                                            ce_math::softcap_grad(row_xt, p.cap) * scale);
+                                            ce_math::softcap_grad(row_xt, cap) * scale);
     }
   }
 #else

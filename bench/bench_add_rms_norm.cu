@@ -6,6 +6,8 @@
 //             separate: add reads x, residual, writes s; RMSNorm reads s, writes y
 //   backward: read dy, dsum and s, write dx (+ read w and rstd, write dW)
 //             separate: RMSNorm backward reads dy, s, writes dx'; add reads dx', dsum, writes dx
+// Back to back and as single calls, against the device-to-device copy rate measured in the same
+// process. Policy sweeps: bench/tuning/bench_add_rms_norm_tuning.cu.
 #include "harness.cuh"
 
 #include <tigon/norm/add_rms_norm.cuh>
@@ -164,27 +166,6 @@ void BM_backward_separate(benchmark::State& st) {
              });
 }
 
-// Tuning variants of the compiled kernels at 4096 (RmsNormPolicy, listed below).
-template <class P>
-void BM_forward_policy(benchmark::State& st, const char* label) {
-  Data d(st.range(0), 4096);
-  bench::run(st, std::string("  fwd 4096 policy ") + label, fwd_bytes(d.rows, d.cols),
-             [&](int i) { check(tigon::add_rms_norm_forward<bf16, 4096, P>(d.fwd(i), nullptr)); });
-}
-
-template <class P>
-void BM_backward_policy(benchmark::State& st, const char* label) {
-  Data d(st.range(0), 4096);
-  auto a = d.bwd(0);
-  check(tigon::add_rms_norm_backward_workspace_bytes<bf16, 4096, P>(a, d.ws_bytes));
-  BENCH_CUDA(cudaMalloc(&d.ws, d.ws_bytes));
-  for (int k = 0; k < d.sets; ++k) check(tigon::add_rms_norm_forward(d.fwd(k), nullptr));
-  bench::run(st, std::string("  bwd 4096 policy ") + label, bwd_bytes(d.rows, d.cols),
-             [&](int i) { check(tigon::add_rms_norm_backward<bf16, 4096, P>(d.bwd(i), nullptr)); });
-}
-
-using tigon::RmsNormPolicy;
-
 }  // namespace
 
 #define SHAPES ->Args({16384, 4096})->Args({16384, 8192})
@@ -196,58 +177,5 @@ BENCHMARK(BM_backward_separate) SHAPES TIMED;
 // Single calls (bench::single): each alone on the device, as between a training step's GEMMs.
 BENCHMARK(bench::single<BM_forward_fused>)->Args({16384, 4096}) TIMED;
 BENCHMARK(bench::single<BM_backward_fused>)->Args({16384, 4096}) TIMED;
-
-#define FWD_VARIANT(label, ...)                                                               \
-  void BM_fwd_##label(benchmark::State& st) { BM_forward_policy<__VA_ARGS__>(st, #label); }  \
-  BENCHMARK(BM_fwd_##label)->Arg(16384) TIMED;
-#define BWD_VARIANT(label, ...)                                                               \
-  void BM_bwd_##label(benchmark::State& st) { BM_backward_policy<__VA_ARGS__>(st, #label); } \
-  BENCHMARK(BM_bwd_##label)->Arg(16384) TIMED;
-
-// RmsNormPolicy<fwd vec/thread, fwd block, bwd vec/thread, bwd block, bwd min blocks/SM, stages,
-//               casting (-1: chosen at run time), persistent forward grid, streaming stores,
-//               backward keeps rows in registers, direct forward (default true), direct backward,
-//               direct forward's streaming hint (default false)>. Rows that leave the last three
-//               unspelled take the defaults: the direct forward with plain loads.
-// Every knob spelled out (RmsNormPolicy's defaults are RMSNorm's to tune), the default policy first.
-FWD_VARIANT(default, tigon::RmsNormDefaultPolicy)
-FWD_VARIANT(v4_b256, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false>)
-FWD_VARIANT(v4_b256_staged, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false>)
-FWD_VARIANT(v4_b128, RmsNormPolicy<4, 128, 2, 512, 1, 3, -1, false>)
-FWD_VARIANT(v2_b256, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false>)
-FWD_VARIANT(v8_b256, RmsNormPolicy<8, 256, 2, 512, 1, 3, -1, false>)
-FWD_VARIANT(v4_b256_cs, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, true>)
-FWD_VARIANT(v4_b256_s2_persistent, RmsNormPolicy<4, 256, 2, 512, 1, 2, -1, true>)
-FWD_VARIANT(v4_b256_s3_persistent, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true>)
-// Direct forwards: x and the residual straight into registers (kFwdDirect), with the streaming
-// hint or plain loads (kFwdDirectStream false).
-FWD_VARIANT(v4_b256_direct, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, true>)
-FWD_VARIANT(v2_b256_direct, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, true>)
-FWD_VARIANT(v4_b256_direct_plain, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
-// The default forward with a floor of 5 or 6 blocks per SM (registers capped at 48 / 40):
-FWD_VARIANT(v4_b256_m5, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 5>)
-FWD_VARIANT(v4_b256_m6, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 6>)
-FWD_VARIANT(v2_b256_direct_plain, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>)
-BWD_VARIANT(default, tigon::RmsNormDefaultPolicy)
-BWD_VARIANT(v2_b512_m1_s3, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false>)
-BWD_VARIANT(v2_b512_m1_s2, RmsNormPolicy<4, 256, 2, 512, 1, 2, -1, false, false, false>)
-BWD_VARIANT(v2_b256_m2_s2, RmsNormPolicy<4, 256, 2, 256, 2, 2, -1, false, false, false>)
-BWD_VARIANT(v2_b512_m1_s3_keep, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true>)
-BWD_VARIANT(v2_b256_m2_s3_keep_cs, RmsNormPolicy<4, 256, 2, 256, 2, 3, -1, false, true, true>)
-BWD_VARIANT(v4_b256_m1_s3, RmsNormPolicy<4, 256, 4, 256, 1, 3, -1, false, false, false>)
-
-// The forward variants as single calls (bench::single).
-#define SINGLE_FWD(label) BENCHMARK(bench::single<BM_fwd_##label>)->Arg(16384) TIMED;
-SINGLE_FWD(v4_b128)
-SINGLE_FWD(v2_b256)
-SINGLE_FWD(v8_b256)
-SINGLE_FWD(v4_b256_s2_persistent)
-SINGLE_FWD(v4_b256_direct)
-SINGLE_FWD(v2_b256_direct)
-SINGLE_FWD(v4_b256_direct_plain)
-SINGLE_FWD(v4_b256_m5)
-SINGLE_FWD(v4_b256_m6)
-SINGLE_FWD(v4_b256_staged)
-SINGLE_FWD(v2_b256_direct_plain)
 
 BENCH_MAIN

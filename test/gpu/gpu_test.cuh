@@ -1,5 +1,6 @@
 // Shared pieces of the GPU tests: a main that reports "skipped" (exit 77) without a GPU, device
-// buffers, fresh random inputs, poisoned outputs and tolerance checks where NaN never passes.
+// buffers, fresh random inputs, poisoned outputs, tolerance checks where NaN never passes, the
+// tolerances of outputs rounded to a dtype, and dense / strided views of host matrices.
 #pragma once
 
 #define CATCH_CONFIG_RUNNER
@@ -7,12 +8,14 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <tigon/core/dtype.hpp>
@@ -139,6 +142,130 @@ Compare compare(std::size_t n, Get&& get_out, const std::vector<double>& ref, do
   c.rel_l2 = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   return c;
 }
+
+// Reports a Compare's worst element and CHECKs it against max_rel_l2 (what: the output's name).
+#define GPU_CHECK_CLOSE(cmp, what, l2)                                                           \
+  do {                                                                                           \
+    INFO(what << ": " << (cmp).bad << " of " << (cmp).n << " elements out of tolerance, worst #" \
+              << (cmp).worst << " (score " << (cmp).worst_err << "), rel L2 " << (cmp).rel_l2);  \
+    CHECK((cmp).ok(l2));                                                                         \
+  } while (0)
+
+// Tolerances of an output rounded once to T from fp32 arithmetic: per element (relative) and for
+// the relative L2 error of a whole output.
+template <class T>
+double tol() {
+  if constexpr (std::is_same_v<T, float>) return 1e-4;
+  if constexpr (std::is_same_v<T, tigon::half>) return 0x1p-9;
+  return 0x1p-6;
+}
+template <class T>
+double tol_l2() {
+  if constexpr (std::is_same_v<T, float>) return 1e-5;
+  if constexpr (std::is_same_v<T, tigon::half>) return 1e-3;
+  return 8e-3;
+}
+
+// Tolerances of a weight gradient in W summed over rows of dy * xhat, where `rounded_xhat`: xhat was
+// rounded to T before the product (RMSNorm's modes llama and none): a term on a rounding boundary
+// may round the other way in fp32 than in the reference, so T's precision bounds it too, and such
+// flips (about one term in 10^4 to 10^5 for bf16, each worth one ulp of T) bound the L2 error.
+template <class T, class W>
+double dweight_tol(bool rounded_xhat) {
+  return rounded_xhat ? std::max(tol<W>(), tol<T>()) : tol<W>();
+}
+template <class T, class W>
+double dweight_tol_l2(bool rounded_xhat) {
+  return rounded_xhat ? std::max(tol_l2<W>(), 0.1 * tol_l2<T>()) : tol_l2<W>();
+}
+
+inline double rms(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x * x;
+  return v.empty() ? 0.0 : std::sqrt(s / static_cast<double>(v.size()));
+}
+
+// Dense [rows, cols] doubles of a host matrix whose rows are `stride` elements apart, `off` in.
+template <class T>
+std::vector<double> dense(const std::vector<T>& h, std::int64_t off, std::int64_t rows,
+                          std::int64_t cols, std::int64_t stride) {
+  std::vector<double> d(static_cast<std::size_t>(rows * cols));
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) d[r * cols + c] = tigon::to_float(h[off + r * stride + c]);
+  return d;
+}
+
+// Element i of the dense [rows, cols] view of such a matrix, as a double (for compare()).
+template <class T>
+auto strided(const std::vector<T>& h, std::int64_t off, std::int64_t cols, std::int64_t stride) {
+  return [&h, off, cols, stride](std::size_t i) {
+    const std::int64_t k = static_cast<std::int64_t>(i);
+    return static_cast<double>(tigon::to_float(h[off + (k / cols) * stride + k % cols]));
+  };
+}
+
+// The bytes of such a matrix outside its rows (each row's padding, and the `off` elements before it
+// unless it overwrote `input`) hold what they held: `input`'s bytes where the output was written
+// over that input, else the poison (0xFF).
+template <class T>
+void check_outside_rows(const std::vector<T>& got, const std::vector<T>* input, std::int64_t off,
+                        std::int64_t rows, std::int64_t cols, std::int64_t stride) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t p = cols; p < stride; ++p) {
+      const std::size_t i = static_cast<std::size_t>(off + r * stride + p);
+      if (input) {
+        REQUIRE(std::memcmp(&got[i], &(*input)[i], sizeof(T)) == 0);
+      } else {
+        REQUIRE(all_bytes_ff(&got[i], sizeof(T)));
+      }
+    }
+  }
+  if (!input && off > 0) REQUIRE(all_bytes_ff(got.data(), static_cast<std::size_t>(off) * sizeof(T)));
+}
+
+// Norm policies derived from a norm's default P (tigon::RmsNormPolicy, tigon::LayerNormPolicy), each
+// overriding some members and inheriting the rest, as a caller tunes one; at 4096 columns each
+// gives another row-group layout, stage count or register bound.
+template <class P>
+struct SmallBlocks : P {  // 128-thread forward blocks; 256-thread backward blocks, 2 per SM, 2 stages
+  static constexpr int kFwdBlockThreads = 128;
+  static constexpr int kBwdBlockThreads = 256;
+  static constexpr int kBwdMinBlocksPerSm = 2;
+  static constexpr int kBwdStages = 2;
+};
+template <class P>
+struct OneStage : P {
+  static constexpr int kBwdStages = 1;
+};
+template <class P>
+struct Capped : P {  // the forward's registers capped for 6 blocks per SM
+  static constexpr int kFwdMinBlocksPerSm = 6;
+};
+template <class P>
+struct Wide : P {  // 8 / 4 vectors per thread, 4 stages
+  static constexpr int kFwdVecPerThread = 8;
+  static constexpr int kBwdVecPerThread = 4;
+  static constexpr int kBwdBlockThreads = 256;
+  static constexpr int kBwdStages = 4;
+};
+template <class P>
+struct FwdNarrow : P {  // 2 vectors per thread, 128-thread forward blocks
+  static constexpr int kFwdVecPerThread = 2;
+  static constexpr int kFwdBlockThreads = 128;
+};
+template <class P>
+struct Threads1024 : P {  // a 512-thread forward block, 1024-thread backward blocks
+  static constexpr int kFwdVecPerThread = 2;
+  static constexpr int kFwdBlockThreads = 512;
+  static constexpr int kBwdVecPerThread = 1;
+  static constexpr int kBwdBlockThreads = 1024;
+};
+template <class P>
+struct WarpPerRow : P {  // 4096 bf16 / half: the forward's 512 vectors over one warp
+  static constexpr int kFwdVecPerThread = 16;
+  static constexpr int kBwdVecPerThread = 8;
+  static constexpr int kBwdBlockThreads = 256;
+};
 
 inline int run_main(int argc, char** argv) {
   int devices = 0;

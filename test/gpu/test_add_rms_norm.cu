@@ -12,6 +12,11 @@
 
 using namespace tigon;
 using gpu_test::DeviceBuffer;
+using gpu_test::dense;
+using gpu_test::rms;
+using gpu_test::strided;
+using gpu_test::tol;
+using gpu_test::tol_l2;
 
 namespace {
 
@@ -56,42 +61,7 @@ std::string describe(const Case& c) {
          (c.compile_time ? " compile-time" : "");
 }
 
-template <class T>
-double tol() {
-  if constexpr (std::is_same_v<T, float>) return 1e-4;
-  if constexpr (std::is_same_v<T, half>) return 0x1p-9;
-  return 0x1p-6;
-}
-template <class T>
-double tol_l2() {
-  if constexpr (std::is_same_v<T, float>) return 1e-5;
-  if constexpr (std::is_same_v<T, half>) return 1e-3;
-  return 8e-3;
-}
-
-double rms(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x * x;
-  return v.empty() ? 0.0 : std::sqrt(s / static_cast<double>(v.size()));
-}
-
-template <class T>
-std::vector<double> dense(const std::vector<T>& h, std::int64_t off, std::int64_t rows,
-                          std::int64_t cols, std::int64_t stride) {
-  std::vector<double> d(static_cast<std::size_t>(rows * cols));
-  for (std::int64_t r = 0; r < rows; ++r)
-    for (std::int64_t c = 0; c < cols; ++c) d[r * cols + c] = to_float(h[off + r * stride + c]);
-  return d;
-}
-
-#define CHECK_CLOSE(cmp, what, l2)                                                               \
-  do {                                                                                           \
-    INFO(what << ": " << (cmp).bad << " of " << (cmp).n << " elements out of tolerance, worst #" \
-              << (cmp).worst << " (score " << (cmp).worst_err << "), rel L2 " << (cmp).rel_l2);  \
-    CHECK((cmp).ok(l2));                                                                         \
-  } while (0)
-
-template <class T, class W = T, class Policy = RmsNormDefaultPolicy>
+template <class T, class W = T, class Policy = RmsNormPolicy>
 void run_case(const Case& c) {
   INFO(describe(c) << " T=" << dtype_traits<T>::name << " W=" << dtype_traits<W>::name);
   const std::int64_t stride = c.cols + c.pad;
@@ -150,34 +120,20 @@ void run_case(const Case& c) {
   const auto rstd_h = rstd.download();
   const auto ref = tigon_ref::add_rms_norm_forward<T>(xd, rd, wd, c.rows, c.cols, 1e-6, c.offset, c.mode);
   // s is exact: the same fp32 add and the same rounding as the reference.
-  const auto cs = gpu_test::compare(
-      ref.sum.size(), [&](std::size_t i) { return to_float(sh[off + (i / c.cols) * stride + i % c.cols]); },
-      ref.sum, 0.0, 0.0);
-  CHECK_CLOSE(cs, "sum (bitwise)", 0.0);
+  const auto cs = gpu_test::compare(ref.sum.size(), strided(sh, off, c.cols, stride), ref.sum, 0.0, 0.0);
+  GPU_CHECK_CLOSE(cs, "sum (bitwise)", 0.0);
   std::vector<double> yref(ref.norm.y.size());
   for (std::size_t i = 0; i < yref.size(); ++i) yref[i] = tigon_ref::round_t<T>(ref.norm.y[i]);
-  const auto cy = gpu_test::compare(
-      yref.size(), [&](std::size_t i) { return to_float(yh[off + (i / c.cols) * stride + i % c.cols]); },
-      yref, 1e-6, tol<T>());
-  CHECK_CLOSE(cy, "y", tol_l2<T>());
+  const auto cy = gpu_test::compare(yref.size(), strided(yh, off, c.cols, stride), yref, 1e-6, tol<T>());
+  GPU_CHECK_CLOSE(cy, "y", tol_l2<T>());
   const auto cr = gpu_test::compare(
       rstd_h.size(), [&](std::size_t i) { return static_cast<double>(rstd_h[i]); }, ref.norm.rstd, 0.0, 2e-6);
-  CHECK_CLOSE(cr, "rstd", 1e-6);
+  GPU_CHECK_CLOSE(cr, "rstd", 1e-6);
   // Bytes outside the rows (padding, the misaligned head) are untouched: the inputs' own bytes
   // where an output overwrote an input, else the poison.
   auto untouched = [&](const std::vector<T>& got, const std::vector<T>* input, const char* what) {
     INFO(what);
-    for (std::int64_t r = 0; r < c.rows; ++r) {
-      for (std::int64_t p = c.cols; p < stride; ++p) {
-        const std::size_t i = static_cast<std::size_t>(off + r * stride + p);
-        if (input) {
-          REQUIRE(std::memcmp(&got[i], &(*input)[i], sizeof(T)) == 0);
-        } else {
-          REQUIRE(gpu_test::all_bytes_ff(&got[i], sizeof(T)));
-        }
-      }
-    }
-    if (!input && off > 0) REQUIRE(gpu_test::all_bytes_ff(got.data(), off * sizeof(T)));
+    gpu_test::check_outside_rows(got, input, off, c.rows, c.cols, stride);
   };
   untouched(yh, c.place == Place::pre_norm ? &xh : c.place == Place::swapped ? &rh : nullptr, "y");
   untouched(sh, c.place == Place::pre_norm ? &rh : c.place == Place::swapped ? &xh : nullptr, "sum");
@@ -244,25 +200,20 @@ void run_case(const Case& c) {
   const auto [dxh, dwh] = run_backward();
   const auto bref = tigon_ref::add_rms_norm_backward<T>(dyd, c.dsum ? dsd : std::vector<double>{}, ref.sum,
                                                         wd, c.rows, c.cols, 1e-6, c.offset, c.mode);
-  const auto cdx = gpu_test::compare(
-      bref.dx.size(),
-      [&](std::size_t i) { return to_float(dxh[off + (i / c.cols) * stride + i % c.cols]); }, bref.dx,
-      tol<T>() * rms(bref.dx), tol<T>());
-  CHECK_CLOSE(cdx, "dx", 2 * tol_l2<T>());
+  const auto cdx = gpu_test::compare(bref.dx.size(), strided(dxh, off, c.cols, stride), bref.dx,
+                                     tol<T>() * rms(bref.dx), tol<T>());
+  GPU_CHECK_CLOSE(cdx, "dx", 2 * tol_l2<T>());
   if (c.weight) {
-    // Modes llama and none multiply dy by shat rounded to T: a term on a rounding boundary may
-    // round the other way in fp32 than in the reference, so T's precision bounds dW there.
-    const double dw_tol = c.mode == RmsNormCasting::gemma ? tol<W>() : std::max(tol<W>(), tol<T>());
+    // Modes llama and none multiply dy by shat rounded to T.
+    const bool rounded = c.mode != RmsNormCasting::gemma;
+    const double dw_tol = gpu_test::dweight_tol<T, W>(rounded);
     std::vector<double> dwref(bref.dw.size());
     for (std::size_t i = 0; i < dwref.size(); ++i) dwref[i] = bref.dw[i] + dw_init[i];
     const auto cdw = gpu_test::compare(
         dwref.size(), [&](std::size_t i) { return static_cast<double>(to_float(dwh[i])); }, dwref,
         dw_tol * rms(dwref), dw_tol);
-    // The same rounding flips bound dW's relative L2 error: rare (about one term in 10^4 to 10^5
-    // for bf16), each worth one ulp of T on its term.
-    const double dw_tol_l2 =
-        c.mode == RmsNormCasting::gemma ? tol_l2<W>() : std::max(tol_l2<W>(), 0.1 * tol_l2<T>());
-    CHECK_CLOSE(cdw, "dweight", 2 * dw_tol_l2);
+    const double dw_tol_l2 = gpu_test::dweight_tol_l2<T, W>(rounded);
+    GPU_CHECK_CLOSE(cdw, "dweight", 2 * dw_tol_l2);
   }
   if (!c.accumulate) {
     // Bitwise determinism: the same inputs give the same dx and dW.
@@ -353,30 +304,19 @@ TEST_CASE("add_rms_norm: compile-time hidden size <T, 4096> and policies", "[add
   run_case<bf16>({.rows = 300, .cols = 4096, .compile_time = true});
   run_case<bf16, float>({.rows = 300, .cols = 4096, .mode = RmsNormCasting::gemma, .compile_time = true});
   run_case<half>({.rows = 3, .cols = 4096, .misalign = 1, .compile_time = true});  // falls back, correct
-  // <fwd vpt, fwd block, bwd vpt, bwd block, bwd min blocks, stages, casting, persistent, streaming, keep>
+  // Policies: structs derived from RmsNormPolicy that override members (gpu_test.cuh's).
+  using P = RmsNormPolicy;
   const Case c{.rows = 300, .cols = 4096, .compile_time = true};
-  run_case<bf16, bf16, RmsNormPolicy<4, 128, 2, 256, 2, 2>>(c);
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 1, -1, false>>(c);               // non-persistent
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, true>>(c);          // persistent, streaming
-  run_case<bf16, float, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, false, true>>(c);  // persistent, keep rows
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false>>(c); // rows re-read
-  // the forward staged through shared memory (kFwdDirect false); the direct forward (x and the
-  // residual straight into registers: the default), streaming or plain loads
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false>>(c);
-  run_case<half, float, RmsNormPolicy<2, 256, 2, 512, 1, 2, -1, false, true, true, false>>(c);
-  run_case<bf16, float, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, true>>(c);
-  // the forward with registers capped for 6 blocks per SM
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 6>>(c);
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true>>(c);
-  run_case<bf16, float, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>>(c);
-  run_case<half, half, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true>>(
-      {.rows = 77, .cols = 4096, .compile_time = true});
-  run_case<bf16, bf16, RmsNormPolicy<8, 256, 4, 256, 1, 4, 0>>(c);                        // llama only
+  run_case<bf16, bf16, gpu_test::SmallBlocks<P>>(c);
+  run_case<bf16, float, gpu_test::OneStage<P>>(c);
+  run_case<bf16, bf16, gpu_test::Capped<P>>(c);
+  run_case<bf16, bf16, gpu_test::Wide<P>>(c);
+  run_case<half, half, gpu_test::FwdNarrow<P>>({.rows = 77, .cols = 4096, .compile_time = true});
   Case g = c;
   g.mode = RmsNormCasting::gemma;
   g.offset = 1.0f;
   g.dsum = false;
-  run_case<half, half, RmsNormPolicy<2, 512, 1, 1024, 1, 3, 1, false, true, true>>(g);    // gemma only
+  run_case<half, half, gpu_test::Threads1024<P>>(g);
 }
 
 TEST_CASE("add_rms_norm: large 16384 x 4096 and 16384 x 8192", "[add_rms_norm][gpu][large]") {

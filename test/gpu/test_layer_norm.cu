@@ -16,6 +16,11 @@
 
 using namespace tigon;
 using gpu_test::DeviceBuffer;
+using gpu_test::dense;
+using gpu_test::rms;
+using gpu_test::strided;
+using gpu_test::tol;
+using gpu_test::tol_l2;
 
 namespace {
 
@@ -45,43 +50,7 @@ std::string describe(const Case& c) {
          (c.compile_time ? " compile-time" : "");
 }
 
-template <class T>
-double tol() {
-  if constexpr (std::is_same_v<T, float>) return 1e-4;
-  if constexpr (std::is_same_v<T, half>) return 0x1p-9;
-  return 0x1p-6;
-}
-template <class T>
-double tol_l2() {
-  if constexpr (std::is_same_v<T, float>) return 1e-5;
-  if constexpr (std::is_same_v<T, half>) return 1e-3;
-  return 8e-3;
-}
-
-double rms(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x * x;
-  return v.empty() ? 0.0 : std::sqrt(s / static_cast<double>(v.size()));
-}
-
-// Dense [rows, cols] view of a strided host matrix, as doubles.
-template <class T>
-std::vector<double> dense(const std::vector<T>& h, std::int64_t off, std::int64_t rows,
-                          std::int64_t cols, std::int64_t stride) {
-  std::vector<double> d(static_cast<std::size_t>(rows * cols));
-  for (std::int64_t r = 0; r < rows; ++r)
-    for (std::int64_t c = 0; c < cols; ++c) d[r * cols + c] = to_float(h[off + r * stride + c]);
-  return d;
-}
-
-#define CHECK_CLOSE(cmp, what, l2)                                                               \
-  do {                                                                                           \
-    INFO(what << ": " << (cmp).bad << " of " << (cmp).n << " elements out of tolerance, worst #" \
-              << (cmp).worst << " (score " << (cmp).worst_err << "), rel L2 " << (cmp).rel_l2);  \
-    CHECK((cmp).ok(l2));                                                                         \
-  } while (0)
-
-template <class T, class W = T, class Policy = LayerNormDefaultPolicy>
+template <class T, class W = T, class Policy = LayerNormPolicy>
 void run_case(const Case& c) {
   INFO(describe(c) << " T=" << dtype_traits<T>::name << " W=" << dtype_traits<W>::name);
   const std::int64_t stride = c.cols + c.pad;
@@ -150,33 +119,23 @@ void run_case(const Case& c) {
   std::vector<double> yref(ref.y.size());
   for (std::size_t i = 0; i < yref.size(); ++i) yref[i] = tigon_ref::round_t<T>(ref.y[i]);
   const auto cy = gpu_test::compare(
-      yref.size(), [&](std::size_t i) { return to_float(yh[off + (i / c.cols) * stride + i % c.cols]); },
+      yref.size(), strided(yh, off, c.cols, stride),
       // fp32 statistics of inputs far from zero: the mean's rounding (a few ulp of |mean|) shifts
       // every centred value by the same absolute amount, whatever the dtype.
       yref, 1e-5 * (1.0 + std::abs(c.x_mean) / 10.0), tol<T>());
-  CHECK_CLOSE(cy, "y", tol_l2<T>());
+  GPU_CHECK_CLOSE(cy, "y", tol_l2<T>());
   // The mean: every element within an absolute bound on the data's scale (a few fp32 ulp of
   // 1 + |x_mean|). No relative-L2 bound: a row's mean may lie close to zero (one row of 1500
   // values around 0 measured a relative L2 error of 6e-5 at an absolute error of 3e-9).
   const auto cm = gpu_test::compare(
       mh.size(), [&](std::size_t i) { return static_cast<double>(mh[i]); }, ref.mean,
       2e-6 * (1.0 + std::abs(c.x_mean)), 0.0);
-  CHECK_CLOSE(cm, "mean", std::numeric_limits<double>::infinity());
+  GPU_CHECK_CLOSE(cm, "mean", std::numeric_limits<double>::infinity());
   const auto cr = gpu_test::compare(
       rh.size(), [&](std::size_t i) { return static_cast<double>(rh[i]); }, ref.rstd, 0.0, 5e-6);
-  CHECK_CLOSE(cr, "rstd", 5e-6);
+  GPU_CHECK_CLOSE(cr, "rstd", 5e-6);
   // Bytes outside the rows (padding, the misaligned head) are untouched.
-  for (std::int64_t r = 0; r < c.rows; ++r) {
-    for (std::int64_t p = c.cols; p < stride; ++p) {
-      const std::size_t i = static_cast<std::size_t>(off + r * stride + p);
-      if (c.in_place) {
-        REQUIRE(std::memcmp(&yh[i], &xh[i], sizeof(T)) == 0);
-      } else {
-        REQUIRE(gpu_test::all_bytes_ff(&yh[i], sizeof(T)));
-      }
-    }
-  }
-  if (!c.in_place && off > 0) REQUIRE(gpu_test::all_bytes_ff(yh.data(), off * sizeof(T)));
+  gpu_test::check_outside_rows(yh, c.in_place ? &xh : nullptr, off, c.rows, c.cols, stride);
 
   // ---- backward (from the statistics the forward saved) ----
   const bool want_dw = c.weight && c.want_dw;
@@ -241,11 +200,9 @@ void run_case(const Case& c) {
   };
   const Out o = run_backward();
   const auto bref = tigon_ref::layer_norm_backward(dyd, xd, wd, c.rows, c.cols, eps);
-  const auto cdx = gpu_test::compare(
-      bref.dx.size(),
-      [&](std::size_t i) { return to_float(o.dx[off + (i / c.cols) * stride + i % c.cols]); }, bref.dx,
-      tol<T>() * rms(bref.dx), tol<T>());
-  CHECK_CLOSE(cdx, "dx", 2 * tol_l2<T>());
+  const auto cdx = gpu_test::compare(bref.dx.size(), strided(o.dx, off, c.cols, stride), bref.dx,
+                                     tol<T>() * rms(bref.dx), tol<T>());
+  GPU_CHECK_CLOSE(cdx, "dx", 2 * tol_l2<T>());
   auto check_param_grad = [&](const std::vector<W>& got, const std::vector<double>& exact,
                               const std::vector<double>& init, const char* what) {
     std::vector<double> want(exact.size());
@@ -253,7 +210,7 @@ void run_case(const Case& c) {
     const auto cmp = gpu_test::compare(
         want.size(), [&](std::size_t i) { return static_cast<double>(to_float(got[i])); }, want,
         tol<W>() * rms(want), tol<W>());
-    CHECK_CLOSE(cmp, what, 2 * tol_l2<W>());
+    GPU_CHECK_CLOSE(cmp, what, 2 * tol_l2<W>());
   };
   if (want_dw) check_param_grad(o.dw, bref.dw, dw_init, "dweight");
   if (want_db) check_param_grad(o.db, bref.db, db_init, "dbias");
@@ -355,31 +312,16 @@ TEST_CASE("layer_norm: compile-time hidden size <T, 4096> and policies", "[layer
   run_case<bf16>({.rows = 300, .cols = 4096, .compile_time = true});
   run_case<bf16, float>({.rows = 300, .cols = 4096, .bias = false, .compile_time = true});
   run_case<half>({.rows = 3, .cols = 4096, .misalign = 1, .compile_time = true});  // falls back, correct
-  // <fwd vpt, fwd block, bwd vpt, bwd block, bwd min blocks, stages, persistent, streaming, keep,
-  // direct>
+  // Policies: structs derived from LayerNormPolicy that override members (gpu_test.cuh's).
+  using P = LayerNormPolicy;
   const Case c{.rows = 300, .cols = 4096, .compile_time = true};
-  run_case<bf16, bf16, LayerNormPolicy<4, 128, 2, 256, 2, 2>>(c);
-  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, true>>(c);                 // persistent forward
-  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 1, true>>(c);                 // ditto, one stage
-  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, true>>(c);          // streaming stores
-  run_case<bf16, float, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true>>(c);   // rows kept in registers
-  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false, true, 6>>(c);  // forward capped: 6 blocks/SM
-  run_case<float, float, LayerNormPolicy<8, 256, 4, 256, 1, 4, true>>(c);
-  run_case<half, half, LayerNormPolicy<16, 256, 8, 256, 1, 3, true, true, false>>(c);  // fwd: a warp per row
-  // the staged non-persistent forward (rows through shared memory), bf16 and fp32 weights
-  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true, false>>(c);
-  run_case<bf16, float, LayerNormPolicy<4, 128, 2, 512, 1, 3, false, true, true, false>>(c);
-  // the direct forward (the default: rows straight into registers), with and without bias, fp32 and
-  // a warp per row
-  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true, true>>(c);
-  run_case<bf16, float, LayerNormPolicy<2, 256, 2, 512, 1, 3, false, true, true, true>>(
-      {.rows = 300, .cols = 4096, .bias = false, .compile_time = true});
-  run_case<float, float, LayerNormPolicy<8, 256, 4, 256, 1, 4, false, false, true, true>>(c);
-  run_case<half, half, LayerNormPolicy<16, 256, 8, 256, 1, 3, false, false, true, true>>(c);
-  // the forward's L2 prefetch (hints: the same function): none, every block, and the default's
-  // second-wave rows on enough rows for a second wave, with padded rows
-  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false, true, 0, 0>>(c);
-  run_case<bf16, bf16, LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, false, true, 0, 1>>(c);
+  run_case<bf16, bf16, gpu_test::SmallBlocks<P>>(c);
+  run_case<bf16, float, gpu_test::OneStage<P>>(c);
+  run_case<bf16, bf16, gpu_test::Capped<P>>(c);
+  run_case<float, float, gpu_test::Wide<P>>(c);
+  run_case<half, half, gpu_test::WarpPerRow<P>>(c);  // the forward's group of one warp: no named barrier
+  run_case<bf16, float, gpu_test::FwdNarrow<P>>({.rows = 300, .cols = 4096, .bias = false, .compile_time = true});
+  // The forward's second-wave L2 prefetch on enough rows for a second wave, with padded rows.
   run_case<bf16>({.rows = 6001, .cols = 4096, .compile_time = true});
   run_case<bf16>({.rows = 6001, .cols = 4096, .pad = 8, .compile_time = true});
 }

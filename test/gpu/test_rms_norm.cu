@@ -9,6 +9,11 @@
 
 using namespace tigon;
 using gpu_test::DeviceBuffer;
+using gpu_test::dense;
+using gpu_test::rms;
+using gpu_test::strided;
+using gpu_test::tol;
+using gpu_test::tol_l2;
 
 namespace {
 
@@ -33,43 +38,7 @@ std::string describe(const Case& c) {
          (c.accumulate ? " accumulate" : "") + (c.compile_time ? " compile-time" : "");
 }
 
-template <class T>
-double tol() {
-  if constexpr (std::is_same_v<T, float>) return 1e-4;
-  if constexpr (std::is_same_v<T, half>) return 0x1p-9;
-  return 0x1p-6;
-}
-template <class T>
-double tol_l2() {
-  if constexpr (std::is_same_v<T, float>) return 1e-5;
-  if constexpr (std::is_same_v<T, half>) return 1e-3;
-  return 8e-3;
-}
-
-double rms(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x * x;
-  return v.empty() ? 0.0 : std::sqrt(s / static_cast<double>(v.size()));
-}
-
-// Dense [rows, cols] view of a strided host matrix, as doubles.
-template <class T>
-std::vector<double> dense(const std::vector<T>& h, std::int64_t off, std::int64_t rows,
-                          std::int64_t cols, std::int64_t stride) {
-  std::vector<double> d(static_cast<std::size_t>(rows * cols));
-  for (std::int64_t r = 0; r < rows; ++r)
-    for (std::int64_t c = 0; c < cols; ++c) d[r * cols + c] = to_float(h[off + r * stride + c]);
-  return d;
-}
-
-#define CHECK_CLOSE(cmp, what, l2)                                                               \
-  do {                                                                                           \
-    INFO(what << ": " << (cmp).bad << " of " << (cmp).n << " elements out of tolerance, worst #" \
-              << (cmp).worst << " (score " << (cmp).worst_err << "), rel L2 " << (cmp).rel_l2);  \
-    CHECK((cmp).ok(l2));                                                                         \
-  } while (0)
-
-template <class T, class W = T, class Policy = RmsNormDefaultPolicy>
+template <class T, class W = T, class Policy = RmsNormPolicy>
 void run_case(const Case& c) {
   INFO(describe(c) << " T=" << dtype_traits<T>::name << " W=" << dtype_traits<W>::name);
   const std::int64_t stride = c.cols + c.pad;
@@ -116,25 +85,13 @@ void run_case(const Case& c) {
   const auto ref = tigon_ref::rms_norm_forward<T>(xd, wd, c.rows, c.cols, 1e-6, c.offset, c.mode);
   std::vector<double> yref(ref.y.size());
   for (std::size_t i = 0; i < yref.size(); ++i) yref[i] = tigon_ref::round_t<T>(ref.y[i]);
-  const auto cy = gpu_test::compare(
-      yref.size(), [&](std::size_t i) { return to_float(yh[off + (i / c.cols) * stride + i % c.cols]); },
-      yref, 1e-6, tol<T>());
-  CHECK_CLOSE(cy, "y", tol_l2<T>());
+  const auto cy = gpu_test::compare(yref.size(), strided(yh, off, c.cols, stride), yref, 1e-6, tol<T>());
+  GPU_CHECK_CLOSE(cy, "y", tol_l2<T>());
   const auto cr = gpu_test::compare(
       rh.size(), [&](std::size_t i) { return static_cast<double>(rh[i]); }, ref.rstd, 0.0, 2e-6);
-  CHECK_CLOSE(cr, "rstd", 1e-6);
+  GPU_CHECK_CLOSE(cr, "rstd", 1e-6);
   // Bytes outside the rows (padding, the misaligned head) are untouched.
-  for (std::int64_t r = 0; r < c.rows; ++r) {
-    for (std::int64_t p = c.cols; p < stride; ++p) {
-      const std::size_t i = static_cast<std::size_t>(off + r * stride + p);
-      if (c.in_place) {
-        REQUIRE(std::memcmp(&yh[i], &xh[i], sizeof(T)) == 0);
-      } else {
-        REQUIRE(gpu_test::all_bytes_ff(&yh[i], sizeof(T)));
-      }
-    }
-  }
-  if (!c.in_place && off > 0) REQUIRE(gpu_test::all_bytes_ff(yh.data(), off * sizeof(T)));
+  gpu_test::check_outside_rows(yh, c.in_place ? &xh : nullptr, off, c.rows, c.cols, stride);
 
   // ---- backward ----
   x.upload(xh);  // the in-place forward overwrote it
@@ -190,25 +147,20 @@ void run_case(const Case& c) {
   };
   const auto [dxh, dwh] = run_backward();
   const auto bref = tigon_ref::rms_norm_backward<T>(dyd, xd, wd, c.rows, c.cols, 1e-6, c.offset, c.mode);
-  const auto cdx = gpu_test::compare(
-      bref.dx.size(),
-      [&](std::size_t i) { return to_float(dxh[off + (i / c.cols) * stride + i % c.cols]); }, bref.dx,
-      tol<T>() * rms(bref.dx), tol<T>());
-  CHECK_CLOSE(cdx, "dx", 2 * tol_l2<T>());
+  const auto cdx = gpu_test::compare(bref.dx.size(), strided(dxh, off, c.cols, stride), bref.dx,
+                                     tol<T>() * rms(bref.dx), tol<T>());
+  GPU_CHECK_CLOSE(cdx, "dx", 2 * tol_l2<T>());
   if (c.weight) {
-    // Modes llama and none multiply dy by xhat rounded to T: a term on a rounding boundary may
-    // round the other way in fp32 than in the reference, so T's precision bounds dW there.
-    const double dw_tol = c.mode == RmsNormCasting::gemma ? tol<W>() : std::max(tol<W>(), tol<T>());
+    // Modes llama and none multiply dy by xhat rounded to T.
+    const bool rounded = c.mode != RmsNormCasting::gemma;
+    const double dw_tol = gpu_test::dweight_tol<T, W>(rounded);
     std::vector<double> dwref(bref.dw.size());
     for (std::size_t i = 0; i < dwref.size(); ++i) dwref[i] = bref.dw[i] + dw_init[i];
     const auto cdw = gpu_test::compare(
         dwref.size(), [&](std::size_t i) { return static_cast<double>(to_float(dwh[i])); }, dwref,
         dw_tol * rms(dwref), dw_tol);
-    // The same rounding flips bound dW's relative L2 error: rare (about one term in 10^4 to 10^5
-    // for bf16), each worth one ulp of T on its term.
-    const double dw_tol_l2 =
-        c.mode == RmsNormCasting::gemma ? tol_l2<W>() : std::max(tol_l2<W>(), 0.1 * tol_l2<T>());
-    CHECK_CLOSE(cdw, "dweight", 2 * dw_tol_l2);
+    const double dw_tol_l2 = gpu_test::dweight_tol_l2<T, W>(rounded);
+    GPU_CHECK_CLOSE(cdw, "dweight", 2 * dw_tol_l2);
   }
   if (!c.accumulate) {
     // Bitwise determinism: the same inputs give the same dx and dW.
@@ -294,51 +246,29 @@ TEST_CASE("rms_norm: compile-time hidden size <T, 4096>", "[rms_norm][gpu]") {
   run_case<half>({.rows = 3, .cols = 4096, .misalign = 1, .compile_time = true});  // falls back, correct
 }
 
-TEST_CASE("rms_norm: every policy knob computes the same function", "[rms_norm][gpu]") {
-  // <fwd vpt, fwd block, bwd vpt, bwd block, bwd min blocks, stages, casting, persistent, streaming,
-  // keep, direct forward, direct backward, forward streaming loads, forward min blocks, forward
-  // prefetch>
+// A policy is a struct derived from RmsNormPolicy that overrides members (gpu_test.cuh's).
+TEST_CASE("rms_norm: derived policies compute the same function", "[rms_norm][gpu]") {
+  using P = RmsNormPolicy;
   const Case c{.rows = 300, .cols = 4096, .compile_time = true};
-  run_case<bf16, bf16, RmsNormPolicy<4, 128, 2, 256, 2, 2>>(c);
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 1, -1, true>>(c);                // persistent
-  run_case<bf16, float, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, false>>(c);  // re-read rows
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, true>>(c);          // streaming stores
-  run_case<bf16, float, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, false, true>>(c);  // keep rows
-  run_case<bf16, bf16, RmsNormPolicy<8, 256, 4, 256, 1, 4, 0>>(c);                        // llama only
-  // the forward staged through shared memory (kFwdDirect false), and the direct forward with
-  // plain loads (kFwdDirectStream false: the default) and with the streaming hint
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false>>(c);
-  run_case<half, float, RmsNormPolicy<2, 256, 2, 512, 1, 2, -1, false, true, true, false>>(c);
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, true>>(c);
-  // the forward with registers capped for 6 blocks per SM
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 6>>(c);
-  run_case<bf16, float, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false>>(c);
-  // the forward loading straight into registers (and the persistent grid ignoring it)
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true>>(c);
-  run_case<bf16, float, RmsNormPolicy<2, 256, 2, 512, 1, 3, -1, false, true, true, true>>(c);
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, true, false, true, true>>(c);
-  run_case<float, float, RmsNormPolicy<8, 128, 2, 512, 1, 3, -1, false, false, true, true>>(
-      {.rows = 77, .cols = 4096, .compile_time = true});  // fp32: 4-wide vectors
-  // the backward prefetching the next row into registers (with and without dW, fp32 weights)
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false, true>>(c);
-  run_case<bf16, float, RmsNormPolicy<4, 256, 4, 256, 1, 3, -1, false, true, false, true, true>>(c);
-  run_case<float, float, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false, true>>(
-      {.rows = 1, .cols = 4096, .compile_time = true});  // one row: nothing to prefetch
-  // the forward's L2 prefetch (a hint: the same function whatever it asks for): none, every block
-  // its own rows, and the default's second-wave rows on enough rows for a second wave (a wave is
-  // at most a few thousand rows of 4096), with padded rows and with fp32
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 0, 0>>(c);
-  run_case<bf16, bf16, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, true, false, false, 0, 1>>(c);
-  run_case<bf16>({.rows = 6001, .cols = 4096, .compile_time = true});
-  run_case<bf16>({.rows = 6001, .cols = 4096, .pad = 8, .compile_time = true});
-  run_case<float>({.rows = 6001, .cols = 4096, .compile_time = true});
+  run_case<bf16, bf16, gpu_test::FwdNarrow<P>>(c);
+  run_case<bf16, float, gpu_test::SmallBlocks<P>>(c);
+  run_case<half, half, gpu_test::OneStage<P>>(c);
+  run_case<bf16, bf16, gpu_test::Capped<P>>(c);
+  run_case<bf16, bf16, gpu_test::Wide<P>>(c);
+  run_case<float, float, gpu_test::FwdNarrow<P>>({.rows = 77, .cols = 4096, .compile_time = true});  // fp32: 4-wide vectors
+  run_case<float, float, gpu_test::SmallBlocks<P>>({.rows = 1, .cols = 4096, .compile_time = true});  // one row
   Case nw = c;
   nw.weight = false;
-  run_case<half, half, RmsNormPolicy<4, 256, 2, 512, 1, 3, -1, false, false, true, false, true>>(nw);
+  run_case<half, half, gpu_test::Wide<P>>(nw);
   Case g = c;
   g.mode = RmsNormCasting::gemma;
   g.offset = 1.0f;
-  run_case<half, half, RmsNormPolicy<2, 512, 1, 1024, 1, 3, 1, false, true, true>>(g);    // gemma only
+  run_case<half, half, gpu_test::Threads1024<P>>(g);
+  // The forward's second-wave L2 prefetch on enough rows for a second wave (a wave is at most a
+  // few thousand rows of 4096), with padded rows and with fp32.
+  run_case<bf16>({.rows = 6001, .cols = 4096, .compile_time = true});
+  run_case<bf16>({.rows = 6001, .cols = 4096, .pad = 8, .compile_time = true});
+  run_case<float>({.rows = 6001, .cols = 4096, .compile_time = true});
 }
 
 TEST_CASE("rms_norm: large 16384 x 8192 and 16384 x 4096", "[rms_norm][gpu][large]") {

@@ -40,6 +40,11 @@ void expect(const Status& s, Errc code, const char* arg) {
 }
 }  // namespace
 
+// A policy derived from RmsNormPolicy that overrides one member: the compile-time launchers take it.
+struct OneBlockPerSm : RmsNormPolicy {
+  static constexpr int kFwdMinBlocksPerSm = 1;
+};
+
 TEST_CASE("add_rms_norm_forward rejects bad arguments by name", "[add_rms_norm][validation]") {
   auto a = good_fwd();
   a.x = nullptr;
@@ -107,12 +112,13 @@ TEST_CASE("add_rms_norm_forward rejects bad arguments by name", "[add_rms_norm][
   a = good_fwd();
   a.rstd = reinterpret_cast<float*>(resbuf);
   expect(add_rms_norm_forward(a, nullptr), Errc::aliasing, "rstd");
-  // The compile-time launcher checks the compiled size and the policy's casting mode.
+  // The compile-time launcher checks the compiled size, whatever its policy.
   a = good_fwd();
   expect(add_rms_norm_forward<bf16, 2048>(a, nullptr), Errc::invalid_size, "cols");
-  using GemmaOnly = RmsNormPolicy<4, 256, 2, 512, 1, 3, static_cast<int>(RmsNormCasting::gemma)>;
   a = good_fwd();
-  expect(add_rms_norm_forward<bf16, 256, GemmaOnly>(a, nullptr), Errc::invalid_value, "casting");
+  expect(add_rms_norm_forward<bf16, 2048, OneBlockPerSm>(a, nullptr), Errc::invalid_size, "cols");
+  a.x = nullptr;
+  expect(add_rms_norm_forward<bf16, 256, OneBlockPerSm>(a, nullptr), Errc::null_pointer, "x");
 }
 
 TEST_CASE("add_rms_norm_backward rejects bad arguments by name", "[add_rms_norm][validation]") {

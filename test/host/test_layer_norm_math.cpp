@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include <tigon/norm/layer_norm.cuh>
@@ -154,8 +155,16 @@ TEST_CASE("layer_norm math: backward formula matches the double reference", "[la
   }
 }
 
+// A derived policy: more stages than fit at 8192 fp32 with 1024-thread backward blocks.
+struct Deep : LayerNormPolicy {
+  static constexpr int kBwdBlockThreads = 1024;
+  static constexpr int kBwdStages = 8;
+};
+
 TEST_CASE("layer_norm shapes: compiled row layouts and the workspace", "[layer_norm][shape]") {
-  using P = LayerNormDefaultPolicy;
+  using P = LayerNormPolicy;
+  STATIC_REQUIRE(std::is_same_v<LayerNormDefaultPolicy, LayerNormPolicy>);
+  STATIC_REQUIRE(detail::check_policy<P>());
   using F4096 = detail::FwdRowShape<bf16, 4096, P>;
   STATIC_REQUIRE(F4096::kVec == 8);
   STATIC_REQUIRE(F4096::kGroupThreads == 128);
@@ -164,24 +173,15 @@ TEST_CASE("layer_norm shapes: compiled row layouts and the workspace", "[layer_n
   STATIC_REQUIRE(B8192::kThreads <= 1024);
   STATIC_REQUIRE(B8192::kGroupThreads * B8192::kVecPerThread * B8192::kVec == 8192);
   // The backward stages x and dy: 2 row buffers per stage per group, within the 227 KB limit.
-  using Pipe = detail::LnBwdPipe<float, 8192, P>;
+  using Pipe = detail::BwdRowPipe<float, 8192, P, 2>;
   STATIC_REQUIRE(Pipe::kSmemBytes <= detail::kMaxSmemPerBlock);
   STATIC_REQUIRE(Pipe::kPerStage == detail::BwdRowShape<float, 8192, P>::kGroups * 2 * 8192 * 4);
-  // A persistent forward keeps kStages rows in flight; a non-persistent one (the default) walks one
-  // row per group: one stage.
-  STATIC_REQUIRE(detail::LnFwdPipe<bf16, 4096, LayerNormPolicy<4, 256, 2, 512, 1, 3, true>>::kStages == 3);
-  STATIC_REQUIRE(detail::LnFwdPipe<bf16, 4096, P>::kStages == (P::kFwdPersistent ? P::kStages : 1));
-  STATIC_REQUIRE(detail::LnFwdPipe<bf16, 4096, LayerNormPolicy<4, 256, 2, 512, 1, 3, false>>::kStages == 1);
-  // The direct forward stages nothing and takes no shared memory; a persistent one ignores it.
-  using Direct = LayerNormPolicy<4, 256, 2, 512, 1, 3, false, false, true, true>;
-  STATIC_REQUIRE(detail::kLnFwdStages<bf16, 4096, Direct> == 0);
-  STATIC_REQUIRE(detail::kLnFwdSmem<bf16, 4096, Direct> == 0);
-  using DirectPersistent = LayerNormPolicy<4, 256, 2, 512, 1, 3, true, false, true, true>;
-  STATIC_REQUIRE(detail::kLnFwdStages<bf16, 4096, DirectPersistent> == 3);
-  // A policy with more stages than fit is lowered, never over the limit.
-  using Deep = LayerNormPolicy<4, 256, 2, 1024, 1, 8>;
-  STATIC_REQUIRE(detail::LnBwdPipe<float, 8192, Deep>::kSmemBytes <= detail::kMaxSmemPerBlock);
-  STATIC_REQUIRE(detail::LnBwdPipe<float, 8192, Deep>::kStages < 8);
+  STATIC_REQUIRE(Pipe::kStages == P::kBwdStages);
+  // A derived policy asking for more stages than fit is lowered, never over the limit.
+  STATIC_REQUIRE(detail::check_policy<Deep>());
+  STATIC_REQUIRE(Deep::kFwdVecPerThread == P::kFwdVecPerThread);  // the rest inherited
+  STATIC_REQUIRE(detail::BwdRowPipe<float, 8192, Deep, 2>::kSmemBytes <= detail::kMaxSmemPerBlock);
+  STATIC_REQUIRE(detail::BwdRowPipe<float, 8192, Deep, 2>::kStages < 8);
   // Every default hidden size in every dtype gives a valid shape covering the row.
   auto covers = []<class T, int... Ns>(IntList<Ns...>) {
     return ((detail::BwdRowShape<T, Ns, P>::kGroupThreads * detail::BwdRowShape<T, Ns, P>::kVecPerThread *
@@ -190,9 +190,7 @@ TEST_CASE("layer_norm shapes: compiled row layouts and the workspace", "[layer_n
   CHECK(covers.template operator()<bf16>(HiddenSizes{}));
   CHECK(covers.template operator()<float>(HiddenSizes{}));
   // Workspace: one fp32 partial row per row group per requested gradient, 256-byte aligned.
-  CHECK(detail::layer_norm_workspace_bytes(264, 4096, 0) == 0u);
-  CHECK(detail::layer_norm_workspace_bytes(264, 4096, 1) == 264u * 4096u * 4u);
-  CHECK(detail::layer_norm_workspace_bytes(264, 4096, 2) == 2u * 264u * 4096u * 4u);
-  CHECK(detail::layer_norm_workspace_bytes(3, 5, 2) % 256 == 0);
-  CHECK(detail::layer_norm_workspace_bytes(3, 5, 2) >= 2u * 3u * 5u * 4u);
+  CHECK(detail::partial_rows_bytes(264 * 2, 4096) == 2u * 264u * 4096u * 4u);
+  CHECK(detail::partial_rows_bytes(3 * 2, 5) % 256 == 0);
+  CHECK(detail::partial_rows_bytes(3 * 2, 5) >= 2u * 3u * 5u * 4u);
 }

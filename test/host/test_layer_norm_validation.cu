@@ -40,6 +40,11 @@ void expect(const Status& s, Errc code, const char* arg) {
 }
 }  // namespace
 
+// A policy derived from LayerNormPolicy that overrides one member: the compile-time launchers take it.
+struct Stages4 : LayerNormPolicy {
+  static constexpr int kBwdStages = 4;
+};
+
 TEST_CASE("layer_norm_forward rejects bad arguments by name", "[layer_norm][validation]") {
   auto a = good_fwd();
   a.x = nullptr;
@@ -169,9 +174,12 @@ TEST_CASE("layer_norm_backward rejects bad arguments by name", "[layer_norm][val
   a.dweight = nullptr;
   a.workspace_bytes = 256 * 4 - 1;  // dB alone: less than one partial row
   expect(layer_norm_backward(a, nullptr), Errc::workspace_too_small, "workspace_bytes");
-  // The compile-time launcher checks the compiled size too.
+  // The compile-time launcher checks the compiled size too, whatever its policy.
   a = good_bwd();
   expect(layer_norm_backward<bf16, 1024>(a, nullptr), Errc::invalid_size, "cols");
+  expect(layer_norm_backward<bf16, 1024, Stages4>(a, nullptr), Errc::invalid_size, "cols");
+  a.dy = nullptr;
+  expect(layer_norm_backward<bf16, 256, Stages4>(a, nullptr), Errc::null_pointer, "dy");
   // The query validates the arguments, not the workspace (it has none yet).
   std::size_t bytes = 123;
   a = good_bwd();

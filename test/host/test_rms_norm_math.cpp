@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include <tigon/norm/rms_norm.cuh>
@@ -120,28 +121,51 @@ TEST_CASE("rms_norm math: backward formula matches the double reference", "[rms_
 }
 
 TEST_CASE("rms_norm shapes: compiled row layouts cover the row exactly once", "[rms_norm][shape]") {
-  using P = RmsNormDefaultPolicy;
-  using S4096 = detail::RmsFwdShape<bf16, 4096, P>;
+  using P = RmsNormPolicy;
+  using S4096 = detail::FwdRowShape<bf16, 4096, P>;
   STATIC_REQUIRE(S4096::kVec == 8);
   STATIC_REQUIRE(S4096::kGroupThreads == 128);
   STATIC_REQUIRE(S4096::kVecPerThread == 4);
   STATIC_REQUIRE(S4096::kExact);
-  using S2560 = detail::RmsFwdShape<bf16, 2560, P>;  // 320 vectors over 96 threads: last partial
+  using S2560 = detail::FwdRowShape<bf16, 2560, P>;  // 320 vectors over 96 threads: last partial
   STATIC_REQUIRE(S2560::kGroupThreads * S2560::kVecPerThread >= S2560::kNumVec);
   STATIC_REQUIRE(!S2560::kExact);
-  using S123 = detail::RmsFwdShape<float, 123, P>;  // odd: scalar accesses
+  using S123 = detail::FwdRowShape<float, 123, P>;  // odd: scalar accesses
   STATIC_REQUIRE(S123::kVec == 1);
   STATIC_REQUIRE(S123::kGroupThreads * S123::kVecPerThread >= 123);
-  using B1024 = detail::RmsBwdShape<half, 1024, P>;
+  using B1024 = detail::BwdRowShape<half, 1024, P>;
   STATIC_REQUIRE(B1024::kThreads <= 1024);
   STATIC_REQUIRE(B1024::kGroupThreads % 32 == 0);
+  // The backward stages x and dy within the shared-memory limit.
+  STATIC_REQUIRE(detail::BwdRowPipe<float, 8192, P, 2>::kSmemBytes <= detail::kMaxSmemPerBlock);
   // Every default hidden size in every dtype gives a valid shape.
   auto covers = []<class T, int... Ns>(IntList<Ns...>) {
-    return ((detail::RmsFwdShape<T, Ns, P>::kGroupThreads * detail::RmsFwdShape<T, Ns, P>::kVecPerThread *
-                 detail::RmsFwdShape<T, Ns, P>::kVec >= Ns) && ...);
+    return ((detail::FwdRowShape<T, Ns, P>::kGroupThreads * detail::FwdRowShape<T, Ns, P>::kVecPerThread *
+                 detail::FwdRowShape<T, Ns, P>::kVec >= Ns) && ...);
   };
   CHECK(covers.template operator()<bf16>(HiddenSizes{}));
   CHECK(covers.template operator()<float>(HiddenSizes{}));
-  CHECK(detail::rms_norm_partials_bytes(264, 4096) == 264u * 4096u * 4u);
-  CHECK(detail::rms_norm_partials_bytes(3, 5) % 256 == 0);
+  // Workspace: one fp32 partial dW row per row group, 256-byte aligned.
+  CHECK(detail::partial_rows_bytes(264, 4096) == 264u * 4096u * 4u);
+  CHECK(detail::partial_rows_bytes(3, 5) % 256 == 0);
+}
+
+// A policy is a struct derived from RmsNormPolicy that overrides some members.
+struct Narrow : RmsNormPolicy {
+  static constexpr int kFwdVecPerThread = 2;
+};
+
+TEST_CASE("rms_norm policy: a derived policy overrides one member and inherits the rest",
+          "[rms_norm][shape]") {
+  STATIC_REQUIRE(std::is_same_v<RmsNormDefaultPolicy, RmsNormPolicy>);
+  STATIC_REQUIRE(detail::check_policy<RmsNormPolicy>());
+  STATIC_REQUIRE(detail::check_policy<Narrow>());
+  STATIC_REQUIRE(Narrow::kFwdVecPerThread == 2);
+  STATIC_REQUIRE(Narrow::kFwdBlockThreads == RmsNormPolicy::kFwdBlockThreads);
+  STATIC_REQUIRE(Narrow::kBwdStages == RmsNormPolicy::kBwdStages);
+  // At 4096 bf16: 512 vectors over 256 threads, one row group per 256-thread block.
+  STATIC_REQUIRE(detail::FwdRowShape<bf16, 4096, Narrow>::kGroupThreads == 256);
+  STATIC_REQUIRE(detail::FwdRowShape<bf16, 4096, Narrow>::kGroups == 1);
+  STATIC_REQUIRE(std::is_same_v<detail::BwdRowShape<bf16, 4096, Narrow>,
+                                detail::BwdRowShape<bf16, 4096, RmsNormPolicy>>);
 }

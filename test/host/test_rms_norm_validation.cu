@@ -72,10 +72,27 @@ TEST_CASE("rms_norm_forward rejects bad arguments by name", "[rms_norm][validati
   // The compile-time launcher checks the compiled size too.
   a = good_fwd();
   expect(rms_norm_forward<bf16, 4096>(a, nullptr), Errc::invalid_size, "cols");
-  // A policy that fixes the casting mode at compile time rejects arguments with another mode.
-  using GemmaOnly = RmsNormPolicy<4, 256, 2, 512, 1, 3, static_cast<int>(RmsNormCasting::gemma)>;
-  a = good_fwd();
-  expect(rms_norm_forward<bf16, 256, GemmaOnly>(a, nullptr), Errc::invalid_value, "casting");
+}
+
+// A policy derived from RmsNormPolicy that overrides one member: the compile-time launchers take
+// it (instantiating every kernel with it) and validate before touching the device.
+struct TwoStages : RmsNormPolicy {
+  static constexpr int kBwdStages = 2;
+};
+
+TEST_CASE("rms_norm launchers take a derived policy", "[rms_norm][validation]") {
+  auto f = good_fwd();
+  expect(rms_norm_forward<bf16, 4096, TwoStages>(f, nullptr), Errc::invalid_size, "cols");
+  f.x = nullptr;
+  expect(rms_norm_forward<bf16, 256, TwoStages>(f, nullptr), Errc::null_pointer, "x");
+  auto b = good_bwd();
+  b.dx_stride = 1;
+  expect(rms_norm_backward<bf16, 256, TwoStages>(b, nullptr), Errc::invalid_stride, "dx_stride");
+  std::size_t bytes = 123;
+  b = good_bwd();
+  b.cols = 0;
+  expect(rms_norm_backward_workspace_bytes<bf16, 256, TwoStages>(b, bytes), Errc::invalid_size, "cols");
+  CHECK(bytes == 0);
 }
 
 TEST_CASE("rms_norm_backward rejects bad arguments by name", "[rms_norm][validation]") {
@@ -119,7 +136,7 @@ TEST_CASE("in-place calls are valid arguments", "[rms_norm][validation]") {
   CHECK(detail::validate(f, "rms_norm_forward").ok());
   auto b = good_bwd();
   b.dx = const_cast<bf16*>(b.dy);
-  CHECK(detail::validate(b, "rms_norm_backward").ok());
+  CHECK(detail::validate(b, "rms_norm_backward", true).ok());
   b.dx = xbuf;
-  CHECK(detail::validate(b, "rms_norm_backward").ok());
+  CHECK(detail::validate(b, "rms_norm_backward", true).ok());
 }

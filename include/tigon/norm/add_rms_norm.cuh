@@ -16,30 +16,25 @@
 // x and the residual and writes s and y (the separate add writes s and the norm reads it back); the
 // backward reads dy, dsum and s and writes dx.
 //
-// The math is rms_norm_math's, the row machinery norm/row_kernel.cuh's, the policy RmsNormPolicy.
-// The header reads in four layers: arguments, math (host + device), kernels, launchers. The first
-// two compile under any C++20 compiler; kernels and launchers need nvcc.
+// The math is rms_norm_math's, the row machinery norm/row_kernel.cuh's, the plan and the launches
+// the norms' shared layer (norm/launch.cuh), the policy RmsNormPolicy. The header reads in four
+// layers: arguments, math (host + device), kernels, launchers. Arguments, math and validation
+// compile under any C++20 compiler; kernels and launchers need nvcc.
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <string>
-#include <type_traits>
 
 #include "../core/config.hpp"
-#include "../core/dispatch.hpp"
 #include "../core/dtype.hpp"
 #include "../core/math.hpp"
 #include "../core/status.hpp"
 #include "../core/validate.hpp"
+#include "launch.cuh"
 #include "rms_norm.cuh"
 #include "row_kernel.cuh"
 
 #if defined(__CUDACC__)
-#include "../core/colsum.cuh"
-#include "../core/device.hpp"
-#include "../core/launch.cuh"
 #include "../core/reduce.cuh"
 #include "../core/vector.cuh"
 #endif
@@ -119,119 +114,52 @@ TIGON_HD float dsum_total(float dsum, float dx_norm) { return dsum + dx_norm; }
 
 namespace detail {
 
-inline Status check_eps_casting(float eps, bool check_eps, RmsNormCasting casting, const char* op) {
-  if (check_eps && (!(eps >= 0.0f) || eps == __builtin_inff())) {
-    return Status::error(Errc::invalid_value, op, "eps", "must be finite and >= 0");
-  }
-  if (casting != RmsNormCasting::llama && casting != RmsNormCasting::gemma &&
-      casting != RmsNormCasting::none) {
-    return Status::error(Errc::invalid_value, op, "casting", "unknown casting mode");
-  }
-  return Status();
-}
-
 template <class T, class W>
 Status validate(const AddRmsNormForwardArgs<T, W>& a, const char* op) {
-  using namespace check;
-  TIGON_CHECK(not_null(a.x, op, "x"));
-  TIGON_CHECK(not_null(a.residual, op, "residual"));
-  TIGON_CHECK(not_null(a.y, op, "y"));
-  TIGON_CHECK(not_null(a.sum, op, "sum"));
-  TIGON_CHECK(positive(a.rows, op, "rows"));
-  TIGON_CHECK(positive(a.cols, op, "cols"));
-  TIGON_CHECK(at_most(a.cols, kRowMaxCols, op, "cols"));
-  TIGON_CHECK(row_stride(a.x_stride, a.cols, op, "x_stride"));
-  TIGON_CHECK(row_stride(a.residual_stride, a.cols, op, "residual_stride"));
-  TIGON_CHECK(row_stride(a.y_stride, a.cols, op, "y_stride"));
-  TIGON_CHECK(row_stride(a.sum_stride, a.cols, op, "sum_stride"));
+  TIGON_CHECK(check_not_null({{a.x, "x"}, {a.residual, "residual"}, {a.y, "y"}, {a.sum, "sum"}}, op));
+  TIGON_CHECK(check_rows(a.rows, a.cols,
+                         {{a.x_stride, "x_stride"}, {a.residual_stride, "residual_stride"},
+                          {a.y_stride, "y_stride"}, {a.sum_stride, "sum_stride"}},
+                         op));
   TIGON_CHECK(check_eps_casting(a.eps, true, a.casting, op));
-  const MatrixView x = MatrixView::of(a.x, a.rows, a.cols, a.x_stride);
-  const MatrixView res = MatrixView::of(a.residual, a.rows, a.cols, a.residual_stride);
-  const MatrixView y = MatrixView::of(a.y, a.rows, a.cols, a.y_stride);
-  const MatrixView s = MatrixView::of(a.sum, a.rows, a.cols, a.sum_stride);
-  const MatrixView w = MatrixView::of(a.weight, 1, a.cols, 0);
-  const MatrixView r = MatrixView::of(a.rstd, 1, a.rows, 0);
-  TIGON_CHECK(same_or_disjoint(s, x, op, "sum", "x"));
-  TIGON_CHECK(same_or_disjoint(s, res, op, "sum", "residual"));
-  TIGON_CHECK(same_or_disjoint(y, x, op, "y", "x"));
-  TIGON_CHECK(same_or_disjoint(y, res, op, "y", "residual"));
-  TIGON_CHECK(disjoint(y, s, op, "y", "sum"));
-  TIGON_CHECK(disjoint(y, w, op, "y", "weight"));
-  TIGON_CHECK(disjoint(s, w, op, "sum", "weight"));
-  if (a.rstd != nullptr) {
-    TIGON_CHECK(disjoint(r, x, op, "rstd", "x"));
-    TIGON_CHECK(disjoint(r, res, op, "rstd", "residual"));
-    TIGON_CHECK(disjoint(r, y, op, "rstd", "y"));
-    TIGON_CHECK(disjoint(r, s, op, "rstd", "sum"));
-    TIGON_CHECK(disjoint(r, w, op, "rstd", "weight"));
-  }
-  return Status();
+  const Named x = matrix(a.x, a.rows, a.cols, a.x_stride, "x");
+  const Named res = matrix(a.residual, a.rows, a.cols, a.residual_stride, "residual");
+  const Named y = matrix(a.y, a.rows, a.cols, a.y_stride, "y");
+  const Named s = matrix(a.sum, a.rows, a.cols, a.sum_stride, "sum");
+  const Named w = row_vector(a.weight, a.cols, "weight");
+  TIGON_CHECK(check_same_or_disjoint(s, {x, res}, op));
+  TIGON_CHECK(check_same_or_disjoint(y, {x, res}, op));
+  TIGON_CHECK(check_disjoint(y, {s, w}, op));
+  TIGON_CHECK(check_disjoint(s, {w}, op));
+  return check_disjoint(row_vector(a.rstd, a.rows, "rstd"), {x, res, y, s, w}, op);
 }
 
-// with_workspace: the launcher (true) also checks what it can of the workspace without the device
-// (present, aligned, at least one partial row); the exact size is checked after the plan. The
-// workspace query passes false.
+// with_workspace: the launcher (true) also checks what it can of the workspace without the device;
+// the workspace query passes false.
 template <class T, class W>
 Status validate(const AddRmsNormBackwardArgs<T, W>& a, const char* op, bool with_workspace) {
-  using namespace check;
-  TIGON_CHECK(not_null(a.dy, op, "dy"));
-  TIGON_CHECK(not_null(a.sum, op, "sum"));
-  TIGON_CHECK(not_null(a.dx, op, "dx"));
-  TIGON_CHECK(positive(a.rows, op, "rows"));
-  TIGON_CHECK(positive(a.cols, op, "cols"));
-  TIGON_CHECK(at_most(a.cols, kRowMaxCols, op, "cols"));
-  TIGON_CHECK(row_stride(a.dy_stride, a.cols, op, "dy_stride"));
-  TIGON_CHECK(row_stride(a.dsum_stride, a.cols, op, "dsum_stride"));
-  TIGON_CHECK(row_stride(a.sum_stride, a.cols, op, "sum_stride"));
-  TIGON_CHECK(row_stride(a.dx_stride, a.cols, op, "dx_stride"));
+  TIGON_CHECK(check_not_null({{a.dy, "dy"}, {a.sum, "sum"}, {a.dx, "dx"}}, op));
+  TIGON_CHECK(check_rows(a.rows, a.cols,
+                         {{a.dy_stride, "dy_stride"}, {a.dsum_stride, "dsum_stride"},
+                          {a.sum_stride, "sum_stride"}, {a.dx_stride, "dx_stride"}},
+                         op));
   TIGON_CHECK(check_eps_casting(a.eps, a.rstd == nullptr, a.casting, op));
   if (a.dweight != nullptr && a.weight == nullptr) {
     return Status::error(Errc::invalid_value, op, "dweight",
                          "requested without a weight (a forward without affine has no dW)");
   }
-  const MatrixView dy = MatrixView::of(a.dy, a.rows, a.cols, a.dy_stride);
-  const MatrixView ds = MatrixView::of(a.dsum, a.rows, a.cols, a.dsum_stride);
-  const MatrixView s = MatrixView::of(a.sum, a.rows, a.cols, a.sum_stride);
-  const MatrixView dx = MatrixView::of(a.dx, a.rows, a.cols, a.dx_stride);
-  const MatrixView w = MatrixView::of(a.weight, 1, a.cols, 0);
-  const MatrixView dw = MatrixView::of(a.dweight, 1, a.cols, 0);
-  const MatrixView r = MatrixView::of(a.rstd, 1, a.rows, 0);
-  TIGON_CHECK(same_or_disjoint(dx, dy, op, "dx", "dy"));
-  TIGON_CHECK(same_or_disjoint(dx, ds, op, "dx", "dsum"));
-  TIGON_CHECK(same_or_disjoint(dx, s, op, "dx", "sum"));
-  TIGON_CHECK(disjoint(dx, w, op, "dx", "weight"));
-  TIGON_CHECK(disjoint(dx, r, op, "dx", "rstd"));
-  if (a.dweight != nullptr) {
-    TIGON_CHECK(disjoint(dw, dy, op, "dweight", "dy"));
-    TIGON_CHECK(disjoint(dw, ds, op, "dweight", "dsum"));
-    TIGON_CHECK(disjoint(dw, s, op, "dweight", "sum"));
-    TIGON_CHECK(disjoint(dw, dx, op, "dweight", "dx"));
-    TIGON_CHECK(disjoint(dw, w, op, "dweight", "weight"));
-    TIGON_CHECK(disjoint(dw, r, op, "dweight", "rstd"));
-    if (with_workspace) {
-      // Every plan has at least one partial row.
-      TIGON_CHECK(workspace(a.workspace, a.workspace_bytes, partial_rows_bytes(1, a.cols), op));
-    }
-  }
-  return Status();
+  const Named dy = matrix(a.dy, a.rows, a.cols, a.dy_stride, "dy");
+  const Named ds = matrix(a.dsum, a.rows, a.cols, a.dsum_stride, "dsum");
+  const Named s = matrix(a.sum, a.rows, a.cols, a.sum_stride, "sum");
+  const Named dx = matrix(a.dx, a.rows, a.cols, a.dx_stride, "dx");
+  const Named w = row_vector(a.weight, a.cols, "weight");
+  const Named r = row_vector(a.rstd, a.rows, "rstd");
+  TIGON_CHECK(check_same_or_disjoint(dx, {dy, ds, s}, op));
+  TIGON_CHECK(check_disjoint(dx, {w, r}, op));
+  TIGON_CHECK(check_disjoint(row_vector(a.dweight, a.cols, "dweight"), {dy, ds, s, dx, w, r}, op));
+  return check_partials_workspace(with_workspace, a.dweight != nullptr ? 1 : 0, a.workspace,
+                                  a.workspace_bytes, a.cols, op);
 }
-
-// A non-persistent forward walks one row per group: one stage is all it uses.
-template <class T, int kCols, class P>
-using AddRmsFwdPipe = RowPipeline<FwdRowShape<T, kCols, P>, T, kCols, 2,
-                                  P::kFwdPersistent ? P::kStages : 1>;  // x, residual
-// The non-persistent forward may read x and the residual straight into registers (kFwdDirect,
-// RMSNorm's kRmsFwdDirect rule): no shared memory then.
-template <class T, int kCols, class P>
-inline constexpr int kAddRmsFwdSmem = kRmsFwdDirect<P> ? 0 : AddRmsFwdPipe<T, kCols, P>::kSmemBytes;
-template <class T, int kCols, class P>
-using AddRmsBwdPipe = RowPipeline<BwdRowShape<T, kCols, P>, T, kCols, 3, P::kStages>;  // s, dy, dsum
-
-inline constexpr int kAddRmsGeneralThreads = 256;  // block of the general (any size) kernels
-inline constexpr int kAddRmsGeneralBwdBlocksPerSm = 2;
-// The general backward accumulates dW in shared memory up to this row length (44 KB, under the
-// 48 KB default), in the workspace beyond it.
-inline constexpr std::int64_t kAddRmsGeneralSmemAccCols = 11264;
 
 }  // namespace detail
 
@@ -274,43 +202,37 @@ struct AddRmsBwdParams {
   RmsNormCasting casting;
 };
 
-// Fixed hidden size: x and the residual read straight into registers (kFwdDirect, the default for
-// the non-persistent grid) or staged through shared memory (pipelined_rows); s is computed,
-// written and kept in registers for the sum of squares and the output, so every input is read
-// from DRAM once and s is never read back.
+// Fixed hidden size: a row group owns one row; kGroups groups per block, one block per kGroups
+// rows. Each thread loads its vectors of x and the residual straight into registers, every load
+// in flight before the first add; s is computed, written and kept in registers for the sum of
+// squares and the output, so every input is read from DRAM once and s is never read back. Before
+// the grid-dependency wait every block asks the L2 for its first row of x and of the residual.
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdMinBlocksPerSm)
     add_rms_norm_fwd_kernel(const AddRmsFwdParams<T, W> p) {
   using S = FwdRowShape<T, kCols, P>;
   constexpr int kV = S::kVec;
   constexpr int kVPT = S::kVecPerThread;
-  constexpr int kStages = AddRmsFwdPipe<T, kCols, P>::kStages;
   using Reduce = GroupAllReduce<S::kGroupThreads, S::kGroups, 1>;
   __shared__ typename Reduce::TempStorage tmp;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
 
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
   const bool has_w = p.w != nullptr;
-  const RmsNormCasting casting =
-      P::kCasting < 0 ? p.casting : static_cast<RmsNormCasting>(P::kCasting);
-  // [group][stage][x | residual][kCols]
-  T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * 2 * kCols;
+  const RmsNormCasting casting = P::kCasting;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
-  if (first < p.rows) {  // before the wait: a hint (launch.cuh)
+  if (first < p.rows) {  // before the wait: a hint (core/launch.cuh)
     prefetch_row_l2<S>(p.x + first * p.xs, t);
     prefetch_row_l2<S>(p.r + first * p.rs, t);
   }
   detail::grid_dependency_sync();
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * S::kGroups;
-  const T* const src[2] = {p.x, p.r};
-  const std::int64_t stride[2] = {p.xs, p.rs};
   int parity = 0;
 
-  // One row from its x and residual vectors (x_at(v, i), r_at(v, i): this thread's v-th vector,
-  // vector index i of the row): s written and kept in registers, the row's sum of squares
-  // reduced, y written.
-  auto do_row = [&](std::int64_t row, auto&& x_at, auto&& r_at) {
+  // One row from this thread's vectors of x and the residual: s written and kept in registers,
+  // the row's sum of squares reduced, y written.
+  auto do_row = [&](std::int64_t row, const AlignedVec<T, kV> (&xv)[kVPT],
+                    const AlignedVec<T, kV> (&rv)[kVPT]) {
     T* sr = p.s + row * p.ss;
     AlignedVec<T, kV> sv[kVPT];
     float ss[1] = {0.0f};
@@ -318,15 +240,13 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdM
     for (int v = 0; v < kVPT; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
-        const AlignedVec<T, kV> xv = x_at(v, i);
-        const AlignedVec<T, kV> rv = r_at(v, i);
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
-          sv[v].v[c] = add_rms_norm_math::sum<T>(to_float(xv.v[c]), to_float(rv.v[c]));
+          sv[v].v[c] = add_rms_norm_math::sum<T>(to_float(xv[v].v[c]), to_float(rv[v].v[c]));
           const float f = to_float(sv[v].v[c]);
           ss[0] += f * f;
         }
-        store_vec_hinted<P::kStreamingStores>(sr + i * kV, sv[v]);
+        store_vec(sr + i * kV, sv[v]);
       }
     }
     Reduce::sum(ss, tmp, g, t, parity);
@@ -348,43 +268,33 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdM
                                                    casting);
           yv.v[c] = from_float<T>(rms_norm_math::forward<T>(to_float(sv[v].v[c]), r, sc, casting));
         }
-        store_vec_hinted<P::kStreamingStores>(yr + i * kV, yv);
+        store_vec(yr + i * kV, yv);
       }
     }
   };
 
-  if constexpr (kRmsFwdDirect<P>) {
-    (void)stages;
-    (void)src;
-    (void)stride;
-    for (std::int64_t row = first; row < p.rows; row += step) {
-      const T* xg = p.x + row * p.xs;
-      const T* rg = p.r + row * p.rs;
-      AlignedVec<T, kV> xv[kVPT], rv[kVPT];
+  for (std::int64_t row = first; row < p.rows; row += step) {
+    const T* xg = p.x + row * p.xs;
+    const T* rg = p.r + row * p.rs;
+    AlignedVec<T, kV> xv[kVPT], rv[kVPT];
 #pragma unroll
-      for (int v = 0; v < kVPT; ++v) {  // every load in flight before the first use
-        const int i = v * S::kGroupThreads + t;
-        if (S::kExact || i < S::kNumVec) {
-          xv[v] = load_vec_hinted<P::kFwdDirectStream, kV>(xg + i * kV);
-          rv[v] = load_vec_hinted<P::kFwdDirectStream, kV>(rg + i * kV);
-        }
+    for (int v = 0; v < kVPT; ++v) {  // every load in flight before the first use
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) {
+        xv[v] = load_vec<kV>(xg + i * kV);
+        rv[v] = load_vec<kV>(rg + i * kV);
       }
-      do_row(row, [&](int v, int) { return xv[v]; }, [&](int v, int) { return rv[v]; });
     }
-  } else {
-    pipelined_rows<S, kCols, kStages, 2>(stages, src, stride, p.rows, first, step, t,
-                                         [&](std::int64_t row, const T* xr) {
-      const T* rr = xr + kCols;
-      do_row(row, [&](int, int i) { return load_vec<kV>(xr + i * kV); },
-             [&](int, int i) { return load_vec<kV>(rr + i * kV); });
-    });
+    do_row(row, xv, rv);
   }
 }
 
-// Fixed hidden size backward: s, dy and dsum staged (dsum only when given); one group reduction
-// per row; dx = dsum + the norm's dx, rounded once; each thread keeps its columns' dW in registers
-// across the rows it visits and each row group writes one partial dW row at the end. The saved
-// rstd of the next row is loaded while the current one is computed.
+// Fixed hidden size backward, on a persistent grid: s, dy and dsum staged through shared memory
+// (dsum only when given), the next kStages - 1 rows in flight (pipelined_rows); one group
+// reduction per row; s and dy stay in registers from the row sums to dx = dsum + the norm's dx,
+// rounded once; each thread keeps its columns' dW in registers across the rows it visits and each
+// row group writes one partial dW row at the end. The saved rstd of the next row is loaded while
+// the current one is computed.
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdMinBlocksPerSm)
     add_rms_norm_bwd_kernel(const AddRmsBwdParams<T, W> p) {
@@ -392,7 +302,7 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
   using S = BwdRowShape<T, kCols, P>;
   constexpr int kV = S::kVec;
   constexpr int kVPT = S::kVecPerThread;
-  constexpr int kStages = AddRmsBwdPipe<T, kCols, P>::kStages;
+  constexpr int kStages = BwdRowPipe<T, kCols, P, 3>::kStages;
   using Reduce = GroupAllReduce<S::kGroupThreads, S::kGroups, 2>;
   __shared__ typename Reduce::TempStorage tmp;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -401,8 +311,7 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
   const int g = threadIdx.x / S::kGroupThreads;
   const bool has_ds = p.ds != nullptr;
   const bool saved = p.rstd != nullptr;
-  const RmsNormCasting casting =
-      P::kCasting < 0 ? p.casting : static_cast<RmsNormCasting>(P::kCasting);
+  const RmsNormCasting casting = P::kCasting;
   const bool want_dw = p.partials != nullptr;
   // [group][stage][s | dy | dsum][kCols]
   T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * 3 * kCols;
@@ -425,32 +334,8 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
     const float saved_rstd = next_rstd;
     if (saved && row + step < p.rows) next_rstd = p.rstd[row + step];
     AlignedVec<T, kV> sk[kVPT], dyk[kVPT];
-    // r[0] = sum(dn * s), r[1] = sum(s^2) (only for the rstd when it was not saved: the branch is
-    // taken once per row, outside the element loop)
-    float r[2] = {0.0f, 0.0f};
-    auto row_sums = [&](auto with_sq) {
-#pragma unroll
-      for (int v = 0; v < kVPT; ++v) {
-        const int i = v * S::kGroupThreads + t;
-        if (S::kExact || i < S::kNumVec) {
-          sk[v] = load_vec<kV>(sr + i * kV);
-          dyk[v] = load_vec<kV>(dyr + i * kV);
-          float sf[kV], dyf[kV];
-          to_floats(sk[v], sf);
-          to_floats(dyk[v], dyf);
-#pragma unroll
-          for (int c = 0; c < kV; ++c) {
-            r[0] += dyf[c] * wk[v][c] * sf[c];
-            if constexpr (decltype(with_sq)::value) r[1] += sf[c] * sf[c];
-          }
-        }
-      }
-    };
-    if (saved) {
-      row_sums(std::false_type{});
-    } else {
-      row_sums(std::true_type{});
-    }
+    float r[2] = {0.0f, 0.0f};  // sum(dn * s), sum(s^2)
+    rms_bwd_row_sums<S>(sr, dyr, wk, t, !saved, sk, dyk, r);
     Reduce::sum(r, tmp, g, t, parity);
     parity ^= 1;
     const float rstd = saved ? saved_rstd : rms_norm_math::rstd(r[1], kCols, p.eps);
@@ -460,19 +345,11 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
     for (int v = 0; v < kVPT; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
-        // The row again: from the registers of the first loop, or re-read from shared memory.
-        AlignedVec<T, kV> sv, dyv, dsv;
-        if constexpr (P::kBwdKeepRows) {
-          sv = sk[v];
-          dyv = dyk[v];
-        } else {
-          sv = load_vec<kV>(sr + i * kV);
-          dyv = load_vec<kV>(dyr + i * kV);
-        }
+        AlignedVec<T, kV> dsv;
         if (has_ds) dsv = load_vec<kV>(dsr + i * kV);
         float shat[kV], dyf[kV], dsf[kV];
-        to_floats(sv, shat);
-        to_floats(dyv, dyf);
+        to_floats(sk[v], shat);
+        to_floats(dyk[v], dyf);
         if (has_ds) to_floats(dsv, dsf);
         AlignedVec<T, kV> dxv;
 #pragma unroll
@@ -483,7 +360,7 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
           dxv.v[c] = from_float<T>(d);
         }
         if (want_dw) add_dweight_terms<T>(dyf, shat, casting, acc[v]);
-        store_vec_hinted<P::kStreamingStores>(dxr + i * kV, dxv);
+        store_vec(dxr + i * kV, dxv);
       }
     }
   });
@@ -499,10 +376,10 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
 // and reduces; the second reads s back (this thread's own writes, from L1/L2) and writes y.
 // kV = 16-byte vectors when pointers and strides allow it, else single elements.
 template <class T, class W, int kV>
-TIGON_KERNEL void __launch_bounds__(kAddRmsGeneralThreads)
+TIGON_KERNEL void __launch_bounds__(kGeneralThreads)
     add_rms_norm_fwd_general_kernel(const AddRmsFwdParams<T, W> p) {
   detail::grid_dependency_sync();
-  constexpr int kThreads = kAddRmsGeneralThreads;
+  constexpr int kThreads = kGeneralThreads;
   using Reduce = BlockAllReduce<kThreads, 1>;
   __shared__ typename Reduce::TempStorage tmp;
   const int nvec = static_cast<int>(p.cols / kV);
@@ -547,267 +424,78 @@ TIGON_KERNEL void __launch_bounds__(kAddRmsGeneralThreads)
   }
 }
 
-// Any hidden size backward. dW is accumulated per block in shared memory when the row fits
-// (kAddRmsGeneralSmemAccCols), else directly in the block's partial row of the workspace; each
-// column belongs to one thread, so either way the sums are race-free and in a fixed order.
+// add_rms_norm_math::dsum_total, for the general backward RMSNorm and add + RMSNorm share.
+struct DsumTotal {
+  static TIGON_HD float total(float dsum, float dx_norm) {
+    return add_rms_norm_math::dsum_total(dsum, dx_norm);
+  }
+};
+
+// Any hidden size backward: RMSNorm's general backward over s (rms_norm_bwd_general_rows), plus
+// dsum. dW is accumulated per block in shared memory when the row fits (kGeneralAccFloats), else
+// in the block's partial row of the workspace.
 template <class T, class W, int kV>
-TIGON_KERNEL void __launch_bounds__(kAddRmsGeneralThreads)
+TIGON_KERNEL void __launch_bounds__(kGeneralThreads)
     add_rms_norm_bwd_general_kernel(const AddRmsBwdParams<T, W> p, bool smem_acc) {
   detail::grid_dependency_sync();
-  constexpr int kThreads = kAddRmsGeneralThreads;
-  using Reduce = BlockAllReduce<kThreads, 2>;
-  __shared__ typename Reduce::TempStorage tmp;
+  __shared__ typename BlockAllReduce<kGeneralThreads, 2>::TempStorage tmp;
   extern __shared__ float smem_dw[];
-  const int nvec = static_cast<int>(p.cols / kV);
-  const bool has_w = p.w != nullptr;
-  const bool has_ds = p.ds != nullptr;
-  const bool want_dw = p.partials != nullptr;
-  float* part = want_dw ? p.partials + static_cast<std::int64_t>(blockIdx.x) * p.cols : nullptr;
-  float* acc = smem_acc ? smem_dw : part;
-  if (want_dw) {
-    for (int i = threadIdx.x; i < nvec; i += kThreads) {
-#pragma unroll
-      for (int k = 0; k < kV; ++k) acc[i * kV + k] = 0.0f;
-    }
+  rms_norm_bwd_general_rows<T, W, kV, DsumTotal>(p, p.s, p.ss, p.ds, p.dss, smem_acc, smem_dw, tmp);
+}
+
+// ---- the ops: what the shared launch layer (norm/launch.cuh) needs of each direction -----------
+
+template <class T_, class W>
+struct AddRmsFwdOp : RmsCastingInstances {
+  using T = T_;
+  using Args = AddRmsNormForwardArgs<T, W>;
+  using Params = AddRmsFwdParams<T, W>;
+  static constexpr const char* kName = "add_rms_norm_forward";
+  static Status validate(const Args& a, const char* op) { return detail::validate(a, op); }
+  static Params params(const Args& a) {
+    auto st = [&](std::int64_t s) { return resolved_stride(s, a.cols); };
+    return {a.x,    a.residual, a.y,        a.sum,         a.weight,          a.rstd,
+            a.rows, a.cols,     st(a.x_stride), st(a.residual_stride), st(a.y_stride), st(a.sum_stride),
+            a.eps,  a.offset,   a.casting};
   }
-  for (std::int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    const T* dyr = p.dy + row * p.dys;
-    const T* sr = p.s + row * p.ss;
-    const T* dsr = p.ds + (has_ds ? row * p.dss : 0);
-    float r[2] = {0.0f, 0.0f};
-    for (int i = threadIdx.x; i < nvec; i += kThreads) {
-      const std::int64_t c = static_cast<std::int64_t>(i) * kV;
-      const AlignedVec<T, kV> dyv = load_vec<kV>(dyr + c);
-      const AlignedVec<T, kV> sv = load_vec<kV>(sr + c);
-      AlignedVec<W, kV> wv;
-      if (has_w) wv = load_vec<kV>(p.w + c);
-#pragma unroll
-      for (int k = 0; k < kV; ++k) {
-        const float sf = to_float(sv.v[k]);
-        const float dn = to_float(dyv.v[k]) * (has_w ? p.offset + to_float(wv.v[k]) : 1.0f);
-        r[0] += dn * sf;
-        r[1] += sf * sf;
-      }
-    }
-    Reduce::sum(r, tmp);
-    const float rstd = p.rstd != nullptr ? p.rstd[row] : rms_norm_math::rstd(r[1], p.cols, p.eps);
-    const float mean_dot = rstd * r[0] / static_cast<float>(p.cols);
-    T* dxr = p.dx + row * p.dxs;
-    for (int i = threadIdx.x; i < nvec; i += kThreads) {
-      const std::int64_t c = static_cast<std::int64_t>(i) * kV;
-      const AlignedVec<T, kV> dyv = load_vec<kV>(dyr + c);
-      const AlignedVec<T, kV> sv = load_vec<kV>(sr + c);
-      AlignedVec<T, kV> dsv;
-      if (has_ds) dsv = load_vec<kV>(dsr + c);
-      AlignedVec<W, kV> wv;
-      if (has_w) wv = load_vec<kV>(p.w + c);
-      AlignedVec<T, kV> dxv;
-#pragma unroll
-      for (int k = 0; k < kV; ++k) {
-        const float shat = to_float(sv.v[k]) * rstd;
-        const float dyf = to_float(dyv.v[k]);
-        const float dn = dyf * (has_w ? p.offset + to_float(wv.v[k]) : 1.0f);
-        float d = rms_norm_math::dx(dn, shat, rstd, mean_dot);
-        if (has_ds) d = add_rms_norm_math::dsum_total(to_float(dsv.v[k]), d);
-        dxv.v[k] = from_float<T>(d);
-        if (want_dw) acc[c + k] += rms_norm_math::dweight_term<T>(dyf, shat, p.casting);
-      }
-      store_vec(dxr + c, dxv);
-    }
+  template <int kV>
+  static bool vectorizable(const Params& p) {
+    return p.cols % kV == 0 && rows_aligned(p.x, p.xs, kV) && rows_aligned(p.r, p.rs, kV) &&
+           rows_aligned(p.y, p.ys, kV) && rows_aligned(p.s, p.ss, kV) &&
+           (p.w == nullptr || is_aligned(p.w, kV * sizeof(W)));
   }
-  if (want_dw && smem_acc) {
-    for (int i = threadIdx.x; i < nvec; i += kThreads) {
-#pragma unroll
-      for (int k = 0; k < kV; ++k) part[i * kV + k] = acc[i * kV + k];
-    }
+  template <int kCols, class P>
+  static constexpr auto compiled() { return &add_rms_norm_fwd_kernel<T, W, kCols, P>; }
+  template <int kV>
+  static constexpr auto general() { return &add_rms_norm_fwd_general_kernel<T, W, kV>; }
+};
+
+template <class T_, class W>
+struct AddRmsBwdOp : RmsCastingInstances, DweightPartials {
+  using T = T_;
+  using Args = AddRmsNormBackwardArgs<T, W>;
+  using Params = AddRmsBwdParams<T, W>;
+  static constexpr const char* kName = "add_rms_norm_backward";
+  static constexpr const char* kWorkspaceName = "add_rms_norm_backward_workspace_bytes";
+  static constexpr int kTensors = 3;  // s, dy, dsum
+  static Status validate(const Args& a, const char* op, bool ws) { return detail::validate(a, op, ws); }
+  static Params params(const Args& a) {
+    auto st = [&](std::int64_t s) { return resolved_stride(s, a.cols); };
+    return {a.dy,   a.dsum, a.sum,          a.weight,          a.rstd,         a.dx,
+            nullptr, a.rows, a.cols,        st(a.dy_stride),   st(a.dsum_stride), st(a.sum_stride),
+            st(a.dx_stride), a.eps, a.offset, a.casting};
   }
-}
-
-// ---- launch planning: which kernel, what grid, how much workspace -----------------------------
-
-namespace add_rms {
-
-template <class T, class W, int kV>
-bool fwd_vectorizable(const AddRmsFwdParams<T, W>& p) {
-  return p.cols % kV == 0 && rows_aligned(p.x, p.xs, kV) && rows_aligned(p.r, p.rs, kV) &&
-         rows_aligned(p.y, p.ys, kV) && rows_aligned(p.s, p.ss, kV) &&
-         (p.w == nullptr || is_aligned(p.w, kV * sizeof(W)));
-}
-
-template <class T, class W, int kV>
-bool bwd_vectorizable(const AddRmsBwdParams<T, W>& p) {
-  return p.cols % kV == 0 && rows_aligned(p.dy, p.dys, kV) &&
-         (p.ds == nullptr || rows_aligned(p.ds, p.dss, kV)) && rows_aligned(p.s, p.ss, kV) &&
-         rows_aligned(p.dx, p.dxs, kV) && (p.w == nullptr || is_aligned(p.w, kV * sizeof(W)));
-}
-
-template <class T, class W>
-AddRmsFwdParams<T, W> fwd_params(const AddRmsNormForwardArgs<T, W>& a) {
-  auto st = [&](std::int64_t s) { return s ? s : a.cols; };
-  return {a.x,    a.residual, a.y,        a.sum,         a.weight,          a.rstd,
-          a.rows, a.cols,     st(a.x_stride), st(a.residual_stride), st(a.y_stride), st(a.sum_stride),
-          a.eps,  a.offset,   a.casting};
-}
-
-template <class T, class W>
-AddRmsBwdParams<T, W> bwd_params(const AddRmsNormBackwardArgs<T, W>& a) {
-  auto st = [&](std::int64_t s) { return s ? s : a.cols; };
-  return {a.dy,   a.dsum, a.sum,          a.weight,          a.rstd,         a.dx,
-          nullptr, a.rows, a.cols,        st(a.dy_stride),   st(a.dsum_stride), st(a.sum_stride),
-          st(a.dx_stride), a.eps, a.offset, a.casting};
-}
-
-// kCols == 0: only the general kernels are candidates.
-template <class T, class W, int kCols, class P>
-Status plan_forward(const AddRmsFwdParams<T, W>& p, const DeviceInfo& dev, RowPlan& plan) {
-  plan = RowPlan{};
-  if constexpr (compiled_available<FwdRowShape, T, kCols, P>()) {
-    using S = FwdRowShape<T, kCols, P>;
-    constexpr int kSmem = kAddRmsFwdSmem<T, kCols, P>;
-    // The compiled kernel's shared-memory pipeline must fit this device's per-block limit.
-    if (fwd_vectorizable<T, W, S::kVec>(p) && kSmem + 1024 <= dev.smem_per_block_optin) {
-      return plan_compiled_rows<add_rms_norm_fwd_kernel<T, W, kCols, P>, S::kThreads, kSmem>(
-          p.rows, S::kGroups, P::kFwdPersistent, dev, plan);
-    }
+  template <int kV>
+  static bool vectorizable(const Params& p) {
+    return p.cols % kV == 0 && rows_aligned(p.dy, p.dys, kV) &&
+           (p.ds == nullptr || rows_aligned(p.ds, p.dss, kV)) && rows_aligned(p.s, p.ss, kV) &&
+           rows_aligned(p.dx, p.dxs, kV) && (p.w == nullptr || is_aligned(p.w, kV * sizeof(W)));
   }
-  int occ = 0;
-  if (fwd_vectorizable<T, W, kVecElems<T>>(p)) {
-    plan.kernel = RowKernel::general_vec;
-    TIGON_CHECK((blocks_per_sm<add_rms_norm_fwd_general_kernel<T, W, kVecElems<T>>,
-                               kAddRmsGeneralThreads>(dev.device, occ)));
-  } else {
-    plan.kernel = RowKernel::general_scalar;
-    TIGON_CHECK((blocks_per_sm<add_rms_norm_fwd_general_kernel<T, W, 1>, kAddRmsGeneralThreads>(
-        dev.device, occ)));
-  }
-  plan.grid = static_cast<int>(
-      std::min<std::int64_t>(p.rows, static_cast<std::int64_t>(occ) * dev.sm_count));
-  return Status();
-}
-
-template <class T, class W, int kCols, class P>
-Status plan_backward(const AddRmsBwdParams<T, W>& p, bool want_dw, const DeviceInfo& dev,
-                     RowPlan& plan) {
-  plan = RowPlan{};
-  bool compiled = false;
-  if constexpr (compiled_available<BwdRowShape, T, kCols, P>()) {
-    using S = BwdRowShape<T, kCols, P>;
-    constexpr int kSmem = AddRmsBwdPipe<T, kCols, P>::kSmemBytes;
-    if (bwd_vectorizable<T, W, S::kVec>(p) && kSmem + 1024 <= dev.smem_per_block_optin) {
-      TIGON_CHECK((plan_compiled_rows<add_rms_norm_bwd_kernel<T, W, kCols, P>, S::kThreads, kSmem>(
-          p.rows, S::kGroups, true, dev, plan)));
-      compiled = true;
-    }
-  }
-  if (!compiled) {
-    plan.kernel = bwd_vectorizable<T, W, kVecElems<T>>(p) ? RowKernel::general_vec
-                                                          : RowKernel::general_scalar;
-    plan.grid = static_cast<int>(std::min<std::int64_t>(
-        p.rows, static_cast<std::int64_t>(kAddRmsGeneralBwdBlocksPerSm) * dev.sm_count));
-    plan.parts = plan.grid;
-  }
-  plan.workspace_bytes = want_dw ? partial_rows_bytes(plan.parts, p.cols) : 0;
-  return Status();
-}
-
-template <class T, class W, int kCols, class P>
-Status launch_forward(const AddRmsFwdParams<T, W>& p, const RowPlan& plan, cudaStream_t stream) {
-  constexpr const char* kOp = "add_rms_norm_forward";
-  switch (plan.kernel) {
-    case RowKernel::compiled:
-      if constexpr (compiled_available<FwdRowShape, T, kCols, P>()) {
-        TIGON_CHECK(launch(kOp, add_rms_norm_fwd_kernel<T, W, kCols, P>, {dim3(plan.grid), dim3(FwdRowShape<T, kCols, P>::kThreads), kAddRmsFwdSmem<T, kCols, P>, stream}, p));
-      }
-      break;
-    case RowKernel::general_vec:
-      TIGON_CHECK(launch(kOp, add_rms_norm_fwd_general_kernel<T, W, kVecElems<T>>, {dim3(plan.grid), dim3(kAddRmsGeneralThreads), 0, stream}, p));
-      break;
-    case RowKernel::general_scalar:
-      TIGON_CHECK(launch(kOp, add_rms_norm_fwd_general_kernel<T, W, 1>, {dim3(plan.grid), dim3(kAddRmsGeneralThreads), 0, stream}, p));
-      break;
-  }
-  return Status();
-}
-
-template <class T, class W, int kCols, class P>
-Status launch_backward(const AddRmsBwdParams<T, W>& p, const RowPlan& plan, W* dweight,
-                       bool accumulate, cudaStream_t stream) {
-  constexpr const char* kOp = "add_rms_norm_backward";
-  if (plan.kernel == RowKernel::compiled) {
-    if constexpr (compiled_available<BwdRowShape, T, kCols, P>()) {
-      TIGON_CHECK(launch(kOp, add_rms_norm_bwd_kernel<T, W, kCols, P>, {dim3(plan.grid), dim3(BwdRowShape<T, kCols, P>::kThreads), AddRmsBwdPipe<T, kCols, P>::kSmemBytes, stream}, p));
-    }
-  } else {
-    const bool smem_acc = p.partials != nullptr && p.cols <= kAddRmsGeneralSmemAccCols;
-    const std::size_t smem = smem_acc ? static_cast<std::size_t>(p.cols) * sizeof(float) : 0;
-    if (plan.kernel == RowKernel::general_vec) {
-      TIGON_CHECK(launch(kOp, add_rms_norm_bwd_general_kernel<T, W, kVecElems<T>>, {dim3(plan.grid), dim3(kAddRmsGeneralThreads), smem, stream}, p, smem_acc));
-    } else {
-      TIGON_CHECK(launch(kOp, add_rms_norm_bwd_general_kernel<T, W, 1>, {dim3(plan.grid), dim3(kAddRmsGeneralThreads), smem, stream}, p, smem_acc));
-    }
-  }
-  if (dweight == nullptr) return Status();
-  return column_sum(p.partials, plan.parts, p.cols, dweight, accumulate, stream, kOp);
-}
-
-// Forward / backward for one candidate size (0: general only) and one policy (its casting fixed).
-template <class T, class W, int kCols, class P>
-Status forward_fixed(const AddRmsNormForwardArgs<T, W>& a, cudaStream_t stream) {
-  const AddRmsFwdParams<T, W> p = fwd_params(a);
-  DeviceInfo dev;
-  TIGON_CHECK(current_device_info(dev));
-  RowPlan plan;
-  TIGON_CHECK((plan_forward<T, W, kCols, P>(p, dev, plan)));
-  return launch_forward<T, W, kCols, P>(p, plan, stream);
-}
-
-template <class T, class W, int kCols, class P>
-Status backward_workspace_fixed(const AddRmsNormBackwardArgs<T, W>& a, std::size_t& bytes) {
-  DeviceInfo dev;
-  TIGON_CHECK(current_device_info(dev));
-  RowPlan plan;
-  TIGON_CHECK((plan_backward<T, W, kCols, P>(bwd_params(a), a.dweight != nullptr, dev, plan)));
-  bytes = plan.workspace_bytes;
-  return Status();
-}
-
-template <class T, class W, int kCols, class P>
-Status backward_fixed(const AddRmsNormBackwardArgs<T, W>& a, cudaStream_t stream) {
-  constexpr const char* kOp = "add_rms_norm_backward";
-  AddRmsBwdParams<T, W> p = bwd_params(a);
-  DeviceInfo dev;
-  TIGON_CHECK(current_device_info(dev));
-  RowPlan plan;
-  TIGON_CHECK((plan_backward<T, W, kCols, P>(p, a.dweight != nullptr, dev, plan)));
-  TIGON_CHECK(check::workspace(a.workspace, a.workspace_bytes, plan.workspace_bytes, kOp));
-  if (a.dweight != nullptr) p.partials = static_cast<float*>(a.workspace);
-  return launch_backward<T, W, kCols, P>(p, plan, a.dweight, a.accumulate_dweight, stream);
-}
-
-// The compiled kernels take the casting mode as a compile-time constant, as RMSNorm's do
-// (detail::with_casting_for picks the instance the arguments name).
-template <class T, class W, int kCols, class P>
-Status forward(const AddRmsNormForwardArgs<T, W>& a, cudaStream_t stream) {
-  return with_casting_for<kCols, P>(a.casting, [&](auto q) {
-    return forward_fixed<T, W, kCols, typename decltype(q)::type>(a, stream);
-  });
-}
-
-template <class T, class W, int kCols, class P>
-Status backward_workspace(const AddRmsNormBackwardArgs<T, W>& a, std::size_t& bytes) {
-  return with_casting_for<kCols, P>(a.casting, [&](auto q) {
-    return backward_workspace_fixed<T, W, kCols, typename decltype(q)::type>(a, bytes);
-  });
-}
-
-template <class T, class W, int kCols, class P>
-Status backward(const AddRmsNormBackwardArgs<T, W>& a, cudaStream_t stream) {
-  return with_casting_for<kCols, P>(a.casting, [&](auto q) {
-    return backward_fixed<T, W, kCols, typename decltype(q)::type>(a, stream);
-  });
-}
-
-}  // namespace add_rms
+  template <int kCols, class P>
+  static constexpr auto compiled() { return &add_rms_norm_bwd_kernel<T, W, kCols, P>; }
+  template <int kV>
+  static constexpr auto general() { return &add_rms_norm_bwd_general_kernel<T, W, kV>; }
+};
 
 }  // namespace detail
 
@@ -818,29 +506,21 @@ Status backward(const AddRmsNormBackwardArgs<T, W>& a, cudaStream_t stream) {
 // Runtime hidden size: add_rms_norm_forward(args, stream) picks the compiled instance for the sizes
 // in TIGON_HIDDEN_SIZES and the general kernel for any other size, or when pointers / strides do
 // not allow 16-byte accesses. Compile-time hidden size: add_rms_norm_forward<bf16, 4096>(args,
-// stream) instantiates only that shape (plus the general kernel for misaligned inputs). The policy
-// is RMSNorm's (RmsNormPolicy), with the same meaning for every knob.
+// stream) instantiates only that shape (plus the general kernel for misaligned inputs), with the
+// policy given (RMSNorm's, RmsNormPolicy, by default).
 //
 // None of them allocates, synchronises or copies to the host: all are graph-capturable.
 
 template <class T, class W>
 [[nodiscard]] Status add_rms_norm_forward(const AddRmsNormForwardArgs<T, W>& args,
                                           cudaStream_t stream) {
-  TIGON_CHECK(detail::validate(args, "add_rms_norm_forward"));
-  return dispatch_int(
-      HiddenSizes{}, args.cols,
-      [&](auto n) {
-        return detail::add_rms::forward<T, W, decltype(n)::value, RmsNormDefaultPolicy>(args, stream);
-      },
-      [&] { return detail::add_rms::forward<T, W, 0, RmsNormDefaultPolicy>(args, stream); });
+  return detail::norm_forward<detail::AddRmsFwdOp<T, W>, detail::kAnyCols, RmsNormPolicy>(args, stream);
 }
 
-template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
+template <class T, int kCols, class Policy = RmsNormPolicy, class W>
 [[nodiscard]] Status add_rms_norm_forward(const AddRmsNormForwardArgs<T, W>& args,
                                           cudaStream_t stream) {
-  TIGON_CHECK(detail::validate(args, "add_rms_norm_forward"));
-  TIGON_CHECK((detail::check_compiled<kCols, Policy>(args.cols, args.casting, "add_rms_norm_forward")));
-  return detail::add_rms::forward<T, W, kCols, Policy>(args, stream);
+  return detail::norm_forward<detail::AddRmsFwdOp<T, W>, kCols, Policy>(args, stream);
 }
 
 // Bytes of workspace add_rms_norm_backward(args) needs: 0 without dweight, else one fp32 row of
@@ -849,45 +529,26 @@ template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
 template <class T, class W>
 [[nodiscard]] Status add_rms_norm_backward_workspace_bytes(const AddRmsNormBackwardArgs<T, W>& args,
                                                            std::size_t& bytes) {
-  bytes = 0;
-  TIGON_CHECK(detail::validate(args, "add_rms_norm_backward_workspace_bytes", false));
-  return dispatch_int(
-      HiddenSizes{}, args.cols,
-      [&](auto n) {
-        return detail::add_rms::backward_workspace<T, W, decltype(n)::value, RmsNormDefaultPolicy>(
-            args, bytes);
-      },
-      [&] { return detail::add_rms::backward_workspace<T, W, 0, RmsNormDefaultPolicy>(args, bytes); });
+  return detail::norm_backward_workspace_bytes<detail::AddRmsBwdOp<T, W>, detail::kAnyCols,
+                                               RmsNormPolicy>(args, bytes);
 }
 
-template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
+template <class T, int kCols, class Policy = RmsNormPolicy, class W>
 [[nodiscard]] Status add_rms_norm_backward_workspace_bytes(const AddRmsNormBackwardArgs<T, W>& args,
                                                            std::size_t& bytes) {
-  bytes = 0;
-  TIGON_CHECK(detail::validate(args, "add_rms_norm_backward_workspace_bytes", false));
-  TIGON_CHECK((detail::check_compiled<kCols, Policy>(args.cols, args.casting,
-                                                     "add_rms_norm_backward_workspace_bytes")));
-  return detail::add_rms::backward_workspace<T, W, kCols, Policy>(args, bytes);
+  return detail::norm_backward_workspace_bytes<detail::AddRmsBwdOp<T, W>, kCols, Policy>(args, bytes);
 }
 
 template <class T, class W>
 [[nodiscard]] Status add_rms_norm_backward(const AddRmsNormBackwardArgs<T, W>& args,
                                            cudaStream_t stream) {
-  TIGON_CHECK(detail::validate(args, "add_rms_norm_backward", true));
-  return dispatch_int(
-      HiddenSizes{}, args.cols,
-      [&](auto n) {
-        return detail::add_rms::backward<T, W, decltype(n)::value, RmsNormDefaultPolicy>(args, stream);
-      },
-      [&] { return detail::add_rms::backward<T, W, 0, RmsNormDefaultPolicy>(args, stream); });
+  return detail::norm_backward<detail::AddRmsBwdOp<T, W>, detail::kAnyCols, RmsNormPolicy>(args, stream);
 }
 
-template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
+template <class T, int kCols, class Policy = RmsNormPolicy, class W>
 [[nodiscard]] Status add_rms_norm_backward(const AddRmsNormBackwardArgs<T, W>& args,
                                            cudaStream_t stream) {
-  TIGON_CHECK(detail::validate(args, "add_rms_norm_backward", true));
-  TIGON_CHECK((detail::check_compiled<kCols, Policy>(args.cols, args.casting, "add_rms_norm_backward")));
-  return detail::add_rms::backward<T, W, kCols, Policy>(args, stream);
+  return detail::norm_backward<detail::AddRmsBwdOp<T, W>, kCols, Policy>(args, stream);
 }
 
 #endif  // __CUDACC__

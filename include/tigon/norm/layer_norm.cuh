@@ -10,29 +10,25 @@
 //
 // The row machinery is RMSNorm's (norm/row_kernel.cuh: compiled shapes, the cp.async pipeline,
 // partial gradient rows; core/reduce.cuh: group reductions; core/colsum.cuh: the fixed-order
-// column sum of dW and dB). The header reads in four layers: arguments, math (host + device),
-// kernels, launchers. The first two compile under any C++20 compiler; kernels and launchers need
-// nvcc.
+// column sum of dW and dB), the plan and the launches the norms' shared layer (norm/launch.cuh).
+// The header reads in four layers: arguments, math (host + device), kernels, launchers.
+// Arguments, math, validation and the policy compile under any C++20 compiler; kernels and
+// launchers need nvcc.
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <string>
-#include <utility>
 
 #include "../core/config.hpp"
-#include "../core/dispatch.hpp"
 #include "../core/dtype.hpp"
 #include "../core/math.hpp"
 #include "../core/status.hpp"
 #include "../core/validate.hpp"
+#include "launch.cuh"
 #include "row_kernel.cuh"
 
 #if defined(__CUDACC__)
 #include "../core/colsum.cuh"
-#include "../core/device.hpp"
-#include "../core/launch.cuh"
 #include "../core/reduce.cuh"
 #include "../core/vector.cuh"
 #endif
@@ -116,34 +112,19 @@ namespace detail {
 
 template <class T, class W>
 Status validate(const LayerNormForwardArgs<T, W>& a, const char* op) {
-  using namespace check;
-  TIGON_CHECK(not_null(a.x, op, "x"));
-  TIGON_CHECK(not_null(a.y, op, "y"));
-  TIGON_CHECK(positive(a.rows, op, "rows"));
-  TIGON_CHECK(positive(a.cols, op, "cols"));
-  TIGON_CHECK(at_most(a.cols, kRowMaxCols, op, "cols"));
-  TIGON_CHECK(row_stride(a.x_stride, a.cols, op, "x_stride"));
-  TIGON_CHECK(row_stride(a.y_stride, a.cols, op, "y_stride"));
-  if (!(a.eps >= 0.0f) || a.eps == __builtin_inff()) {
-    return Status::error(Errc::invalid_value, op, "eps", "must be finite and >= 0");
-  }
-  const MatrixView x = MatrixView::of(a.x, a.rows, a.cols, a.x_stride);
-  const MatrixView y = MatrixView::of(a.y, a.rows, a.cols, a.y_stride);
-  const MatrixView w = MatrixView::of(a.weight, 1, a.cols, 0);
-  const MatrixView b = MatrixView::of(a.bias, 1, a.cols, 0);
-  const MatrixView m = MatrixView::of(a.mean, 1, a.rows, 0);
-  const MatrixView r = MatrixView::of(a.rstd, 1, a.rows, 0);
-  TIGON_CHECK(same_or_disjoint(y, x, op, "y", "x"));
-  TIGON_CHECK(disjoint(y, w, op, "y", "weight"));
-  TIGON_CHECK(disjoint(y, b, op, "y", "bias"));
-  for (const auto& [stat, name] : {std::pair{m, "mean"}, std::pair{r, "rstd"}}) {
-    if (stat.ptr == nullptr) continue;
-    TIGON_CHECK(disjoint(stat, x, op, name, "x"));
-    TIGON_CHECK(disjoint(stat, y, op, name, "y"));
-    TIGON_CHECK(disjoint(stat, w, op, name, "weight"));
-    TIGON_CHECK(disjoint(stat, b, op, name, "bias"));
-  }
-  TIGON_CHECK(disjoint(r, m, op, "rstd", "mean"));
+  TIGON_CHECK(check_not_null({{a.x, "x"}, {a.y, "y"}}, op));
+  TIGON_CHECK(check_rows(a.rows, a.cols, {{a.x_stride, "x_stride"}, {a.y_stride, "y_stride"}}, op));
+  TIGON_CHECK(check_eps(a.eps, op));
+  const Named x = matrix(a.x, a.rows, a.cols, a.x_stride, "x");
+  const Named y = matrix(a.y, a.rows, a.cols, a.y_stride, "y");
+  const Named w = row_vector(a.weight, a.cols, "weight");
+  const Named b = row_vector(a.bias, a.cols, "bias");
+  const Named m = row_vector(a.mean, a.rows, "mean");
+  const Named r = row_vector(a.rstd, a.rows, "rstd");
+  TIGON_CHECK(check_same_or_disjoint(y, {x}, op));
+  TIGON_CHECK(check_disjoint(y, {w, b}, op));
+  TIGON_CHECK(check_disjoint(m, {x, y, w, b}, op));
+  TIGON_CHECK(check_disjoint(r, {x, y, w, b, m}, op));
   return Status();
 }
 
@@ -153,133 +134,45 @@ int layer_norm_grads(const LayerNormBackwardArgs<T, W>& a) {
   return (a.dweight != nullptr ? 1 : 0) + (a.dbias != nullptr ? 1 : 0);
 }
 
-// with_workspace: the launcher (true) also checks what it can of the workspace without the device
-// (present, aligned, at least one partial row per gradient); the exact size is checked after the
-// plan. The workspace query passes false.
+// with_workspace: the launcher (true) also checks what it can of the workspace without the device;
+// the workspace query passes false.
 template <class T, class W>
 Status validate(const LayerNormBackwardArgs<T, W>& a, const char* op, bool with_workspace) {
-  using namespace check;
-  TIGON_CHECK(not_null(a.dy, op, "dy"));
-  TIGON_CHECK(not_null(a.x, op, "x"));
-  TIGON_CHECK(not_null(a.mean, op, "mean"));
-  TIGON_CHECK(not_null(a.rstd, op, "rstd"));
-  TIGON_CHECK(not_null(a.dx, op, "dx"));
-  TIGON_CHECK(positive(a.rows, op, "rows"));
-  TIGON_CHECK(positive(a.cols, op, "cols"));
-  TIGON_CHECK(at_most(a.cols, kRowMaxCols, op, "cols"));
-  TIGON_CHECK(row_stride(a.dy_stride, a.cols, op, "dy_stride"));
-  TIGON_CHECK(row_stride(a.x_stride, a.cols, op, "x_stride"));
-  TIGON_CHECK(row_stride(a.dx_stride, a.cols, op, "dx_stride"));
+  TIGON_CHECK(check_not_null(
+      {{a.dy, "dy"}, {a.x, "x"}, {a.mean, "mean"}, {a.rstd, "rstd"}, {a.dx, "dx"}}, op));
+  TIGON_CHECK(check_rows(a.rows, a.cols,
+                         {{a.dy_stride, "dy_stride"}, {a.x_stride, "x_stride"}, {a.dx_stride, "dx_stride"}},
+                         op));
   if (a.dweight != nullptr && a.weight == nullptr) {
     return Status::error(Errc::invalid_value, op, "dweight",
                          "requested without a weight (a forward without weight has no dW)");
   }
-  const MatrixView dy = MatrixView::of(a.dy, a.rows, a.cols, a.dy_stride);
-  const MatrixView x = MatrixView::of(a.x, a.rows, a.cols, a.x_stride);
-  const MatrixView dx = MatrixView::of(a.dx, a.rows, a.cols, a.dx_stride);
-  const MatrixView w = MatrixView::of(a.weight, 1, a.cols, 0);
-  const MatrixView m = MatrixView::of(a.mean, 1, a.rows, 0);
-  const MatrixView r = MatrixView::of(a.rstd, 1, a.rows, 0);
-  const MatrixView dw = MatrixView::of(a.dweight, 1, a.cols, 0);
-  const MatrixView db = MatrixView::of(a.dbias, 1, a.cols, 0);
-  TIGON_CHECK(same_or_disjoint(dx, dy, op, "dx", "dy"));
-  TIGON_CHECK(same_or_disjoint(dx, x, op, "dx", "x"));
-  TIGON_CHECK(disjoint(dx, w, op, "dx", "weight"));
-  TIGON_CHECK(disjoint(dx, m, op, "dx", "mean"));
-  TIGON_CHECK(disjoint(dx, r, op, "dx", "rstd"));
-  for (const auto& [grad, name] : {std::pair{dw, "dweight"}, std::pair{db, "dbias"}}) {
-    if (grad.ptr == nullptr) continue;
-    TIGON_CHECK(disjoint(grad, dy, op, name, "dy"));
-    TIGON_CHECK(disjoint(grad, x, op, name, "x"));
-    TIGON_CHECK(disjoint(grad, dx, op, name, "dx"));
-    TIGON_CHECK(disjoint(grad, w, op, name, "weight"));
-    TIGON_CHECK(disjoint(grad, m, op, name, "mean"));
-    TIGON_CHECK(disjoint(grad, r, op, name, "rstd"));
-  }
-  TIGON_CHECK(disjoint(db, dw, op, "dbias", "dweight"));
-  const int grads = layer_norm_grads(a);
-  if (with_workspace && grads > 0) {
-    // Every plan has at least one partial row per gradient.
-    TIGON_CHECK(workspace(a.workspace, a.workspace_bytes,
-                          partial_rows_bytes(grads, a.cols), op));
-  }
-  return Status();
+  const Named dy = matrix(a.dy, a.rows, a.cols, a.dy_stride, "dy");
+  const Named x = matrix(a.x, a.rows, a.cols, a.x_stride, "x");
+  const Named dx = matrix(a.dx, a.rows, a.cols, a.dx_stride, "dx");
+  const Named w = row_vector(a.weight, a.cols, "weight");
+  const Named m = row_vector(a.mean, a.rows, "mean");
+  const Named r = row_vector(a.rstd, a.rows, "rstd");
+  const Named dw = row_vector(a.dweight, a.cols, "dweight");
+  TIGON_CHECK(check_same_or_disjoint(dx, {dy, x}, op));
+  TIGON_CHECK(check_disjoint(dx, {w, m, r}, op));
+  TIGON_CHECK(check_disjoint(dw, {dy, x, dx, w, m, r}, op));
+  TIGON_CHECK(check_disjoint(row_vector(a.dbias, a.cols, "dbias"), {dy, x, dx, w, m, r, dw}, op));
+  return check_partials_workspace(with_workspace, layer_norm_grads(a), a.workspace, a.workspace_bytes,
+                                  a.cols, op);
 }
 
 }  // namespace detail
 
 // ------------------------------------------------------------------------------------------------
-// Launch shapes (host + device constants; tested on the host)
+// Policy
 // ------------------------------------------------------------------------------------------------
 
-// Tuning knobs of the compiled (fixed hidden size) kernels, as RmsNormPolicy's (less the casting
-// mode, which LayerNorm does not have). A trainer may pass its own policy.
-template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
-          int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
-          bool kFwdPersistent_ = false, bool kStreamingStores_ = false, bool kBwdKeepRows_ = false,
-          bool kFwdDirect_ = true, int kFwdMinBlocksPerSm_ = 0, int kFwdPrefetch_ = 2>
-struct LayerNormPolicy {
-  static_assert(kFwdMinBlocksPerSm_ >= 0 && kFwdMinBlocksPerSm_ <= 32, "0 (no bound) to 32 blocks per SM");
-  static_assert(kFwdPrefetch_ >= 0 && kFwdPrefetch_ <= 2, "forward prefetch: 0, 1 or 2");
-  // Forward: what the blocks ask the L2 for around the grid-dependency wait, as RmsNormPolicy's
-  // (2, the default: the first wave its rows before the wait and the second wave's after it).
-  static constexpr int kFwdPrefetch = kFwdPrefetch_;
-  // Forward: the second __launch_bounds__ argument, a floor on the blocks per SM that caps
-  // registers (0, the default: none), as RmsNormPolicy's.
-  static constexpr int kFwdMinBlocksPerSm = kFwdMinBlocksPerSm_;
-  // Non-persistent forward: each thread reads its vectors of the row straight from global memory
-  // into registers (true: the default, 0.7-1.3 points faster than staging at 16384 x 4096 on the
-  // H200 in two runs), or the row is staged through shared memory with cp.async (false).
-  static constexpr bool kFwdDirect = kFwdDirect_;
-  static constexpr int kFwdVecPerThread = kFwdVecPerThread_;  // 16-byte vectors per thread per row
-  static constexpr int kFwdBlockThreads = kFwdBlockThreads_;  // target block size (rows side by side)
-  static constexpr int kBwdVecPerThread = kBwdVecPerThread_;
-  static constexpr int kBwdBlockThreads = kBwdBlockThreads_;
-  static constexpr int kBwdMinBlocksPerSm = kBwdMinBlocksPerSm_;  // caps registers for occupancy
-  // Rows each row group keeps in flight through shared memory (cp.async), lowered automatically
-  // when the rows do not fit.
-  static constexpr int kStages = kStages_;
-  // Forward grid: resident blocks walking all rows (true), or one block per row-group set (false:
-  // the default, as RMSNorm's, whose forward streams closer to the copy rate so on the H200).
-  static constexpr bool kFwdPersistent = kFwdPersistent_;
-  // Store y / dx with the streaming (evict-first) cache hint.
-  static constexpr bool kStreamingStores = kStreamingStores_;
-  // Backward: keep the row's x and dy in registers between the row sums and dx (true: RMSNorm's
-  // default), or read them again from shared memory (false: the default here, fewer registers;
-  // on the H200 at 16384 x 4096 it led keeping by 3-5 points of the copy rate in four runs out
-  // of five, level in the other). w is read once per thread either way.
-  static constexpr bool kBwdKeepRows = kBwdKeepRows_;
-};
-using LayerNormDefaultPolicy = LayerNormPolicy<>;
-
-namespace detail {
-
-// A non-persistent forward walks one row per group: one stage is all it uses.
-template <class T, int kCols, class P>
-using LnFwdPipe =
-    RowPipeline<FwdRowShape<T, kCols, P>, T, kCols, 1, P::kFwdPersistent ? P::kStages : 1>;  // x
-// The direct forward (non-persistent, kFwdDirect): no stages, no shared memory.
-template <class P>
-inline constexpr bool kLnFwdDirect = P::kFwdDirect && !P::kFwdPersistent;
-template <class T, int kCols, class P>
-inline constexpr int kLnFwdStages = kLnFwdDirect<P> ? 0 : LnFwdPipe<T, kCols, P>::kStages;
-template <class T, int kCols, class P>
-inline constexpr int kLnFwdSmem = kLnFwdDirect<P> ? 0 : LnFwdPipe<T, kCols, P>::kSmemBytes;
-template <class T, int kCols, class P>
-using LnBwdPipe = RowPipeline<BwdRowShape<T, kCols, P>, T, kCols, 2, P::kStages>;  // x, dy
-
-inline constexpr int kLnGeneralThreads = 256;  // block of the general (any size) kernels
-inline constexpr int kLnGeneralBwdBlocksPerSm = 2;
-// The general backward accumulates dW and dB in shared memory up to this row length (2 x 22 KB,
-// under the 48 KB default), in the workspace beyond it.
-inline constexpr std::int64_t kLnGeneralSmemAccCols = 5632;
-
-// Workspace of the backward: `parts` fp32 partial rows for each requested gradient (dW, then dB).
-constexpr std::size_t layer_norm_workspace_bytes(std::int64_t parts, std::int64_t cols, int grads) {
-  return grads == 0 ? 0 : partial_rows_bytes(parts * grads, cols);
-}
-
-}  // namespace detail
+// The tuning parameters of LayerNorm's compiled kernels (NormPolicy's members and defaults,
+// norm/launch.cuh). Derive and override a member to tune:
+//   struct WarpPerRow : tigon::LayerNormPolicy { static constexpr int kFwdVecPerThread = 16; };
+struct LayerNormPolicy : NormPolicy {};
+using LayerNormDefaultPolicy = LayerNormPolicy;  // the former name of the default
 
 #if defined(__CUDACC__)
 
@@ -319,39 +212,32 @@ struct LnBwdParams {
   std::int64_t dys, xs, dxs;
 };
 
-// Fixed hidden size: a row group owns one row at a time, with the next kStages - 1 rows in flight
-// through shared memory (pipelined_rows); the row stays in registers for its three uses (sum,
-// centred sum of squares, output), so it is read from DRAM once. Two group reductions per row.
+// Fixed hidden size: a row group owns one row; kGroups groups per block, one block per kGroups
+// rows. Each thread loads its vectors of the row straight into registers, where they stay for
+// their three uses (sum, centred sum of squares, output): x is read from DRAM once. Two group
+// reductions per row. The L2 prefetch around the grid-dependency wait is RMSNorm's.
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdMinBlocksPerSm)
     layer_norm_fwd_kernel(const LnFwdParams<T, W> p) {
   using S = FwdRowShape<T, kCols, P>;
   constexpr int kV = S::kVec;
   constexpr int kVPT = S::kVecPerThread;
-  constexpr int kStages = kLnFwdStages<T, kCols, P>;
   using Reduce = GroupAllReduce<S::kGroupThreads, S::kGroups, 1>;
   __shared__ typename Reduce::TempStorage tmp;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
 
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
   const bool has_w = p.w != nullptr;
   const bool has_b = p.b != nullptr;
-  T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * kCols;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
-  // L2 prefetches around the wait (policy kFwdPrefetch): hints, not accesses.
   const bool first_wave = blockIdx.x < p.wave_blocks;
-  prefetch_first_row<P::kFwdPrefetch, S>(p.x, p.xs, first, p.rows, first_wave, t);
+  prefetch_first_row<S>(p.x, p.xs, first, p.rows, first_wave, t);
   detail::grid_dependency_sync();
-  prefetch_second_wave_row<P::kFwdPrefetch, S>(p.x, p.xs, first + p.wave_blocks * S::kGroups, p.rows,
-                                               first_wave, t);
+  prefetch_second_wave_row<S>(p.x, p.xs, first + p.wave_blocks * S::kGroups, p.rows, first_wave, t);
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * S::kGroups;
-  const T* const src[1] = {p.x};
-  const std::int64_t stride[1] = {p.xs};
   int parity = 0;
 
-  pipelined_rows<S, kCols, kStages, 1>(stages, src, stride, p.rows, first, step, t,
-                                       [&](std::int64_t row, const T* xr) {
+  direct_rows(p.x, p.xs, p.rows, first, step, [&](std::int64_t row, const T* xr) {
     AlignedVec<T, kV> xv[kVPT];
     float sum[1] = {0.0f};
 #pragma unroll
@@ -415,16 +301,18 @@ TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdM
         for (int c = 0; c < kV; ++c) {
           yv.v[c] = from_float<T>(layer_norm_math::forward(to_float(xv[v].v[c]), mean, rstd, wf[c], bf[c]));
         }
-        store_vec_hinted<P::kStreamingStores>(yr + i * kV, yv);
+        store_vec(yr + i * kV, yv);
       }
     }
   });
 }
 
-// Fixed hidden size backward: the same pipeline over x and dy; one group reduction per row (sum of
-// g and of g * (x - mean)); each thread keeps its columns' dW and dB in registers across all the
-// rows it visits, and each row group writes one partial row of each at the end. The saved mean and
-// rstd of the next row are loaded while the current one is computed.
+// Fixed hidden size backward, on a persistent grid: each row group keeps the next kStages - 1 rows
+// of x and dy in flight through shared memory (pipelined_rows); one group reduction per row (sum
+// of g and of g * (x - mean)), after which dx reads the row again from shared memory; each thread
+// keeps its columns' dW and dB in registers across all the rows it visits, and each row group
+// writes one partial row of each at the end. The saved mean and rstd of the next row are loaded
+// while the current one is computed.
 template <class T, class W, int kCols, class P>
 TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdMinBlocksPerSm)
     layer_norm_bwd_kernel(const LnBwdParams<T, W> p) {
@@ -432,7 +320,7 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
   using S = BwdRowShape<T, kCols, P>;
   constexpr int kV = S::kVec;
   constexpr int kVPT = S::kVecPerThread;
-  constexpr int kStages = LnBwdPipe<T, kCols, P>::kStages;
+  constexpr int kStages = BwdRowPipe<T, kCols, P, 2>::kStages;
   using Reduce = GroupAllReduce<S::kGroupThreads, S::kGroups, 2>;
   __shared__ typename Reduce::TempStorage tmp;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -496,15 +384,9 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
     for (int v = 0; v < kVPT; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
-        // The row again: from the registers of the first loop, or re-read from shared memory.
-        AlignedVec<T, kV> xv, dyv;
-        if constexpr (P::kBwdKeepRows) {
-          xv = xk[v];
-          dyv = dyk[v];
-        } else {
-          xv = load_vec<kV>(xr + i * kV);
-          dyv = load_vec<kV>(dyr + i * kV);
-        }
+        // The row again, from shared memory (fewer registers than keeping it from the first loop).
+        const AlignedVec<T, kV> xv = load_vec<kV>(xr + i * kV);
+        const AlignedVec<T, kV> dyv = load_vec<kV>(dyr + i * kV);
         float xf[kV], dyf[kV];
         to_floats(xv, xf);
         to_floats(dyv, dyf);
@@ -517,7 +399,7 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
           if (want_dw) acc_w[v][c] += layer_norm_math::dweight_term(dyf[c], xhat);
           if (want_db) acc_b[v][c] += dyf[c];
         }
-        store_vec_hinted<P::kStreamingStores>(dxr + i * kV, dxv);
+        store_vec(dxr + i * kV, dxv);
       }
     }
   });
@@ -532,10 +414,10 @@ TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdM
 // squares, output; the second and third are served from L1/L2), kV = 16-byte vectors when
 // pointers and strides allow it, else single elements.
 template <class T, class W, int kV>
-TIGON_KERNEL void __launch_bounds__(kLnGeneralThreads)
+TIGON_KERNEL void __launch_bounds__(kGeneralThreads)
     layer_norm_fwd_general_kernel(const LnFwdParams<T, W> p) {
   detail::grid_dependency_sync();
-  constexpr int kThreads = kLnGeneralThreads;
+  constexpr int kThreads = kGeneralThreads;
   using Reduce = BlockAllReduce<kThreads, 1>;
   __shared__ typename Reduce::TempStorage tmp;
   const int nvec = static_cast<int>(p.cols / kV);
@@ -586,13 +468,13 @@ TIGON_KERNEL void __launch_bounds__(kLnGeneralThreads)
 }
 
 // Any hidden size backward. dW and dB are accumulated per block in shared memory when the row fits
-// (kLnGeneralSmemAccCols), else directly in the block's partial rows of the workspace; each column
+// (kGeneralAccFloats), else directly in the block's partial rows of the workspace; each column
 // belongs to one thread, so either way the sums are race-free and in a fixed order.
 template <class T, class W, int kV>
-TIGON_KERNEL void __launch_bounds__(kLnGeneralThreads)
+TIGON_KERNEL void __launch_bounds__(kGeneralThreads)
     layer_norm_bwd_general_kernel(const LnBwdParams<T, W> p, bool smem_acc) {
   detail::grid_dependency_sync();
-  constexpr int kThreads = kLnGeneralThreads;
+  constexpr int kThreads = kGeneralThreads;
   using Reduce = BlockAllReduce<kThreads, 2>;
   __shared__ typename Reduce::TempStorage tmp;
   extern __shared__ float smem_dw[];  // [dW | dB][cols] when smem_acc
@@ -663,180 +545,72 @@ TIGON_KERNEL void __launch_bounds__(kLnGeneralThreads)
   }
 }
 
-// ---- launch planning: which kernel, what grid, how much workspace -----------------------------
+// ---- the ops: what the shared launch layer (norm/launch.cuh) needs of each direction -----------
 
-namespace ln {
-
-template <class T, class W, int kV>
-bool fwd_vectorizable(const LnFwdParams<T, W>& p) {
-  return p.cols % kV == 0 && rows_aligned(p.x, p.xs, kV) && rows_aligned(p.y, p.ys, kV) &&
-         (p.w == nullptr || is_aligned(p.w, kV * sizeof(W))) &&
-         (p.b == nullptr || is_aligned(p.b, kV * sizeof(W)));
-}
-
-template <class T, class W, int kV>
-bool bwd_vectorizable(const LnBwdParams<T, W>& p) {
-  return p.cols % kV == 0 && rows_aligned(p.dy, p.dys, kV) && rows_aligned(p.x, p.xs, kV) &&
-         rows_aligned(p.dx, p.dxs, kV) && (p.w == nullptr || is_aligned(p.w, kV * sizeof(W)));
-}
-
-template <class T, class W>
-LnFwdParams<T, W> fwd_params(const LayerNormForwardArgs<T, W>& a) {
-  return {a.x,    a.y,    a.weight, a.bias, a.mean, a.rstd, a.rows, a.cols,
-          a.x_stride ? a.x_stride : a.cols, a.y_stride ? a.y_stride : a.cols, a.eps};
-}
-
-template <class T, class W>
-LnBwdParams<T, W> bwd_params(const LayerNormBackwardArgs<T, W>& a) {
-  return {a.dy,   a.x,    a.weight, a.mean, a.rstd, a.dx, nullptr, nullptr, a.rows, a.cols,
-          a.dy_stride ? a.dy_stride : a.cols, a.x_stride ? a.x_stride : a.cols,
-          a.dx_stride ? a.dx_stride : a.cols};
-}
-
-// kCols == 0: only the general kernels are candidates.
-template <class T, class W, int kCols, class P>
-Status plan_forward(const LnFwdParams<T, W>& p, const DeviceInfo& dev, RowPlan& plan) {
-  plan = RowPlan{};
-  if constexpr (compiled_available<FwdRowShape, T, kCols, P>()) {
-    using S = FwdRowShape<T, kCols, P>;
-    constexpr int kSmem = kLnFwdSmem<T, kCols, P>;
-    // The compiled kernel's shared-memory pipeline must fit this device's per-block limit.
-    if (fwd_vectorizable<T, W, S::kVec>(p) && kSmem + 1024 <= dev.smem_per_block_optin) {
-      return plan_compiled_rows<layer_norm_fwd_kernel<T, W, kCols, P>, S::kThreads, kSmem>(
-          p.rows, S::kGroups, P::kFwdPersistent, dev, plan);
-    }
+template <class T_, class W>
+struct LnFwdOp : SingleInstance {
+  using T = T_;
+  using Args = LayerNormForwardArgs<T, W>;
+  using Params = LnFwdParams<T, W>;
+  static constexpr const char* kName = "layer_norm_forward";
+  static Status validate(const Args& a, const char* op) { return detail::validate(a, op); }
+  static Params params(const Args& a) {
+    return {a.x,    a.y,    a.weight, a.bias, a.mean, a.rstd, a.rows, a.cols,
+            resolved_stride(a.x_stride, a.cols), resolved_stride(a.y_stride, a.cols), a.eps};
   }
-  int occ = 0;
-  if (fwd_vectorizable<T, W, kVecElems<T>>(p)) {
-    plan.kernel = RowKernel::general_vec;
-    TIGON_CHECK((blocks_per_sm<layer_norm_fwd_general_kernel<T, W, kVecElems<T>>, kLnGeneralThreads>(
-        dev.device, occ)));
-  } else {
-    plan.kernel = RowKernel::general_scalar;
-    TIGON_CHECK((blocks_per_sm<layer_norm_fwd_general_kernel<T, W, 1>, kLnGeneralThreads>(dev.device, occ)));
+  template <int kV>
+  static bool vectorizable(const Params& p) {
+    return p.cols % kV == 0 && rows_aligned(p.x, p.xs, kV) && rows_aligned(p.y, p.ys, kV) &&
+           (p.w == nullptr || is_aligned(p.w, kV * sizeof(W))) &&
+           (p.b == nullptr || is_aligned(p.b, kV * sizeof(W)));
   }
-  plan.grid = static_cast<int>(
-      std::min<std::int64_t>(p.rows, static_cast<std::int64_t>(occ) * dev.sm_count));
-  return Status();
-}
+  template <int kCols, class P>
+  static constexpr auto compiled() { return &layer_norm_fwd_kernel<T, W, kCols, P>; }
+  template <int kV>
+  static constexpr auto general() { return &layer_norm_fwd_general_kernel<T, W, kV>; }
+};
 
-template <class T, class W, int kCols, class P>
-Status plan_backward(const LnBwdParams<T, W>& p, int grads, const DeviceInfo& dev, RowPlan& plan) {
-  plan = RowPlan{};
-  bool compiled = false;
-  if constexpr (compiled_available<BwdRowShape, T, kCols, P>()) {
-    using S = BwdRowShape<T, kCols, P>;
-    constexpr int kSmem = LnBwdPipe<T, kCols, P>::kSmemBytes;
-    if (bwd_vectorizable<T, W, S::kVec>(p) && kSmem + 1024 <= dev.smem_per_block_optin) {
-      TIGON_CHECK((plan_compiled_rows<layer_norm_bwd_kernel<T, W, kCols, P>, S::kThreads, kSmem>(
-          p.rows, S::kGroups, true, dev, plan)));
-      compiled = true;
-    }
+// dW and dB: `parts` partial rows each in the workspace, [dW partial rows][dB partial rows] (each
+// present only when requested), summed by one column_sums launch.
+template <class T_, class W>
+struct LnBwdOp : SingleInstance {
+  using T = T_;
+  using Args = LayerNormBackwardArgs<T, W>;
+  using Params = LnBwdParams<T, W>;
+  static constexpr const char* kName = "layer_norm_backward";
+  static constexpr const char* kWorkspaceName = "layer_norm_backward_workspace_bytes";
+  static constexpr int kTensors = 2;  // x, dy
+  static constexpr int kAccRows = 2;  // dW, dB
+  static Status validate(const Args& a, const char* op, bool ws) { return detail::validate(a, op, ws); }
+  static Params params(const Args& a) {
+    return {a.dy,   a.x,    a.weight, a.mean, a.rstd, a.dx, nullptr, nullptr, a.rows, a.cols,
+            resolved_stride(a.dy_stride, a.cols), resolved_stride(a.x_stride, a.cols),
+            resolved_stride(a.dx_stride, a.cols)};
   }
-  if (!compiled) {
-    plan.kernel = bwd_vectorizable<T, W, kVecElems<T>>(p) ? RowKernel::general_vec
-                                                          : RowKernel::general_scalar;
-    plan.grid = static_cast<int>(std::min<std::int64_t>(
-        p.rows, static_cast<std::int64_t>(kLnGeneralBwdBlocksPerSm) * dev.sm_count));
-    plan.parts = plan.grid;
+  template <int kV>
+  static bool vectorizable(const Params& p) {
+    return p.cols % kV == 0 && rows_aligned(p.dy, p.dys, kV) && rows_aligned(p.x, p.xs, kV) &&
+           rows_aligned(p.dx, p.dxs, kV) && (p.w == nullptr || is_aligned(p.w, kV * sizeof(W)));
   }
-  plan.workspace_bytes = layer_norm_workspace_bytes(plan.parts, p.cols, grads);
-  return Status();
-}
-
-template <class T, class W, int kCols, class P>
-Status launch_forward(const LnFwdParams<T, W>& p, const RowPlan& plan, cudaStream_t stream) {
-  constexpr const char* kOp = "layer_norm_forward";
-  switch (plan.kernel) {
-    case RowKernel::compiled:
-      if constexpr (compiled_available<FwdRowShape, T, kCols, P>()) {
-        LnFwdParams<T, W> q = p;
-        q.wave_blocks = plan.resident;
-        TIGON_CHECK(launch(kOp, layer_norm_fwd_kernel<T, W, kCols, P>, {dim3(plan.grid), dim3(FwdRowShape<T, kCols, P>::kThreads), kLnFwdSmem<T, kCols, P>, stream}, q));
-      }
-      break;
-    case RowKernel::general_vec:
-      TIGON_CHECK(launch(kOp, layer_norm_fwd_general_kernel<T, W, kVecElems<T>>, {dim3(plan.grid), dim3(kLnGeneralThreads), 0, stream}, p));
-      break;
-    case RowKernel::general_scalar:
-      TIGON_CHECK(launch(kOp, layer_norm_fwd_general_kernel<T, W, 1>, {dim3(plan.grid), dim3(kLnGeneralThreads), 0, stream}, p));
-      break;
+  template <int kCols, class P>
+  static constexpr auto compiled() { return &layer_norm_bwd_kernel<T, W, kCols, P>; }
+  template <int kV>
+  static constexpr auto general() { return &layer_norm_bwd_general_kernel<T, W, kV>; }
+  static int grads(const Args& a) { return layer_norm_grads(a); }
+  static void set_workspace(Params& p, const Args& a, float* ws, int parts) {
+    const std::int64_t rows_of_parts = static_cast<std::int64_t>(parts) * p.cols;
+    if (a.dweight != nullptr) p.dw_part = ws;
+    if (a.dbias != nullptr) p.db_part = ws + (a.dweight != nullptr ? rows_of_parts : 0);
   }
-  return Status();
-}
-
-template <class T, class W, int kCols, class P>
-Status launch_backward(const LnBwdParams<T, W>& p, const RowPlan& plan, W* dweight, W* dbias,
-                       bool accumulate, cudaStream_t stream) {
-  constexpr const char* kOp = "layer_norm_backward";
-  if (plan.kernel == RowKernel::compiled) {
-    if constexpr (compiled_available<BwdRowShape, T, kCols, P>()) {
-      TIGON_CHECK(launch(kOp, layer_norm_bwd_kernel<T, W, kCols, P>, {dim3(plan.grid), dim3(BwdRowShape<T, kCols, P>::kThreads), LnBwdPipe<T, kCols, P>::kSmemBytes, stream}, p));
-    }
-  } else {
-    const bool smem_acc =
-        (p.dw_part != nullptr || p.db_part != nullptr) && p.cols <= kLnGeneralSmemAccCols;
-    const std::size_t smem = smem_acc ? 2 * static_cast<std::size_t>(p.cols) * sizeof(float) : 0;
-    if (plan.kernel == RowKernel::general_vec) {
-      TIGON_CHECK(launch(kOp, layer_norm_bwd_general_kernel<T, W, kVecElems<T>>, {dim3(plan.grid), dim3(kLnGeneralThreads), smem, stream}, p, smem_acc));
-    } else {
-      TIGON_CHECK(launch(kOp, layer_norm_bwd_general_kernel<T, W, 1>, {dim3(plan.grid), dim3(kLnGeneralThreads), smem, stream}, p, smem_acc));
-    }
+  static Status sum_partials(const Params& p, const Args& a, int parts, cudaStream_t stream,
+                             const char* op) {
+    if (a.dweight == nullptr && a.dbias == nullptr) return Status();
+    const bool both = a.dweight != nullptr && a.dbias != nullptr;
+    return column_sums(a.dweight != nullptr ? p.dw_part : p.db_part,
+                       a.dweight != nullptr ? a.dweight : a.dbias, both ? p.db_part : nullptr,
+                       both ? a.dbias : nullptr, parts, p.cols, a.accumulate_dweight, stream, op);
   }
-  // dW and dB: one launch (either may be absent).
-  if (dweight == nullptr && dbias == nullptr) return Status();
-  return column_sums(dweight != nullptr ? p.dw_part : p.db_part, dweight != nullptr ? dweight : dbias,
-                     dweight != nullptr && dbias != nullptr ? p.db_part : nullptr,
-                     dweight != nullptr ? dbias : nullptr, plan.parts, p.cols, accumulate, stream, kOp);
-}
-
-// Forward / backward for one candidate size (0: general only).
-template <class T, class W, int kCols, class P>
-Status forward(const LayerNormForwardArgs<T, W>& a, cudaStream_t stream) {
-  const LnFwdParams<T, W> p = fwd_params(a);
-  DeviceInfo dev;
-  TIGON_CHECK(current_device_info(dev));
-  RowPlan plan;
-  TIGON_CHECK((plan_forward<T, W, kCols, P>(p, dev, plan)));
-  return launch_forward<T, W, kCols, P>(p, plan, stream);
-}
-
-template <class T, class W, int kCols, class P>
-Status backward_workspace(const LayerNormBackwardArgs<T, W>& a, std::size_t& bytes) {
-  DeviceInfo dev;
-  TIGON_CHECK(current_device_info(dev));
-  RowPlan plan;
-  TIGON_CHECK((plan_backward<T, W, kCols, P>(bwd_params(a), layer_norm_grads(a), dev, plan)));
-  bytes = plan.workspace_bytes;
-  return Status();
-}
-
-template <class T, class W, int kCols, class P>
-Status backward(const LayerNormBackwardArgs<T, W>& a, cudaStream_t stream) {
-  constexpr const char* kOp = "layer_norm_backward";
-  LnBwdParams<T, W> p = bwd_params(a);
-  DeviceInfo dev;
-  TIGON_CHECK(current_device_info(dev));
-  RowPlan plan;
-  TIGON_CHECK((plan_backward<T, W, kCols, P>(p, layer_norm_grads(a), dev, plan)));
-  TIGON_CHECK(check::workspace(a.workspace, a.workspace_bytes, plan.workspace_bytes, kOp));
-  // Workspace: [dW partial rows][dB partial rows], each present only when requested.
-  float* ws = static_cast<float*>(a.workspace);
-  const std::int64_t rows_of_parts = static_cast<std::int64_t>(plan.parts) * p.cols;
-  if (a.dweight != nullptr) p.dw_part = ws;
-  if (a.dbias != nullptr) p.db_part = ws + (a.dweight != nullptr ? rows_of_parts : 0);
-  return launch_backward<T, W, kCols, P>(p, plan, a.dweight, a.dbias, a.accumulate_dweight, stream);
-}
-
-template <int kCols>
-Status check_compiled(std::int64_t cols, const char* op) {
-  if (cols == kCols) return Status();
-  return Status::error(Errc::invalid_size, op, "cols",
-                       std::to_string(cols) + " does not match the compiled hidden size " +
-                           std::to_string(kCols));
-}
-
-}  // namespace ln
+};
 
 }  // namespace detail
 
@@ -847,24 +621,19 @@ Status check_compiled(std::int64_t cols, const char* op) {
 // Runtime hidden size: layer_norm_forward(args, stream) picks the compiled instance for the sizes
 // in TIGON_HIDDEN_SIZES and the general kernel for any other size, or when pointers / strides do
 // not allow 16-byte accesses. Compile-time hidden size: layer_norm_forward<bf16, 4096>(args,
-// stream) instantiates only that shape (plus the general kernel for misaligned inputs).
+// stream) instantiates only that shape (plus the general kernel for misaligned inputs), with the
+// policy given (LayerNormPolicy by default).
 //
 // None of them allocates, synchronises or copies to the host: all are graph-capturable.
 
 template <class T, class W>
 [[nodiscard]] Status layer_norm_forward(const LayerNormForwardArgs<T, W>& args, cudaStream_t stream) {
-  TIGON_CHECK(detail::validate(args, "layer_norm_forward"));
-  return dispatch_int(
-      HiddenSizes{}, args.cols,
-      [&](auto n) { return detail::ln::forward<T, W, decltype(n)::value, LayerNormDefaultPolicy>(args, stream); },
-      [&] { return detail::ln::forward<T, W, 0, LayerNormDefaultPolicy>(args, stream); });
+  return detail::norm_forward<detail::LnFwdOp<T, W>, detail::kAnyCols, LayerNormPolicy>(args, stream);
 }
 
-template <class T, int kCols, class Policy = LayerNormDefaultPolicy, class W>
+template <class T, int kCols, class Policy = LayerNormPolicy, class W>
 [[nodiscard]] Status layer_norm_forward(const LayerNormForwardArgs<T, W>& args, cudaStream_t stream) {
-  TIGON_CHECK(detail::validate(args, "layer_norm_forward"));
-  TIGON_CHECK(detail::ln::check_compiled<kCols>(args.cols, "layer_norm_forward"));
-  return detail::ln::forward<T, W, kCols, Policy>(args, stream);
+  return detail::norm_forward<detail::LnFwdOp<T, W>, kCols, Policy>(args, stream);
 }
 
 // Bytes of workspace layer_norm_backward(args) needs: 0 without dweight and dbias, else one fp32
@@ -873,39 +642,24 @@ template <class T, int kCols, class Policy = LayerNormDefaultPolicy, class W>
 template <class T, class W>
 [[nodiscard]] Status layer_norm_backward_workspace_bytes(const LayerNormBackwardArgs<T, W>& args,
                                                          std::size_t& bytes) {
-  bytes = 0;
-  TIGON_CHECK(detail::validate(args, "layer_norm_backward_workspace_bytes", false));
-  return dispatch_int(
-      HiddenSizes{}, args.cols,
-      [&](auto n) {
-        return detail::ln::backward_workspace<T, W, decltype(n)::value, LayerNormDefaultPolicy>(args, bytes);
-      },
-      [&] { return detail::ln::backward_workspace<T, W, 0, LayerNormDefaultPolicy>(args, bytes); });
+  return detail::norm_backward_workspace_bytes<detail::LnBwdOp<T, W>, detail::kAnyCols, LayerNormPolicy>(
+      args, bytes);
 }
 
-template <class T, int kCols, class Policy = LayerNormDefaultPolicy, class W>
+template <class T, int kCols, class Policy = LayerNormPolicy, class W>
 [[nodiscard]] Status layer_norm_backward_workspace_bytes(const LayerNormBackwardArgs<T, W>& args,
                                                          std::size_t& bytes) {
-  bytes = 0;
-  TIGON_CHECK(detail::validate(args, "layer_norm_backward_workspace_bytes", false));
-  TIGON_CHECK(detail::ln::check_compiled<kCols>(args.cols, "layer_norm_backward_workspace_bytes"));
-  return detail::ln::backward_workspace<T, W, kCols, Policy>(args, bytes);
+  return detail::norm_backward_workspace_bytes<detail::LnBwdOp<T, W>, kCols, Policy>(args, bytes);
 }
 
 template <class T, class W>
 [[nodiscard]] Status layer_norm_backward(const LayerNormBackwardArgs<T, W>& args, cudaStream_t stream) {
-  TIGON_CHECK(detail::validate(args, "layer_norm_backward", true));
-  return dispatch_int(
-      HiddenSizes{}, args.cols,
-      [&](auto n) { return detail::ln::backward<T, W, decltype(n)::value, LayerNormDefaultPolicy>(args, stream); },
-      [&] { return detail::ln::backward<T, W, 0, LayerNormDefaultPolicy>(args, stream); });
+  return detail::norm_backward<detail::LnBwdOp<T, W>, detail::kAnyCols, LayerNormPolicy>(args, stream);
 }
 
-template <class T, int kCols, class Policy = LayerNormDefaultPolicy, class W>
+template <class T, int kCols, class Policy = LayerNormPolicy, class W>
 [[nodiscard]] Status layer_norm_backward(const LayerNormBackwardArgs<T, W>& args, cudaStream_t stream) {
-  TIGON_CHECK(detail::validate(args, "layer_norm_backward", true));
-  TIGON_CHECK(detail::ln::check_compiled<kCols>(args.cols, "layer_norm_backward"));
-  return detail::ln::backward<T, W, kCols, Policy>(args, stream);
+  return detail::norm_backward<detail::LnBwdOp<T, W>, kCols, Policy>(args, stream);
 }
 
 #endif  // __CUDACC__

@@ -3,29 +3,27 @@
 //   rstd = 1 / sqrt(mean(x^2) + eps)          (fp32, one per row, saved for the backward)
 //   y    = x * rstd * (offset + w)            (casting as Hugging Face defines it, below)
 //
-// The header reads in four layers: arguments, math (host + device), kernels, launchers. The first
-// two compile under any C++20 compiler; kernels and launchers need nvcc.
+// The header reads in four layers: arguments, math (host + device), kernels, launchers; the plan
+// and the launches are the norms' shared layer (norm/launch.cuh), the kernels' row machinery
+// norm/row_kernel.cuh. Arguments, math, validation and the policy compile under any C++20
+// compiler; kernels and launchers need nvcc.
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <string>
 #include <type_traits>
 
 #include "../core/config.hpp"
-#include "../core/dispatch.hpp"
 #include "../core/dtype.hpp"
 #include "../core/math.hpp"
 #include "../core/status.hpp"
 #include "../core/validate.hpp"
+#include "launch.cuh"
 #include "row_kernel.cuh"
 
 #if defined(__CUDACC__)
 #include "../core/async_copy.cuh"
 #include "../core/colsum.cuh"
-#include "../core/device.hpp"
-#include "../core/launch.cuh"
 #include "../core/reduce.cuh"
 #include "../core/vector.cuh"
 #endif
@@ -147,180 +145,64 @@ TIGON_HD float dweight_term(float dy, float xhat, RmsNormCasting c) {
 
 namespace detail {
 
-// Row lengths are indexed with 32-bit integers inside a row.
-inline constexpr std::int64_t kRmsNormMaxCols = std::int64_t{1} << 30;
-
-template <class T, class W>
-Status validate(const RmsNormForwardArgs<T, W>& a, const char* op) {
-  using namespace check;
-  TIGON_CHECK(not_null(a.x, op, "x"));
-  TIGON_CHECK(not_null(a.y, op, "y"));
-  TIGON_CHECK(positive(a.rows, op, "rows"));
-  TIGON_CHECK(positive(a.cols, op, "cols"));
-  TIGON_CHECK(at_most(a.cols, kRmsNormMaxCols, op, "cols"));
-  TIGON_CHECK(row_stride(a.x_stride, a.cols, op, "x_stride"));
-  TIGON_CHECK(row_stride(a.y_stride, a.cols, op, "y_stride"));
-  if (!(a.eps >= 0.0f) || a.eps == __builtin_inff()) {
-    return Status::error(Errc::invalid_value, op, "eps", "must be finite and >= 0");
-  }
-  if (a.casting != RmsNormCasting::llama && a.casting != RmsNormCasting::gemma &&
-      a.casting != RmsNormCasting::none) {
+inline Status check_eps_casting(float eps, bool check_eps_too, RmsNormCasting casting, const char* op) {
+  if (check_eps_too) TIGON_CHECK(check_eps(eps, op));
+  if (casting != RmsNormCasting::llama && casting != RmsNormCasting::gemma &&
+      casting != RmsNormCasting::none) {
     return Status::error(Errc::invalid_value, op, "casting", "unknown casting mode");
-  }
-  const MatrixView x = MatrixView::of(a.x, a.rows, a.cols, a.x_stride);
-  const MatrixView y = MatrixView::of(a.y, a.rows, a.cols, a.y_stride);
-  const MatrixView w = MatrixView::of(a.weight, 1, a.cols, 0);
-  const MatrixView r = MatrixView::of(a.rstd, 1, a.rows, 0);
-  TIGON_CHECK(same_or_disjoint(y, x, op, "y", "x"));
-  TIGON_CHECK(disjoint(y, w, op, "y", "weight"));
-  if (a.rstd != nullptr) {
-    TIGON_CHECK(disjoint(r, x, op, "rstd", "x"));
-    TIGON_CHECK(disjoint(r, y, op, "rstd", "y"));
-    TIGON_CHECK(disjoint(r, w, op, "rstd", "weight"));
   }
   return Status();
 }
 
 template <class T, class W>
-Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op) {
-  using namespace check;
-  TIGON_CHECK(not_null(a.dy, op, "dy"));
-  TIGON_CHECK(not_null(a.x, op, "x"));
-  TIGON_CHECK(not_null(a.dx, op, "dx"));
-  TIGON_CHECK(positive(a.rows, op, "rows"));
-  TIGON_CHECK(positive(a.cols, op, "cols"));
-  TIGON_CHECK(at_most(a.cols, kRmsNormMaxCols, op, "cols"));
-  TIGON_CHECK(row_stride(a.dy_stride, a.cols, op, "dy_stride"));
-  TIGON_CHECK(row_stride(a.x_stride, a.cols, op, "x_stride"));
-  TIGON_CHECK(row_stride(a.dx_stride, a.cols, op, "dx_stride"));
-  if (a.rstd == nullptr && (!(a.eps >= 0.0f) || a.eps == __builtin_inff())) {
-    return Status::error(Errc::invalid_value, op, "eps", "must be finite and >= 0");
-  }
-  if (a.casting != RmsNormCasting::llama && a.casting != RmsNormCasting::gemma &&
-      a.casting != RmsNormCasting::none) {
-    return Status::error(Errc::invalid_value, op, "casting", "unknown casting mode");
-  }
+Status validate(const RmsNormForwardArgs<T, W>& a, const char* op) {
+  TIGON_CHECK(check_not_null({{a.x, "x"}, {a.y, "y"}}, op));
+  TIGON_CHECK(check_rows(a.rows, a.cols, {{a.x_stride, "x_stride"}, {a.y_stride, "y_stride"}}, op));
+  TIGON_CHECK(check_eps_casting(a.eps, true, a.casting, op));
+  const Named x = matrix(a.x, a.rows, a.cols, a.x_stride, "x");
+  const Named y = matrix(a.y, a.rows, a.cols, a.y_stride, "y");
+  const Named w = row_vector(a.weight, a.cols, "weight");
+  TIGON_CHECK(check_same_or_disjoint(y, {x}, op));
+  TIGON_CHECK(check_disjoint(y, {w}, op));
+  return check_disjoint(row_vector(a.rstd, a.rows, "rstd"), {x, y, w}, op);
+}
+
+// with_workspace: the launcher (true) also checks what it can of the workspace without the device;
+// the workspace query passes false.
+template <class T, class W>
+Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op, bool with_workspace) {
+  TIGON_CHECK(check_not_null({{a.dy, "dy"}, {a.x, "x"}, {a.dx, "dx"}}, op));
+  TIGON_CHECK(check_rows(a.rows, a.cols,
+                         {{a.dy_stride, "dy_stride"}, {a.x_stride, "x_stride"}, {a.dx_stride, "dx_stride"}},
+                         op));
+  TIGON_CHECK(check_eps_casting(a.eps, a.rstd == nullptr, a.casting, op));
   if (a.dweight != nullptr && a.weight == nullptr) {
     return Status::error(Errc::invalid_value, op, "dweight",
                          "requested without a weight (a forward without affine has no dW)");
   }
-  const MatrixView dy = MatrixView::of(a.dy, a.rows, a.cols, a.dy_stride);
-  const MatrixView x = MatrixView::of(a.x, a.rows, a.cols, a.x_stride);
-  const MatrixView dx = MatrixView::of(a.dx, a.rows, a.cols, a.dx_stride);
-  const MatrixView w = MatrixView::of(a.weight, 1, a.cols, 0);
-  const MatrixView dw = MatrixView::of(a.dweight, 1, a.cols, 0);
-  const MatrixView r = MatrixView::of(a.rstd, 1, a.rows, 0);
-  TIGON_CHECK(same_or_disjoint(dx, dy, op, "dx", "dy"));
-  TIGON_CHECK(same_or_disjoint(dx, x, op, "dx", "x"));
-  TIGON_CHECK(disjoint(dx, w, op, "dx", "weight"));
-  TIGON_CHECK(disjoint(dx, r, op, "dx", "rstd"));
-  if (a.dweight != nullptr) {
-    TIGON_CHECK(disjoint(dw, dy, op, "dweight", "dy"));
-    TIGON_CHECK(disjoint(dw, x, op, "dweight", "x"));
-    TIGON_CHECK(disjoint(dw, dx, op, "dweight", "dx"));
-    TIGON_CHECK(disjoint(dw, w, op, "dweight", "weight"));
-    TIGON_CHECK(disjoint(dw, r, op, "dweight", "rstd"));
-  }
-  return Status();
+  const Named dy = matrix(a.dy, a.rows, a.cols, a.dy_stride, "dy");
+  const Named x = matrix(a.x, a.rows, a.cols, a.x_stride, "x");
+  const Named dx = matrix(a.dx, a.rows, a.cols, a.dx_stride, "dx");
+  const Named w = row_vector(a.weight, a.cols, "weight");
+  const Named r = row_vector(a.rstd, a.rows, "rstd");
+  TIGON_CHECK(check_same_or_disjoint(dx, {dy, x}, op));
+  TIGON_CHECK(check_disjoint(dx, {w, r}, op));
+  TIGON_CHECK(check_disjoint(row_vector(a.dweight, a.cols, "dweight"), {dy, x, dx, w, r}, op));
+  return check_partials_workspace(with_workspace, a.dweight != nullptr ? 1 : 0, a.workspace,
+                                  a.workspace_bytes, a.cols, op);
 }
 
 }  // namespace detail
 
 // ------------------------------------------------------------------------------------------------
-// Launch shapes (host + device constants; tested on the host)
+// Policy
 // ------------------------------------------------------------------------------------------------
 
-// Tuning knobs of the compiled (fixed hidden size) kernels. A trainer may pass its own policy.
-template <int kFwdVecPerThread_ = 4, int kFwdBlockThreads_ = 256, int kBwdVecPerThread_ = 2,
-          int kBwdBlockThreads_ = 512, int kBwdMinBlocksPerSm_ = 1, int kStages_ = 3,
-          int kCasting_ = -1, bool kFwdPersistent_ = false, bool kStreamingStores_ = false,
-          bool kBwdKeepRows_ = true, bool kFwdDirect_ = true, bool kBwdDirect_ = false,
-          bool kFwdDirectStream_ = false, int kFwdMinBlocksPerSm_ = 0, int kFwdPrefetch_ = 2>
-struct RmsNormPolicy {
-  static_assert(kFwdMinBlocksPerSm_ >= 0 && kFwdMinBlocksPerSm_ <= 32, "0 (no bound) to 32 blocks per SM");
-  static_assert(kFwdPrefetch_ >= 0 && kFwdPrefetch_ <= 2, "forward prefetch: 0, 1 or 2");
-  // RMSNorm forward: what its blocks ask the L2 for around the grid-dependency wait (programmatic
-  // dependent launch), as hints. 0: nothing. 1: every block its own rows, before the wait. 2 (the
-  // default): only the first wave's blocks (those resident at once) ask, for their own rows before
-  // the wait and, right after it, for the rows of the blocks that take their places in the second
-  // wave; later blocks ask nothing. On one H200, 2 was the fastest variant measured and the least
-  // sensitive to where the tensors lie (docs/rms_norm.md). The add + RMSNorm forward ignores the
-  // knob: every block asks for its rows of x and the residual before the wait (with two inputs,
-  // 2 measured slower there: docs/add_rms_norm.md).
-  static constexpr int kFwdPrefetch = kFwdPrefetch_;
-  // Forward (RMSNorm and add + RMSNorm): the second __launch_bounds__ argument, a floor on the
-  // blocks per SM that caps registers (0, the default: none; ptxas then gives the default
-  // 4-vector, 256-thread RMSNorm forward 56 registers, 4 blocks per SM; a floor of 5 gives 48
-  // registers without spilling, 6 gives 40 with 44 bytes spilled; sm_90, CUDA 13.0).
-  static constexpr int kFwdMinBlocksPerSm = kFwdMinBlocksPerSm_;
-  // Direct forward (RMSNorm and add + RMSNorm): the row's loads carry the streaming (evict-first)
-  // hint (true), or are plain loads (false: the default; on one H200 at 16384 x 4096 bf16 plain
-  // loads measured 96.7% of the copy rate for RMSNorm and 97.1% for add + RMSNorm, the streaming
-  // hint 92.6% / 93.8%, docs/rms_norm.md).
-  static constexpr bool kFwdDirectStream = kFwdDirectStream_;
-  // Backward: each thread loads its vectors of the next row's x and dy straight into registers
-  // while it works on this row (true), or the rows are staged through shared memory with
-  // cp.async, kStages deep (false: the default until measured against it).
-  static constexpr bool kBwdDirect = kBwdDirect_;
-  // Non-persistent forward (RMSNorm and add + RMSNorm): each thread loads its vectors of the row
-  // straight into registers (true: the default, with plain loads 1-2 points ahead of staging on
-  // one H200), or stages the row through shared memory with cp.async (false).
-  static constexpr bool kFwdDirect = kFwdDirect_;
-  // Backward: keep the row's x and dy in registers between the row sums and dx (true: the
-  // default, 1-2% faster on the H200), or read them again from shared memory (false: fewer
-  // registers).
-  static constexpr bool kBwdKeepRows = kBwdKeepRows_;
-  // Forward grid: resident blocks walking all rows (true), or one block per kGroups rows (false:
-  // the default; freshly scheduled blocks stream closer to the copy rate on the H200).
-  static constexpr bool kFwdPersistent = kFwdPersistent_;
-  // Store y / dx with the streaming (evict-first) cache hint.
-  static constexpr bool kStreamingStores = kStreamingStores_;
-  // -1: one instance per casting mode, chosen from the arguments at run time; 0, 1, 2: only the
-  // llama, gemma or none instance (arguments with another mode are rejected).
-  static constexpr int kCasting = kCasting_;
-  static constexpr int kFwdVecPerThread = kFwdVecPerThread_;  // 16-byte vectors per thread per row
-  static constexpr int kFwdBlockThreads = kFwdBlockThreads_;  // target block size (rows side by side)
-  static constexpr int kBwdVecPerThread = kBwdVecPerThread_;
-  static constexpr int kBwdBlockThreads = kBwdBlockThreads_;
-  static constexpr int kBwdMinBlocksPerSm = kBwdMinBlocksPerSm_;  // caps registers for occupancy
-  // Rows each row group keeps in flight through shared memory (cp.async), lowered automatically
-  // when the rows do not fit. The non-persistent forward needs one.
-  static constexpr int kStages = kStages_;
-};
-using RmsNormDefaultPolicy = RmsNormPolicy<>;
-
-namespace detail {
-
-template <class T, int kCols, class P>
-using RmsFwdShape = RowShape<T, kCols, P::kFwdVecPerThread, P::kFwdBlockThreads>;
-template <class T, int kCols, class P>
-using RmsBwdShape = RowShape<T, kCols, P::kBwdVecPerThread, P::kBwdBlockThreads>;
-
-template <class T, int kCols, class P>
-using RmsFwdPipe = RowPipeline<RmsFwdShape<T, kCols, P>, T, kCols, 1, P::kFwdPersistent ? P::kStages : 1>;
-template <class T, int kCols, class P>
-using RmsBwdPipe = RowPipeline<RmsBwdShape<T, kCols, P>, T, kCols, 2, P::kStages>;
-// The forward loads straight into registers (no shared memory) when non-persistent and direct.
-template <class P>
-inline constexpr bool kRmsFwdDirect = P::kFwdDirect && !P::kFwdPersistent;
-template <class T, int kCols, class P>
-inline constexpr int kRmsFwdSmem = kRmsFwdDirect<P> ? 0 : RmsFwdPipe<T, kCols, P>::kSmemBytes;
-template <class T, int kCols, class P>
-inline constexpr int kRmsBwdSmem = P::kBwdDirect ? 0 : RmsBwdPipe<T, kCols, P>::kSmemBytes;
-
-inline constexpr int kRmsGeneralThreads = 256;     // block of the general (any size) kernels
-inline constexpr int kRmsGeneralBwdBlocksPerSm = 2;
-// The general backward accumulates dW in shared memory up to this row length (44 KB, under the
-// 48 KB default), in the workspace beyond it.
-inline constexpr std::int64_t kRmsGeneralSmemAccCols = 11264;
-
-// Workspace of the backward: one fp32 partial dW row per block (per row group in the compiled
-// kernels), 256-byte aligned.
-constexpr std::size_t rms_norm_partials_bytes(std::int64_t blocks, std::int64_t cols) {
-  return partial_rows_bytes(blocks, cols);
-}
-
-}  // namespace detail
+// The tuning parameters of the compiled kernels of RMSNorm and of add + RMSNorm (NormPolicy's
+// members and defaults, norm/launch.cuh). Derive and override a member to tune:
+//   struct Narrow : tigon::RmsNormPolicy { static constexpr int kFwdVecPerThread = 2; };
+struct RmsNormPolicy : NormPolicy {};
+using RmsNormDefaultPolicy = RmsNormPolicy;  // the former name of the default
 
 #if defined(__CUDACC__)
 
@@ -351,12 +233,19 @@ struct RmsBwdParams {
   const W* w;
   const float* rstd;
   T* dx;
-  float* partials;  // [partial rows, cols] (RmsPlan::parts), or null when dW is not wanted
+  float* partials;  // [partial rows, cols] (RowPlan::parts), or null when dW is not wanted
   std::int64_t rows;
   std::int64_t cols;
   std::int64_t dys, xs, dxs;
   float eps, offset;
   RmsNormCasting casting;
+};
+
+// The policy a compiled kernel is instantiated with: the caller's, plus the casting mode as a
+// compile-time constant (a runtime select per element measurably slowed the backward).
+template <class P, RmsNormCasting kMode>
+struct WithCasting : P {
+  static constexpr RmsNormCasting kCasting = kMode;
 };
 
 // acc += rms_norm_math::dweight_term<T>(dy, xhat, casting) for one vector of columns; xhat is
@@ -374,72 +263,77 @@ TIGON_DEVICE void add_dweight_terms(const float (&dy)[kV], float (&xhat)[kV], Rm
   for (int c = 0; c < kV; ++c) acc[c] += dy[c] * xhat[c];
 }
 
-// Fixed hidden size: a row group of kGroupThreads threads owns one row at a time and keeps the
-// next kStages-1 rows of its sequence in flight through shared memory; kGroups groups per block;
-// a persistent grid walks all rows. Each thread reads back only the chunks it copied itself.
-template <class T, class W, int kCols, class P>
-TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads, P::kFwdMinBlocksPerSm)
-    rms_norm_fwd_kernel(const RmsFwdParams<T, W> p) {
-  using S = RmsFwdShape<T, kCols, P>;
-  using Pipe = RmsFwdPipe<T, kCols, P>;
+// The compiled RMSNorm and add + RMSNorm backwards' row sums over a staged row: this thread's
+// vectors of x (add + RMSNorm: s) and dy loaded from shared memory into xk and dyk, sums[0] =
+// sum(dn * x) and, when the rstd was not saved (`recompute`), sums[1] = sum(x^2) (the branch is
+// taken once per row, outside the element loop). wk is (offset + w) of this thread's columns.
+template <class S, class T>
+TIGON_DEVICE void rms_bwd_row_sums(const T* xr, const T* dyr, const float (&wk)[S::kVecPerThread][S::kVec],
+                                   int t, bool recompute, AlignedVec<T, S::kVec> (&xk)[S::kVecPerThread],
+                                   AlignedVec<T, S::kVec> (&dyk)[S::kVecPerThread], float (&sums)[2]) {
   constexpr int kV = S::kVec;
-  constexpr int kStages = Pipe::kStages;
+  auto row_sums = [&](auto with_sq) {
+#pragma unroll
+    for (int v = 0; v < S::kVecPerThread; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) {
+        xk[v] = load_vec<kV>(xr + i * kV);
+        dyk[v] = load_vec<kV>(dyr + i * kV);
+        float xf[kV], dyf[kV];
+        to_floats(xk[v], xf);
+        to_floats(dyk[v], dyf);
+#pragma unroll
+        for (int c = 0; c < kV; ++c) {
+          sums[0] += dyf[c] * wk[v][c] * xf[c];
+          if constexpr (decltype(with_sq)::value) sums[1] += xf[c] * xf[c];
+        }
+      }
+    }
+  };
+  if (recompute) {
+    row_sums(std::true_type{});
+  } else {
+    row_sums(std::false_type{});
+  }
+}
+
+// Fixed hidden size: a row group of kGroupThreads threads owns one row; kGroups groups per block,
+// one block per kGroups rows. Each thread loads its vectors of the row straight into registers,
+// every load in flight before the sum of squares. Before the grid-dependency wait the first
+// wave's blocks ask the L2 for their rows, and after it for the second wave's.
+template <class T, class W, int kCols, class P>
+TIGON_KERNEL void __launch_bounds__(FwdRowShape<T, kCols, P>::kThreads, P::kFwdMinBlocksPerSm)
+    rms_norm_fwd_kernel(const RmsFwdParams<T, W> p) {
+  using S = FwdRowShape<T, kCols, P>;
+  constexpr int kV = S::kVec;
   using Reduce = GroupAllReduce<S::kGroupThreads, S::kGroups, 1>;
   __shared__ typename Reduce::TempStorage tmp;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
 
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
-  // L2 prefetches around the wait (policy kFwdPrefetch): hints, not accesses.
   const bool first_wave = blockIdx.x < p.wave_blocks;
-  prefetch_first_row<P::kFwdPrefetch, S>(p.x, p.xs, first, p.rows, first_wave, t);
+  prefetch_first_row<S>(p.x, p.xs, first, p.rows, first_wave, t);
   detail::grid_dependency_sync();
-  prefetch_second_wave_row<P::kFwdPrefetch, S>(p.x, p.xs, first + p.wave_blocks * S::kGroups, p.rows,
-                                               first_wave, t);
+  prefetch_second_wave_row<S>(p.x, p.xs, first + p.wave_blocks * S::kGroups, p.rows, first_wave, t);
   const bool has_w = p.w != nullptr;
-  const RmsNormCasting casting =
-      P::kCasting < 0 ? p.casting : static_cast<RmsNormCasting>(P::kCasting);
-  T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * kCols;
+  const RmsNormCasting casting = P::kCasting;
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * S::kGroups;
 
-  constexpr bool kDirect = kRmsFwdDirect<P>;
-  if constexpr (!kDirect) {
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      const std::int64_t r = first + s * step;
-      stage_row<S>(stages + s * kCols, p.x + r * p.xs, t, r < p.rows);
-      cp_async_commit();
-    }
-  }
-
   int parity = 0;
-  int k = 0;
-  for (std::int64_t row = first; row < p.rows; row += step, ++k) {
-    const T* xr = p.x + row * p.xs;  // direct: global memory; staged: this row's stage
-    if constexpr (!kDirect) {
-      const std::int64_t ahead = row + (kStages - 1) * step;
-      stage_row<S>(stages + ((k + kStages - 1) % kStages) * kCols, p.x + ahead * p.xs, t, ahead < p.rows);
-      cp_async_commit();
-      cp_async_wait<kStages - 1>();
-      xr = stages + (k % kStages) * kCols;
-    }
+  for (std::int64_t row = first; row < p.rows; row += step) {
+    const T* xr = p.x + row * p.xs;
     AlignedVec<T, kV> xv[S::kVecPerThread];
     float ss[1] = {0.0f};
-    if constexpr (kDirect) {  // every load in flight before the first use
 #pragma unroll
-      for (int v = 0; v < S::kVecPerThread; ++v) {
-        const int i = v * S::kGroupThreads + t;
-        if (S::kExact || i < S::kNumVec) {
-          xv[v] = load_vec_hinted<P::kFwdDirectStream, kV>(xr + i * kV);
-        }
-      }
+    for (int v = 0; v < S::kVecPerThread; ++v) {
+      const int i = v * S::kGroupThreads + t;
+      if (S::kExact || i < S::kNumVec) xv[v] = load_vec<kV>(xr + i * kV);
     }
 #pragma unroll
     for (int v = 0; v < S::kVecPerThread; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
-        if constexpr (!kDirect) xv[v] = load_vec<kV>(xr + i * kV);
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
           const float f = to_float(xv[v].v[c]);
@@ -466,24 +360,23 @@ TIGON_KERNEL void __launch_bounds__(RmsFwdShape<T, kCols, P>::kThreads, P::kFwdM
                                                   casting);
           yv.v[c] = from_float<T>(rms_norm_math::forward<T>(to_float(xv[v].v[c]), r, s, casting));
         }
-        store_vec_hinted<P::kStreamingStores>(yr + i * kV, yv);
+        store_vec(yr + i * kV, yv);
       }
     }
   }
-  if constexpr (!kDirect) cp_async_wait<0>();
 }
 
-// Fixed hidden size backward: the same pipeline over x and dy; each thread keeps its columns' dW
-// in registers across all the rows it visits, and each row group writes one partial dW row to the
-// workspace at the end (summed in a fixed order by column_sum).
+// Fixed hidden size backward, on a persistent grid: each row group keeps the next kStages - 1 rows
+// of x and dy in flight through shared memory (cp.async), reads its row into registers once for
+// both the row sums and dx, keeps its columns' dW in registers across all the rows it visits, and
+// writes one partial dW row to the workspace at the end (summed in a fixed order by column_sum).
 template <class T, class W, int kCols, class P>
-TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdMinBlocksPerSm)
+TIGON_KERNEL void __launch_bounds__(BwdRowShape<T, kCols, P>::kThreads, P::kBwdMinBlocksPerSm)
     rms_norm_bwd_kernel(const RmsBwdParams<T, W> p) {
-  using S = RmsBwdShape<T, kCols, P>;
-  using Pipe = RmsBwdPipe<T, kCols, P>;
+  using S = BwdRowShape<T, kCols, P>;
   constexpr int kV = S::kVec;
   constexpr int kVPT = S::kVecPerThread;
-  constexpr int kStages = Pipe::kStages;
+  constexpr int kStages = BwdRowPipe<T, kCols, P, 2>::kStages;
   using Reduce = GroupAllReduce<S::kGroupThreads, S::kGroups, 2>;
   __shared__ typename Reduce::TempStorage tmp;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -491,31 +384,16 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
   const int t = threadIdx.x % S::kGroupThreads;
   const int g = threadIdx.x / S::kGroupThreads;
   detail::grid_dependency_sync();
-  const RmsNormCasting casting =
-      P::kCasting < 0 ? p.casting : static_cast<RmsNormCasting>(P::kCasting);
+  const RmsNormCasting casting = P::kCasting;
   const bool want_dw = p.partials != nullptr;
   // [group][stage][x | dy][kCols]
   T* stages = reinterpret_cast<T*>(smem_raw) + static_cast<std::size_t>(g) * kStages * 2 * kCols;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g;
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * S::kGroups;
-  constexpr bool kDirect = P::kBwdDirect;
   auto issue = [&](std::int64_t r, int stage) {
     stage_row<S>(stages + (stage * 2) * kCols, p.x + r * p.xs, t, r < p.rows);
     stage_row<S>(stages + (stage * 2 + 1) * kCols, p.dy + r * p.dys, t, r < p.rows);
     cp_async_commit();
-  };
-  // Direct: this thread's vectors of row r of x and dy, straight into registers.
-  AlignedVec<T, kV> xn[kVPT], dyn[kVPT];
-  auto fetch = [&](std::int64_t r) {
-    if (r >= p.rows) return;
-#pragma unroll
-    for (int v = 0; v < kVPT; ++v) {
-      const int i = v * S::kGroupThreads + t;
-      if (S::kExact || i < S::kNumVec) {
-        xn[v] = load_vec_stream<kV>(p.x + r * p.xs + i * kV);
-        dyn[v] = load_vec_stream<kV>(p.dy + r * p.dys + i * kV);
-      }
-    }
   };
 
   // dW accumulators, and (offset + w) of this thread's columns, read once.
@@ -523,61 +401,20 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
   float wk[kVPT][kV];
   load_row_weights<S, true>(p.w, p.offset, t, wk);
   const bool saved_rstd = p.rstd != nullptr;
-  if constexpr (kDirect) {
-    fetch(first);
-  } else {
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) issue(first + s * step, s);
-  }
+  for (int s = 0; s < kStages - 1; ++s) issue(first + s * step, s);
 
   int parity = 0;
   int k = 0;
   for (std::int64_t row = first; row < p.rows; row += step, ++k) {
-    const T* xr = nullptr;
-    const T* dyr = nullptr;
     AlignedVec<T, kV> xk[kVPT], dyk[kVPT];
-    if constexpr (kDirect) {
-#pragma unroll
-      for (int v = 0; v < kVPT; ++v) {
-        xk[v] = xn[v];
-        dyk[v] = dyn[v];
-      }
-      fetch(row + step);  // the next row is in flight while this one is reduced and written
-    } else {
-      issue(row + (kStages - 1) * step, (k + kStages - 1) % kStages);
-      cp_async_wait<kStages - 1>();
-      xr = stages + ((k % kStages) * 2) * kCols;
-      dyr = xr + kCols;
-    }
+    issue(row + (kStages - 1) * step, (k + kStages - 1) % kStages);
+    cp_async_wait<kStages - 1>();
+    const T* xr = stages + ((k % kStages) * 2) * kCols;
+    const T* dyr = xr + kCols;
     const float saved = saved_rstd ? p.rstd[row] : 0.0f;
-    // s[0] = sum(dn * x), s[1] = sum(x^2) (only for the rstd when it was not saved: the branch is
-    // taken once per row, outside the element loop)
-    float s[2] = {0.0f, 0.0f};
-    auto row_sums = [&](auto with_sq) {
-#pragma unroll
-      for (int v = 0; v < kVPT; ++v) {
-        const int i = v * S::kGroupThreads + t;
-        if (S::kExact || i < S::kNumVec) {
-          if constexpr (!kDirect) {
-            xk[v] = load_vec<kV>(xr + i * kV);
-            dyk[v] = load_vec<kV>(dyr + i * kV);
-          }
-          float xf[kV], dyf[kV];
-          to_floats(xk[v], xf);
-          to_floats(dyk[v], dyf);
-#pragma unroll
-          for (int c = 0; c < kV; ++c) {
-            s[0] += dyf[c] * wk[v][c] * xf[c];
-            if constexpr (decltype(with_sq)::value) s[1] += xf[c] * xf[c];
-          }
-        }
-      }
-    };
-    if (saved_rstd) {
-      row_sums(std::false_type{});
-    } else {
-      row_sums(std::true_type{});
-    }
+    float s[2] = {0.0f, 0.0f};  // sum(dn * x), sum(x^2)
+    rms_bwd_row_sums<S>(xr, dyr, wk, t, !saved_rstd, xk, dyk, s);
     Reduce::sum(s, tmp, g, t, parity);
     parity ^= 1;
     const float rstd = saved_rstd ? saved : rms_norm_math::rstd(s[1], kCols, p.eps);
@@ -587,18 +424,9 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
     for (int v = 0; v < kVPT; ++v) {
       const int i = v * S::kGroupThreads + t;
       if (S::kExact || i < S::kNumVec) {
-        // The row again: from the registers of the first loop, or re-read from shared memory.
-        AlignedVec<T, kV> xv, dyv;
-        if constexpr (P::kBwdKeepRows || kDirect) {
-          xv = xk[v];
-          dyv = dyk[v];
-        } else {
-          xv = load_vec<kV>(xr + i * kV);
-          dyv = load_vec<kV>(dyr + i * kV);
-        }
         float xhat[kV], dyf[kV];
-        to_floats(xv, xhat);
-        to_floats(dyv, dyf);
+        to_floats(xk[v], xhat);
+        to_floats(dyk[v], dyf);
         AlignedVec<T, kV> dxv;
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
@@ -606,11 +434,11 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
           dxv.v[c] = from_float<T>(rms_norm_math::dx(dyf[c] * wk[v][c], xhat[c], rstd, mean_dot));
         }
         if (want_dw) add_dweight_terms<T>(dyf, xhat, casting, acc[v]);
-        store_vec_hinted<P::kStreamingStores>(dxr + i * kV, dxv);
+        store_vec(dxr + i * kV, dxv);
       }
     }
   }
-  if constexpr (!kDirect) cp_async_wait<0>();
+  cp_async_wait<0>();
 
   if (!want_dw) return;
   // One partial row per row group: no cross-group combine, so no block-wide barrier here and no
@@ -618,13 +446,93 @@ TIGON_KERNEL void __launch_bounds__(RmsBwdShape<T, kCols, P>::kThreads, P::kBwdM
   store_partial_row<S>(p.partials + (static_cast<std::int64_t>(blockIdx.x) * S::kGroups + g) * kCols, acc, t);
 }
 
+// The general (any hidden size) backward of RMSNorm and add + RMSNorm, one row per block at a time:
+// the rows of x (add + RMSNorm: of s, rows `xs` apart) and dy; with a Dsum (add + RMSNorm's), dx
+// is Dsum::total(dsum, the norm's dx) where `ds` (rows `dss` apart) is not null. dW is accumulated
+// per block in shared memory (smem_dw) when smem_acc, else directly in the block's partial row of
+// the workspace; each column belongs to one thread, so either way the sums are race-free and in a
+// fixed order.
+template <class T, class W, int kV, class Dsum, class Params, class TempStorage>
+TIGON_DEVICE void rms_norm_bwd_general_rows(const Params& p, const T* x, std::int64_t xs, const T* ds,
+                                            std::int64_t dss, bool smem_acc, float* smem_dw,
+                                            TempStorage& tmp) {
+  constexpr int kThreads = kGeneralThreads;
+  constexpr bool kDsum = !std::is_void_v<Dsum>;
+  using Reduce = BlockAllReduce<kThreads, 2>;
+  const int nvec = static_cast<int>(p.cols / kV);
+  const bool has_w = p.w != nullptr;
+  const bool has_ds = kDsum && ds != nullptr;
+  const bool want_dw = p.partials != nullptr;
+  float* part = want_dw ? p.partials + static_cast<std::int64_t>(blockIdx.x) * p.cols : nullptr;
+  float* acc = smem_acc ? smem_dw : part;
+  if (want_dw) {
+    for (int i = threadIdx.x; i < nvec; i += kThreads) {
+#pragma unroll
+      for (int k = 0; k < kV; ++k) acc[i * kV + k] = 0.0f;
+    }
+  }
+  for (std::int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* dyr = p.dy + row * p.dys;
+    const T* xr = x + row * xs;
+    const T* dsr = kDsum ? ds + (has_ds ? row * dss : 0) : nullptr;
+    float s[2] = {0.0f, 0.0f};
+    for (int i = threadIdx.x; i < nvec; i += kThreads) {
+      const std::int64_t c = static_cast<std::int64_t>(i) * kV;
+      const AlignedVec<T, kV> dyv = load_vec<kV>(dyr + c);
+      const AlignedVec<T, kV> xv = load_vec<kV>(xr + c);
+      AlignedVec<W, kV> wv;
+      if (has_w) wv = load_vec<kV>(p.w + c);
+#pragma unroll
+      for (int k = 0; k < kV; ++k) {
+        const float xf = to_float(xv.v[k]);
+        const float dn = to_float(dyv.v[k]) * (has_w ? p.offset + to_float(wv.v[k]) : 1.0f);
+        s[0] += dn * xf;
+        s[1] += xf * xf;
+      }
+    }
+    Reduce::sum(s, tmp);
+    const float rstd = p.rstd != nullptr ? p.rstd[row] : rms_norm_math::rstd(s[1], p.cols, p.eps);
+    const float mean_dot = rstd * s[0] / static_cast<float>(p.cols);
+    T* dxr = p.dx + row * p.dxs;
+    for (int i = threadIdx.x; i < nvec; i += kThreads) {
+      const std::int64_t c = static_cast<std::int64_t>(i) * kV;
+      const AlignedVec<T, kV> dyv = load_vec<kV>(dyr + c);
+      const AlignedVec<T, kV> xv = load_vec<kV>(xr + c);
+      AlignedVec<T, kV> dsv;
+      if (has_ds) dsv = load_vec<kV>(dsr + c);
+      AlignedVec<W, kV> wv;
+      if (has_w) wv = load_vec<kV>(p.w + c);
+      AlignedVec<T, kV> dxv;
+#pragma unroll
+      for (int k = 0; k < kV; ++k) {
+        const float xhat = to_float(xv.v[k]) * rstd;
+        const float dyf = to_float(dyv.v[k]);
+        const float dn = dyf * (has_w ? p.offset + to_float(wv.v[k]) : 1.0f);
+        float d = rms_norm_math::dx(dn, xhat, rstd, mean_dot);
+        if constexpr (kDsum) {
+          if (has_ds) d = Dsum::total(to_float(dsv.v[k]), d);
+        }
+        dxv.v[k] = from_float<T>(d);
+        if (want_dw) acc[c + k] += rms_norm_math::dweight_term<T>(dyf, xhat, p.casting);
+      }
+      store_vec(dxr + c, dxv);
+    }
+  }
+  if (want_dw && smem_acc) {
+    for (int i = threadIdx.x; i < nvec; i += kThreads) {
+#pragma unroll
+      for (int k = 0; k < kV; ++k) part[i * kV + k] = acc[i * kV + k];
+    }
+  }
+}
+
 // Any hidden size: one row per block at a time, two passes over the row (the second is served
 // from L1/L2), kV = 16-byte vectors when pointers and strides allow it, else single elements.
 template <class T, class W, int kV>
-TIGON_KERNEL void __launch_bounds__(kRmsGeneralThreads)
+TIGON_KERNEL void __launch_bounds__(kGeneralThreads)
     rms_norm_fwd_general_kernel(const RmsFwdParams<T, W> p) {
   detail::grid_dependency_sync();
-  constexpr int kThreads = kRmsGeneralThreads;
+  constexpr int kThreads = kGeneralThreads;
   using Reduce = BlockAllReduce<kThreads, 1>;
   __shared__ typename Reduce::TempStorage tmp;
   const int nvec = static_cast<int>(p.cols / kV);
@@ -662,311 +570,105 @@ TIGON_KERNEL void __launch_bounds__(kRmsGeneralThreads)
   }
 }
 
-// Any hidden size backward. dW is accumulated per block in shared memory when the row fits
-// (kRmsGeneralSmemAccCols), else directly in the block's partial row of the workspace; each
-// column belongs to one thread, so either way the sums are race-free and in a fixed order.
+// Any hidden size backward (rms_norm_bwd_general_rows). dW is accumulated per block in shared
+// memory when the row fits (kGeneralAccFloats), else in the block's partial row of the workspace.
 template <class T, class W, int kV>
-TIGON_KERNEL void __launch_bounds__(kRmsGeneralThreads)
+TIGON_KERNEL void __launch_bounds__(kGeneralThreads)
     rms_norm_bwd_general_kernel(const RmsBwdParams<T, W> p, bool smem_acc) {
   detail::grid_dependency_sync();
-  constexpr int kThreads = kRmsGeneralThreads;
-  using Reduce = BlockAllReduce<kThreads, 2>;
-  __shared__ typename Reduce::TempStorage tmp;
+  __shared__ typename BlockAllReduce<kGeneralThreads, 2>::TempStorage tmp;
   extern __shared__ float smem_dw[];
-  const int nvec = static_cast<int>(p.cols / kV);
-  const bool has_w = p.w != nullptr;
-  const bool want_dw = p.partials != nullptr;
-  float* part = want_dw ? p.partials + static_cast<std::int64_t>(blockIdx.x) * p.cols : nullptr;
-  float* acc = smem_acc ? smem_dw : part;
-  if (want_dw) {
-    for (int i = threadIdx.x; i < nvec; i += kThreads) {
-#pragma unroll
-      for (int k = 0; k < kV; ++k) acc[i * kV + k] = 0.0f;
-    }
-  }
-  for (std::int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    const T* dyr = p.dy + row * p.dys;
-    const T* xr = p.x + row * p.xs;
-    float s[2] = {0.0f, 0.0f};
-    for (int i = threadIdx.x; i < nvec; i += kThreads) {
-      const std::int64_t c = static_cast<std::int64_t>(i) * kV;
-      const AlignedVec<T, kV> dyv = load_vec<kV>(dyr + c);
-      const AlignedVec<T, kV> xv = load_vec<kV>(xr + c);
-      AlignedVec<W, kV> wv;
-      if (has_w) wv = load_vec<kV>(p.w + c);
-#pragma unroll
-      for (int k = 0; k < kV; ++k) {
-        const float xf = to_float(xv.v[k]);
-        const float dn = to_float(dyv.v[k]) * (has_w ? p.offset + to_float(wv.v[k]) : 1.0f);
-        s[0] += dn * xf;
-        s[1] += xf * xf;
-      }
-    }
-    Reduce::sum(s, tmp);
-    const float rstd = p.rstd != nullptr ? p.rstd[row] : rms_norm_math::rstd(s[1], p.cols, p.eps);
-    const float mean_dot = rstd * s[0] / static_cast<float>(p.cols);
-    T* dxr = p.dx + row * p.dxs;
-    for (int i = threadIdx.x; i < nvec; i += kThreads) {
-      const std::int64_t c = static_cast<std::int64_t>(i) * kV;
-      const AlignedVec<T, kV> dyv = load_vec<kV>(dyr + c);
-      const AlignedVec<T, kV> xv = load_vec<kV>(xr + c);
-      AlignedVec<W, kV> wv;
-      if (has_w) wv = load_vec<kV>(p.w + c);
-      AlignedVec<T, kV> dxv;
-#pragma unroll
-      for (int k = 0; k < kV; ++k) {
-        const float xhat = to_float(xv.v[k]) * rstd;
-        const float dyf = to_float(dyv.v[k]);
-        const float dn = dyf * (has_w ? p.offset + to_float(wv.v[k]) : 1.0f);
-        dxv.v[k] = from_float<T>(rms_norm_math::dx(dn, xhat, rstd, mean_dot));
-        if (want_dw) acc[c + k] += rms_norm_math::dweight_term<T>(dyf, xhat, p.casting);
-      }
-      store_vec(dxr + c, dxv);
-    }
-  }
-  if (want_dw && smem_acc) {
-    for (int i = threadIdx.x; i < nvec; i += kThreads) {
-#pragma unroll
-      for (int k = 0; k < kV; ++k) part[i * kV + k] = acc[i * kV + k];
-    }
-  }
+  rms_norm_bwd_general_rows<T, W, kV, void>(p, p.x, p.xs, nullptr, 0, smem_acc, smem_dw, tmp);
 }
 
-// ---- launch planning: which kernel, what grid, how much workspace -----------------------------
+// ---- the ops: what the shared launch layer (norm/launch.cuh) needs of each direction -----------
 
-using RmsKernel = RowKernel;  // norm/row_kernel.cuh
-using RmsPlan = RowPlan;
-
-template <class T, class W, int kV>
-bool fwd_vectorizable(const RmsFwdParams<T, W>& p) {
-  return p.cols % kV == 0 && rows_aligned(p.x, p.xs, kV) && rows_aligned(p.y, p.ys, kV) &&
-         (p.w == nullptr || is_aligned(p.w, kV * sizeof(W)));
-}
-
-template <class T, class W, int kV>
-bool bwd_vectorizable(const RmsBwdParams<T, W>& p) {
-  return p.cols % kV == 0 && rows_aligned(p.dy, p.dys, kV) && rows_aligned(p.x, p.xs, kV) &&
-         rows_aligned(p.dx, p.dxs, kV) && (p.w == nullptr || is_aligned(p.w, kV * sizeof(W)));
-}
-
-template <class T, class W>
-RmsFwdParams<T, W> fwd_params(const RmsNormForwardArgs<T, W>& a) {
-  return {a.x,    a.y,    a.weight,
-          a.rstd, a.rows, a.cols,
-          a.x_stride ? a.x_stride : a.cols, a.y_stride ? a.y_stride : a.cols,
-          a.eps,  a.offset, a.casting};
-}
-
-template <class T, class W>
-RmsBwdParams<T, W> bwd_params(const RmsNormBackwardArgs<T, W>& a) {
-  return {a.dy,   a.x,    a.weight, a.rstd, a.dx, nullptr, a.rows, a.cols,
-          a.dy_stride ? a.dy_stride : a.cols, a.x_stride ? a.x_stride : a.cols,
-          a.dx_stride ? a.dx_stride : a.cols, a.eps, a.offset, a.casting};
-}
-
-// kCols == 0: only the general kernels are candidates.
-template <class T, class W, int kCols, class P>
-Status plan_forward(const RmsFwdParams<T, W>& p, const DeviceInfo& dev, RmsPlan& plan) {
-  if constexpr (compiled_available<RmsFwdShape, T, kCols, P>()) {
-    using S = RmsFwdShape<T, kCols, P>;
-    // The compiled kernel's shared-memory pipeline must fit this device's per-block limit.
-    if (fwd_vectorizable<T, W, S::kVec>(p) &&
-        kRmsFwdSmem<T, kCols, P> + 1024 <= dev.smem_per_block_optin) {
-      return plan_compiled_rows<rms_norm_fwd_kernel<T, W, kCols, P>, S::kThreads, kRmsFwdSmem<T, kCols, P>>(
-          p.rows, S::kGroups, P::kFwdPersistent, dev, plan);
-    }
-  }
-  plan.kernel = fwd_vectorizable<T, W, kVecElems<T>>(p) ? RmsKernel::general_vec
-                                                        : RmsKernel::general_scalar;
-  int occ = 0;
-  if (plan.kernel == RmsKernel::general_vec) {
-    TIGON_CHECK((blocks_per_sm<rms_norm_fwd_general_kernel<T, W, kVecElems<T>>, kRmsGeneralThreads>(
-        dev.device, occ)));
-  } else {
-    TIGON_CHECK((blocks_per_sm<rms_norm_fwd_general_kernel<T, W, 1>, kRmsGeneralThreads>(dev.device, occ)));
-  }
-  plan.grid = static_cast<int>(
-      std::min<std::int64_t>(p.rows, static_cast<std::int64_t>(occ) * dev.sm_count));
-  return Status();
-}
-
-template <class T, class W, int kCols, class P>
-Status plan_backward(const RmsBwdParams<T, W>& p, bool want_dw, const DeviceInfo& dev,
-                     RmsPlan& plan) {
-  plan = RmsPlan{};
-  bool compiled = false;
-  if constexpr (compiled_available<RmsBwdShape, T, kCols, P>()) {
-    using S = RmsBwdShape<T, kCols, P>;
-    if (bwd_vectorizable<T, W, S::kVec>(p) &&
-        kRmsBwdSmem<T, kCols, P> + 1024 <= dev.smem_per_block_optin) {
-      // Persistent: each row group writes one partial dW row.
-      TIGON_CHECK((plan_compiled_rows<rms_norm_bwd_kernel<T, W, kCols, P>, S::kThreads, kRmsBwdSmem<T, kCols, P>>(
-          p.rows, S::kGroups, true, dev, plan)));
-      compiled = true;
-    }
-  }
-  if (!compiled) {
-    plan.kernel = bwd_vectorizable<T, W, kVecElems<T>>(p) ? RmsKernel::general_vec
-                                                          : RmsKernel::general_scalar;
-    plan.grid = static_cast<int>(std::min<std::int64_t>(
-        p.rows, static_cast<std::int64_t>(kRmsGeneralBwdBlocksPerSm) * dev.sm_count));
-    plan.parts = plan.grid;
-  }
-  plan.workspace_bytes = want_dw ? rms_norm_partials_bytes(plan.parts, p.cols) : 0;
-  return Status();
-}
-
-template <class T, class W, int kCols, class P>
-Status launch_forward(const RmsFwdParams<T, W>& p, const RmsPlan& plan, cudaStream_t stream) {
-  constexpr const char* kOp = "rms_norm_forward";
-  const dim3 grid(static_cast<unsigned>(plan.grid));
-  switch (plan.kernel) {
-    case RmsKernel::compiled:
-      if constexpr (compiled_available<RmsFwdShape, T, kCols, P>()) {
-        using S = RmsFwdShape<T, kCols, P>;
-        RmsFwdParams<T, W> q = p;
-        q.wave_blocks = plan.resident;
-        return launch(kOp, rms_norm_fwd_kernel<T, W, kCols, P>,
-                      {grid, dim3(S::kThreads), kRmsFwdSmem<T, kCols, P>, stream}, q);
-      }
-      break;
-    case RmsKernel::general_vec:
-      return launch(kOp, rms_norm_fwd_general_kernel<T, W, kVecElems<T>>,
-                    {grid, dim3(kRmsGeneralThreads), 0, stream}, p);
-    case RmsKernel::general_scalar:
-      return launch(kOp, rms_norm_fwd_general_kernel<T, W, 1>, {grid, dim3(kRmsGeneralThreads), 0, stream}, p);
-  }
-  return Status();
-}
-
-template <class T, class W, int kCols, class P>
-Status launch_backward(const RmsBwdParams<T, W>& p, const RmsPlan& plan, W* dweight,
-                       bool accumulate, cudaStream_t stream) {
-  constexpr const char* kOp = "rms_norm_backward";
-  const dim3 grid(static_cast<unsigned>(plan.grid));
-  if (plan.kernel == RmsKernel::compiled) {
-    if constexpr (compiled_available<RmsBwdShape, T, kCols, P>()) {
-      using S = RmsBwdShape<T, kCols, P>;
-      TIGON_CHECK(launch(kOp, rms_norm_bwd_kernel<T, W, kCols, P>,
-                         {grid, dim3(S::kThreads), kRmsBwdSmem<T, kCols, P>, stream}, p));
-    }
-  } else {
-    const bool smem_acc = p.partials != nullptr && p.cols <= kRmsGeneralSmemAccCols;
-    const std::size_t smem = smem_acc ? static_cast<std::size_t>(p.cols) * sizeof(float) : 0;
-    if (plan.kernel == RmsKernel::general_vec) {
-      TIGON_CHECK(launch(kOp, rms_norm_bwd_general_kernel<T, W, kVecElems<T>>,
-                         {grid, dim3(kRmsGeneralThreads), smem, stream}, p, smem_acc));
+// with_variant of the RMSNorm and add + RMSNorm ops: one compiled instance per casting mode, the
+// one args.casting names (kCols == 0, the general kernels: the policy itself).
+struct RmsCastingInstances {
+  template <int kCols, class P, class A, class F>
+  static Status with_variant(const A& a, F&& f) {
+    if constexpr (kCols == 0) {
+      return f(std::type_identity<P>{});
     } else {
-      TIGON_CHECK(launch(kOp, rms_norm_bwd_general_kernel<T, W, 1>, {grid, dim3(kRmsGeneralThreads), smem, stream},
-                         p, smem_acc));
+      switch (a.casting) {
+        case RmsNormCasting::llama: return f(std::type_identity<WithCasting<P, RmsNormCasting::llama>>{});
+        case RmsNormCasting::gemma: return f(std::type_identity<WithCasting<P, RmsNormCasting::gemma>>{});
+        case RmsNormCasting::none: return f(std::type_identity<WithCasting<P, RmsNormCasting::none>>{});
+      }
+      return Status::error(Errc::invalid_value, "rms_norm", "casting", "unknown casting mode");
     }
   }
-  if (dweight == nullptr) return Status();
-  return column_sum(p.partials, plan.parts, p.cols, dweight, accumulate, stream, kOp);
-}
-
-// The compiled kernels take the casting mode as a compile-time constant (a runtime select per
-// element measurably slowed the backward); a policy that leaves it open (-1) is specialised here
-// for the mode in the arguments.
-template <class P, int kMode>
-struct WithCasting : P {
-  static constexpr int kCasting = kMode;
 };
 
-template <class P, class F>
-Status with_casting(RmsNormCasting c, F&& f) {
-  if constexpr (P::kCasting >= 0) {
-    return f(std::type_identity<P>{});
-  } else {
-    switch (c) {
-      case RmsNormCasting::llama: return f(std::type_identity<WithCasting<P, 0>>{});
-      case RmsNormCasting::gemma: return f(std::type_identity<WithCasting<P, 1>>{});
-      case RmsNormCasting::none: return f(std::type_identity<WithCasting<P, 2>>{});
-    }
-    return Status::error(Errc::invalid_value, "rms_norm", "casting", "unknown casting mode");
+// The RMSNorm and add + RMSNorm backwards' one gradient, dW: one partial row per row group (per
+// block in the general kernel) in the workspace, summed by column_sum.
+struct DweightPartials {
+  static constexpr int kAccRows = 1;
+  template <class A>
+  static int grads(const A& a) {
+    return a.dweight != nullptr ? 1 : 0;
   }
-}
-
-// with_casting for a compiled size; kCols == 0 (the general kernels, no casting instance) calls f
-// with P itself.
-template <int kCols, class P, class F>
-Status with_casting_for(RmsNormCasting c, F&& f) {
-  if constexpr (kCols == 0) {
-    return f(std::type_identity<P>{});
-  } else {
-    return with_casting<P>(c, f);
+  template <class Params, class A>
+  static void set_workspace(Params& p, const A& a, float* ws, int) {
+    if (a.dweight != nullptr) p.partials = ws;
   }
-}
-
-// Forward for one candidate size (0: general only).
-template <class T, class W, int kCols, class P>
-Status forward_fixed(const RmsNormForwardArgs<T, W>& a, cudaStream_t stream) {
-  const RmsFwdParams<T, W> p = fwd_params(a);
-  DeviceInfo dev;
-  TIGON_CHECK(current_device_info(dev));
-  RmsPlan plan;
-  TIGON_CHECK((plan_forward<T, W, kCols, P>(p, dev, plan)));
-  return launch_forward<T, W, kCols, P>(p, plan, stream);
-}
-
-template <class T, class W, int kCols, class P>
-Status backward_workspace_fixed(const RmsNormBackwardArgs<T, W>& a, std::size_t& bytes) {
-  DeviceInfo dev;
-  TIGON_CHECK(current_device_info(dev));
-  RmsPlan plan;
-  TIGON_CHECK((plan_backward<T, W, kCols, P>(bwd_params(a), a.dweight != nullptr, dev, plan)));
-  bytes = plan.workspace_bytes;
-  return Status();
-}
-
-template <class T, class W, int kCols, class P>
-Status backward_fixed(const RmsNormBackwardArgs<T, W>& a, cudaStream_t stream) {
-  constexpr const char* kOp = "rms_norm_backward";
-  RmsBwdParams<T, W> p = bwd_params(a);
-  DeviceInfo dev;
-  TIGON_CHECK(current_device_info(dev));
-  RmsPlan plan;
-  TIGON_CHECK((plan_backward<T, W, kCols, P>(p, a.dweight != nullptr, dev, plan)));
-  TIGON_CHECK(check::workspace(a.workspace, a.workspace_bytes, plan.workspace_bytes, kOp));
-  if (a.dweight != nullptr) p.partials = static_cast<float*>(a.workspace);
-  return launch_backward<T, W, kCols, P>(p, plan, a.dweight, a.accumulate_dweight, stream);
-}
-
-template <class T, class W, int kCols, class P>
-Status forward_impl(const RmsNormForwardArgs<T, W>& a, cudaStream_t stream) {
-  return with_casting_for<kCols, P>(a.casting, [&](auto q) {
-    return forward_fixed<T, W, kCols, typename decltype(q)::type>(a, stream);
-  });
-}
-
-template <class T, class W, int kCols, class P>
-Status backward_workspace_impl(const RmsNormBackwardArgs<T, W>& a, std::size_t& bytes) {
-  return with_casting_for<kCols, P>(a.casting, [&](auto q) {
-    return backward_workspace_fixed<T, W, kCols, typename decltype(q)::type>(a, bytes);
-  });
-}
-
-template <class T, class W, int kCols, class P>
-Status backward_impl(const RmsNormBackwardArgs<T, W>& a, cudaStream_t stream) {
-  return with_casting_for<kCols, P>(a.casting, [&](auto q) {
-    return backward_fixed<T, W, kCols, typename decltype(q)::type>(a, stream);
-  });
-}
-
-template <int kCols, class P>
-Status check_compiled(std::int64_t cols, RmsNormCasting casting, const char* op) {
-  if (cols != kCols) {
-    return Status::error(Errc::invalid_size, op, "cols",
-                         std::to_string(cols) + " does not match the compiled hidden size " +
-                             std::to_string(kCols));
+  template <class Params, class A>
+  static Status sum_partials(const Params& p, const A& a, int parts, cudaStream_t stream,
+                             const char* op) {
+    if (a.dweight == nullptr) return Status();
+    return column_sum(p.partials, parts, p.cols, a.dweight, a.accumulate_dweight, stream, op);
   }
-  if (P::kCasting >= 0 && static_cast<int>(casting) != P::kCasting) {
-    return Status::error(Errc::invalid_value, op, "casting",
-                         std::string(casting_name(casting)) + " given, the policy fixes " +
-                             casting_name(static_cast<RmsNormCasting>(P::kCasting)));
+};
+
+template <class T_, class W>
+struct RmsFwdOp : RmsCastingInstances {
+  using T = T_;
+  using Args = RmsNormForwardArgs<T, W>;
+  using Params = RmsFwdParams<T, W>;
+  static constexpr const char* kName = "rms_norm_forward";
+  static Status validate(const Args& a, const char* op) { return detail::validate(a, op); }
+  static Params params(const Args& a) {
+    return {a.x,    a.y,    a.weight,
+            a.rstd, a.rows, a.cols,
+            resolved_stride(a.x_stride, a.cols), resolved_stride(a.y_stride, a.cols),
+            a.eps,  a.offset, a.casting};
   }
-  return Status();
-}
+  template <int kV>
+  static bool vectorizable(const Params& p) {
+    return p.cols % kV == 0 && rows_aligned(p.x, p.xs, kV) && rows_aligned(p.y, p.ys, kV) &&
+           (p.w == nullptr || is_aligned(p.w, kV * sizeof(W)));
+  }
+  template <int kCols, class P>
+  static constexpr auto compiled() { return &rms_norm_fwd_kernel<T, W, kCols, P>; }
+  template <int kV>
+  static constexpr auto general() { return &rms_norm_fwd_general_kernel<T, W, kV>; }
+};
+
+template <class T_, class W>
+struct RmsBwdOp : RmsCastingInstances, DweightPartials {
+  using T = T_;
+  using Args = RmsNormBackwardArgs<T, W>;
+  using Params = RmsBwdParams<T, W>;
+  static constexpr const char* kName = "rms_norm_backward";
+  static constexpr const char* kWorkspaceName = "rms_norm_backward_workspace_bytes";
+  static constexpr int kTensors = 2;  // x, dy
+  static Status validate(const Args& a, const char* op, bool ws) { return detail::validate(a, op, ws); }
+  static Params params(const Args& a) {
+    return {a.dy,   a.x,    a.weight, a.rstd, a.dx, nullptr, a.rows, a.cols,
+            resolved_stride(a.dy_stride, a.cols), resolved_stride(a.x_stride, a.cols),
+            resolved_stride(a.dx_stride, a.cols), a.eps, a.offset, a.casting};
+  }
+  template <int kV>
+  static bool vectorizable(const Params& p) {
+    return p.cols % kV == 0 && rows_aligned(p.dy, p.dys, kV) && rows_aligned(p.x, p.xs, kV) &&
+           rows_aligned(p.dx, p.dxs, kV) && (p.w == nullptr || is_aligned(p.w, kV * sizeof(W)));
+  }
+  template <int kCols, class P>
+  static constexpr auto compiled() { return &rms_norm_bwd_kernel<T, W, kCols, P>; }
+  template <int kV>
+  static constexpr auto general() { return &rms_norm_bwd_general_kernel<T, W, kV>; }
+};
 
 }  // namespace detail
 
@@ -977,24 +679,19 @@ Status check_compiled(std::int64_t cols, RmsNormCasting casting, const char* op)
 // Runtime hidden size: rms_norm_forward(args, stream) picks the compiled instance for the sizes in
 // TIGON_HIDDEN_SIZES and the general kernel for any other size, or when pointers / strides do not
 // allow 16-byte accesses. Compile-time hidden size: rms_norm_forward<bf16, 4096>(args, stream)
-// instantiates only that shape (plus the general kernel for misaligned inputs).
+// instantiates only that shape (plus the general kernel for misaligned inputs), with the policy
+// given (RmsNormPolicy by default).
 //
 // None of them allocates, synchronises or copies to the host: all are graph-capturable.
 
 template <class T, class W>
 [[nodiscard]] Status rms_norm_forward(const RmsNormForwardArgs<T, W>& args, cudaStream_t stream) {
-  TIGON_CHECK(detail::validate(args, "rms_norm_forward"));
-  return dispatch_int(
-      HiddenSizes{}, args.cols,
-      [&](auto n) { return detail::forward_impl<T, W, decltype(n)::value, RmsNormDefaultPolicy>(args, stream); },
-      [&] { return detail::forward_impl<T, W, 0, RmsNormDefaultPolicy>(args, stream); });
+  return detail::norm_forward<detail::RmsFwdOp<T, W>, detail::kAnyCols, RmsNormPolicy>(args, stream);
 }
 
-template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
+template <class T, int kCols, class Policy = RmsNormPolicy, class W>
 [[nodiscard]] Status rms_norm_forward(const RmsNormForwardArgs<T, W>& args, cudaStream_t stream) {
-  TIGON_CHECK(detail::validate(args, "rms_norm_forward"));
-  TIGON_CHECK((detail::check_compiled<kCols, Policy>(args.cols, args.casting, "rms_norm_forward")));
-  return detail::forward_impl<T, W, kCols, Policy>(args, stream);
+  return detail::norm_forward<detail::RmsFwdOp<T, W>, kCols, Policy>(args, stream);
 }
 
 // Bytes of workspace rms_norm_backward(args) needs: 0 without dweight, else one fp32 row of
@@ -1003,39 +700,24 @@ template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
 template <class T, class W>
 [[nodiscard]] Status rms_norm_backward_workspace_bytes(const RmsNormBackwardArgs<T, W>& args,
                                                        std::size_t& bytes) {
-  bytes = 0;
-  TIGON_CHECK(detail::validate(args, "rms_norm_backward_workspace_bytes"));
-  return dispatch_int(
-      HiddenSizes{}, args.cols,
-      [&](auto n) {
-        return detail::backward_workspace_impl<T, W, decltype(n)::value, RmsNormDefaultPolicy>(args, bytes);
-      },
-      [&] { return detail::backward_workspace_impl<T, W, 0, RmsNormDefaultPolicy>(args, bytes); });
+  return detail::norm_backward_workspace_bytes<detail::RmsBwdOp<T, W>, detail::kAnyCols, RmsNormPolicy>(
+      args, bytes);
 }
 
-template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
+template <class T, int kCols, class Policy = RmsNormPolicy, class W>
 [[nodiscard]] Status rms_norm_backward_workspace_bytes(const RmsNormBackwardArgs<T, W>& args,
                                                        std::size_t& bytes) {
-  bytes = 0;
-  TIGON_CHECK(detail::validate(args, "rms_norm_backward_workspace_bytes"));
-  TIGON_CHECK((detail::check_compiled<kCols, Policy>(args.cols, args.casting, "rms_norm_backward_workspace_bytes")));
-  return detail::backward_workspace_impl<T, W, kCols, Policy>(args, bytes);
+  return detail::norm_backward_workspace_bytes<detail::RmsBwdOp<T, W>, kCols, Policy>(args, bytes);
 }
 
 template <class T, class W>
 [[nodiscard]] Status rms_norm_backward(const RmsNormBackwardArgs<T, W>& args, cudaStream_t stream) {
-  TIGON_CHECK(detail::validate(args, "rms_norm_backward"));
-  return dispatch_int(
-      HiddenSizes{}, args.cols,
-      [&](auto n) { return detail::backward_impl<T, W, decltype(n)::value, RmsNormDefaultPolicy>(args, stream); },
-      [&] { return detail::backward_impl<T, W, 0, RmsNormDefaultPolicy>(args, stream); });
+  return detail::norm_backward<detail::RmsBwdOp<T, W>, detail::kAnyCols, RmsNormPolicy>(args, stream);
 }
 
-template <class T, int kCols, class Policy = RmsNormDefaultPolicy, class W>
+template <class T, int kCols, class Policy = RmsNormPolicy, class W>
 [[nodiscard]] Status rms_norm_backward(const RmsNormBackwardArgs<T, W>& args, cudaStream_t stream) {
-  TIGON_CHECK(detail::validate(args, "rms_norm_backward"));
-  TIGON_CHECK((detail::check_compiled<kCols, Policy>(args.cols, args.casting, "rms_norm_backward")));
-  return detail::backward_impl<T, W, kCols, Policy>(args, stream);
+  return detail::norm_backward<detail::RmsBwdOp<T, W>, kCols, Policy>(args, stream);
 }
 
 #endif  // __CUDACC__

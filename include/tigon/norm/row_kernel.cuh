@@ -3,16 +3,17 @@
 //
 //   - RowShape: every constant of a compiled row layout (vector width, row-group width, vectors
 //     per thread, row groups per block);
-//   - RowPipeline: the shared-memory stages of a compiled kernel, lowered to what fits;
-//   - RowPlan / plan_compiled_rows: which kernel a launch uses, its grid (persistent or one block
-//     per row-group set) and its partial weight-gradient rows;
-//   - stage_row / pipelined_rows: a row group's walk over its rows with the next kStages - 1 rows
-//     of each input in flight through shared memory (cp.async);
+//   - RowPipeline: the shared-memory stages of a compiled backward, lowered to what fits;
+//   - prefetch_first_row / prefetch_second_wave_row: the forwards' L2 prefetch around the
+//     grid-dependency wait;
+//   - direct_rows, stage_row / pipelined_rows: a row group's walk over its rows, straight from
+//     global memory or with the next kStages - 1 rows of each input in flight through shared
+//     memory (cp.async);
 //   - store_partial_row: one fp32 partial weight-gradient row per row group, summed afterwards in
 //     a fixed order by column_sum (core/colsum.cuh).
 //
-// The shape traits compile under any C++20 compiler (the host tests check them); the device
-// helpers need nvcc.
+// The host side (policy, plan, launch) is norm/launch.cuh. The shape traits compile under any
+// C++20 compiler (the host tests check them); the device helpers need nvcc.
 #pragma once
 
 #include <cstddef>
@@ -23,11 +24,7 @@
 #include "../core/math.hpp"
 
 #if defined(__CUDACC__)
-#include <algorithm>
-
 #include "../core/async_copy.cuh"
-#include "../core/device.hpp"
-#include "../core/status.hpp"
 #include "../core/vector.cuh"
 #endif
 
@@ -56,22 +53,19 @@ struct RowShape {
   static constexpr int kGroups = kBlockTarget > kGroupThreads ? kBlockTarget / kGroupThreads : 1;
   static constexpr int kThreads = kGroupThreads * kGroups;
   static constexpr int kAccessBytes = kVec * static_cast<int>(sizeof(T));
-  // Compiled kernels stage rows through cp.async, which moves 4, 8 or 16 bytes.
+  // Compiled backwards stage rows through cp.async, which moves 4, 8 or 16 bytes; the forwards
+  // follow the same rule, so that a shape has a compiled instance in both directions or neither.
   static constexpr bool kCompilable = kAccessBytes >= 4;
   static_assert(kVecPerThread <= 32,
                 "hidden size too large to hold a row in registers: use the runtime launcher");
   static_assert(kGroupThreads <= 32 || kGroups <= 15, "too many row groups per block");
 };
 
-// The forward and backward shapes of a policy with the members kFwdVecPerThread, kFwdBlockThreads,
-// kBwdVecPerThread and kBwdBlockThreads (RmsNormPolicy, LayerNormPolicy).
+// The forward and backward shapes of a policy (NormPolicy's members, norm/launch.cuh).
 template <class T, int kCols, class P>
 using FwdRowShape = RowShape<T, kCols, P::kFwdVecPerThread, P::kFwdBlockThreads>;
 template <class T, int kCols, class P>
 using BwdRowShape = RowShape<T, kCols, P::kBwdVecPerThread, P::kBwdBlockThreads>;
-
-// Row lengths are indexed with 32-bit integers inside a row.
-inline constexpr std::int64_t kRowMaxCols = std::int64_t{1} << 30;
 
 // Hopper / Ampere opt-in limit (227 KB) less 1 KB for the kernels' static shared memory; the plan
 // also checks the device's own limit.
@@ -87,6 +81,10 @@ struct RowPipeline {
   static constexpr int kSmemBytes = kStages * kPerStage;
 };
 
+// The pipeline of a compiled backward staging kTensors inputs, P::kBwdStages deep.
+template <class T, int kCols, class P, int kTensors>
+using BwdRowPipe = RowPipeline<BwdRowShape<T, kCols, P>, T, kCols, kTensors, P::kBwdStages>;
+
 // Whether a compiled instance exists for kCols (0 means "general kernels only").
 template <template <class, int, class> class Shape, class T, int kCols, class P>
 constexpr bool compiled_available() {
@@ -97,24 +95,6 @@ constexpr bool compiled_available() {
   }
 }
 
-// Which kernel a launch uses: the compiled instance of its hidden size, or the general (any size)
-// kernel with 16-byte vectors or with single elements.
-enum class RowKernel { compiled, general_vec, general_scalar };
-
-struct RowPlan {
-  RowKernel kernel = RowKernel::general_scalar;
-  int grid = 0;
-  int parts = 0;  // partial weight-gradient rows the kernel writes per gradient (backward)
-  std::int64_t resident = 0;  // compiled kernel: blocks resident at once (one wave)
-  std::size_t workspace_bytes = 0;
-};
-
-// Workspace of `parts` fp32 partial rows of `cols` columns, 256-byte aligned.
-constexpr std::size_t partial_rows_bytes(std::int64_t parts, std::int64_t cols) {
-  return round_up<std::size_t>(static_cast<std::size_t>(parts) * static_cast<std::size_t>(cols) * 4u,
-                               256u);
-}
-
 }  // namespace detail
 
 #if defined(__CUDACC__)
@@ -123,7 +103,7 @@ namespace detail {
 
 // Ask the L2 for one row (this thread's chunks; one request per 128-byte line), before the
 // kernel's grid_dependency_sync(): a hint that puts the first row's lines on their way while the
-// kernel before drains (launch.cuh).
+// kernel before drains (core/launch.cuh).
 template <class S, class T>
 TIGON_DEVICE void prefetch_row_l2(const T* src, int t) {
 #pragma unroll
@@ -147,30 +127,24 @@ TIGON_DEVICE void prefetch_row_l2_bulk(const T* src, int t) {
   }
 }
 
-// The norm forwards' L2 prefetch around the grid-dependency wait (policy kFwdPrefetch): before the
-// wait, mode 1 asks for the row group's first row from every block, mode 2 only from the first
-// wave's blocks (`first_wave`: those resident at once); after the wait, mode 2 has the first wave
-// ask for `next`, the row its place takes in the second wave. Hints, not accesses; before the
-// wait TIGON_NO_PDL_PREFETCH compiles them out.
-template <int kMode, class S, class T>
+// The RMSNorm and LayerNorm forwards' L2 prefetch around the grid-dependency wait: before it, only
+// the first wave's blocks (`first_wave`: those resident at once) ask for their row group's first
+// row; right after it they ask for `next`, the row their place takes in the second wave; later
+// blocks ask for nothing. Hints, not accesses; before the wait TIGON_NO_PDL_PREFETCH compiles them
+// out.
+template <class S, class T>
 TIGON_DEVICE void prefetch_first_row(const T* base, std::int64_t stride, std::int64_t first,
                                      std::int64_t rows, bool first_wave, int t) {
 #if !defined(TIGON_NO_PDL_PREFETCH)
-  if constexpr (kMode == 1) {
-    if (first < rows) prefetch_row_l2_bulk<S>(base + first * stride, t);
-  } else if constexpr (kMode == 2) {
-    if (first_wave && first < rows) prefetch_row_l2_bulk<S>(base + first * stride, t);
-  }
+  if (first_wave && first < rows) prefetch_row_l2_bulk<S>(base + first * stride, t);
 #else
   (void)base, (void)stride, (void)first, (void)rows, (void)first_wave, (void)t;
 #endif
 }
-template <int kMode, class S, class T>
+template <class S, class T>
 TIGON_DEVICE void prefetch_second_wave_row(const T* base, std::int64_t stride, std::int64_t next,
                                            std::int64_t rows, bool first_wave, int t) {
-  if constexpr (kMode == 2) {
-    if (first_wave && next < rows) prefetch_row_l2_bulk<S>(base + next * stride, t);
-  }
+  if (first_wave && next < rows) prefetch_row_l2_bulk<S>(base + next * stride, t);
 }
 
 // Issue the copies of one row (this thread's chunks) into a shared-memory stage; the caller
@@ -186,43 +160,44 @@ TIGON_DEVICE void stage_row(T* dst, const T* src, int t, bool valid) {
   }
 }
 
+// One row group's walk over the rows first, first + step, ... < rows straight from global memory:
+// body(row, pointer to the row).
+template <class T, class Body>
+TIGON_DEVICE void direct_rows(const T* base, std::int64_t stride, std::int64_t rows,
+                              std::int64_t first, std::int64_t step, Body&& body) {
+  for (std::int64_t row = first; row < rows; row += step) body(row, base + row * stride);
+}
+
 // One row group's walk over the rows first, first + step, ... < rows, with the next kStages - 1
 // rows of each of kTensors inputs in flight through the group's shared-memory stages, laid out
 // [stage][tensor][kCols]. body(row, buf) runs once per row after this thread's copies of it have
 // landed; input i of the row is at buf + i * kCols. Each thread must read back only the chunks it
 // copied itself (vectors v * kGroupThreads + t): waiting on its own copy groups is then enough and
 // no barrier guards the buffers. A null source is not staged (its buffer holds garbage).
-// kStages == 0 (one input): no staging; body gets the row in global memory.
 template <class S, int kCols, int kStages, int kTensors, class T, class Body>
 TIGON_DEVICE void pipelined_rows(T* stages, const T* const (&src)[kTensors],
                                  const std::int64_t (&stride)[kTensors], std::int64_t rows,
                                  std::int64_t first, std::int64_t step, int t, Body&& body) {
-  if constexpr (kStages == 0) {
-    static_assert(kTensors == 1, "direct rows: one input");
-    (void)stages;
-    (void)t;
-    for (std::int64_t row = first; row < rows; row += step) body(row, src[0] + row * stride[0]);
-  } else {
-    auto issue = [&](std::int64_t r, int stage) {
-      const bool valid = r < rows;
+  static_assert(kStages >= 1, "at least one stage");
+  auto issue = [&](std::int64_t r, int stage) {
+    const bool valid = r < rows;
 #pragma unroll
-      for (int i = 0; i < kTensors; ++i) {
-        if (src[i] != nullptr) {
-          stage_row<S>(stages + (stage * kTensors + i) * kCols, src[i] + r * stride[i], t, valid);
-        }
+    for (int i = 0; i < kTensors; ++i) {
+      if (src[i] != nullptr) {
+        stage_row<S>(stages + (stage * kTensors + i) * kCols, src[i] + r * stride[i], t, valid);
       }
-      cp_async_commit();
-    };
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) issue(first + s * step, s);
-    int k = 0;
-    for (std::int64_t row = first; row < rows; row += step, ++k) {
-      issue(row + (kStages - 1) * step, (k + kStages - 1) % kStages);
-      cp_async_wait<kStages - 1>();
-      body(row, static_cast<const T*>(stages + (k % kStages) * kTensors * kCols));
     }
-    cp_async_wait<0>();
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue(first + s * step, s);
+  int k = 0;
+  for (std::int64_t row = first; row < rows; row += step, ++k) {
+    issue(row + (kStages - 1) * step, (k + kStages - 1) % kStages);
+    cp_async_wait<kStages - 1>();
+    body(row, static_cast<const T*>(stages + (k % kStages) * kTensors * kCols));
   }
+  cp_async_wait<0>();
 }
 
 // This thread's columns of the weight as fp32, read once (a thread owns the same columns in every
@@ -298,24 +273,6 @@ TIGON_DEVICE void store_partial_row(float* part, const float (&acc)[S::kVecPerTh
       }
     }
   }
-}
-
-// Plan of a compiled row kernel with `groups` row groups per block: a persistent grid (the blocks
-// resident at once, at most one per `groups` rows) or one block per `groups` rows. parts: the row
-// groups of a persistent launch, each writing one partial weight-gradient row (backward kernels
-// run persistent, so that this stays a few hundred rows); 0 for a non-persistent one.
-template <auto Kernel, int kThreads, int kSmem>
-Status plan_compiled_rows(std::int64_t rows, int groups, bool persistent, const DeviceInfo& dev,
-                          RowPlan& plan) {
-  int occ = 0;
-  TIGON_CHECK((blocks_per_sm<Kernel, kThreads, kSmem>(dev.device, occ)));
-  const std::int64_t blocks = ceil_div<std::int64_t>(rows, groups);
-  const std::int64_t resident = static_cast<std::int64_t>(occ) * dev.sm_count;
-  plan.kernel = RowKernel::compiled;
-  plan.grid = static_cast<int>(std::min<std::int64_t>(blocks, persistent ? resident : 0x7fffffff));
-  plan.resident = resident;
-  plan.parts = persistent ? plan.grid * groups : 0;
-  return Status();
 }
 
 }  // namespace detail

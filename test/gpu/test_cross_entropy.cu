@@ -272,10 +272,10 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
 }
 
 // The resident kernels (plain and optioned) on their own, so that the sanitizers can take them
-// alone: the policy case's options at rows held in 1 (1000 and 8192 columns), 2 (20000 and 32000),
-// 5 (40000, 128 threads x 8 vectors: uneven cluster), 8 (128256) and 16 (262144: beyond the
-// portable cluster size) blocks, and 262144 fp32 logits with 256 x 8 (32 blocks: over the cluster
-// limit, the row kernel).
+// alone: the policy case's options at rows that fit one block (1000 and 8192 columns: the row
+// kernel), rows held in 2 (20000 and 32000), 5 (40000, 128 threads x 8 vectors: uneven cluster),
+// 8 (128256) and 16 (262144: beyond the portable cluster size) blocks, and 262144 fp32 logits with
+// 256 x 8 (32 blocks: over the cluster limit, the row kernel).
 TEST_CASE("cross_entropy: the resident kernels compute the same function", "[ce][gpu]") {
   for (std::int64_t V : {std::int64_t{1000}, std::int64_t{8192}, std::int64_t{20000}, std::int64_t{32000},
                          std::int64_t{40000}, std::int64_t{128256}, std::int64_t{262144}}) {

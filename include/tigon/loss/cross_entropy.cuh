@@ -230,8 +230,9 @@ inline constexpr std::int64_t kCeGradWideCols = 65536;
 // The resident kernels' largest cluster (beyond the portable 8: allowed per kernel on sm_90).
 inline constexpr int kCeResMaxCluster = 16;
 // A resident kernel's shape for a row of nvec 16-byte vectors: csize blocks of `threads` threads,
-// each thread holding up to `vecs` vectors, slice vectors per block; csize 0 when the row needs
-// more than kCeResMaxCluster blocks (it then takes the row kernel).
+// each thread holding up to `vecs` vectors, slice vectors per block; csize 0 (the row then takes
+// the row kernel) when the row needs more than kCeResMaxCluster blocks, or fits one block: the
+// blocks' messages (distributed shared memory) need a cluster of two blocks or more.
 struct CeResShape {
   int csize = 0;
   int slice = 0;
@@ -240,7 +241,7 @@ constexpr CeResShape ce_res_shape(std::int64_t nvec, int threads, int vecs) {
   CeResShape s;
   if (nvec <= 0) return s;
   const std::int64_t c = ceil_div<std::int64_t>(nvec, static_cast<std::int64_t>(threads) * vecs);
-  if (c > kCeResMaxCluster) return s;
+  if (c < 2 || c > kCeResMaxCluster) return s;
   s.csize = static_cast<int>(c);
   s.slice = static_cast<int>(ceil_div<std::int64_t>(nvec, c));
   return s;

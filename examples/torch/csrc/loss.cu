@@ -44,7 +44,8 @@ void cross_entropy(const Tensor& logits, const Tensor& target, const OptTensor& 
       a.logits_stride = X.stride;
       a.dlogits = static_cast<T*>(D.ptr);
       a.dlogits_stride = D.stride;
-      const std::size_t bytes = tigon::cross_entropy_workspace_bytes(X.rows, X.cols);
+      std::size_t bytes = 0;
+      check_status(tigon::cross_entropy_workspace_bytes(a, bytes));
       const Tensor ws = workspace(bytes, logits);
       a.workspace = ws.data_ptr();
       a.workspace_bytes = bytes;

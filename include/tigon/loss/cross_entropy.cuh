@@ -260,8 +260,9 @@ constexpr bool whole_warps(int threads, int lo, int hi) { return threads % 32 ==
 // rows, a resident kernel (one row per thread-block cluster, the row held in registers, so the
 // logits are read once and the gradient written from registers): the plain one for the common case
 // (no class weights, smoothing, softcap, bias, argmax or split statistics), the optioned one for
-// any of those; otherwise, and for rows over 16 blocks, the row kernel (one row per block, a
-// statistics pass and a gradient pass that re-reads the row, from L2 where it stayed).
+// any of those; otherwise (the loss alone without options, the split finalize, rows that fit one
+// block or need over 16), the row kernel (one row per block, a statistics pass and a gradient pass
+// that re-reads the row, from L2 where it stayed).
 struct CrossEntropyPolicy {
   // Row kernel: block size, and the block size with a gradient on rows over 65536 columns.
   static constexpr int kRowThreads = 256;

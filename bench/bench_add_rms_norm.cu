@@ -17,6 +17,8 @@ using tigon::bf16;
 
 namespace {
 
+using bench::check;
+
 // The separate add: out = T(a + b), 16-byte vectors, grid-stride over a contiguous tensor, as an
 // elementwise framework op does it.
 __global__ void add_kernel(const uint4* __restrict__ a, const uint4* __restrict__ b, uint4* __restrict__ out,
@@ -108,12 +110,6 @@ double bwd_bytes(std::int64_t r, std::int64_t c) { return 4.0 * r * c * 2 + 2.0 
 
 std::string shape(std::int64_t r, std::int64_t c) { return std::to_string(r) + "x" + std::to_string(c); }
 
-void check(const tigon::Status& s) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s\n", s.message().c_str());
-    std::exit(1);
-  }
-}
 
 void check_cuda() { BENCH_CUDA(cudaGetLastError()); }
 

@@ -14,6 +14,8 @@ using tigon::bf16;
 
 namespace {
 
+using bench::check;
+
 // Input sets, each tensor its own cudaMalloc. separate: a, b, da, db are [rows, cols]; fused: a
 // holds gate||up and da d(gate||up), [rows, 2 cols], and b, db are unused.
 struct Data {
@@ -68,12 +70,6 @@ double bwd_bytes(std::int64_t r, std::int64_t c) { return 5.0 * r * c * sizeof(b
 
 std::string shape(std::int64_t r, std::int64_t c) { return std::to_string(r) + "x" + std::to_string(c); }
 
-void check(const tigon::Status& s) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s\n", s.message().c_str());
-    std::exit(1);
-  }
-}
 
 template <class Act>
 void BM_forward(benchmark::State& st, const std::string& name, bool fused) {

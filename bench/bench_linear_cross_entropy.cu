@@ -9,12 +9,8 @@ using tigon::bf16;
 
 namespace {
 
-void check(const tigon::Status& s) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s\n", s.message().c_str());
-    std::exit(1);
-  }
-}
+using bench::check;
+
 
 void BM_lce(benchmark::State& st) {
   const std::int64_t N = st.range(0), D = st.range(1), V = st.range(2);

@@ -12,6 +12,8 @@ using tigon::bf16;
 
 namespace {
 
+using bench::check;
+
 struct Data {
   int sets = 1;
   std::int64_t rows = 0, cols = 0;
@@ -63,12 +65,6 @@ double bwd_bytes(std::int64_t r, std::int64_t c) { return 3.0 * r * c * 2 + 2.0 
 
 std::string shape(std::int64_t r, std::int64_t c) { return std::to_string(r) + "x" + std::to_string(c); }
 
-void check(const tigon::Status& s) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s\n", s.message().c_str());
-    std::exit(1);
-  }
-}
 
 // The runtime-dispatch launchers with the default policy: what a trainer gets.
 void BM_forward(benchmark::State& st) {

@@ -12,6 +12,8 @@
 
 namespace ce_bench {
 
+using bench::check;
+
 struct Opt {
   float eps = 0.0f;
   float cap = 0.0f;
@@ -19,12 +21,6 @@ struct Opt {
   bool argmax = false;
 };
 
-inline void check(const tigon::Status& s) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s\n", s.message().c_str());
-    std::exit(1);
-  }
-}
 
 inline std::string describe(const Opt& o) {
   std::string s;

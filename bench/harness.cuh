@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <tigon/core/dtype.hpp>
+#include <tigon/core/status.hpp>
 
 namespace bench {
 
@@ -28,6 +29,14 @@ namespace bench {
       std::exit(1);                                                                          \
     }                                                                                        \
   } while (0)
+
+// A launcher's status: on error, its message and exit 1 (a benchmark of a failed call means nothing).
+inline void check(const tigon::Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s\n", s.message().c_str());
+    std::exit(1);
+  }
+}
 
 struct Ceilings {
   double copy_gbs = 0;         // device-to-device copy, bytes read + written per second / 1e9

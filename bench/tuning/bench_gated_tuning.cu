@@ -12,6 +12,8 @@ using tigon::bf16;
 
 namespace {
 
+using bench::check;
+
 // Placement of the separate tensors: -1, each its own cudaMalloc; k >= 0, one allocation per input
 // set holding a, b, c (forward) or dc, a, b, da, db (backward) back to back, each k bytes after the
 // previous one ends (k 0: the tensors exactly n * 2 bytes apart, as a caching allocator that rounds
@@ -77,12 +79,6 @@ std::string placement() {
 
 std::string shape(std::int64_t r, std::int64_t c) { return std::to_string(r) + "x" + std::to_string(c); }
 
-void check(const tigon::Status& s) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s\n", s.message().c_str());
-    std::exit(1);
-  }
-}
 
 template <class Act, class P = tigon::GatedPolicy>
 void BM_forward(benchmark::State& st, const std::string& name) {

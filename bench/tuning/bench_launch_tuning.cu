@@ -12,17 +12,13 @@ using tigon::bf16;
 
 namespace {
 
+using bench::check;
+
 __global__ void empty_kernel(int* sink) {
   tigon::detail::grid_dependency_sync();
   if (sink != nullptr && threadIdx.x == 1024) *sink = 1;  // never true: keeps the parameter
 }
 
-void check(const tigon::Status& s) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s\n", s.message().c_str());
-    std::exit(1);
-  }
-}
 
 const char* pdl_name(bool pdl) { return pdl ? "PDL on" : "PDL off"; }
 

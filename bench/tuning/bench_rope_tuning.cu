@@ -7,62 +7,17 @@
 
 #include <tigon/rope/rope.cuh>
 
+#include "rope_bench.cuh"
+
 using tigon::bf16;
 
 namespace {
 
-void check(const tigon::Status& s) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s\n", s.message().c_str());
-    std::exit(1);
-  }
-}
 
-template <class Style, class P = tigon::RopeDefaultPolicy>
+
+template <class Style, class P = tigon::RopePolicy>
 void BM_rope(benchmark::State& st, bool backward, bool bhtd, const char* label) {
-  const std::int64_t B = st.range(0), T = st.range(1), Hq = 32, Hk = 8, D = 128;
-  const std::size_t nq = static_cast<std::size_t>(B * T * Hq * D), nk = static_cast<std::size_t>(B * T * Hk * D);
-  const double bytes = 2.0 * (nq + nk) * sizeof(bf16) + 2.0 * T * D * sizeof(bf16);
-  const int sets = bench::rotation(2.0 * (nq + nk) * sizeof(bf16));
-  std::vector<bf16*> q, k;
-  for (int s = 0; s < sets; ++s) {
-    q.push_back(bench::alloc<bf16>(nq));
-    k.push_back(bench::alloc<bf16>(nk));
-    bench::fill_random(q.back(), nq, 21 + s);
-    bench::fill_random(k.back(), nk, 41 + s);
-  }
-  bf16* cs = bench::alloc<bf16>(T * D);
-  bf16* sn = bench::alloc<bf16>(T * D);
-  bench::fill_random(cs, T * D, 3);
-  bench::fill_random(sn, T * D, 4);
-  auto args = [&](int i) {
-    const int s = i % sets;
-    tigon::RopeArgs<bf16> a;
-    if (bhtd) {
-      a.q = {.in = q[s], .out = q[s], .heads = Hq, .stride_b = Hq * T * D, .stride_t = D, .stride_h = T * D};
-      a.k = {.in = k[s], .out = k[s], .heads = Hk, .stride_b = Hk * T * D, .stride_t = D, .stride_h = T * D};
-    } else {
-      a.q = {.in = q[s], .out = q[s], .heads = Hq, .stride_b = T * Hq * D, .stride_t = Hq * D, .stride_h = D};
-      a.k = {.in = k[s], .out = k[s], .heads = Hk, .stride_b = T * Hk * D, .stride_t = Hk * D, .stride_h = D};
-    }
-    a.batch = B;
-    a.seq = T;
-    a.head_dim = D;
-    a.cos = cs;
-    a.sin = sn;
-    a.table_rows = T;
-    return a;
-  };
-  bench::run(st, std::string("rope ") + label, bytes, [&](int i) {
-    check(backward ? tigon::rope_backward<Style, P>(args(i), nullptr)
-                   : tigon::rope_forward<Style, P>(args(i), nullptr));
-  });
-  for (int s = 0; s < sets; ++s) {
-    cudaFree(q[s]);
-    cudaFree(k[s]);
-  }
-  cudaFree(cs);
-  cudaFree(sn);
+  rope_bench::run<Style, P>(st, backward, bhtd, label);
 }
 
 void BM_fwd(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, false, "fwd bf16 B4 T4096 32/8x128 [B,T,H,D]"); }

@@ -125,7 +125,7 @@ Status launch_ce_opt(const CeParams<T, I>& p, cudaStream_t stream, const char* o
   return launch_ce_resident<kernel, P::kOptThreads, P::kOptVecs, P::kOptAhead>(p, stream, op, launched);
 }
 
-// Which kernel takes a call: a resident kernel where one applies (sm_90+, 16-byte rows, at most
+// Which kernel takes a call: a resident kernel where one applies (sm_90+, 16-byte rows, 2 to
 // kCeResMaxCluster blocks a row, not the split vocabulary's finalize, which has its statistics),
 // else the row kernel.
 template <class P = CrossEntropyPolicy, class T, class I>

@@ -69,20 +69,16 @@ TIGON_DEVICE void grid_dependency_sync() {
 #endif
 }
 
-// Launch geometry; `cluster` > 0 adds a thread-block-cluster dimension (x) to the launch;
-// `cooperative` launches the grid with every block resident at once (the launch fails when the
-// grid exceeds what fits), for kernels whose blocks wait on one another; such a launch does not
-// use programmatic dependent launch.
+// Launch geometry; `cluster` > 0 adds a thread-block-cluster dimension (x) to the launch.
 struct LaunchShape {
   dim3 grid;
   dim3 block;
   std::size_t smem = 0;
   cudaStream_t stream = nullptr;
   unsigned cluster = 0;
-  bool cooperative = false;
 };
 
-inline constexpr int kMaxLaunchAttrs = 3;
+inline constexpr int kMaxLaunchAttrs = 2;
 
 // The launch configuration `launch` uses (also what occupancy queries of clustered kernels need).
 // `attrs` must outlive the returned configuration.
@@ -94,7 +90,7 @@ inline cudaLaunchConfig_t launch_config(const LaunchShape& s, bool programmatic,
   cfg.dynamicSmemBytes = s.smem;
   cfg.stream = s.stream;
   unsigned n = 0;
-  if (programmatic && !s.cooperative) {
+  if (programmatic) {
     attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attrs[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;
@@ -104,11 +100,6 @@ inline cudaLaunchConfig_t launch_config(const LaunchShape& s, bool programmatic,
     attrs[n].val.clusterDim.x = s.cluster;
     attrs[n].val.clusterDim.y = 1;
     attrs[n].val.clusterDim.z = 1;
-    ++n;
-  }
-  if (s.cooperative) {
-    attrs[n].id = cudaLaunchAttributeCooperative;
-    attrs[n].val.cooperative = 1;
     ++n;
   }
   cfg.attrs = attrs;

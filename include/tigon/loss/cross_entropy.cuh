@@ -32,8 +32,6 @@
 #include "../core/validate.hpp"
 
 #if defined(__CUDACC__)
-#include <cooperative_groups.h>
-
 #include "../core/device.hpp"
 #include "../core/launch.cuh"
 #include "../core/async_copy.cuh"

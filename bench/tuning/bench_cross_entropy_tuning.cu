@@ -31,13 +31,19 @@ struct OptLossRows : CrossEntropyPolicy {
   static constexpr bool kOptLoss = false;
 };
 
-using Opt1024x2x2 = OptShape<1024, 2, 2>;
-using Opt256x4x4 = OptShape<256, 4, 4>;
-using Opt256x8x2 = OptShape<256, 8, 2>;
-using Opt512x4x1 = OptShape<512, 4, 1>;
 using Opt512x4x2 = OptShape<512, 4, 2>;
+using Opt256x8x2 = OptShape<256, 8, 2>;
+using Opt128x16x4 = OptShape<128, 16, 4>;
+using Opt512x8x2 = OptShape<512, 8, 2>;
+// The softcap's fp32-accurate rational tanh on bf16 logits instead of the hardware tanh.
+struct RationalTanh : CrossEntropyPolicy {
+  static constexpr bool kCapApproxTanh = false;
+};
 
 const Opt kCap{.cap = 30.0f};
+const Opt kSmooth{.eps = 0.1f};
+const Opt kW{.weights = true};
+const Opt kArg{.argmax = true};
 const Opt kAll{.eps = 0.1f, .cap = 30.0f, .weights = true, .argmax = true};
 
 }  // namespace
@@ -47,20 +53,32 @@ const Opt kAll{.eps = 0.1f, .cap = 30.0f, .weights = true, .argmax = true};
   BENCHMARK(BM_##label)->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond)
 #define TWO ->Args({8192, 32000})->Args({8192, 128256})
 
+#define CE_TUNE_SPLIT(label, P, finalize)                                                         \
+  void BM_##label(benchmark::State& st) { ce_bench::run_split<P>(st, finalize, #label); }          \
+  BENCHMARK(BM_##label)->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond)
+
 CE_TUNE(rows_plain_grad, RowsOnly, true, Opt{}) TWO->Args({8192, 8192})->Args({8192, 16384});
 CE_TUNE(default_plain_grad_small, CrossEntropyPolicy, true, Opt{})->Args({8192, 8192})->Args({8192, 16384});
 CE_TUNE(rows_softcap_grad, RowsOnly, true, kCap) TWO;
 CE_TUNE(rows_all_grad, RowsOnly, true, kAll) TWO;
+CE_TUNE(rational_tanh_softcap, RationalTanh, true, kCap) TWO;
+CE_TUNE(rational_tanh_all, RationalTanh, true, kAll) TWO;
 CE_TUNE(opt_b512_v4_m2_softcap, Opt512x4x2, true, kCap) TWO;
-CE_TUNE(opt_b512_v4_m1_softcap, Opt512x4x1, true, kCap) TWO;
-CE_TUNE(opt_b256_v4_m4_softcap, Opt256x4x4, true, kCap) TWO;
 CE_TUNE(opt_b256_v8_m2_softcap, Opt256x8x2, true, kCap) TWO;
-CE_TUNE(opt_b1024_v2_m2_softcap, Opt1024x2x2, true, kCap) TWO;
+CE_TUNE(opt_b128_v16_m4_softcap, Opt128x16x4, true, kCap) TWO;
+CE_TUNE(opt_b512_v8_m2_softcap, Opt512x8x2, true, kCap) TWO;
+CE_TUNE(opt_b512_v4_m2_smooth, Opt512x4x2, true, kSmooth) TWO;
+CE_TUNE(opt_b128_v16_m4_smooth, Opt128x16x4, true, kSmooth) TWO;
+CE_TUNE(opt_b128_v16_m4_weights, Opt128x16x4, true, kW) TWO;
+CE_TUNE(opt_b128_v16_m4_argmax, Opt128x16x4, true, kArg) TWO;
 CE_TUNE(opt_b512_v4_m2_all, Opt512x4x2, true, kAll) TWO;
-CE_TUNE(opt_b512_v4_m1_all, Opt512x4x1, true, kAll) TWO;
 CE_TUNE(opt_b256_v8_m2_all, Opt256x8x2, true, kAll) TWO;
 CE_TUNE(res_loss_plain, ResLoss, false, Opt{}) TWO;
 CE_TUNE(rows_loss_softcap, OptLossRows, false, kCap) TWO;
 CE_TUNE(default_loss_softcap, CrossEntropyPolicy, false, kCap) TWO;
+CE_TUNE_SPLIT(rows_shard_stats, RowsOnly, false) TWO;
+CE_TUNE_SPLIT(rows_shard_finalize, RowsOnly, true) TWO;
+CE_TUNE_SPLIT(opt_b128_v16_m4_shard_stats, Opt128x16x4, false) TWO;
+CE_TUNE_SPLIT(opt_b128_v16_m4_shard_finalize, Opt128x16x4, true) TWO;
 
 BENCH_MAIN

@@ -234,6 +234,8 @@ TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce
     cases.push_back(Case{base}), cases.back().z = 1e-4;
     cases.push_back(Case{base}), cases.back().cap = 30;
     cases.push_back(Case{base}), cases.back().weights = true;
+    // z-loss with class weights: the mean divides the z part by the token count, unweighted.
+    cases.push_back(Case{base}), cases.back().weights = true, cases.back().z = 1e-2;
     cases.push_back(Case{base}), cases.back().red = Reduction::sum;
     cases.push_back(Case{base}), cases.back().red = Reduction::none, cases.back().grad_output = true;
     cases.push_back(Case{base}), cases.back().grad_scale = 0.25f, cases.back().grad_output = true;
@@ -337,6 +339,19 @@ void check_ignored_and_bad(std::int64_t V) {
   CHECK(std::isnan(l[7]));
   CHECK(std::isfinite(l[0]));
   CHECK(std::isnan(loss.download()[0]));
+  // The host-side check of the counter: an error naming the count, the vocabulary and
+  // ignore_index, and the counter zeroed; then a clean call passes it.
+  const Status st = check_target_errors(errs.ptr, V, -100, nullptr);
+  REQUIRE_FALSE(st.ok());
+  CHECK(st.code() == Errc::invalid_value);
+  CHECK(st.message().find("2 row(s)") != std::string::npos);
+  CHECK(st.message().find("[0, " + std::to_string(V) + ")") != std::string::npos);
+  CHECK(st.message().find("-100") != std::string::npos);
+  CHECK(errs.download()[0] == 0);
+  t.assign(rows, 5);
+  tb.upload(t);
+  TIGON_OK(cross_entropy<P>(a, nullptr));
+  TIGON_OK(check_target_errors(errs.ptr, V, -100, nullptr));
 }
 
 }  // namespace

@@ -80,11 +80,13 @@ TEST_CASE("cross_entropy resident kernels' shape: blocks per row and slices", "[
   s = ce_res_shape(32000 / 8, 256, 8);  // LLaMA-2: 2 blocks
   CHECK(s.csize == 2);
   CHECK(s.slice == 2000);
-  // A row that fits one block takes the row kernel (a cluster of one block has no messages).
+  // A row that fits one block takes one block; a row with fewer vectors than threads the row kernel.
   CHECK(ce_res_shape(1000 / 8, 256, 8).csize == 0);
-  CHECK(ce_res_shape(16384 / 8, 256, 8).csize == 0);
+  CHECK(ce_res_shape(16384 / 8, 256, 8).csize == 1);  // one block, no messages
+  CHECK(ce_res_shape(2048 / 8, 256, 8).csize == 1);
+  CHECK(ce_res_shape(2040 / 8, 256, 8).csize == 0);  // fewer vectors than threads: the row kernel
   CHECK(ce_res_shape(16392 / 8, 256, 8).csize == 2);
-  // The optioned kernel's default, 512 threads x 4 vectors: the same blocks per row.
+  // 512 threads x 4 vectors: the same blocks per row.
   CHECK(ce_res_shape(128256 / 8, 512, 4).csize == 8);
   CHECK(ce_res_shape(256000 / 8, 512, 4).csize == 16);  // Gemma: 16 blocks, the largest cluster
   // Uneven clusters, and rows over 16 blocks (the row kernel).

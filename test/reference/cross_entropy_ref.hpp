@@ -1,6 +1,7 @@
 // Double-precision reference for cross-entropy, as PyTorch defines it (F.cross_entropy with
-// weight, ignore_index, label_smoothing and reduction), plus a z-loss term (scale * lse^2 per row)
-// and a logit softcap (c * tanh(x / c)). The gradient is the analytic one; the host tests check it
+// weight, ignore_index, label_smoothing and reduction), plus a z-loss term (scale * lse^2 per row;
+// the mean divides it by the number of non-ignored rows, unweighted, as Liger-Kernel does) and a
+// logit softcap (c * tanh(x / c)). The gradient is the analytic one; the host tests check it
 // against finite differences of this same reference.
 #pragma once
 
@@ -23,7 +24,7 @@ struct CeOptions {
 struct CeOut {
   std::vector<double> loss_rows, z_rows, lse, grad;
   std::vector<std::int64_t> argmax;
-  double loss = 0, z_loss = 0, denom = 0;
+  double loss = 0, z_loss = 0, denom = 0, count = 0;  // the mean's weight sum and row count
   int errors = 0;
 };
 
@@ -38,7 +39,9 @@ inline CeOut cross_entropy(const std::vector<double>& logits, const std::vector<
   auto w = [&](std::int64_t i) { return o.weights.empty() ? 1.0 : o.weights[i]; };
   for (std::int64_t n = 0; n < rows; ++n) {
     const std::int64_t t = targets[n];
-    if (t != o.ignore_index) r.denom += (t >= 0 && t < V) ? w(t) : 1.0;
+    if (t == o.ignore_index) continue;
+    r.denom += (t >= 0 && t < V) ? w(t) : 1.0;
+    r.count += 1;
   }
   std::vector<double> x(V);
   for (std::int64_t n = 0; n < rows; ++n) {
@@ -72,13 +75,14 @@ inline CeOut cross_entropy(const std::vector<double>& logits, const std::vector<
     if (!want_grad) continue;
     double up = o.grad_output.empty() ? 1.0 : o.grad_output[o.reduction == 0 ? n : 0];
     up *= o.grad_scale;
+    const double up_z = o.reduction == 2 ? up / r.count : up;
     if (o.reduction == 2) up /= r.denom;
     for (std::int64_t i = 0; i < V; ++i) {
       const double p = std::exp(x[i] - lse);
-      double g = (1 - o.eps) * w(t) * (p - (i == t ? 1.0 : 0.0)) + o.eps / V * (p * sw - w(i)) +
-                 2 * o.z * lse * p;
+      double g = ((1 - o.eps) * w(t) * (p - (i == t ? 1.0 : 0.0)) + o.eps / V * (p * sw - w(i))) * up +
+                 2 * o.z * lse * p * up_z;
       if (o.cap > 0) g *= 1 - (x[i] / o.cap) * (x[i] / o.cap);
-      r.grad[n * V + i] = g * up;
+      r.grad[n * V + i] = g;
     }
   }
   double sl = 0, sz = 0;
@@ -87,8 +91,8 @@ inline CeOut cross_entropy(const std::vector<double>& logits, const std::vector<
     sz += r.z_rows[n];
   }
   if (o.reduction == 2) {
-    r.loss = r.denom > 0 ? sl / r.denom : 0;
-    r.z_loss = r.denom > 0 ? sz / r.denom : 0;
+    r.z_loss = r.count > 0 ? sz / r.count : 0;
+    r.loss = (r.denom > 0 ? (sl - sz) / r.denom : 0) + r.z_loss;
   } else {
     r.loss = sl;
     r.z_loss = sz;

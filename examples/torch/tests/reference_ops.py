@@ -181,24 +181,26 @@ def _ce(x, target, class_weights, grad_output, ignore_index, smoothing, z, cap, 
     zero = torch.zeros_like(lse)
     rows = torch.where(valid, (1 - smoothing) * wt * (lse - xt) + smoothing * smooth + z * lse * lse, zero)
     zrows = torch.where(valid, z * lse * lse, zero)
-    if reduction == 2:
+    if reduction == 2:  # the cross-entropy part over the weight sum, the z part over the token count
         denom = (wt * valid).sum() if class_weights is not None else valid.sum().float()
         denom = torch.where(denom > 0, denom, torch.ones_like(denom))
-        total, ztotal = rows.sum() / denom, zrows.sum() / denom
+        count = valid.sum().float().clamp_min(1)
+        ztotal = zrows.sum() / count
+        total = (rows - zrows).sum() / denom + ztotal
     else:
-        denom = torch.ones((), device=x.device)
+        denom = count = torch.ones((), device=x.device)
         total, ztotal = rows.sum(), zrows.sum()
     grad = None
     if grad_scale is not None:
         p = torch.exp(xc - lse[:, None])
         onehot = torch.zeros_like(p).scatter_(1, t[:, None], 1.0)
-        d = ((1 - smoothing) * wt[:, None] * (p - onehot) + smoothing / vocab * (p * sum_w - w)
-             + 2 * z * lse[:, None] * p)
+        d = ((1 - smoothing) * wt[:, None] * (p - onehot) + smoothing / vocab * (p * sum_w - w)) / denom \
+            + 2 * z * lse[:, None] * p / count
         if cap > 0:
             d = d * (1 - (xc / cap) ** 2)
         go = grad_output.float() if grad_output is not None else torch.ones((), device=x.device)
         go = go.reshape(-1, 1) if reduction == 0 else go.reshape(())
-        grad = d * valid[:, None] * go * grad_scale / denom
+        grad = d * valid[:, None] * go * grad_scale
     return rows, total, ztotal, lse, xc.argmax(-1), grad
 
 

@@ -228,9 +228,9 @@ inline constexpr std::int64_t kCeGradWideCols = 65536;
 // The resident kernels' largest cluster (beyond the portable 8: allowed per kernel on sm_90).
 inline constexpr int kCeResMaxCluster = 16;
 // A resident kernel's shape for a row of nvec 16-byte vectors: csize blocks of `threads` threads,
-// each thread holding up to `vecs` vectors, slice vectors per block; csize 0 (the row then takes
-// the row kernel) when the row needs more than kCeResMaxCluster blocks, or fits one block: the
-// blocks' messages (distributed shared memory) need a cluster of two blocks or more.
+// each thread holding up to `vecs` vectors, slice vectors per block (a row that fits one block takes
+// one, with no messages); csize 0 (the row then takes the row kernel) when the row needs more than
+// kCeResMaxCluster blocks, or has fewer vectors than a block has threads.
 struct CeResShape {
   int csize = 0;
   int slice = 0;
@@ -239,7 +239,7 @@ constexpr CeResShape ce_res_shape(std::int64_t nvec, int threads, int vecs) {
   CeResShape s;
   if (nvec <= 0) return s;
   const std::int64_t c = ceil_div<std::int64_t>(nvec, static_cast<std::int64_t>(threads) * vecs);
-  if (c < 2 || c > kCeResMaxCluster) return s;
+  if (nvec < threads || c > kCeResMaxCluster) return s;
   s.csize = static_cast<int>(c);
   s.slice = static_cast<int>(ceil_div<std::int64_t>(nvec, c));
   return s;
@@ -258,8 +258,8 @@ constexpr bool whole_warps(int threads, int lo, int hi) { return threads % 32 ==
 // rows, a resident kernel (one row per thread-block cluster, the row held in registers, so the
 // logits are read once and the gradient written from registers): the plain one for the common case
 // (no class weights, smoothing, softcap, bias, argmax or split statistics), the optioned one for
-// any of those; otherwise (the loss alone without options, the split finalize, rows that fit one
-// block or need over 16), the row kernel (one row per block, a statistics pass and a gradient pass
+// any of those and for the split finalize; otherwise (the loss alone without options, rows that fit
+// one block or need over 16), the row kernel (one row per block, a statistics pass and a gradient pass
 // that re-reads the row, from L2 where it stayed).
 struct CrossEntropyPolicy {
   // Row kernel: block size, and the block size with a gradient on rows over 65536 columns.
@@ -276,11 +276,15 @@ struct CrossEntropyPolicy {
   static constexpr int kResAhead = 32;
   // Whether the loss alone (no gradient) takes the plain resident kernel (else the row kernel).
   static constexpr bool kResLoss = false;
-  // Optioned resident kernel: the same four, with fp32 logits in registers.
-  static constexpr int kOptThreads = 512;
-  static constexpr int kOptVecs = 4;
-  static constexpr int kOptMinBlocks = 2;
+  // Optioned resident kernel: the same four.
+  static constexpr int kOptThreads = 256;
+  static constexpr int kOptVecs = 8;
+  static constexpr int kOptMinBlocks = 4;
   static constexpr int kOptAhead = 32;
+  // The softcap's tanh on 16-bit logits in the resident kernel: the special-function unit's
+  // tanh.approx (true; relative error under 2^-10.9) or the fp32-accurate rational form (false).
+  // fp32 logits always take the rational form.
+  static constexpr bool kCapApproxTanh = true;
   // Whether the loss alone with options takes the optioned resident kernel (else the row kernel).
   static constexpr bool kOptLoss = true;
   // Rows shorter than this take the row kernel (columns).
@@ -330,6 +334,30 @@ template <class T, class I>
   TIGON_CHECK(detail::validate(args, "cross_entropy_workspace_bytes"));
   bytes = detail::ce_workspace_bytes(args.rows);
   return Status();
+}
+
+// The rows whose target was neither ignore_index nor in [0, vocab), as counted in `error_count` (the
+// device int of CrossEntropyArgs::error_count, linear-cross-entropy's loss.error_count) by every
+// launch since the counter was last zeroed: waits for `stream`, returns an invalid_value status
+// naming the count, the vocabulary and ignore_index when it is not zero, and zeroes the counter when
+// `reset`. A synchronising call, so not one to capture in a CUDA graph: a trainer that captures its
+// step calls it after the replay (or every N steps; the count accumulates).
+[[nodiscard]] inline Status check_target_errors(int* error_count, std::int64_t vocab, std::int64_t ignore_index,
+                                                cudaStream_t stream, bool reset = true,
+                                                const char* op = "cross_entropy") {
+  TIGON_CHECK(check::not_null(error_count, op, "error_count"));
+  int n = 0;
+  TIGON_CHECK(Status::from_cuda(cudaMemcpyAsync(&n, error_count, sizeof(int), cudaMemcpyDeviceToHost, stream), op,
+                                "cudaMemcpyAsync"));
+  TIGON_CHECK(Status::from_cuda(cudaStreamSynchronize(stream), op, "cudaStreamSynchronize"));
+  if (n == 0) return Status();
+  if (reset) {
+    TIGON_CHECK(Status::from_cuda(cudaMemsetAsync(error_count, 0, sizeof(int), stream), op, "cudaMemsetAsync"));
+  }
+  return Status::error(Errc::invalid_value, op, "targets",
+                       std::to_string(n) + " row(s) with a target outside [0, " + std::to_string(vocab) +
+                           ") that is not ignore_index (" + std::to_string(ignore_index) +
+                           "): their loss is NaN and their gradient zero");
 }
 
 #if defined(__CUDACC__)

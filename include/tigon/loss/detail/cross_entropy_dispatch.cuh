@@ -117,8 +117,9 @@ Status launch_ce_resident(const CeParams<T, I>& p, cudaStream_t stream, const ch
   return Status();
 }
 
-// The optioned resident kernel with the softcap and the bias as compile-time switches.
-template <class P, bool kCap, bool kBias, class T, class I>
+// The optioned resident kernel with the softcap (0: none, 1: rational tanh, 2: hardware tanh) and
+// the bias as compile-time switches.
+template <class P, int kCap, bool kBias, class T, class I>
 Status launch_ce_opt(const CeParams<T, I>& p, cudaStream_t stream, const char* op, bool& launched) {
   constexpr auto kernel =
       ce_resident_opt_kernel<T, I, kVecElems<T>, P::kOptThreads, P::kOptVecs, P::kOptMinBlocks, kCap, kBias>;
@@ -126,8 +127,7 @@ Status launch_ce_opt(const CeParams<T, I>& p, cudaStream_t stream, const char* o
 }
 
 // Which kernel takes a call: a resident kernel where one applies (sm_90+, 16-byte rows, 2 to
-// kCeResMaxCluster blocks a row, not the split vocabulary's finalize, which has its statistics),
-// else the row kernel.
+// kCeResMaxCluster blocks a row), else the row kernel.
 template <class P = CrossEntropyPolicy, class T, class I>
 Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   constexpr int kV = kVecElems<T>;
@@ -136,7 +136,7 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
     const bool plain = ce_plain(p);
     const bool writes = p.dx != nullptr || p.stats_out != nullptr;
     const bool wanted = plain ? (p.dx != nullptr || P::kResLoss) : (writes || P::kOptLoss);
-    if (vec && wanted && p.stats == nullptr && p.vocab >= P::kResMinCols) {
+    if (vec && wanted && p.vocab >= P::kResMinCols) {
       DeviceInfo dev;
       TIGON_CHECK(current_device_info(dev));
       if (dev.cc_major >= 9) {
@@ -145,11 +145,12 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
           constexpr auto kernel = ce_resident_kernel<T, I, kV, P::kResThreads, P::kResVecs, P::kResMinBlocks>;
           TIGON_CHECK((launch_ce_resident<kernel, P::kResThreads, P::kResVecs, P::kResAhead>(p, stream, op, launched)));
         } else if (p.cap > 0.0f) {
-          TIGON_CHECK((p.bias != nullptr ? launch_ce_opt<P, true, true>(p, stream, op, launched)
-                                        : launch_ce_opt<P, true, false>(p, stream, op, launched)));
+          constexpr int kCap = (P::kCapApproxTanh && sizeof(T) == 2) ? 2 : 1;
+          TIGON_CHECK((p.bias != nullptr ? launch_ce_opt<P, kCap, true>(p, stream, op, launched)
+                                        : launch_ce_opt<P, kCap, false>(p, stream, op, launched)));
         } else {
-          TIGON_CHECK((p.bias != nullptr ? launch_ce_opt<P, false, true>(p, stream, op, launched)
-                                        : launch_ce_opt<P, false, false>(p, stream, op, launched)));
+          TIGON_CHECK((p.bias != nullptr ? launch_ce_opt<P, 0, true>(p, stream, op, launched)
+                                        : launch_ce_opt<P, 0, false>(p, stream, op, launched)));
         }
         if (launched) return Status();
       }

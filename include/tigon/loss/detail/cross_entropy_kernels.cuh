@@ -176,15 +176,24 @@ template <class T, class I>
 TIGON_DEVICE float ce_grad_scale(const CeParams<T, I>& p, std::int64_t row, bool skip) {
   if (skip) return 0.0f;
   const float up = p.grad_output == nullptr ? 1.0f : p.grad_output[p.reduction == Reduction::none ? row : 0];
-  const float den = p.reduction == Reduction::mean ? *p.denom : 1.0f;
+  const float den = p.reduction == Reduction::mean ? p.denom[0] : 1.0f;
   return p.grad_scale * up / den;
+}
+
+// The z-loss scale as the gradient formulas take it, relative to the cross-entropy part's factor:
+// the mean divides the cross-entropy part by the non-ignored targets' weight sum (denom[0]) and
+// the z-loss part by their count (denom[1]), so with class weights z is scaled by their ratio.
+template <class T, class I>
+TIGON_DEVICE float ce_z_grad(const CeParams<T, I>& p) {
+  if (p.z == 0.0f || p.weights == nullptr || p.reduction != Reduction::mean) return p.z;
+  return p.z * (p.denom[0] / p.denom[1]);
 }
 
 // The gradient of one vector of logits (vector index i), written to dr.
 template <class T, class I, int kV>
 TIGON_DEVICE void ce_grad_vec(const CeParams<T, I>& p, const AlignedVec<T, kV>& raw, int i, T* dr,
-                              std::int64_t t, const ce_math::RowTerms& terms, float scale, const float* wcol,
-                              std::uint64_t policy) {
+                              std::int64_t t, const ce_math::RowTerms& terms, float scale, float zg,
+                              const float* wcol, std::uint64_t policy) {
   const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
   float x[kV];
   to_x<T, kV>(raw, p.bias, c0, p.cap, x);
@@ -196,7 +205,7 @@ TIGON_DEVICE void ce_grad_vec(const CeParams<T, I>& p, const AlignedVec<T, kV>& 
     if (scale != 0.0f) {
       const float pr = exp2_ftz(fmaf(x[k], kLog2e, -terms.lse * kLog2e));
       const float w = wcol != nullptr ? wcol[c] : 1.0f;
-      v = ce_math::grad(pr, c == t, w, terms, p.eps, p.z, p.total_vocab) * ce_math::softcap_grad(x[k], p.cap) *
+      v = ce_math::grad(pr, c == t, w, terms, p.eps, zg, p.total_vocab) * ce_math::softcap_grad(x[k], p.cap) *
           scale;
     }
     g.v[k] = from_float<T>(v);
@@ -230,10 +239,10 @@ struct CePlainRow {
 };
 template <class T, class I, int kV>
 TIGON_DEVICE CePlainRow ce_plain_row(const CeParams<T, I>& p, std::int64_t t, const ce_math::RowTerms& terms,
-                                     float scale) {
+                                     float scale, float zg) {
   CePlainRow r;
   r.neg_lse2 = -terms.lse * kLog2e;
-  r.factor = scale == 0.0f ? 0.0f : scale * (terms.w_t + 2.0f * p.z * terms.lse);
+  r.factor = scale == 0.0f ? 0.0f : scale * (terms.w_t + 2.0f * zg * terms.lse);
   r.t_vec = (t >= 0 && t < p.vocab) ? static_cast<int>(t / kV) : -1;
   return r;
 }
@@ -241,15 +250,15 @@ TIGON_DEVICE CePlainRow ce_plain_row(const CeParams<T, I>& p, std::int64_t t, co
 // One vector's gradient: the plain path unless it holds the target (or the instance is general).
 template <class T, class I, int kV, bool kFast>
 TIGON_DEVICE void ce_grad_any(const CeParams<T, I>& p, const AlignedVec<T, kV>& raw, int i, T* dr, std::int64_t t,
-                              const ce_math::RowTerms& terms, float scale, const float* wcol, std::uint64_t policy,
-                              const CePlainRow& pr) {
+                              const ce_math::RowTerms& terms, float scale, float zg, const float* wcol,
+                              std::uint64_t policy, const CePlainRow& pr) {
   if constexpr (kFast && kV > 1) {  // the 16-byte vector instances
     if (i != pr.t_vec) {
       ce_grad_vec_plain<T, kV>(raw, i, dr, pr.neg_lse2, pr.factor, policy);
       return;
     }
   }
-  ce_grad_vec<T, I, kV>(p, raw, i, dr, t, terms, scale, wcol, policy);
+  ce_grad_vec<T, I, kV>(p, raw, i, dr, t, terms, scale, zg, wcol, policy);
 }
 
 // Pass 1 over vectors [lo, hi) of row xr into this thread's statistics: vectors lo + tid,
@@ -286,7 +295,8 @@ template <class T, class I, int kV, int kThreads, int kU, bool kFast = false>
 TIGON_DEVICE void ce_grad_range(const CeParams<T, I>& p, const T* xr, T* dr, int lo, int hi, std::int64_t t,
                                 const ce_math::RowTerms& terms, float scale, const float* wcol,
                                 std::uint64_t drop) {
-  const CePlainRow pr = ce_plain_row<T, I, kV>(p, t, terms, scale);
+  const float zg = ce_z_grad(p);
+  const CePlainRow pr = ce_plain_row<T, I, kV>(p, t, terms, scale, zg);
   int i = hi - 1 - static_cast<int>(threadIdx.x);
   for (; i - (kU - 1) * kThreads >= lo; i -= kU * kThreads) {
     AlignedVec<T, kV> raw[kU];
@@ -294,12 +304,12 @@ TIGON_DEVICE void ce_grad_range(const CeParams<T, I>& p, const T* xr, T* dr, int
     for (int u = 0; u < kU; ++u) raw[u] = load_vec_policy<kV>(xr + (i - u * kThreads) * kV, drop);
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      ce_grad_any<T, I, kV, kFast>(p, raw[u], i - u * kThreads, dr, t, terms, scale, wcol, drop, pr);
+      ce_grad_any<T, I, kV, kFast>(p, raw[u], i - u * kThreads, dr, t, terms, scale, zg, wcol, drop, pr);
     }
   }
   for (; i >= lo; i -= kThreads) {
     ce_grad_any<T, I, kV, kFast>(p, load_vec_policy<kV>(xr + static_cast<std::int64_t>(i) * kV, drop), i, dr, t,
-                                 terms, scale, wcol, drop, pr);
+                                 terms, scale, zg, wcol, drop, pr);
   }
 }
 
@@ -474,8 +484,11 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   __shared__ float row_lse, row_xt;
   const unsigned csize = cluster_blocks();
   const unsigned rank = cluster_rank();
-  if (threadIdx.x == 0) mbarrier_init(&bar);  // completes after one arrival and the messages' bytes
-  cluster_arrive_relaxed();  // this block's barrier is ready for the cluster's messages (the init's fence releases it)
+  const bool solo = csize == 1;  // a row in one block: no messages
+  if (!solo) {
+    if (threadIdx.x == 0) mbarrier_init(&bar);  // completes after one arrival and the messages' bytes
+    cluster_arrive_relaxed();  // this block's barrier is ready for the cluster's messages (the init's fence releases it)
+  }
   detail::grid_dependency_sync();
   const CeParams<T, I> p = ce_specialise<true>(params);
   const std::int64_t row = row0 + blockIdx.x / csize;
@@ -527,27 +540,30 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   warp_allreduce_sum<32>(s);
   if ((tid & 31) == 0) part[tid >> 5] = make_float2(m[0], s[0]);
   __syncthreads();
-  cluster_wait();  // every block's barrier is ready (pairs cluster_arrive_relaxed above)
+  if (!solo) cluster_wait();  // every block's barrier is ready (pairs cluster_arrive_relaxed above)
   if (tid < 32) {  // warp 0: the block's statistics, the messages, the row's
     const int lane = tid;
     float bm, bs;
     const float2 mine_part = lane < kWarps ? part[lane] : make_float2(0.0f, 0.0f);
     ce_merge_lanes(lane, mine_part.x, mine_part.y, kWarps, bm, bs);
-    // The one arrival, announcing the messages' bytes (some may have landed already); then lane r
-    // sends this block's statistics to block r.
-    if (lane == 0) mbarrier_arrive_expect_tx(&bar, csize * static_cast<unsigned>(sizeof(float4)));
     xt = __shfl_sync(0xffffffffu, xt, 0);  // lane 0 (thread 0) read it; every lane's message carries it
-    if (lane < static_cast<int>(csize)) {
-      cluster_store_async_f4(cluster_smem_addr(&slots[rank], static_cast<unsigned>(lane)),
-                             cluster_smem_addr(&bar, static_cast<unsigned>(lane)), bm, bs, xt, 0.0f);
+    float tm = bm, ts = bs;
+    if (!solo) {
+      // The one arrival, announcing the messages' bytes (some may have landed already); then lane r
+      // sends this block's statistics to block r.
+      if (lane == 0) mbarrier_arrive_expect_tx(&bar, csize * static_cast<unsigned>(sizeof(float4)));
+      if (lane < static_cast<int>(csize)) {
+        cluster_store_async_f4(cluster_smem_addr(&slots[rank], static_cast<unsigned>(lane)),
+                               cluster_smem_addr(&bar, static_cast<unsigned>(lane)), bm, bs, xt, 0.0f);
+      }
+      mbarrier_wait<true>(&bar, 0);  // every block's message has arrived
+      const float4 msg = lane < static_cast<int>(csize) ? slots[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      ce_merge_lanes(lane, msg.x, msg.y, static_cast<int>(csize), tm, ts);
+      xt = __shfl_sync(0xffffffffu, msg.z, 0);  // block 0's message carries the target's logit
     }
-    mbarrier_wait<true>(&bar, 0);  // every block's message has arrived
-    const float4 msg = lane < static_cast<int>(csize) ? slots[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    float tm, ts;
-    ce_merge_lanes(lane, msg.x, msg.y, static_cast<int>(csize), tm, ts);
     if (lane == 0) {
       row_lse = tm + logf(ts);
-      row_xt = msg.z;  // block 0's message carries the target's logit
+      row_xt = xt;
       if (rank == 0) {
         const bool ignored = t_raw == p.ignore_index;
         const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
@@ -631,28 +647,50 @@ TIGON_DEVICE void ce_argmax_lanes(int lane, int n, float& v, unsigned& c) {
   }
 }
 
-// The resident kernel for every option (class weights, label smoothing, softcap, bias, argmax and
-// the split-vocabulary statistics pass; the default for them on sm_90+ with 16-byte rows): the
-// plain kernel's structure, with each thread's logits held in registers in fp32 after the bias and
-// the softcap (kBias, kCap: compile-time, so that a call without them pays nothing), each
-// element's softcap computed once. A block's message is two 16-byte stores: (max, sum of exp, the
-// target's logit) and (sum of w_i x_i, sum of w_i, the block's largest logit and its first column).
-template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks, bool kCap, bool kBias>
+// The softcapped logit cap * tanh(u), u = x / cap: kCap 1 the rational tanh (ce_math::tanh_rational,
+// accurate to fp32), kCap 2 the special-function unit's tanh.approx.f32 (relative error under
+// 2^-10.9, a quarter of a bfloat16 rounding; one instruction instead of a dozen FMAs and a divide).
+template <int kCap>
+TIGON_DEVICE float ce_tanh(float u) {
+  if constexpr (kCap == 2) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(u));
+    return y;
+  } else {
+    return ce_math::tanh_rational(u);
+  }
+}
+
+// The resident kernel for every option (class weights, label smoothing, softcap, bias, argmax, the
+// split-vocabulary statistics and finalize passes; the default for them on sm_90+ with 16-byte
+// rows): the plain kernel's structure and registers, the raw 16-byte vectors held, and the logits
+// formed from them (bias added, softcap applied) each time a pass needs them, in fp32. kCap (0:
+// none, 1: rational tanh, 2: hardware tanh) and kBias are compile-time, so that a call without
+// them pays nothing; smoothing, weights and argmax are uniform branches per thread. A block's
+// message is one 16-byte store (max, sum of exp, the target's logit), and a second (sum of w_i x_i,
+// sum of w_i, the block's largest logit and its first column) when smoothing or argmax needs it.
+// Given merged statistics (finalize), a block writes its slice's gradient with no exchange.
+template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks, int kCap, bool kBias>
 TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel(const CeParams<T, I> p,
                                                                                   std::int64_t row0, int slice,
                                                                                   int ahead) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kWarps = kThreads / 32;
   constexpr unsigned kNoCol = 0xffffffffu;
+  constexpr float kNegInf = -__builtin_huge_valf();
   __shared__ std::uint64_t bar;
   __shared__ float4 slots[2 * kCeResMaxCluster];  // [block]: statistics; [kCeResMaxCluster + block]: sums, argmax
   __shared__ float2 part[kWarps];                 // per warp: max, sum of exp
   __shared__ float4 part_w[kWarps];               // per warp: sum of w_i x_i, sum of w_i, largest logit, its column
   __shared__ float row_lse, row_xt, row_swx, row_sw;
+  const bool exchange = p.stats == nullptr;  // finalize: the merged statistics are given
   const unsigned csize = cluster_blocks();
   const unsigned rank = cluster_rank();
-  if (threadIdx.x == 0) mbarrier_init(&bar);
-  cluster_arrive_relaxed();
+  const bool solo = csize == 1;  // a row in one block: no messages
+  if (exchange && !solo) {
+    if (threadIdx.x == 0) mbarrier_init(&bar);
+    cluster_arrive_relaxed();
+  }
   detail::grid_dependency_sync();
   const std::int64_t row = row0 + blockIdx.x / csize;
   const int nvec = static_cast<int>(p.vocab / kV);
@@ -667,188 +705,252 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     prefetch_l2_bulk(p.x + (row + ahead) * p.xs + static_cast<std::int64_t>(v0) * kV,
                      static_cast<unsigned>(min(slice, nvec - v0)) * 16u);
   }
+  AlignedVec<T, kV> raw[kVecs];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (j * kThreads < mine) raw[j] = load_vec_policy<kV>(xv + j * kThreads * kV, drop);
+  }
   const bool smooth = p.eps > 0.0f;
   const bool want_arg = p.argmax != nullptr || p.stats_out != nullptr;
   const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
   const float cap = kCap ? p.cap : 0.0f;
   const float inv_cap = kCap ? 1.0f / p.cap : 0.0f;
-  // This thread's logits, bias and softcap applied (-inf past the slice's end).
-  float x[kVecs][kV];
-  {
-    AlignedVec<T, kV> raw[kVecs];
+  // Vector j's logits: bias added, softcap applied.
+  auto logits = [&](int j, float (&x)[kV]) {
+    to_floats(raw[j], x);
+    if constexpr (kBias) {
+      const AlignedVec<T, kV> b = load_vec<kV>(p.bias + static_cast<std::int64_t>(first + j * kThreads) * kV);
 #pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      if (j * kThreads < mine) raw[j] = load_vec_policy<kV>(xv + j * kThreads * kV, drop);
+      for (int k = 0; k < kV; ++k) x[k] += to_float(b.v[k]);
     }
+    if constexpr (kCap != 0) {
 #pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      if (j * kThreads < mine) {
-        to_floats(raw[j], x[j]);
-        if constexpr (kBias) {
-          const AlignedVec<T, kV> b = load_vec<kV>(p.bias + static_cast<std::int64_t>(first + j * kThreads) * kV);
-#pragma unroll
-          for (int k = 0; k < kV; ++k) x[j][k] += to_float(b.v[k]);
-        }
-        if constexpr (kCap) {
-#pragma unroll
-          for (int k = 0; k < kV; ++k) x[j][k] = cap * ce_math::tanh_rational(x[j][k] * inv_cap);
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < kV; ++k) x[j][k] = -__builtin_huge_valf();
-      }
+      for (int k = 0; k < kV; ++k) x[k] = cap * ce_tanh<kCap>(x[k] * inv_cap);
     }
-  }
+  };
   const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
   const std::int64_t t = t_raw - p.col0;
   const bool in_row = t >= 0 && t < p.vocab;
-  float xt = 0.0f;
-  if (rank == 0 && tid == 0 && in_row) xt = ce_logit(p, p.x[row * p.xs + t], t);
-  // The thread's max, the warp's, then the sum of exp relative to the warp's max.
-  float tmax = -__builtin_huge_valf();
+  float lse, x_t, sum_wx, sum_w;
+  if (exchange) {
+    float xt = 0.0f;
+    if (rank == 0 && tid == 0 && in_row) {
+      xt = to_float(p.x[row * p.xs + t]) + (kBias ? to_float(p.bias[t]) : 0.0f);
+      if constexpr (kCap != 0) xt = cap * ce_tanh<kCap>(xt * inv_cap);
+    }
+    // The thread's largest logit (and, for argmax, its first column). Without a bias the raw
+    // values order the logits (the softcap is monotonic), so the max is taken on them, packed.
+    float tmax;
+    float av = kNegInf;
+    unsigned ac = kNoCol;
+    if constexpr (!kBias) {
+      CePackedMax<T> mx;
 #pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
+      for (int j = 0; j < kVecs; ++j) {
+        if (j * kThreads < mine) mx.add(raw[j]);
+      }
+      const float rmax = mx.value();
+      if (want_arg && rmax != kNegInf) {  // the first column holding it
 #pragma unroll
-    for (int k = 0; k < kV; ++k) tmax = fmaxf(tmax, x[j][k]);
-  }
-  float m[1] = {tmax};
-  warp_allreduce<32>(m, MaxOp{});
-  const float mb = m[0] == -__builtin_huge_valf() ? 0.0f : m[0] * kLog2e;
-  float s[1] = {0.0f};
+        for (int j = kVecs - 1; j >= 0; --j) {
+          if (j * kThreads < mine) {
+            float x[kV];
+            to_floats(raw[j], x);
 #pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
+            for (int k = kV - 1; k >= 0; --k) {
+              if (x[k] == rmax) ac = static_cast<unsigned>((first + j * kThreads) * kV + k);
+            }
+          }
+        }
+      }
+      tmax = kCap != 0 && rmax != kNegInf ? cap * ce_tanh<kCap>(rmax * inv_cap) : rmax;
+      av = tmax;
+    } else {
+      tmax = kNegInf;
 #pragma unroll
-    for (int k = 0; k < kV; ++k) s[0] += exp2_ftz(fmaf(x[j][k], kLog2e, -mb));
-  }
-  warp_allreduce_sum<32>(s);
-  // The warp's largest logit and its first column (columns rise with j, then k).
-  float av = -__builtin_huge_valf();
-  unsigned ac = kNoCol;
-  if (want_arg) {
+      for (int j = 0; j < kVecs; ++j) {
+        if (j * kThreads < mine) {
+          float x[kV];
+          logits(j, x);
 #pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      if (j * kThreads < mine) {
+          for (int k = 0; k < kV; ++k) {
+            if (x[k] > tmax) {
+              tmax = x[k];
+              ac = static_cast<unsigned>((first + j * kThreads) * kV + k);
+            }
+          }
+        }
+      }
+      av = tmax;
+    }
+    float m[1] = {tmax};
+    warp_allreduce<32>(m, MaxOp{});
+    const float mb = m[0] == kNegInf ? 0.0f : m[0] * kLog2e;
+    // The sum of exp relative to the warp's max, and the smoothing sums, in one walk of the logits.
+    float s[1] = {0.0f};
+    float sw2[2] = {0.0f, 0.0f};  // sum of w_i x_i, sum of w_i
+    auto walk = [&](auto smooth_c) {
+      constexpr bool kSmooth = decltype(smooth_c)::value;
 #pragma unroll
-        for (int k = 0; k < kV; ++k) {
-          if (x[j][k] > av) {
-            av = x[j][k];
-            ac = static_cast<unsigned>((first + j * kThreads) * kV + k);
+      for (int j = 0; j < kVecs; ++j) {
+        if (j * kThreads < mine) {
+          float x[kV];
+          logits(j, x);
+#pragma unroll
+          for (int k = 0; k < kV; ++k) s[0] += exp2_ftz(fmaf(x[k], kLog2e, -mb));
+          if constexpr (kSmooth) {
+            if (wcol != nullptr) {
+              const int c0 = (first + j * kThreads) * kV;
+#pragma unroll
+              for (int k = 0; k < kV; ++k) {
+                const float w = wcol[c0 + k];
+                sw2[0] = fmaf(w, x[k], sw2[0]);
+                sw2[1] += w;
+              }
+            } else {
+#pragma unroll
+              for (int k = 0; k < kV; ++k) sw2[0] += x[k];
+              sw2[1] += static_cast<float>(kV);
+            }
+          }
+        }
+      }
+    };
+    if (smooth) {
+      walk(std::true_type{});
+    } else {
+      walk(std::false_type{});
+    }
+    warp_allreduce_sum<32>(s);
+    const bool second = smooth || want_arg;  // the second message
+    if (smooth) warp_allreduce_sum<32>(sw2);
+    if (want_arg) ce_argmax_lanes(lane_id, 32, av, ac);
+    if (lane_id == 0) {
+      part[tid >> 5] = make_float2(m[0], s[0]);
+      part_w[tid >> 5] = make_float4(sw2[0], sw2[1], av, __uint_as_float(ac));
+    }
+    __syncthreads();
+    if (!solo) cluster_wait();
+    if (tid < 32) {  // warp 0: the block's statistics, the messages, the row's
+      const int lane = tid;
+      const float2 pm = lane < kWarps ? part[lane] : make_float2(0.0f, 0.0f);
+      float bm, bs;
+      ce_merge_lanes(lane, pm.x, pm.y, kWarps, bm, bs);
+      const float4 pw = lane < kWarps ? part_w[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      float bsum[2] = {lane < kWarps ? pw.x : 0.0f, lane < kWarps ? pw.y : 0.0f};
+      if (smooth) warp_allreduce_sum<32>(bsum);
+      float bv = pw.z;
+      unsigned bc = __float_as_uint(pw.w);
+      if (want_arg) ce_argmax_lanes(lane, kWarps, bv, bc);
+      xt = __shfl_sync(0xffffffffu, xt, 0);
+      float tm = bm, ts = bs, rsum[2] = {bsum[0], bsum[1]}, rv = bv, row_x = xt;
+      unsigned rc = bc;
+      if (!solo) {
+        const unsigned per_block = (second ? 2u : 1u) * static_cast<unsigned>(sizeof(float4));
+        if (lane == 0) mbarrier_arrive_expect_tx(&bar, csize * per_block);
+        if (lane < static_cast<int>(csize)) {
+          const auto to = static_cast<unsigned>(lane);
+          cluster_store_async_f4(cluster_smem_addr(&slots[rank], to), cluster_smem_addr(&bar, to), bm, bs, xt, 0.0f);
+          if (second) {
+            cluster_store_async_f4(cluster_smem_addr(&slots[kCeResMaxCluster + rank], to),
+                                   cluster_smem_addr(&bar, to), bsum[0], bsum[1], bv, __uint_as_float(bc));
+          }
+        }
+        mbarrier_wait<true>(&bar, 0);
+        const bool from = lane < static_cast<int>(csize);
+        const float4 msg = from ? slots[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const float4 msg_w = (from && second) ? slots[kCeResMaxCluster + lane]
+                                              : make_float4(0.0f, 0.0f, kNegInf, __uint_as_float(kNoCol));
+        ce_merge_lanes(lane, msg.x, msg.y, static_cast<int>(csize), tm, ts);
+        rsum[0] = from ? msg_w.x : 0.0f;
+        rsum[1] = from ? msg_w.y : 0.0f;
+        if (smooth) warp_allreduce_sum<32>(rsum);
+        rv = msg_w.z;
+        rc = __float_as_uint(msg_w.w);
+        if (want_arg) ce_argmax_lanes(lane, static_cast<int>(csize), rv, rc);
+        row_x = __shfl_sync(0xffffffffu, msg.z, 0);  // block 0's message carries the target's logit
+      }
+      if (lane == 0) {
+        row_lse = tm + logf(ts);
+        row_xt = row_x;
+        row_swx = rsum[0];
+        row_sw = rsum[1];
+        if (rank == 0) {
+          const std::int64_t best = (rc == kNoCol ? 0 : static_cast<std::int64_t>(rc)) + p.col0;
+          const CeAcc total{tm, ts, rsum[0], rsum[1], rv, best};
+          if (p.stats_out != nullptr) {
+            CrossEntropyStats st{};
+            st.max = tm;
+            st.sumexp = ts;
+            st.has_target = in_row ? 1 : 0;
+            st.target_logit = row_x;
+            st.target_weight = (in_row && p.weights != nullptr) ? p.weights[t_raw] : 1.0f;
+            st.sum_wx = rsum[0];
+            st.sum_w = rsum[1];
+            st.argmax_value = rv;
+            st.argmax = best;
+            p.stats_out[row] = st;
+          } else {
+            const bool ignored = t_raw == p.ignore_index;
+            const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
+            ce_write_row(p, row, ce_row_terms(p, row, total, row_lse, row_x, t_raw, ignored || bad), total,
+                         ignored, bad);
           }
         }
       }
     }
-    ce_argmax_lanes(lane_id, 32, av, ac);
-  }
-  float sw2[2] = {0.0f, 0.0f};  // sum of w_i x_i, sum of w_i
-  if (smooth) {
-#pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      if (j * kThreads < mine) {
-        const int c0 = (first + j * kThreads) * kV;
-#pragma unroll
-        for (int k = 0; k < kV; ++k) {
-          const float w = wcol != nullptr ? wcol[c0 + k] : 1.0f;
-          sw2[0] = fmaf(w, x[j][k], sw2[0]);
-          sw2[1] += w;
-        }
-      }
+    if (p.dx == nullptr || p.stats_out != nullptr) return;
+    __syncthreads();
+    lse = row_lse;
+    x_t = row_xt;
+    sum_wx = row_swx;
+    sum_w = row_sw;
+  } else {  // finalize: the row's statistics from the merged ones; block 0 writes the row's outputs
+    const CrossEntropyStats& st = p.stats[row];
+    lse = st.max + logf(st.sumexp);
+    x_t = st.target_logit;
+    sum_wx = st.sum_wx;
+    sum_w = st.sum_w;
+    if (rank == 0 && tid == 0) {
+      const bool ignored = t_raw == p.ignore_index;
+      const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
+      const CeAcc total{st.max, st.sumexp, st.sum_wx, st.sum_w, st.argmax_value, st.argmax};
+      ce_write_row(p, row, ce_row_terms(p, row, total, lse, x_t, t_raw, ignored || bad), total, ignored, bad);
     }
-    warp_allreduce_sum<32>(sw2);
+    if (p.dx == nullptr) return;
   }
-  if (lane_id == 0) {
-    part[tid >> 5] = make_float2(m[0], s[0]);
-    part_w[tid >> 5] = make_float4(sw2[0], sw2[1], av, __uint_as_float(ac));
-  }
-  __syncthreads();
-  cluster_wait();
-  if (tid < 32) {  // warp 0: the block's statistics, the messages, the row's
-    const int lane = tid;
-    const float2 pm = lane < kWarps ? part[lane] : make_float2(0.0f, 0.0f);
-    float bm, bs;
-    ce_merge_lanes(lane, pm.x, pm.y, kWarps, bm, bs);
-    const float4 pw = lane < kWarps ? part_w[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    float bsum[2] = {lane < kWarps ? pw.x : 0.0f, lane < kWarps ? pw.y : 0.0f};
-    if (smooth) warp_allreduce_sum<32>(bsum);
-    float bv = pw.z;
-    unsigned bc = __float_as_uint(pw.w);
-    if (want_arg) ce_argmax_lanes(lane, kWarps, bv, bc);
-    if (lane == 0) mbarrier_arrive_expect_tx(&bar, 2u * csize * static_cast<unsigned>(sizeof(float4)));
-    xt = __shfl_sync(0xffffffffu, xt, 0);
-    if (lane < static_cast<int>(csize)) {
-      const auto to = static_cast<unsigned>(lane);
-      cluster_store_async_f4(cluster_smem_addr(&slots[rank], to), cluster_smem_addr(&bar, to), bm, bs, xt, 0.0f);
-      cluster_store_async_f4(cluster_smem_addr(&slots[kCeResMaxCluster + rank], to), cluster_smem_addr(&bar, to),
-                             bsum[0], bsum[1], bv, __uint_as_float(bc));
-    }
-    mbarrier_wait<true>(&bar, 0);
-    const bool from = lane < static_cast<int>(csize);
-    const float4 msg = from ? slots[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    const float4 msg_w = from ? slots[kCeResMaxCluster + lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    float tm, ts;
-    ce_merge_lanes(lane, msg.x, msg.y, static_cast<int>(csize), tm, ts);
-    float rsum[2] = {from ? msg_w.x : 0.0f, from ? msg_w.y : 0.0f};
-    if (smooth) warp_allreduce_sum<32>(rsum);
-    float rv = msg_w.z;
-    unsigned rc = __float_as_uint(msg_w.w);
-    if (want_arg) ce_argmax_lanes(lane, static_cast<int>(csize), rv, rc);
-    const float row_x = __shfl_sync(0xffffffffu, msg.z, 0);  // block 0's message carries the target's logit
-    if (lane == 0) {
-      row_lse = tm + logf(ts);
-      row_xt = row_x;
-      row_swx = rsum[0];
-      row_sw = rsum[1];
-      if (rank == 0) {
-        const std::int64_t best = (rc == kNoCol ? 0 : static_cast<std::int64_t>(rc)) + p.col0;
-        const CeAcc total{tm, ts, rsum[0], rsum[1], rv, best};
-        if (p.stats_out != nullptr) {
-          CrossEntropyStats st{};
-          st.max = tm;
-          st.sumexp = ts;
-          st.has_target = in_row ? 1 : 0;
-          st.target_logit = row_x;
-          st.target_weight = (in_row && p.weights != nullptr) ? p.weights[t_raw] : 1.0f;
-          st.sum_wx = rsum[0];
-          st.sum_w = rsum[1];
-          st.argmax_value = rv;
-          st.argmax = best;
-          p.stats_out[row] = st;
-        } else {
-          const bool ignored = t_raw == p.ignore_index;
-          const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
-          ce_write_row(p, row, ce_row_terms(p, row, total, row_lse, row_x, t_raw, ignored || bad), total,
-                       ignored, bad);
-        }
-      }
-    }
-  }
-  if (p.dx == nullptr || p.stats_out != nullptr) return;
-  __syncthreads();
-  const float lse = row_lse;
   const bool skip = t_raw == p.ignore_index || t_raw < 0 || t_raw >= p.total_vocab;
   const float scale = ce_grad_scale(p, row, skip);
-  const CeAcc total{0.0f, 0.0f, row_swx, row_sw, 0.0f, 0};
-  const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, row_xt, t_raw, skip);
+  const float zg = ce_z_grad(p);
+  const CeAcc total{0.0f, 0.0f, sum_wx, sum_w, 0.0f, 0};
+  const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, x_t, t_raw, skip);
   // d loss / d x_i = (p_i * a - b * w_i) * softcap'(x_i) off the target (ce_math::grad regrouped):
   // a = scale ((1 - eps) w_t + eps / V * sum_w + 2 z lse), b = scale * eps / V.
   const float inv_v = 1.0f / static_cast<float>(p.total_vocab);
-  const float a = scale * ((1.0f - p.eps) * terms.w_t + p.eps * inv_v * terms.sum_w + 2.0f * p.z * lse);
+  const float a = scale * ((1.0f - p.eps) * terms.w_t + p.eps * inv_v * terms.sum_w + 2.0f * zg * lse);
   const float b = scale * p.eps * inv_v;
   const float neg_lse2 = -lse * kLog2e;
   T* dv = p.dx + row * p.dxs + static_cast<std::int64_t>(first) * kV;
-  // The element loop, with smoothing a compile-time switch.
+  // The element loop, with smoothing a compile-time switch; without it and for a > 0, log2(a)
+  // joins the exponent.
   auto write = [&](auto smooth_c) {
     constexpr bool kSmooth = decltype(smooth_c)::value;
+    const bool fold = !kSmooth && a > 0.0f;
+    const float e0 = fold ? neg_lse2 + __log2f(a) : neg_lse2;
+    const float a1 = fold ? 1.0f : a;
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       if (j * kThreads < mine) {
         const int c0 = (first + j * kThreads) * kV;
+        float x[kV];
+        logits(j, x);
         float g[kV];
 #pragma unroll
         for (int k = 0; k < kV; ++k) {
-          float v = exp2_ftz(fmaf(x[j][k], kLog2e, neg_lse2)) * a;
+          float v = exp2_ftz(fmaf(x[k], kLog2e, e0)) * a1;
           if constexpr (kSmooth) v -= b * (wcol != nullptr ? wcol[c0 + k] : 1.0f);
-          if constexpr (kCap) {
-            const float u = x[j][k] * inv_cap;
+          if constexpr (kCap != 0) {
+            const float u = x[k] * inv_cap;
             v *= fmaf(-u, u, 1.0f);
           }
           g[k] = v;
@@ -878,10 +980,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   if (in_row) {
     const int d = static_cast<int>(t / kV) - first;
     if (d >= 0 && d % kThreads == 0 && d / kThreads < kVecs && d < mine) {
-      const float pr = exp2_ftz(fmaf(row_xt, kLog2e, neg_lse2));
+      const float pr = exp2_ftz(fmaf(x_t, kLog2e, neg_lse2));
       const float w = wcol != nullptr ? wcol[t] : 1.0f;
-      p.dx[row * p.dxs + t] = from_float<T>(ce_math::grad(pr, true, w, terms, p.eps, p.z, p.total_vocab) *
-                                            ce_math::softcap_grad(row_xt, cap) * scale);
+      p.dx[row * p.dxs + t] = from_float<T>(ce_math::grad(pr, true, w, terms, p.eps, zg, p.total_vocab) *
+                                            ce_math::softcap_grad(x_t, cap) * scale);
     }
   }
 #else
@@ -894,27 +996,31 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
 
 // ---- The loss's small kernels ----
 
-// The mean's denominator: sum over non-ignored rows of w_t (1 without weights). One block, fixed
-
-// order. Also clears nothing else: the reduce kernel overwrites its outputs.
+// The mean's denominators: denom[0] the sum over non-ignored rows of w_t (their count without
+// weights), denom[1] their count. One block, fixed order.
 template <class I>
 TIGON_KERNEL void __launch_bounds__(1024)
     ce_denominator_kernel(const I* targets, std::int64_t rows, std::int64_t ignore_index,
                           const float* weights, std::int64_t vocab, float* denom) {
   detail::grid_dependency_sync();
-  using Reduce = BlockAllReduce<1024, 1>;
+  using Reduce = BlockAllReduce<1024, 2>;
   __shared__ typename Reduce::TempStorage tmp;
-  float s[1] = {0.0f};
+  float s[2] = {0.0f, 0.0f};
   for (std::int64_t r = threadIdx.x; r < rows; r += 1024) {
     const std::int64_t t = static_cast<std::int64_t>(targets[r]);
     if (t == ignore_index) continue;
     s[0] += (weights != nullptr && t >= 0 && t < vocab) ? weights[t] : 1.0f;
+    s[1] += 1.0f;
   }
   Reduce::sum(s, tmp);
-  if (threadIdx.x == 0) *denom = s[0];
+  if (threadIdx.x == 0) {
+    denom[0] = s[0];
+    denom[1] = s[1];
+  }
 }
 
-// loss = sum(loss_rows) (/ denominator), z_loss likewise; an all-ignored batch gives 0.
+// loss = (sum of the rows' cross-entropy parts) / denom[0] + (sum of their z parts) / denom[1]
+// under the mean (sums otherwise), z_loss the second term; an all-ignored batch gives 0.
 template <int kThreads = 1024>  // a template: a header's kernel needs one definition per program
 TIGON_KERNEL void __launch_bounds__(kThreads)
     ce_reduce_kernel(const float* loss_rows, const float* z_rows, std::int64_t rows,
@@ -929,10 +1035,13 @@ TIGON_KERNEL void __launch_bounds__(kThreads)
   }
   Reduce::sum(s, tmp);
   if (threadIdx.x == 0) {
-    const float d = mean ? *denom : 1.0f;
-    const float f = (mean && d == 0.0f) ? 0.0f : 1.0f / d;
-    if (loss != nullptr) loss[0] = (mean && d == 0.0f) ? 0.0f : s[0] * f;
-    if (z_loss != nullptr) z_loss[0] = (mean && d == 0.0f) ? 0.0f : s[1] * f;
+    float ce = s[0] - s[1], zl = s[1];
+    if (mean) {
+      ce = denom[0] == 0.0f ? 0.0f : ce / denom[0];
+      zl = denom[1] == 0.0f ? 0.0f : zl / denom[1];
+    }
+    if (loss != nullptr) loss[0] = ce + zl;
+    if (z_loss != nullptr) z_loss[0] = zl;
   }
 }
 

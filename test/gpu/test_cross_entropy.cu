@@ -172,13 +172,15 @@ void run_case(const Case& c) {
     INFO("grad: " << cg.bad << " of " << cg.n << " bad, worst #" << cg.worst << " score " << cg.worst_err
                   << " rel L2 " << cg.rel_l2);
     CHECK(cg.ok(2 * tol<T>()));
-    // The target's gradient, each row's largest, held to the dtype's relative bound on its own.
+    // The target's gradient, usually the row's largest, held to the dtype's relative bound on its
+    // own (with smoothing on a short row its terms can cancel: then to 1% of that bound times the
+    // largest gradient).
     int target_bad = 0;
     for (std::int64_t r = 0; r < c.rows; ++r) {
       if (t[r] < 0) continue;
       const double want = ref.grad[r * c.V + t[r]];
       const double got = to_float(gh[r * ld + t[r]]);
-      if (!(std::abs(got - want) <= 2 * tol<T>() * std::abs(want) + 1e-7)) ++target_bad;
+      if (!(std::abs(got - want) <= 2 * tol<T>() * std::abs(want) + 1e-2 * tol<T>() * scale + 1e-7)) ++target_bad;
     }
     INFO("target gradients off: " << target_bad);
     CHECK(target_bad == 0);

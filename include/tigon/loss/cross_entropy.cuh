@@ -281,10 +281,11 @@ struct CrossEntropyPolicy {
   static constexpr int kOptVecs = 8;
   static constexpr int kOptMinBlocks = 4;
   static constexpr int kOptAhead = 32;
-  // The softcap's tanh on 16-bit logits in the resident kernel: the special-function unit's
-  // tanh.approx (true; relative error under 2^-10.9) or the fp32-accurate rational form (false).
-  // fp32 logits always take the rational form.
-  static constexpr bool kCapApproxTanh = true;
+  // The softcap on bfloat16 logits in the optioned resident kernel: the tanh values of the first
+  // pass kept in registers as fp16 for the gradient (true), or computed again (false). 16-bit
+  // logits take the special-function unit's tanh.approx (relative error under 2^-10.9), fp32 the
+  // rational tanh.
+  static constexpr bool kCapKeepTanh = true;
   // Whether the loss alone with options takes the optioned resident kernel (else the row kernel).
   static constexpr bool kOptLoss = true;
   // Rows shorter than this take the row kernel (columns).

@@ -1,7 +1,8 @@
 // RoPE on the GPU against the Hugging Face formula in double precision: shapes with GQA / MQA and
 // odd sizes, both layouts for q and k independently, half-split and interleaved, partial rotary,
 // position ids (int64 / int32), per-batch tables, tables in another dtype, in place and out of
-// place, forward and backward; out-of-range positions give NaN without out-of-bounds reads.
+// place, forward and backward; odd head and rotary dims (Liger-Kernel's rule on Hugging Face's
+// tables); out-of-range positions give NaN without out-of-bounds reads.
 #include "gpu_test.cuh"
 
 #include <cmath>
@@ -20,7 +21,8 @@ struct Case {
   bool interleaved = false;
   bool q_bhtd = false, k_bhtd = false;  // layouts: [B, T, H, D] (false) or [B, H, T, D]
   int pos_ids = 0;                      // 0: none, 64: int64 ids, 32: int32 ids
-  bool batch_tables = false;            // [B, rows, rd] tables instead of one shared table
+  bool batch_tables = false;            // [B, rows, W] tables instead of one shared table
+  std::int64_t table_pad = 0;           // table rows W + pad apart (0: table_stride_t = 0, W)
   bool in_place = true;
   bool k_out_of_place = false;  // with in_place: q in place, k written to another buffer
   bool backward = false;
@@ -32,7 +34,8 @@ std::string describe(const Case& c) {
          " Hk" + std::to_string(c.Hk) + " D" + std::to_string(c.D) + " rd" + std::to_string(c.rd) +
          (c.interleaved ? " interleaved" : " half-split") + (c.q_bhtd ? " q:BHTD" : " q:BTHD") +
          (c.k_bhtd ? " k:BHTD" : " k:BTHD") + " pos" + std::to_string(c.pos_ids) +
-         (c.batch_tables ? " batch-tables" : "") + (c.in_place ? " in-place" : " out-of-place") +
+         (c.batch_tables ? " batch-tables" : "") +
+         (c.table_pad ? " table-pad" + std::to_string(c.table_pad) : "") + (c.in_place ? " in-place" : " out-of-place") +
          (c.in_place && c.k_out_of_place ? " (k out of place)" : "") +
          (c.backward ? " backward" : " forward") + (c.with_k ? "" : " q-only");
 }
@@ -57,16 +60,18 @@ void run_case(const Case& c) {
   const std::int64_t rd = c.rd == 0 ? c.D : c.rd;
   const std::int64_t rows = c.pos_ids ? c.T + 17 : c.T;
   const std::int64_t tables = c.batch_tables ? c.B : 1;
-  // HF tables: inv_freq_i = 10000^(-2i/rd), cos = cos(pos * inv_freq) duplicated per the style.
-  std::vector<C> cos_h(static_cast<std::size_t>(tables * rows * rd)), sin_h(cos_h.size());
+  // HF tables: inv_freq_i = 10000^(-2i/rd) for i < ceil(rd/2), cos = cos(pos * inv_freq) duplicated
+  // per the style: W = 2 * ceil(rd / 2) wide (rd + 1 for an odd rd), rows ts = W + pad apart.
+  const std::int64_t w = rd + rd % 2, ts = w + c.table_pad;
+  std::vector<C> cos_h(static_cast<std::size_t>(tables * rows * ts)), sin_h(cos_h.size());
   std::vector<double> cos_d(cos_h.size()), sin_d(cos_h.size());
   for (std::int64_t b = 0; b < tables; ++b)
     for (std::int64_t r = 0; r < rows; ++r)
-      for (std::int64_t d = 0; d < rd; ++d) {
-        const std::int64_t i = c.interleaved ? d / 2 : d % (rd / 2);
+      for (std::int64_t d = 0; d < ts; ++d) {
+        const std::int64_t i = c.interleaved ? d / 2 : d % (w / 2);
         const double inv = std::pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(rd));
-        const double ang = static_cast<double>(r + 3 * b) * inv;
-        const std::size_t k = static_cast<std::size_t>((b * rows + r) * rd + d);
+        const double ang = d < w ? static_cast<double>(r + 3 * b) * inv : 1e4;  // pad: never read
+        const std::size_t k = static_cast<std::size_t>((b * rows + r) * ts + d);
         cos_h[k] = from_float<C>(static_cast<float>(std::cos(ang)));
         sin_h[k] = from_float<C>(static_cast<float>(std::sin(ang)));
         cos_d[k] = to_float(cos_h[k]);
@@ -109,7 +114,8 @@ void run_case(const Case& c) {
   a.cos = cosb.ptr;
   a.sin = sinb.ptr;
   a.table_rows = rows;
-  a.table_stride_b = c.batch_tables ? rows * rd : 0;
+  a.table_stride_b = c.batch_tables ? rows * ts : 0;
+  a.table_stride_t = c.table_pad ? ts : 0;
   if (c.pos_ids == 64) a.position_ids = posb.ptr;
   if (c.pos_ids == 32) a.position_ids_i32 = pos32b.ptr;
 
@@ -133,7 +139,7 @@ void run_case(const Case& c) {
         for (std::int64_t h = 0; h < H; ++h) {
           const std::int64_t base = b * l.sb + t * l.st + h * l.sh;
           const std::int64_t row = c.pos_ids ? pos[static_cast<std::size_t>(b * c.T + t)] : t;
-          const std::size_t tb = static_cast<std::size_t>(((c.batch_tables ? b : 0) * rows + row) * rd);
+          const std::size_t tb = static_cast<std::size_t>(((c.batch_tables ? b : 0) * rows + row) * ts);
           const auto y = c.backward
                              ? tigon_ref::rope_head_backward(&in[base], &cos_d[tb], &sin_d[tb],
                                                              int(c.D), int(rd), c.interleaved)
@@ -338,6 +344,126 @@ TEST_CASE("rope: the token-block kernel (interleaved style)", "[rope][gpu]") {
   both_directions<bf16>(odd);  // scalar path, pass-through channels
   Case big{.B = 1, .T = 8192, .Hq = 32, .Hk = 8, .D = 128, .interleaved = true};
   both_directions<bf16>(big);
+}
+
+TEST_CASE("rope: odd head and rotary dims, every dtype, both styles", "[rope][gpu]") {
+  // An odd rotary_dim 2n + 1 rotates n pairs ((d, d + n) half split, (2d, 2d + 1) interleaved) and
+  // passes channel 2n through, with Hugging Face's 2n + 2 wide tables: Liger-Kernel's results for
+  // an odd head_dim. Every odd size takes the element-wise kernels (the one-head kernel, and the
+  // token-block kernel in the interleaved style).
+  const Case shapes[] = {
+      {.B = 9, .T = 7, .Hq = 41, .Hk = 41, .D = 41, .q_bhtd = true, .k_bhtd = true},  // Liger's test
+      {.B = 2, .T = 33, .Hq = 8, .Hk = 2, .D = 41},
+      {.B = 3, .T = 5, .Hq = 3, .Hk = 1, .D = 3},  // one pair and the odd channel
+      {.B = 2, .T = 19, .Hq = 4, .Hk = 2, .D = 127},
+      {.B = 1, .T = 3, .Hq = 2, .Hk = 1, .D = 1023},  // past the token-block kernel's 256 threads
+  };
+  for (Case c : shapes) {
+    for (bool inter : {false, true}) {
+      c.interleaved = inter;
+      both_directions<bf16>(c);
+      both_directions<half>(c);
+      both_directions<float>(c);
+      Case o = c;
+      o.in_place = false;
+      both_directions<bf16>(o);
+      o.with_k = false;
+      both_directions<float>(o);
+      Case m = c;
+      m.k_out_of_place = true;
+      m.q_bhtd = !c.q_bhtd;
+      both_directions<bf16, float>(m);
+    }
+  }
+  // The interleaved style past the token-block kernel's batch limit: the one-head kernel.
+  Case big{.B = 65537, .T = 1, .Hq = 2, .Hk = 1, .D = 3, .interleaved = true};
+  both_directions<bf16>(big);
+  big.in_place = false;
+  big.D = 5;
+  both_directions<half, float>(big);
+}
+
+TEST_CASE("rope: odd dims with position ids, tables, partial rotary, policies", "[rope][gpu]") {
+  for (bool inter : {false, true}) {
+    Case c{.B = 2, .T = 50, .Hq = 8, .Hk = 2, .D = 41, .interleaved = inter};
+    SECTION(std::string("odd, position ids and tables ") + (inter ? "interleaved" : "half")) {
+      c.pos_ids = 64;
+      both_directions<bf16>(c);
+      c.pos_ids = 32;
+      c.batch_tables = true;
+      both_directions<half, float>(c);
+      c.table_pad = 3;  // explicit table_stride_t
+      both_directions<bf16>(c);
+      c.pos_ids = 0;
+      c.batch_tables = false;
+      c.table_pad = 1;
+      both_directions<float>(c);
+    }
+    SECTION(std::string("odd partial rotary ") + (inter ? "interleaved" : "half")) {
+      c.D = 64;
+      c.rd = 33;
+      both_directions<bf16>(c);
+      c.in_place = false;  // the odd channel and the rest copied
+      both_directions<bf16>(c);
+      c.D = 128;
+      c.rd = 127;
+      both_directions<half>(c);
+      c.in_place = true;
+      c.k_out_of_place = true;
+      both_directions<float>(c);
+      c.D = 41;  // even partial of an odd head_dim
+      c.rd = 40;
+      both_directions<bf16>(c);
+      c.in_place = false;
+      c.rd = 3;
+      both_directions<bf16, float>(c);
+    }
+    SECTION(std::string("odd, head-group policies ") + (inter ? "interleaved" : "half")) {
+      both_directions<bf16, bf16, G4>(c);  // the element-wise path whatever the policy
+      both_directions<half, half, G3>(c);
+    }
+  }
+}
+
+TEST_CASE("rope: an out-of-range position with an odd head_dim", "[rope][gpu]") {
+  // The token's rotated channels are NaN; the odd channel passes through like the unrotated ones.
+  const std::int64_t B = 1, T = 4, H = 2, D = 41, W = 42;
+  const auto qh = gpu_test::random_values<bf16>(B * T * H * D, 0, 1, nullptr);
+  for (bool inter : {false, true}) {
+    INFO((inter ? "interleaved" : "half-split"));
+    DeviceBuffer<bf16> q(B * T * H * D), cs(T * W), sn(T * W);
+    q.upload(qh);
+    cs.upload(gpu_test::random_values<bf16>(T * W, 0, 1, nullptr));
+    sn.upload(gpu_test::random_values<bf16>(T * W, 0, 1, nullptr));
+    const std::vector<std::int64_t> pos = {0, -1, 2, 3};
+    DeviceBuffer<std::int64_t> pb(4);
+    pb.upload(pos);
+    RopeArgs<bf16> a;
+    a.q = {.in = q.ptr, .out = q.ptr, .heads = H, .stride_b = T * H * D, .stride_t = H * D, .stride_h = D};
+    a.batch = B;
+    a.seq = T;
+    a.head_dim = D;
+    a.cos = cs.ptr;
+    a.sin = sn.ptr;
+    a.table_rows = T;
+    a.position_ids = pb.ptr;
+    TIGON_OK(inter ? rope_forward<RopeInterleaved>(a, nullptr) : rope_forward(a, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto out = q.download();
+    for (std::int64_t t = 0; t < T; ++t)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t d = 0; d < D; ++d) {
+          const std::int64_t i = (t * H + h) * D + d;
+          const float v = to_float(out[i]);
+          if (d == D - 1) {
+            CHECK(v == to_float(qh[i]));
+          } else if (t == 1) {
+            CHECK(std::isnan(v));
+          } else {
+            CHECK(std::isfinite(v));
+          }
+        }
+  }
 }
 
 TEST_CASE("rope: an out-of-range position gives NaN for its token only", "[rope][gpu]") {

@@ -48,11 +48,17 @@ TEST_CASE("rope rejects bad arguments by name", "[rope][validation]") {
   a.seq = 0;
   expect(rope_forward(a, nullptr), Errc::invalid_size, "seq");
   a = good();
-  a.rotary_dim = 63;
+  a.rotary_dim = 1;  // no pair to rotate
+  expect(rope_forward(a, nullptr), Errc::invalid_size, "rotary_dim");
+  a = good();
+  a.rotary_dim = -2;
+  expect(rope_forward(a, nullptr), Errc::invalid_size, "rotary_dim");
+  a = good();
+  a.rotary_dim = 65;  // past head_dim
   expect(rope_forward(a, nullptr), Errc::invalid_size, "rotary_dim");
   a = good();
   a.rotary_dim = 128;
-  expect(rope_forward(a, nullptr), Errc::invalid_size, "rotary_dim");
+  expect(rope_forward<RopeInterleaved>(a, nullptr), Errc::invalid_size, "rotary_dim");
   a = good();
   a.head_dim = 2048;
   expect(rope_forward(a, nullptr), Errc::unsupported, "head_dim");
@@ -82,4 +88,43 @@ TEST_CASE("rope rejects bad arguments by name", "[rope][validation]") {
   a = good();
   a.k = {};
   CHECK(detail::validate(a, "rope_forward").ok());
+}
+
+TEST_CASE("rope accepts odd head and rotary dims", "[rope][validation]") {
+  // An odd rotary_dim r rotates r / 2 pairs and passes its last channel through; its table row is
+  // r + 1 wide by default (Hugging Face's 2 * ceil(r / 2)), and needs r entries.
+  auto a = good();
+  a.rotary_dim = 63;  // odd partial rotary of head_dim 64
+  CHECK(detail::validate(a, "rope_forward").ok());
+  CHECK(detail::rope_params(a, false).tst == 64);
+  a = good();
+  a.head_dim = 41;  // Liger-Kernel's odd head_dim, strides of 64
+  a.rotary_dim = 0;
+  CHECK(detail::validate(a, "rope_forward").ok());
+  CHECK(detail::rope_params(a, false).rotary_dim == 41);
+  CHECK(detail::rope_params(a, true).tst == 42);
+  a.table_stride_t = 42;
+  CHECK(detail::validate(a, "rope_backward").ok());
+  a.table_stride_t = 41;  // the entries a row is read at
+  CHECK(detail::validate(a, "rope_forward").ok());
+  a.table_stride_t = 40;
+  expect(rope_forward(a, nullptr), Errc::invalid_stride, "table_stride_t");
+  a = good();
+  a.head_dim = 3;
+  CHECK(detail::validate(a, "rope_forward").ok());
+  a.rotary_dim = 2;  // even partial of an odd head_dim
+  CHECK(detail::validate(a, "rope_forward").ok());
+  CHECK(detail::rope_params(a, false).tst == 2);
+  a.rotary_dim = 4;
+  expect(rope_forward<RopeInterleaved>(a, nullptr), Errc::invalid_size, "rotary_dim");
+  a = good();
+  a.head_dim = 1;  // a single channel: no pair
+  expect(rope_forward(a, nullptr), Errc::invalid_size, "rotary_dim");
+  // An odd size takes the element-wise path.
+  a = good();
+  a.head_dim = 41;
+  CHECK((detail::rope_vec<bf16, bf16, RopeHalfSplit>(detail::rope_params(a, false))) == 1);
+  CHECK((detail::rope_vec<bf16, bf16, RopeInterleaved>(detail::rope_params(a, false))) == 1);
+  a = good();
+  CHECK((detail::rope_vec<bf16, bf16, RopeHalfSplit>(detail::rope_params(a, false))) == kVecElems<bf16>);
 }

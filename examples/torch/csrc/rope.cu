@@ -40,7 +40,7 @@ void rope(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& 
   check_cuda(cos, q, op, "cos");
   check_cuda(sin, q, op, "sin");
   TORCH_CHECK_VALUE(cos.dim() == 3 && sin.sizes() == cos.sizes(), op,
-                    ": cos and sin must be 3-D [batch or 1, rows, rotary_dim] of one shape, got ",
+                    ": cos and sin must be 3-D [batch or 1, rows, width] of one shape, got ",
                     cos.sizes(), " and ", sin.sizes());
   TORCH_CHECK_VALUE(cos.strides() == sin.strides(), op, ": cos and sin must have the same strides");
   TORCH_CHECK_TYPE(cos.scalar_type() == sin.scalar_type(), op, ": cos and sin must have one dtype");
@@ -49,6 +49,14 @@ void rope(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& 
   const std::int64_t batch = q.size(0), seq = q.size(1);
   TORCH_CHECK_VALUE(cos.size(0) == 1 || cos.size(0) == batch, op, ": cos has batch ", cos.size(0),
                     ", expected 1 or ", batch);
+  // The rotated channels: the table's width (Hugging Face's partial rotary), or head_dim for an odd
+  // head_dim's table of head_dim + 1 entries (the width Hugging Face's rotary embedding gives it):
+  // head_dim / 2 pairs rotated, the last channel passed through, as Liger-Kernel does.
+  const std::int64_t head_dim = q.size(3), width = cos.size(2);
+  const std::int64_t rotary_dim = width == head_dim + 1 && head_dim % 2 == 1 ? head_dim : width;
+  TORCH_CHECK_VALUE(rotary_dim >= 2 && rotary_dim <= head_dim, op, ": cos / sin width ", width,
+                    " must be in [2, head_dim] (head_dim ", head_dim,
+                    "), or head_dim + 1 for an odd head_dim");
   if (k) {
     TORCH_CHECK_VALUE(k->dim() == 4 && k->size(0) == batch && k->size(1) == seq && k->size(3) == q.size(3),
                       op, ": k must be [batch, seq, heads_k, head_dim] like q, got ", k->sizes());
@@ -73,8 +81,8 @@ void rope(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& 
       if (k) a.k = rope_tensor<T>(*k, *k_out, q, op, "k", "k_out");
       a.batch = batch;
       a.seq = seq;
-      a.head_dim = q.size(3);
-      a.rotary_dim = cos.size(2);
+      a.head_dim = head_dim;
+      a.rotary_dim = rotary_dim;
       a.cos = ptr<const C>(cos);
       a.sin = ptr<const C>(sin);
       a.table_rows = cos.size(1);

@@ -102,27 +102,34 @@ def add_rms_norm_bwd(dy, dsum, sum, weight, rstd, dx, dweight, eps, offset, cast
 
 def _rope_one(x, out, cos, sin, pos, backward, interleaved):
     b, t, h, d = x.shape
-    rd = cos.shape[-1]
+    w = cos.shape[-1]
+    rd = d if w == d + 1 and d % 2 == 1 else w  # an odd head_dim's table is head_dim + 1 wide
+    if not 2 <= rd <= d:
+        raise ValueError(f"tigon.rope: cos / sin width {w} must be in [2, head_dim] (head_dim {d}), "
+                         "or head_dim + 1 for an odd head_dim")
+    n = rd // 2  # pairs; an odd rd's last channel passes through
     if pos is not None:
         bi = torch.arange(b)[:, None] if cos.shape[0] > 1 else torch.zeros(b, 1, dtype=torch.long)
         c, s = cos[bi, pos.long()], sin[bi, pos.long()]
     else:
         c, s = cos[:, :t], sin[:, :t]
     c, s = c[:, :, None, :].float(), s[:, :, None, :].float()
-    xr = x[..., :rd].float()
+    xr = x[..., :2 * n].float()
     if interleaved:
-        i, j = slice(0, rd, 2), slice(1, rd, 2)
-    else:
-        i, j = slice(0, rd // 2), slice(rd // 2, rd)
-    xi, xj, ci, cj, si, sj = xr[..., i], xr[..., j], c[..., i], c[..., j], s[..., i], s[..., j]
+        i, j = slice(0, 2 * n, 2), slice(1, 2 * n, 2)
+        ti, tj = i, j
+    else:  # the second members' table entries: the second half of the row, from rd - n
+        i, j = slice(0, n), slice(n, 2 * n)
+        ti, tj = i, slice(rd - n, rd)
+    xi, xj, ci, cj, si, sj = xr[..., i], xr[..., j], c[..., ti], c[..., tj], s[..., ti], s[..., tj]
     if not backward:
         yi, yj = ci * xi - si * xj, cj * xj + sj * xi
     else:
         yi, yj = ci * xi + sj * xj, cj * xj - si * xi
     y = torch.empty_like(xr)
     y[..., i], y[..., j] = yi, yj
-    out[..., :rd] = y.to(out.dtype)
-    out[..., rd:] = x[..., rd:]
+    out[..., :2 * n] = y.to(out.dtype)
+    out[..., 2 * n:] = x[..., 2 * n:]
 
 
 def rope(q, k, cos, sin, position_ids, q_out, k_out, backward, interleaved):

@@ -219,6 +219,47 @@ def test_rope_unsqueeze_dim_2_fp32_tables_and_position_ids(ext, seed):
     torch.testing.assert_close(a[1], b[1], atol=0, rtol=0)
 
 
+def _odd_rope_ref(x, cos, sin):
+    """Liger-Kernel's RoPE for an odd head_dim D (Hugging Face's apply_rotary_pos_emb raises on it):
+    the pairs (d, d + D // 2) for d < D // 2, both members with cos / sin[..., :D // 2], the last channel
+    passed through. x: [batch, heads, seq, D]; cos / sin: [1 or batch, seq, width]."""
+    n = x.shape[-1] // 2
+    c, s = cos[..., :n].unsqueeze(1).float(), sin[..., :n].unsqueeze(1).float()
+    x1, x2 = x[..., :n].float(), x[..., n:2 * n].float()
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * n:].float()), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(9, 7, 41, 41, 41), (2, 5, 4, 2, 3), (1, 9, 3, 1, 127)])
+@pytest.mark.parametrize("width", ["hf", "cut"])
+def test_rope_odd_head_dim(ext, seed, dtype, shape, width):
+    batch, seq, hq, hk, dim = shape  # (9, 7, 41, 41, 41): Liger's test
+    q = torch.randn(batch, hq, seq, dim, device=DEV, dtype=dtype, requires_grad=True)
+    k = torch.randn(batch, hk, seq, dim, device=DEV, dtype=dtype, requires_grad=True)
+    cos, sin = _tables(batch, seq, dim, dtype)  # Hugging Face's: dim + 1 wide
+    assert cos.shape[-1] == dim + 1
+    if width == "cut":
+        cos, sin = cos[..., :dim].contiguous(), sin[..., :dim].contiguous()
+    q_ref, k_ref = _odd_rope_ref(q, cos, sin), _odd_rope_ref(k, cos, sin)
+    q_out, k_out = tt.TigonRopeFunction.apply(q, k, cos, sin, None, 1)
+    assert q_out.shape == q.shape and q_out.dtype == dtype
+    assert_elem(q_out, q_ref.to(dtype), dtype)
+    assert_elem(k_out, k_ref.to(dtype), dtype)
+    assert torch.equal(q_out[..., -1], q[..., -1]) and torch.equal(k_out[..., -1], k[..., -1])
+    gq, gk = torch.randn_like(q_out), torch.randn_like(k_out)
+    want = _grads((q_ref, k_ref), (q, k), (gq.float(), gk.float()))
+    got = _grads((q_out, k_out), (q, k), (gq, gk))
+    assert_rel(got[0], want[0], dtype, what="dq")
+    assert_rel(got[1], want[1], dtype, what="dk")
+
+
+def test_rope_table_width_checked(ext):
+    q = torch.randn(1, 2, 3, 64, device=DEV)
+    cos, sin = _tables(1, 3, 66, torch.float32)  # wider than head_dim
+    with pytest.raises((ValueError, RuntimeError), match="width"):
+        tt.TigonRopeFunction.apply(q, q, cos, sin, None, 1)
+
+
 # ------------------------------------------------------------------------------------------------
 # Gated activations
 # ------------------------------------------------------------------------------------------------

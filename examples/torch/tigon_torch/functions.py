@@ -267,7 +267,9 @@ class TigonRopeFunction(torch.autograd.Function):
     head_dim], k: [batch, heads_k, seq, head_dim] (unsqueeze_dim=1; with unsqueeze_dim=2 the layout is
     [batch, seq, heads, head_dim]); any strides with a contiguous last dimension. cos / sin: [1 or
     batch, seq, rotary_dim] as Hugging Face's rotary embedding returns them; rotary_dim < head_dim
-    rotates the first rotary_dim channels and passes the rest through (Phi-3's partial rotary).
+    rotates the first rotary_dim channels and passes the rest through (Phi-3's partial rotary). An odd
+    head_dim D takes the tables Hugging Face builds for it (D + 1 wide, or D wide): as in Liger, the
+    pairs (d, d + D // 2) for d < D // 2 are rotated and the last channel passes through.
 
     position_ids: ignored when cos / sin already have seq rows (as in Liger); when the tables have
     another number of rows they are indexed with position_ids [batch, seq]. Outputs are new tensors

@@ -1,14 +1,17 @@
 // tigon/rope/rope.cuh - rotary position embedding of q and k in one launch, forward and backward.
 //
-// For each token (b, t) the cos / sin row is cos[b][pos][0 : rotary_dim] (pos = t, or
-// position_ids[b][t]); channel pairs (i, j) of every head are rotated:
-//   y_i = cos_i * x_i - sin_i * x_j          (i the first member of its pair)
-//   y_j = cos_j * x_j + sin_j * x_i
-// with pairs (d, d + rotary_dim/2) in the half-split style (Hugging Face rotate_half: Llama,
-// Mistral, Qwen, ...) and (2d, 2d + 1) in the interleaved style (GPT-J). Channels from rotary_dim
-// to head_dim pass through unchanged (partial rotary). The backward applies the transposed
-// rotation (by -theta for HF's tables). Layouts are strides, so [B, T, H, D] and [B, H, T, D]
-// (or any other with a contiguous last dimension) work for q and k independently.
+// For each token (b, t) the cos / sin row is cos[b][pos][0 : W] (pos = t, or position_ids[b][t];
+// W = 2 * ceil(rotary_dim / 2), Hugging Face's table width); the n = rotary_dim / 2 channel pairs
+// (i, j) of every head are rotated:
+//   y_i = c_i * x_i - s_i * x_j          (i the first member of its pair)
+//   y_j = c_j * x_j + s_j * x_i
+// with pairs (d, d + n) and table entries c_i = cos[d], c_j = cos[d + W/2] in the half-split style
+// (Hugging Face rotate_half: Llama, Mistral, Qwen, ...), pairs (2d, 2d + 1) and entries cos[2d],
+// cos[2d + 1] in the interleaved style (GPT-J). An odd rotary_dim's last channel (2n) and the
+// channels from rotary_dim to head_dim pass through unchanged (partial rotary). The backward
+// applies the transposed rotation (by -theta for HF's tables). Layouts are strides, so
+// [B, T, H, D] and [B, H, T, D] (or any other with a contiguous last dimension) work for q and k
+// independently.
 #pragma once
 
 #include <algorithm>
@@ -89,9 +92,11 @@ struct RopeArgs {
   std::int64_t batch = 0;
   std::int64_t seq = 0;
   std::int64_t head_dim = 0;
-  std::int64_t rotary_dim = 0;  // 0: head_dim
+  std::int64_t rotary_dim = 0;  // 0: head_dim; 2 to head_dim, odd included
   // Tables: row r of batch b at cos + b*table_stride_b + r*table_stride_t (table_stride_b 0: one
-  // table shared by the batch; table_stride_t 0: rotary_dim). sin has the same layout.
+  // table shared by the batch; table_stride_t 0: 2 * ceil(rotary_dim / 2), i.e. rotary_dim, or
+  // rotary_dim + 1 when it is odd, Hugging Face's width). A row needs rotary_dim entries (the last
+  // of an odd width's W = rotary_dim + 1 is never read). sin has the same layout.
   const C* cos = nullptr;
   const C* sin = nullptr;
   std::int64_t table_rows = 0;  // rows per batch entry (>= seq without position ids)
@@ -195,9 +200,10 @@ Status validate(const RopeArgs<T, C>& a, const char* op) {
   TIGON_CHECK(positive(a.head_dim, op, "head_dim"));
   TIGON_CHECK(at_most(a.head_dim, kRopeMaxHeadDim, op, "head_dim"));
   const std::int64_t rd = a.rotary_dim == 0 ? a.head_dim : a.rotary_dim;
-  if (rd < 2 || rd > a.head_dim || rd % 2 != 0) {
+  if (rd < 2 || rd > a.head_dim) {
     return Status::error(Errc::invalid_size, op, "rotary_dim",
-                         "must be even and in [2, head_dim], got " + std::to_string(rd));
+                         "must be in [2, head_dim (" + std::to_string(a.head_dim) + ")], got " +
+                             std::to_string(rd));
   }
   TIGON_CHECK(not_null(a.cos, op, "cos"));
   TIGON_CHECK(not_null(a.sin, op, "sin"));
@@ -312,17 +318,22 @@ TIGON_DEVICE void rope_rotate_pairs(const AlignedVec<T, kV>& x, const AlignedVec
 }
 
 // One work item = one kV-wide chunk of one head of one token: a rotated chunk pair (half split),
-// a rotated chunk of pairs (interleaved), or a pass-through chunk (partial rotary, out of place).
+// a rotated chunk of pairs (interleaved), or a pass-through chunk (partial rotary, out of place,
+// and an odd rotary_dim's last channel).
 template <class T, class C, class Style, int kV>
 TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T, C> p) {
   detail::grid_dependency_sync();
   constexpr bool kHalf = std::is_same_v<Style, RopeHalfSplit>;
   const int rd = p.rotary_dim;
   const int half = rd / 2;
+  // Channels in pairs, and the table offset of the second members (half split). They differ from
+  // rd and half only for an odd rotary_dim, which takes the scalar path (kV == 1).
+  const int paired = kV == 1 ? 2 * half : rd;
+  const int table_half = kV == 1 ? rd - half : half;
   // Interleaved items hold whole pairs: kV elements, or one pair on the scalar path.
   constexpr int kPairW = kV < 2 ? 2 : kV;
   const int rot_chunks = kHalf ? half / kV : rd / kPairW;
-  const int pass_chunks = (p.head_dim - rd) / kV;
+  const int pass_chunks = (p.head_dim - paired) / kV;
   const int per_head = rot_chunks + pass_chunks;
   const std::int64_t per_token = static_cast<std::int64_t>(p.heads[0] + p.heads[1]) * per_head;
   const std::int64_t total = p.tokens * per_token;
@@ -352,8 +363,8 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
     const T* x = p.in[which] + b * p.sb[which] + t * p.st[which] + head * p.sh[which];
     T* y = p.out[which] + b * p.osb[which] + t * p.ost[which] + head * p.osh[which];
     auto load_x = [&](const T* a) { return load_vec<kV>(a); };
-    if (chunk >= rot_chunks) {  // partial rotary: channels past rotary_dim pass through
-      const int d = rd + (chunk - rot_chunks) * kV;
+    if (chunk >= rot_chunks) {  // partial rotary: channels past the pairs pass through
+      const int d = paired + (chunk - rot_chunks) * kV;
       if (x != y) store_vec(y + d, load_x(x + d));
       continue;
     }
@@ -364,8 +375,8 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
     if constexpr (kHalf) {
       const int d = chunk * kV;
       const AlignedVec<T, kV> x1 = load_x(x + d), x2 = load_x(x + d + half);
-      const AlignedVec<C, kV> c1 = load_vec<kV>(cr + d), c2 = load_vec<kV>(cr + d + half);
-      const AlignedVec<C, kV> s1 = load_vec<kV>(sr + d), s2 = load_vec<kV>(sr + d + half);
+      const AlignedVec<C, kV> c1 = load_vec<kV>(cr + d), c2 = load_vec<kV>(cr + d + table_half);
+      const AlignedVec<C, kV> s1 = load_vec<kV>(sr + d), s2 = load_vec<kV>(sr + d + table_half);
       AlignedVec<T, kV> y1, y2;
       rope_rotate_halves(x1, x2, c1, c2, s1, s2, p.backward, bad, y1, y2);
       store_vec(y + d, y1);
@@ -473,13 +484,16 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopePa
 
 // The token-block kernel (the interleaved style): block (blockIdx.x, blockIdx.y) = token (t, b);
 // thread (x, y) = chunk x of heads y, y + 2 * blockDim.y, ... and y + blockDim.y, ... (q's heads
-// first, then k's). Chunks past the rotated ones pass through (out of place).
+// first, then k's). Chunks past the rotated ones pass through (out of place), an odd
+// rotary_dim's last channel included.
 template <class T, class C, int kV>
 TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_token_kernel(const RopeParams<T, C> p) {
   detail::grid_dependency_sync();
   constexpr int kPairW = kV < 2 ? 2 : kV;
   const int rd = p.rotary_dim;
   const int rot_chunks = rd / kPairW;
+  // Channels in pairs: rd but for an odd rotary_dim (the scalar path only).
+  const int paired = kV == 1 ? 2 * rot_chunks : rd;
   const int chunk = static_cast<int>(threadIdx.x);
   const bool rotated = chunk < rot_chunks;
   const int heads = p.heads[0] + p.heads[1];
@@ -490,7 +504,7 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_token_kernel(const RopePa
   const C* cr = p.cos + b * p.tsb + (bad ? 0 : row) * p.tst;
   const C* sr = p.sin + b * p.tsb + (bad ? 0 : row) * p.tst;
   // Element offset of this thread's chunk: rotated (a chunk of pairs), or passed through.
-  const int d = rotated ? chunk * kPairW : rd + (chunk - rot_chunks) * kV;
+  const int d = rotated ? chunk * kPairW : paired + (chunk - rot_chunks) * kV;
   AlignedVec<C, kV> c1{}, s1{};
   if constexpr (kV > 1) {
     if (rotated) {
@@ -572,17 +586,19 @@ RopeParams<T, C> rope_params(const RopeArgs<T, C>& a, bool backward) {
   p.sin = a.sin;
   p.table_rows = a.table_rows;
   p.tsb = a.table_stride_b;
-  p.tst = a.table_stride_t == 0 ? p.rotary_dim : a.table_stride_t;
+  p.tst = a.table_stride_t == 0 ? p.rotary_dim + p.rotary_dim % 2 : a.table_stride_t;
   p.pos64 = a.position_ids;
   p.pos32 = a.position_ids_i32;
   p.backward = backward;
   return p;
 }
 
-// Width of the accesses every pointer, stride and size allows (elements of T).
+// Width of the accesses every pointer, stride and size allows (elements of T). An odd rotary_dim
+// is never a multiple of kV: it takes the element-wise path.
 template <class T, class C, class Style>
 int rope_vec(const RopeParams<T, C>& p) {
   constexpr int kV = kVecElems<T>;
+  static_assert(kV % 2 == 0, "the vector kernels take whole pairs");
   const bool half = std::is_same_v<Style, RopeHalfSplit>;
   auto ok = [&](std::int64_t v) { return v % kV == 0; };
   bool vec = ok(p.head_dim) && ok(p.rotary_dim) && (!half || ok(p.rotary_dim / 2)) && ok(p.tst) &&
@@ -599,8 +615,9 @@ template <class T, class C, class Style, int kV>
 Status launch_rope(const RopeParams<T, C>& p, cudaStream_t stream, const char* op) {
   const int chunks = std::is_same_v<Style, RopeHalfSplit> ? p.rotary_dim / 2 / kV
                                                           : p.rotary_dim / (kV < 2 ? 2 : kV);
+  const int paired = p.rotary_dim / 2 * 2;  // an odd rotary_dim's last channel passes through
   const std::int64_t items =
-      p.tokens * (p.heads[0] + p.heads[1]) * (chunks + (p.head_dim - p.rotary_dim) / kV);
+      p.tokens * (p.heads[0] + p.heads[1]) * (chunks + (p.head_dim - paired) / kV);
   // One item per thread, as many blocks as it takes (a grid-stride loop covers the rest only past
   // 2^31 - 1 blocks): freshly scheduled blocks stream closer to the copy rate than resident ones
   // looping over the tensor (measured on the H200).
@@ -638,7 +655,7 @@ Status launch_rope_tokens(const RopeParams<T, C>& p, std::int64_t batch, cudaStr
   launched = false;
   if (batch > 65535 || p.seq < 1) return Status();
   const int pair_w = kV < 2 ? 2 : kV;
-  const int per_head = p.rotary_dim / pair_w + (p.head_dim - p.rotary_dim) / kV;
+  const int per_head = p.rotary_dim / pair_w + (p.head_dim - p.rotary_dim / 2 * 2) / kV;
   if (per_head < 1 || per_head > kRopeThreads) return Status();
   const int heads = p.heads[0] + p.heads[1];
   const int max_y = std::max(1, kRopeThreads / per_head);

@@ -1,78 +1,36 @@
-"""The public API on any machine: forward signatures that begin with Liger-Kernel's autograd functions'
-parameters (names, order and defaults, written out here; tigon-only parameters follow, defaulted), the package importable without a GPU or
-the compiled operators, and the layout helpers."""
+"""The public API: the package importable without a GPU or the compiled operators, the layout helpers,
+and the Liger-Kernel contract beyond signatures (tests/test_liger_signatures.py compares those):
+return types, module defaults and parameters, the patch functions' switches, and the eager check of
+out-of-range targets."""
 
 from __future__ import annotations
 
+import copy
 import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE
 
 import tigon_torch as tt
-from tigon_torch import ops
-
-# Liger-Kernel's forward signatures (src/liger_kernel/ops/*.py), without ctx.
-LIGER_SIGNATURES = {
-    "TigonRMSNormFunction": [("X", None), ("W", None), ("eps", None), ("offset", 0.0), ("casting_mode", "llama"),
-                             ("in_place", True), ("row_mode", None)],
-    "TigonRopeFunction": [("q", None), ("k", None), ("cos", None), ("sin", None), ("position_ids", None),
-                          ("unsqueeze_dim", 1)],
-    "TigonSiLUMulFunction": [("a", None), ("b", None), ("gate_multiplier", 1.0), ("down_multiplier", 1.0)],
-    "TigonGELUMulFunction": [("a", None), ("b", None)],
-    "TigonCrossEntropyFunction": [("_input", None), ("target", None), ("weight", None), ("ignore_index", -100),
-                                  ("lse_square_scale", 0.0), ("label_smoothing", 0.0), ("reduction", "mean"),
-                                  ("softcap", None), ("return_z_loss", False), ("return_token_accuracy", False),
-                                  ("return_predicted_tokens", False)],
-    "TigonFusedLinearCrossEntropyFunction": [
-        ("_input", None), ("weight", None), ("target", None), ("bias", None), ("ce_weight", None),
-        ("ignore_index", -100), ("lse_square_scale", 0.0), ("label_smoothing", 0.0), ("reduction", "mean"),
-        ("softcap", None), ("return_z_loss", False), ("accum_dtype", None), ("use_token_scaling", False),
-        ("return_token_accuracy", False), ("return_predicted_tokens", False)],
-    "TigonLayerNormFunction": [("X", None), ("W", None), ("B", None), ("eps", None)],
-    "TigonFusedAddRMSNormFunction": [("X", None), ("R", None), ("W", None), ("eps", None), ("offset", 0.0),
-                                     ("casting_mode", "llama"), ("in_place", False)],
-}
-# tigon-only parameters after Liger's, with their defaults (Liger's behaviour where it has one).
-EXTRA = {"TigonCrossEntropyFunction": [("in_place", False)]}
-# Parameters Liger declares without a default (None above stands for "no default" for these).
-REQUIRED = {
-    "TigonRMSNormFunction": {"X", "W", "eps"},
-    "TigonRopeFunction": {"q", "k", "cos", "sin"},
-    "TigonSiLUMulFunction": {"a", "b"},
-    "TigonGELUMulFunction": {"a", "b"},
-    "TigonCrossEntropyFunction": {"_input", "target", "weight"},
-    "TigonFusedLinearCrossEntropyFunction": {"_input", "weight", "target"},
-    "TigonLayerNormFunction": {"X", "W", "B", "eps"},
-    "TigonFusedAddRMSNormFunction": {"X", "R", "W", "eps"},
-}
+from tigon_torch import ops, patch
 
 
-@pytest.mark.parametrize("name", list(LIGER_SIGNATURES))
-def test_forward_signature_matches_liger(name):
-    params = list(inspect.signature(getattr(tt, name).forward).parameters.values())
-    assert params[0].name == "ctx"
-    got = [(p.name, p.default) for p in params[1:]]
-    liger = LIGER_SIGNATURES[name]
-    # Liger's parameters first, in its order; tigon-only ones (EXTRA) after them, each with a default,
-    # so every call written for Liger means the same here.
-    assert [n for n, _ in got] == [n for n, _ in liger] + [n for n, _ in EXTRA.get(name, [])]
-    for pname, default in got[len(liger):]:
-        assert default == dict(EXTRA[name])[pname], f"{name}.{pname}: default {default!r}"
-    for (pname, default), (_, want) in zip(got, liger):
-        if pname in REQUIRED[name]:
-            assert default is inspect.Parameter.empty, f"{name}.{pname} must have no default"
-        else:
-            assert default == want, f"{name}.{pname}: default {default!r}, Liger's {want!r}"
-
-
-def test_rotary_pos_emb_has_hugging_face_signature():
+def test_rotary_pos_emb_takes_hugging_face_calls():
+    """tigon_rotary_pos_emb has Liger's signature (q, k, cos, sin, position_ids=None, unsqueeze_dim=1) and
+    takes every call of Hugging Face's apply_rotary_pos_emb, which the patches replace with it: the same
+    leading positional parameters, and each of Hugging Face's parameters by name with its default."""
     pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    hf = [(p.name, p.default) for p in inspect.signature(apply_rotary_pos_emb).parameters.values()]
-    ours = [(p.name, p.default) for p in inspect.signature(tt.tigon_rotary_pos_emb).parameters.values()]
-    assert ours == hf
+    hf = list(inspect.signature(apply_rotary_pos_emb).parameters.values())
+    ours = inspect.signature(tt.tigon_rotary_pos_emb).parameters
+    assert [p.name for p in hf[:4]] == list(ours)[:4]
+    for p in hf:
+        assert p.name in ours and ours[p.name].default == p.default, p.name
 
 
 def test_casting_modes_and_reductions():
@@ -121,3 +79,292 @@ def test_functions_reject_cpu_tensors_before_loading_anything():
     with pytest.raises(NotImplementedError, match="use_token_scaling"):
         tt.TigonFusedLinearCrossEntropyFunction.apply(torch.randn(2, 8), torch.randn(4, 8), torch.zeros(2).long(),
                                                       None, None, -100, 0.0, 0.0, "mean", None, False, None, True)
+
+
+# ------------------------------------------------------------------------------------------------
+# The Liger-Kernel contract beyond signatures (any machine)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_norm_modules_take_liger_arguments():
+    m = tt.TigonRMSNorm(8, 1e-5, 1.0, "gemma", "zeros", False, True, True)  # Liger's positional order
+    assert (m.variance_epsilon, m.offset, m.casting_mode, m.in_place, m.row_mode) == (1e-5, 1.0, "gemma", False, True)
+    assert m.elementwise_affine and torch.equal(m.weight.detach(), torch.zeros(8))
+    assert tt.TigonRMSNorm(8, elementwise_affine=False).weight is None
+    assert tt.TigonRMSNorm(8, casting_mode=-1).casting_mode == -1  # Liger's integer code for "none"
+    with pytest.raises(ValueError, match="casting_mode"):
+        tt.TigonRMSNorm(8, casting_mode="fp32")
+    with pytest.raises(ValueError, match="init_fn"):
+        tt.TigonRMSNorm(8, init_fn="randn")
+    g = tt.TigonRMSNormForGemma2(8)
+    assert (g.offset, g.casting_mode, g.in_place) == (1.0, "gemma", False) and not g.weight.detach().any()
+    assert tt.TigonRMSNormForGemma3(8).in_place is False
+
+    ln = tt.TigonLayerNorm(8)
+    assert ln.eps == ln.variance_epsilon == 1e-6 and ln.hidden_size == 8
+    assert set(ln.state_dict()) == {"weight", "bias"}  # Liger's module always has a bias parameter
+    assert ln.bias.requires_grad and not ln.bias.detach().any()
+    assert tt.TigonLayerNorm(8, bias=True).bias.detach().abs().sum() > 0  # Liger draws it from randn
+    f = tt.TigonFusedAddRMSNorm(8)
+    assert (f.variance_epsilon, f.in_place) == (1e-6, False)
+
+
+def test_mlp_modules_check_the_activation():
+    def cfg(**act):
+        return SimpleNamespace(hidden_size=8, intermediate_size=16, **act)
+
+    for cls in (tt.TigonSwiGLUMLP, tt.TigonPhi3SwiGLUMLP):
+        with pytest.raises(ValueError, match="gelu"):
+            cls(cfg(hidden_act="gelu"))
+        cls(cfg(hidden_act="swish"))
+    assert tt.TigonPhi3MLP is tt.TigonPhi3SwiGLUMLP
+    assert tt.TigonGEGLUMLP(cfg(hidden_activation="gelu_pytorch_tanh")).act_kind == "gelu_tanh"
+    assert tt.TigonGEGLUMLP(cfg(hidden_act="gelu", hidden_activation="gelu")).act_kind == "gelu"
+    assert tt.TigonGEGLUMLP(cfg()).act_kind == "gelu_tanh"
+    with pytest.raises(ValueError, match="silu"):
+        tt.TigonGEGLUMLP(cfg(hidden_activation="silu"))
+
+
+def test_cross_entropy_output_is_liger_s_and_unpacks():
+    out = tt.CrossEntropyOutput(loss=torch.tensor(1.0), token_accuracy=torch.tensor(0.5))
+    loss, z_loss, accuracy, predicted = out
+    assert loss is out.loss and z_loss is None and accuracy is out.token_accuracy and predicted is None
+    assert out[0] is out.loss and out[2] is out.token_accuracy and len(out) == 4
+
+
+def test_check_targets(monkeypatch):
+    tt.check_targets(torch.tensor([0, 5, -100, 9]), 10)
+    for bad, value in ((torch.tensor([0, 10, -100]), 10), (torch.tensor([3, -1, -100]), -1),
+                       (torch.tensor([-100, -5], dtype=torch.int32), -5)):
+        with pytest.raises(tt.TargetOutOfRangeError,
+                           match=rf"target {value} is out of bounds.*ignore_index \(-100\).*\[0, 10\).*size 10"):
+            tt.check_targets(bad, 10)
+    with pytest.raises(ValueError):
+        tt.check_targets(torch.tensor([10]), 10)
+    with pytest.raises(AssertionError):  # what Liger raises
+        tt.check_targets(torch.tensor([10]), 10)
+    with pytest.raises(tt.TargetOutOfRangeError, match=r"ignore_index \(7\)"):
+        tt.check_targets(torch.tensor([7, -100]), 5, ignore_index=7)
+    tt.check_targets(torch.tensor([7, 7]), 5, ignore_index=7)  # all ignored
+    tt.check_targets(torch.tensor([], dtype=torch.long), 5)
+    assert int(tt.count_invalid_targets(torch.tensor([0, 10, -100, -2, 4]), 5)) == 2
+    monkeypatch.setenv("TIGON_TORCH_CHECK_TARGETS", "0")
+    tt.check_targets(torch.tensor([10]), 10)  # switched off
+
+
+def test_check_targets_is_skipped_while_compiling(monkeypatch):
+    from tigon_torch import functions
+
+    monkeypatch.setattr(functions, "_compiling", lambda: True)
+    tt.check_targets(torch.tensor([10]), 10)
+
+
+def test_rotary_pos_emb_fallback_indexes_tables_with_position_ids(monkeypatch):
+    monkeypatch.setattr(ops, "on_device", lambda t: t.is_cuda)  # CPU tensors: the PyTorch math
+    q, k = torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8)
+    cos, sin = torch.randn(1, 20, 8), torch.randn(1, 20, 8)
+    pos = torch.randint(0, 20, (2, 5))
+    got = tt.tigon_rotary_pos_emb(q, k, cos, sin, pos)
+    want = tt.tigon_rotary_pos_emb(q, k, cos[0][pos], sin[0][pos])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_patch_switches_in_liger_order(monkeypatch):
+    pytest.importorskip("transformers")
+    from models import build_model
+
+    monkeypatch.setattr(ops, "on_device", lambda t: t.is_cuda)
+    model = build_model("llama", vocab=256)
+    tt.apply_tigon_to_llama(False, False, False, True, False, model)  # rope, ce, flce, rms_norm, swiglu, model
+    assert "forward" in model.model.norm.__dict__
+    assert "forward" not in model.model.layers[0].mlp.__dict__ and "forward" not in model.__dict__
+    with pytest.raises(TypeError):
+        tt.apply_tigon_to_llama(True, False, True, True, True, None, True)  # fused_mlp is keyword-only
+    tt.unpatch()
+
+    g = build_model("gemma2", vocab=256)
+    tt.apply_tigon_to_gemma2(geglu=False, model=g)
+    assert "forward" in g.model.norm.__dict__ and "forward" not in g.model.layers[0].mlp.__dict__
+    with pytest.raises(TypeError):
+        tt.apply_tigon_to_gemma2(swiglu=False, model=g)
+    tt.unpatch()
+    # Liger's _apply_liger_kernel_to_instance: keywords the family's function does not take are dropped.
+    tt._apply_tigon_to_instance(g, swiglu=False, rope=False)
+    assert "forward" in g.model.layers[0].mlp.__dict__
+    tt._apply_tigon_to_instance(torch.nn.Linear(2, 2))  # no family: nothing patched
+    tt._apply_tigon("no_such_model_type")
+
+
+def _gemma3_multimodal(vocab=256, seed=0):
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, query_pre_attn_scalar=16,
+                sliding_window=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=vocab - 1,
+                       boi_token_index=vocab - 2, eoi_token_index=vocab - 3)
+    for c in (cfg, cfg.text_config, cfg.vision_config):
+        c._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():  # a projection of zeros (its initialisation) would hide the vision tower
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.1)
+    return model
+
+
+def _gemma3_batch(vocab=256, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    text = torch.randint(3, vocab - 3, (2, 10), generator=g)
+    ids = torch.cat([torch.full((2, 4), vocab - 1), text], dim=1)  # 4 image tokens per sample
+    labels = ids.clone()
+    labels[:, :4] = -100
+    pixels = torch.randn(2, 3, 28, 28, generator=g)
+    return ids.to(device), pixels.to(device), labels.to(device)
+
+
+def test_gemma3_patch_covers_the_multimodal_model(monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(ops, "on_device", lambda t: t.is_cuda)  # CPU tensors: Hugging Face's code
+    ref = _gemma3_multimodal()
+    model = copy.deepcopy(ref)
+    tt.apply_tigon_to_gemma3(model=model)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert norms and all(m.forward.__func__ is patch._layer_norm_forward for m in norms)
+    assert model.model.multi_modal_projector.mm_soft_emb_norm.forward.__func__ is patch._rms_norm_forward
+    assert "forward" in model.__dict__ and model._tigon_flce and not model._tigon_ce
+
+    ids, pixels, labels = _gemma3_batch()
+    model.train(), ref.train()
+    out, want = model(input_ids=ids, pixel_values=pixels, labels=labels), ref(input_ids=ids, pixel_values=pixels,
+                                                                              labels=labels)
+    torch.testing.assert_close(out.loss, want.loss)
+    torch.testing.assert_close(out.logits, want.logits)
+    assert isinstance(model(input_ids=ids, pixel_values=pixels, labels=labels, return_dict=False), tuple)
+    tt.unpatch()
+    assert "forward" not in model.__dict__ and all("forward" not in m.__dict__ for m in norms)
+
+    tt.apply_tigon_to_gemma3(layer_norm=False, model=model)
+    assert all("forward" not in m.__dict__ for m in norms)
+
+
+def test_gemma3_class_patch_leaves_torch_nn_alone():
+    pytest.importorskip("transformers")
+    from transformers.models.gemma3 import modeling_gemma3
+    from transformers.models.siglip import modeling_siglip
+
+    forward = modeling_gemma3.Gemma3ForConditionalGeneration.forward
+    layer_norm_forward = torch.nn.LayerNorm.forward
+    tt.apply_tigon_to_gemma3()
+    assert modeling_siglip.nn is not torch.nn and modeling_siglip.nn.Linear is torch.nn.Linear
+    assert torch.nn.LayerNorm.forward is layer_norm_forward
+    assert modeling_gemma3.Gemma3ForConditionalGeneration.forward is not forward
+    model = _gemma3_multimodal()
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert norms and all(type(m).__name__ == "TigonNNLayerNorm" for m in norms)
+    tt.unpatch()
+    assert modeling_siglip.nn is torch.nn
+    assert modeling_gemma3.Gemma3ForConditionalGeneration.forward is forward
+    assert not any(type(m).__name__.startswith("Tigon") for m in _gemma3_multimodal().modules())
+
+
+# ------------------------------------------------------------------------------------------------
+# With the operators (GPU, or the CPU reference mode)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_losses_return_liger_types(ext, seed):
+    x = torch.randn(6, 10, device=DEVICE, requires_grad=True)
+    target = torch.tensor([0, 3, -100, 9, 2, 1], device=DEVICE)
+    loss = tt.tigon_cross_entropy(x, target)
+    assert isinstance(loss, torch.Tensor) and loss.dim() == 0
+    out = tt.tigon_cross_entropy(x, target, lse_square_scale=1e-4, return_z_loss=True, return_token_accuracy=True)
+    assert isinstance(out, tt.CrossEntropyOutput) and out.z_loss is not None and out.predicted_tokens is None
+    assert isinstance(tt.TigonCrossEntropyLoss(return_predicted_tokens=True)(x, target), tt.CrossEntropyOutput)
+    # torch's deprecated size_average / reduce select the reduction, as in torch.nn.functional.cross_entropy
+    with pytest.warns(UserWarning):
+        per_token = tt.tigon_cross_entropy(x, target, None, None, -100, False)
+    torch.testing.assert_close(per_token, F.cross_entropy(x, target, reduction="none"), atol=1e-5, rtol=1e-5)
+    with pytest.warns(UserWarning):
+        total = tt.tigon_cross_entropy(x, target, size_average=False)
+    torch.testing.assert_close(total, F.cross_entropy(x, target, reduction="sum"), atol=1e-5, rtol=1e-5)
+
+    h = torch.randn(6, 4, device=DEVICE, requires_grad=True)
+    w = torch.randn(10, 4, device=DEVICE, requires_grad=True)
+    assert isinstance(tt.tigon_fused_linear_cross_entropy(h, w, target), torch.Tensor)
+    out = tt.TigonFusedLinearCrossEntropyLoss(return_predicted_tokens=True)(w, h, target)
+    assert isinstance(out, tt.CrossEntropyOutput) and out.predicted_tokens.shape == (6,)
+    loss, _, _, predicted = tt.tigon_fused_linear_cross_entropy(h, w, target, return_token_accuracy=True)
+    assert loss.dim() == 0 and predicted is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_place", [False, True])
+def test_bad_target_raises_before_any_gradient(ext, seed, in_place):
+    base = torch.randn(4, 10, device=DEVICE, requires_grad=True)
+    logits = base * 1.0
+    before = logits.detach().clone()
+    target = torch.tensor([1, 10, -100, 2], device=DEVICE)
+    with pytest.raises(tt.TargetOutOfRangeError, match=r"target 10 .*ignore_index \(-100\).*size 10"):
+        tt.tigon_cross_entropy(logits, target, in_place=in_place)
+    assert torch.equal(logits.detach(), before)  # in place or not, nothing was written
+    with pytest.raises(tt.TargetOutOfRangeError, match="target -3"):
+        tt.TigonCrossEntropyLoss(ignore_index=-1)(logits, torch.tensor([1, -3, -1, 2], device=DEVICE))
+    tt.TigonCrossEntropyLoss(ignore_index=-1)(logits, torch.tensor([1, -1, -1, 2], device=DEVICE))
+
+    h = torch.randn(4, 8, device=DEVICE, requires_grad=True)
+    w = torch.randn(10, 8, device=DEVICE, requires_grad=True)
+    for reduction in ("mean", "none"):
+        with pytest.raises(tt.TargetOutOfRangeError, match="target 10"):
+            tt.tigon_fused_linear_cross_entropy(h, w, target, reduction=reduction)
+    with pytest.raises(AssertionError):
+        tt.TigonFusedLinearCrossEntropyFunction.apply(h, w, target)
+    assert h.grad is None and w.grad is None
+
+
+@pytest.mark.cuda_only
+def test_bad_target_under_graph_capture_gives_nan_and_a_count(ext):
+    """Under CUDA-graph capture the host check is skipped: the loss is NaN and count_invalid_targets,
+    captured with it, counts the bad targets on the device."""
+    x = torch.randn(4, 10, device="cuda")
+    target = torch.tensor([1, 10, -100, 2], device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the graph
+        tt.tigon_cross_entropy(x, torch.zeros_like(target))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = tt.tigon_cross_entropy(x, target)
+        count = tt.count_invalid_targets(target, 10)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(loss) and int(count) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss", ["fused_linear_cross_entropy", "cross_entropy"])
+def test_gemma3_multimodal_loss(ext, loss):
+    pytest.importorskip("transformers")
+    ref = _gemma3_multimodal().to(DEVICE)
+    model = copy.deepcopy(ref)
+    fused = loss == "fused_linear_cross_entropy"
+    tt.apply_tigon_to_gemma3(cross_entropy=not fused, fused_linear_cross_entropy=fused, model=model)
+    ids, pixels, labels = _gemma3_batch(device=DEVICE)
+    model.train(), ref.train()
+    n = torch.tensor(11, device=DEVICE)
+    for kwargs in ({}, {"num_items_in_batch": n}):
+        out = model(input_ids=ids, pixel_values=pixels, labels=labels, **kwargs)
+        want = ref(input_ids=ids, pixel_values=pixels, labels=labels, **kwargs)
+        assert (out.logits is None) == fused
+        torch.testing.assert_close(out.loss, want.loss, atol=1e-4, rtol=1e-4)
+        out.loss.backward()
+        want.loss.backward()
+        post_norm = next(n for n, _ in ref.named_modules() if n.endswith("post_layernorm"))
+        for name in ("lm_head", post_norm):
+            got, exp = model.get_submodule(name).weight.grad, ref.get_submodule(name).weight.grad
+            torch.testing.assert_close(got, exp, atol=1e-4, rtol=1e-3)
+        model.zero_grad(), ref.zero_grad()

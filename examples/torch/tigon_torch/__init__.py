@@ -4,10 +4,15 @@ fused linear cross-entropy).
 
 The compiled operators load on first use (tigon_torch.load(): the pip-built extension, or a JIT
 build). Importing the package needs neither a GPU nor the extension.
+
+A Liger-Kernel user's code runs with `liger` renamed to `tigon`: apply_liger_kernel_to_<family> ->
+apply_tigon_to_<family>, LigerX -> TigonX, liger_x -> tigon_x, with Liger's parameters, order,
+defaults and return types (docs/torch.md, "The Liger-Kernel API").
 """
 
 from ._ext import load
 from .functional import (
+    CrossEntropyOutput,
     tigon_causal_lm_loss,
     tigon_cross_entropy,
     tigon_fused_add_rms_norm,
@@ -33,6 +38,9 @@ from .functions import (
     TigonRMSNormFunction,
     TigonRopeFunction,
     TigonSiLUMulFunction,
+    TargetOutOfRangeError,
+    check_targets,
+    count_invalid_targets,
 )
 from .modules import (
     TigonCrossEntropyLoss,
@@ -41,10 +49,16 @@ from .modules import (
     TigonGEGLUMLP,
     TigonLayerNorm,
     TigonPhi3MLP,
+    TigonPhi3SwiGLUMLP,
     TigonRMSNorm,
+    TigonRMSNormForGemma,
+    TigonRMSNormForGemma2,
+    TigonRMSNormForGemma3,
     TigonSwiGLUMLP,
 )
 from .patch import (
+    _apply_tigon,
+    _apply_tigon_to_instance,
     apply_tigon_to_gemma,
     apply_tigon_to_gemma2,
     apply_tigon_to_gemma3,
@@ -60,4 +74,6 @@ from .patch import (
 
 __version__ = "0.1.0"
 
-__all__ = [name for name in dir() if name.startswith(("Tigon", "tigon_", "apply_tigon_"))] + ["load", "unpatch"]
+__all__ = [name for name in dir() if name.startswith(("Tigon", "tigon_", "apply_tigon_"))] + [
+    "CrossEntropyOutput", "TargetOutOfRangeError", "check_targets", "count_invalid_targets", "load", "unpatch",
+    "_apply_tigon", "_apply_tigon_to_instance"]

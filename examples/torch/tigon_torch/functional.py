@@ -1,6 +1,10 @@
-"""Functional API: one call per op, over the autograd functions of tigon_torch.functions."""
+"""Functional API: one call per op, over the autograd functions of tigon_torch.functions. The calls
+named after Liger-Kernel's (liger_X -> tigon_X) take Liger's parameters, in its order, with its
+defaults, and return what it returns; a tigon-only parameter comes after them."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -32,33 +36,80 @@ def _local(weight):
     return weight
 
 
-def tigon_rms_norm(x, weight, eps=1e-6, offset=0.0, casting_mode="llama", in_place=True):
-    return TigonRMSNormFunction.apply(x, _local(weight), eps, offset, casting_mode, in_place, None)
+@dataclass
+class CrossEntropyOutput:
+    """What the cross-entropy calls return when a return_* flag is set: Liger's CrossEntropyOutput
+    (these fields, in this order). It also unpacks and indexes as the tuple (loss, z_loss,
+    token_accuracy, predicted_tokens)."""
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
+    predicted_tokens: torch.Tensor | None = None
+
+    def __iter__(self):
+        return iter((self.loss, self.z_loss, self.token_accuracy, self.predicted_tokens))
+
+    def __getitem__(self, index):
+        return tuple(self)[index]
+
+    def __len__(self):
+        return 4
 
 
-def tigon_layer_norm(x, weight, bias, eps=1e-5):
-    return TigonLayerNormFunction.apply(x, _local(weight), _local(bias), eps)
+def _loss_result(out, return_z_loss, return_token_accuracy, return_predicted_tokens):
+    """Liger's return convention: the loss alone, or a CrossEntropyOutput when any return_* flag is set."""
+    loss, z_loss, token_accuracy, predicted_tokens = out
+    if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
+        return loss
+    return CrossEntropyOutput(loss=loss, z_loss=z_loss, token_accuracy=token_accuracy,
+                              predicted_tokens=predicted_tokens)
 
 
-def tigon_fused_add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, casting_mode="llama", in_place=False):
-    """(norm(x + residual), x + residual)."""
-    return TigonFusedAddRMSNormFunction.apply(x, residual, _local(weight), eps, offset, casting_mode, in_place)
+# Liger's liger_rms_norm, liger_layer_norm and liger_fused_add_rms_norm take eps without a default; the
+# defaults here (Llama's 1e-6, torch's 1e-5 for LayerNorm) only add calls that Liger rejects.
+def tigon_rms_norm(X, W, eps=1e-6, offset=0.0, casting_mode="llama", in_place=True):
+    return TigonRMSNormFunction.apply(X, _local(W), eps, offset, casting_mode, in_place, None)
+
+
+def tigon_layer_norm(X, W, B, eps=1e-5):
+    return TigonLayerNormFunction.apply(X, _local(W), _local(B), eps)
+
+
+def tigon_fused_add_rms_norm(X, R, W, eps=1e-6, offset=0.0, casting_mode="llama", in_place=True):
+    """(norm(X + R), X + R). in_place=True (Liger's default here; the module's and the autograd
+    function's is False) writes the backward's dX over dY: pass False when dY is needed elsewhere."""
+    return TigonFusedAddRMSNormFunction.apply(X, R, _local(W), eps, offset, casting_mode, in_place)
 
 
 def tigon_rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return TigonRopeFunction.apply(q, k, cos, sin, position_ids, unsqueeze_dim)
 
 
-def tigon_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Drop-in for Hugging Face's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1), same signature
-    (the patches install it). CUDA tensors go through tigon; anything else through the same math in
-    PyTorch."""
+def tigon_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Liger's liger_rotary_pos_emb: a drop-in for Hugging Face's apply_rotary_pos_emb(q, k, cos, sin,
+    unsqueeze_dim=1), which the patches install (Hugging Face calls it with q, k, cos, sin; position_ids
+    only indexes tables that are not already one row per position, as in TigonRopeFunction). CUDA
+    tensors go through tigon; anything else through the same math in PyTorch."""
     if not _ops.on_device(q):
-        return _reference_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
-    return TigonRopeFunction.apply(q, k, cos, sin, None, unsqueeze_dim)
+        return _reference_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
+    return TigonRopeFunction.apply(q, k, cos, sin, position_ids, unsqueeze_dim)
 
 
-def _reference_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+def _gather_table(t, position_ids):
+    """Rows of a [1 or batch, positions, dim] (or [positions, dim]) table at position_ids [batch, seq]."""
+    if t.dim() == 2:
+        t = t.unsqueeze(0)
+    pos = position_ids.reshape(-1, position_ids.shape[-1])
+    batch = max(t.shape[0], pos.shape[0])
+    t, pos = t.expand(batch, -1, -1), pos.expand(batch, -1)
+    return torch.gather(t, 1, pos.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+
+
+def _reference_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    seq = q.shape[2] if unsqueeze_dim == 1 else q.shape[1]
+    if position_ids is not None and cos.shape[-2] != seq:
+        cos, sin = _gather_table(cos, position_ids), _gather_table(sin, position_ids)
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
     rd = cos.shape[-1]
@@ -125,25 +176,35 @@ def tigon_cross_entropy(
     input,
     target,
     weight=None,
+    size_average=None,
     ignore_index=-100,
-    lse_square_scale=0.0,
-    label_smoothing=0.0,
+    reduce=None,
     reduction="mean",
+    label_smoothing=0.0,
+    lse_square_scale=0.0,
     softcap=None,
     return_z_loss=False,
     return_token_accuracy=False,
     return_predicted_tokens=False,
+    *,
     in_place=False,
 ):
-    """The loss, or (loss, z_loss, token_accuracy, predicted_tokens) when any return_* flag is set.
-    in_place=True: the gradient is written over input in the forward (see TigonCrossEntropyFunction);
-    ignored when grad mode is off."""
+    """Liger's liger_cross_entropy (torch.nn.functional.cross_entropy's parameter order): the loss, or a
+    CrossEntropyOutput when a return_* flag is set.
+
+    size_average and reduce, torch's deprecated reduction switches (placeholders in Liger), are
+    honoured as torch honours them: when either is not None, reduction is the one they select
+    ("none" when reduce is False, else "mean" or "sum" by size_average), with torch's deprecation
+    warning. in_place=True (tigon only): the gradient is written over input in the forward (see
+    TigonCrossEntropyFunction); dropped when grad mode is off."""
+    if size_average is not None or reduce is not None:
+        from torch.nn import _reduction
+
+        reduction = _reduction.legacy_get_string(size_average, reduce)
     out = TigonCrossEntropyFunction.apply(
         input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
         return_z_loss, return_token_accuracy, return_predicted_tokens, bool(in_place) and torch.is_grad_enabled())
-    if return_z_loss or return_token_accuracy or return_predicted_tokens:
-        return out
-    return out[0]
+    return _loss_result(out, return_z_loss, return_token_accuracy, return_predicted_tokens)
 
 
 def tigon_fused_linear_cross_entropy(
@@ -163,14 +224,13 @@ def tigon_fused_linear_cross_entropy(
     return_token_accuracy=False,
     return_predicted_tokens=False,
 ):
-    """The loss, or (loss, z_loss, token_accuracy, predicted_tokens) when any return_* flag is set."""
+    """Liger's liger_fused_linear_cross_entropy: the loss, or a CrossEntropyOutput when a return_* flag
+    is set (see TigonFusedLinearCrossEntropyFunction)."""
     out = TigonFusedLinearCrossEntropyFunction.apply(
         input, _local(weight), target, _local(bias), ce_weight, ignore_index, lse_square_scale, label_smoothing,
         reduction, softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy,
         return_predicted_tokens)
-    if return_z_loss or return_token_accuracy or return_predicted_tokens:
-        return out
-    return out[0]
+    return _loss_result(out, return_z_loss, return_token_accuracy, return_predicted_tokens)
 
 
 def tigon_causal_lm_loss(

@@ -16,9 +16,10 @@ and TigonGatedMLPFunction (a whole gated MLP that does not keep the down project
 backward), which have no Liger counterpart of the same signature.
 
 Differences from Liger are listed in docs/torch.md ("Differences from Liger-Kernel"); the ones that
-change a result or raise are also noted at each function below. None of the functions synchronises
-the host: the mean's denominator, the ignored-token count and the upstream gradient stay on the
-device.
+change a result or raise are also noted at each function below. The mean's denominator, the
+ignored-token count and the upstream gradient stay on the device; the one host synchronisation is
+the losses' eager target check (check_targets below), skipped under CUDA-graph capture and
+torch.compile.
 """
 
 from __future__ import annotations
@@ -57,6 +58,14 @@ def _compiling() -> bool:
         return False
 
 
+def _casting(mode) -> int:
+    """tigon's casting-mode code. Liger's integer code for "none" is -1 (tigon's is 2): both are taken."""
+    value = getattr(mode, "value", mode)
+    if isinstance(value, int) and not isinstance(value, bool) and value == -1:
+        return _o.CASTING_MODES["none"]
+    return _o.casting_mode(mode)
+
+
 # ------------------------------------------------------------------------------------------------
 # RMSNorm
 # ------------------------------------------------------------------------------------------------
@@ -69,14 +78,15 @@ class TigonRMSNormFunction(torch.autograd.Function):
 
     in_place=True writes dX over dY in the backward (as Liger does): dY must not be needed elsewhere
     (the patches pass False for norms whose output feeds a residual add, Gemma 2 / 3's). row_mode
-    selects a Triton kernel variant in Liger; tigon picks its kernel itself, so it is accepted and
-    ignored.
+    selects between two Triton kernels of the same math in Liger; tigon picks its kernel itself, so
+    it is accepted and has no effect on the result (equivalent numerics). casting_mode: "llama",
+    "gemma", "none", or Liger's integer codes (0, 1, -1).
     """
 
     @staticmethod
     def forward(ctx, X, W, eps, offset=0.0, casting_mode="llama", in_place=True, row_mode=None):
         _check_cuda(X, W)
-        casting = _o.casting_mode(casting_mode)
+        casting = _casting(casting_mode)
         order = row_order(X)
         x2 = as_rows(X, order)
         y2, Y = empty_rows(X.shape, order, X.dtype, X.device)
@@ -169,7 +179,7 @@ class TigonFusedAddRMSNormFunction(torch.autograd.Function):
         _check_cuda(X, R, W)
         if X.shape != R.shape:
             raise ValueError(f"tigon_torch: X {tuple(X.shape)} and R {tuple(R.shape)} must have one shape")
-        casting = _o.casting_mode(casting_mode)
+        casting = _casting(casting_mode)
         order = row_order(X)
         x2, r2 = as_rows(X, order), as_rows(R, order)
         y2, Y = empty_rows(X.shape, order, X.dtype, X.device)
@@ -484,6 +494,61 @@ class TigonGatedMLPFunction(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------------
 
 
+class TargetOutOfRangeError(ValueError, AssertionError):
+    """A target that is neither ignore_index nor a class in [0, vocab_size). A ValueError, and an
+    AssertionError too, so that code written against Liger-Kernel (which asserts) catches it."""
+
+
+def count_invalid_targets(target: torch.Tensor, vocab_size: int, ignore_index: int = -100) -> torch.Tensor:
+    """The number of targets that are neither ignore_index nor in [0, vocab_size), as a 0-d int64
+    tensor on target's device: no host synchronisation, so it can be called inside a CUDA graph or a
+    compiled step and read when the trainer next synchronises (its logging step, say)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    return bad.sum()
+
+
+def _target_check_enabled(target: torch.Tensor) -> bool:
+    """Whether the eager host check runs: not while torch.compile traces, not on fake or meta tensors,
+    not while the current CUDA stream is being captured into a graph, not when CUDA's sync debug mode
+    is "error" (a step declared synchronisation-free), and not with TIGON_TORCH_CHECK_TARGETS=0. In
+    those cases the kernels' own contract holds: no out-of-bounds access, a NaN loss for the row."""
+    import os
+
+    if _compiling() or target.device.type == "meta" or os.environ.get("TIGON_TORCH_CHECK_TARGETS") == "0":
+        return False
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover
+        pass
+    else:
+        if is_fake(target):
+            return False
+    if target.is_cuda:
+        if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode() == 2:
+            return False
+    return True
+
+
+def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int = -100) -> None:
+    """Raises TargetOutOfRangeError, naming the offending value, the vocabulary size and ignore_index,
+    when a target is neither ignore_index nor in [0, vocab_size). Eager mode only (see
+    _target_check_enabled); the cross-entropy functions call it before any kernel runs, so no loss or
+    gradient is written for a bad batch. Cost: one elementwise pass and one min/max reduction over
+    the targets, and one host synchronisation (a 16-byte copy to the host), which waits for the
+    device work queued before the loss."""
+    if target.numel() == 0 or vocab_size < 1 or not _target_check_enabled(target):
+        return
+    # Ignored targets become 0, a valid class, so that one (min, max) pair decides.
+    t = target.masked_fill(target == ignore_index, 0)
+    lo, hi = torch.stack(torch.aminmax(t)).tolist()
+    if lo >= 0 and hi < vocab_size:
+        return
+    value = lo if lo < 0 else hi
+    raise TargetOutOfRangeError(
+        f"tigon_torch: target {value} is out of bounds: every target must be ignore_index ({ignore_index}) or a "
+        f"class in [0, {vocab_size}) (vocabulary size {vocab_size})")
+
+
 def _ce_flags(return_z_loss, return_token_accuracy, return_predicted_tokens):
     for name, v in (
         ("return_z_loss", return_z_loss),
@@ -545,6 +610,7 @@ def _ce_forward(ctx, _input, target, weight, ignore_index, lse_square_scale, lab
     x2 = as_rows(_input)
     target = target.reshape(-1).contiguous()
     rows, vocab = x2.shape
+    check_targets(target, vocab, int(ignore_index))  # before the kernel, which may write the gradient
     cw = _class_weights(weight, vocab, x2.device)
     z_scale = float(lse_square_scale)
     cap = 0.0 if softcap is None else float(softcap)
@@ -630,6 +696,10 @@ class TigonCrossEntropyFunction(torch.autograd.Function):
     before a loss scale reaches it) and under torch.compile; pass it only when a backward follows
     (tigon_cross_entropy and TigonCrossEntropyLoss drop it when grad mode is off). loss and z_loss are
     returned in _input's dtype (as Liger), computed in fp32.
+
+    A target that is neither ignore_index nor in [0, V) raises TargetOutOfRangeError in eager mode,
+    before any kernel runs (check_targets: one host synchronisation); under CUDA-graph capture and
+    torch.compile the check is skipped and that row's loss is NaN (no out-of-bounds access).
     """
 
     @staticmethod
@@ -698,7 +768,9 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
     Under autocast (CUDA), _input, weight and bias are cast to the autocast dtype, as the matmul of
     the unfused head would be. accum_dtype is accepted and has no effect: accumulation is always
     fp32. use_token_scaling=True raises NotImplementedError. The chunk size is tigon's default (about
-    1 GiB of logits) unless the environment sets TIGON_TORCH_LCE_CHUNK (tokens per chunk).
+    1 GiB of logits) unless the environment sets TIGON_TORCH_LCE_CHUNK (tokens per chunk). Targets
+    are checked as in TigonCrossEntropyFunction (eager: TargetOutOfRangeError before any gradient is
+    computed).
     """
 
     @staticmethod
@@ -745,6 +817,7 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         rows, vocab = x2.shape[0], w.shape[0]
         if target.shape[0] != rows:
             raise ValueError(f"tigon_torch: target has {target.shape[0]} tokens, _input {rows}")
+        check_targets(target, vocab, int(ignore_index))
         cw = _class_weights(ce_weight, vocab, x2.device)
         z_scale = float(lse_square_scale)
         cap = 0.0 if softcap is None else float(softcap)

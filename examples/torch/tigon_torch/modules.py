@@ -1,5 +1,6 @@
 """nn.Module wrappers of the tigon functions, with the parameters (names and shapes) of the Hugging Face
-modules they stand in for, so state dicts load unchanged."""
+modules they stand in for, so state dicts load unchanged. The modules named after Liger-Kernel's
+(LigerX -> TigonX) take Liger's constructor arguments, in its order, with its defaults."""
 
 from __future__ import annotations
 
@@ -7,17 +8,27 @@ import torch
 from torch import nn
 
 from . import functional as F
+from .functional import _local
+from .functions import TigonGatedMulFunction, TigonLayerNormFunction, TigonRMSNormFunction, _casting
+
+
+def _check_init_fn(init_fn) -> None:
+    if init_fn not in ("ones", "zeros"):
+        raise ValueError(f"init_fn must be 'ones' or 'zeros', got {init_fn!r}")
 
 
 class TigonRMSNorm(nn.Module):
-    """RMSNorm over the last dimension. offset=1.0 with casting_mode="gemma" and init_fn="zeros" is
-    Gemma's RMSNorm; the defaults are Llama's."""
+    """Liger's LigerRMSNorm: RMSNorm over the last dimension. offset=1.0 with casting_mode="gemma" and
+    init_fn="zeros" is Gemma's RMSNorm; the defaults are Llama's. row_mode picks one of two Triton
+    kernels of the same math in Liger: accepted and kept, with no effect on the result (tigon picks
+    its kernel itself). elementwise_affine=False: no weight."""
 
     def __init__(self, hidden_size, eps=1e-6, offset=0.0, casting_mode="llama", init_fn="ones", in_place=True,
-                 elementwise_affine=True):
+                 row_mode=None, elementwise_affine=True):
         super().__init__()
-        if init_fn not in ("ones", "zeros"):
-            raise ValueError(f"init_fn must be 'ones' or 'zeros', got {init_fn!r}")
+        _check_init_fn(init_fn)
+        _casting(casting_mode)  # an unknown casting mode raises here, naming the argument
+        self.elementwise_affine = elementwise_affine
         if elementwise_affine:
             init = torch.ones if init_fn == "ones" else torch.zeros
             self.weight = nn.Parameter(init(hidden_size))
@@ -27,39 +38,73 @@ class TigonRMSNorm(nn.Module):
         self.offset = offset
         self.casting_mode = casting_mode
         self.in_place = in_place
+        self.row_mode = row_mode
 
     def forward(self, hidden_states):
-        return F.tigon_rms_norm(hidden_states, self.weight, self.variance_epsilon, self.offset, self.casting_mode,
-                                self.in_place)
+        return TigonRMSNormFunction.apply(hidden_states, _local(self.weight), self.variance_epsilon, self.offset,
+                                          self.casting_mode, self.in_place, self.row_mode)
 
     def extra_repr(self):
         shape = tuple(self.weight.shape) if self.weight is not None else None
-        return (f"{shape}, eps={self.variance_epsilon}, offset={self.offset}, casting_mode={self.casting_mode}, "
-                f"in_place={self.in_place}")
+        return (f"weight_shape={shape}, eps={self.variance_epsilon}, offset={self.offset}, "
+                f"casting_mode={self.casting_mode}, in_place={self.in_place}, row_mode={self.row_mode}")
+
+
+class TigonRMSNormForGemma(TigonRMSNorm):
+    """Liger's LigerRMSNormForGemma: GemmaRMSNorm (offset 1, Gemma casting, zero-initialised weight)."""
+
+    def __init__(self, hidden_size, eps=1e-6, offset=1.0, casting_mode="gemma", init_fn="zeros", in_place=True,
+                 row_mode=None):
+        super().__init__(hidden_size, eps, offset, casting_mode, init_fn, in_place, row_mode)
+
+
+class TigonRMSNormForGemma2(TigonRMSNorm):
+    """Liger's LigerRMSNormForGemma2: as TigonRMSNormForGemma, out of place (its output feeds a residual
+    add, so dY is needed after the norm's backward)."""
+
+    def __init__(self, hidden_size, eps=1e-6, offset=1.0, casting_mode="gemma", init_fn="zeros", in_place=False,
+                 row_mode=None):
+        super().__init__(hidden_size, eps, offset, casting_mode, init_fn, in_place, row_mode)
+
+
+class TigonRMSNormForGemma3(TigonRMSNorm):
+    """Liger's LigerRMSNormForGemma3: Gemma3RMSNorm, whose first argument is dim (the q / k norms')."""
+
+    def __init__(self, dim, eps=0.000001, offset=1.0, casting_mode="gemma", init_fn="zeros", in_place=False):
+        super().__init__(dim, eps, offset, casting_mode, init_fn, in_place)
 
 
 class TigonLayerNorm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-5, bias=True, init_fn="ones"):
+    """Liger's LigerLayerNorm: LayerNorm over the last dimension, eps 1e-6. As in Liger the module always
+    has a trainable bias: zeros when bias=False (the default), drawn from a standard normal when
+    bias=True."""
+
+    def __init__(self, hidden_size, eps=1e-6, bias=False, init_fn="ones"):
         super().__init__()
-        init = torch.ones if init_fn == "ones" else torch.zeros
-        self.weight = nn.Parameter(init(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None
+        _check_init_fn(init_fn)
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size) if init_fn == "ones" else torch.zeros(hidden_size))
+        self.bias = nn.Parameter(torch.randn(hidden_size) if bias else torch.zeros(hidden_size))
         self.variance_epsilon = eps
 
     def forward(self, hidden_states):
-        return F.tigon_layer_norm(hidden_states, self.weight, self.bias, self.variance_epsilon)
+        return TigonLayerNormFunction.apply(hidden_states, _local(self.weight), _local(self.bias),
+                                            self.variance_epsilon)
 
     def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        return f"{self.hidden_size}, eps={self.eps}"
 
 
 class TigonFusedAddRMSNorm(nn.Module):
-    """forward(hidden_states, residual) -> (norm(hidden_states + residual), hidden_states + residual)."""
+    """Liger's LigerFusedAddRMSNorm: forward(hidden_states, residual) -> (norm(hidden_states + residual),
+    hidden_states + residual)."""
 
     def __init__(self, hidden_size, eps=1e-6, offset=0.0, casting_mode="llama", init_fn="ones", in_place=False):
         super().__init__()
-        init = torch.ones if init_fn == "ones" else torch.zeros
-        self.weight = nn.Parameter(init(hidden_size))
+        _check_init_fn(init_fn)
+        _casting(casting_mode)
+        self.weight = nn.Parameter(torch.ones(hidden_size) if init_fn == "ones" else torch.zeros(hidden_size))
         self.variance_epsilon = eps
         self.offset = offset
         self.casting_mode = casting_mode
@@ -69,6 +114,28 @@ class TigonFusedAddRMSNorm(nn.Module):
         return F.tigon_fused_add_rms_norm(hidden_states, residual, self.weight, self.variance_epsilon, self.offset,
                                           self.casting_mode, self.in_place)
 
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}, in_place={self.in_place}"
+
+
+def _check_silu(config) -> None:
+    """Liger's check: a SwiGLU module computes silu, so another configured activation raises."""
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"Activation function {act} not supported: config.hidden_act must be 'silu' or 'swish'")
+
+
+def _gelu_kind(config) -> str:
+    """The GeGLU activation a Gemma config asks for: exact GELU for "gelu", the tanh approximation
+    (Gemma's gelu_pytorch_tanh, Liger's only one) otherwise."""
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if act is None or act in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast"):
+        return "gelu_tanh"
+    if act == "gelu":
+        return "gelu"
+    raise ValueError(f"Activation function {act} not supported by TigonGEGLUMLP: the config's hidden_activation "
+                     "must be a GELU ('gelu_pytorch_tanh', 'gelu_new', 'gelu_fast' or exact 'gelu')")
+
 
 class TigonSwiGLUMLP(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)) — LlamaMLP's parameters, SwiGLU through tigon; without
@@ -77,6 +144,7 @@ class TigonSwiGLUMLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
+        _check_silu(config)
         self.config = config
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
@@ -92,11 +160,14 @@ class TigonSwiGLUMLP(nn.Module):
 
 
 class TigonGEGLUMLP(nn.Module):
-    """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)) — GemmaMLP's parameters, GeGLU through tigon (the
-    whole MLP through tigon_gated_mlp when it can, as TigonSwiGLUMLP)."""
+    """down_proj(gelu(gate_proj(x)) * up_proj(x)) — GemmaMLP's parameters, GeGLU through tigon (the
+    whole MLP through tigon_gated_mlp when it can, as TigonSwiGLUMLP). The GELU is the tanh
+    approximation, as in Liger, unless the config's hidden_activation is exact "gelu", which is then
+    computed exactly (Liger computes the tanh form for it)."""
 
     def __init__(self, config):
         super().__init__()
+        self.act_kind = _gelu_kind(config)
         self.config = config
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
@@ -107,34 +178,48 @@ class TigonGEGLUMLP(nn.Module):
     def forward(self, x):
         if F.gated_mlp_fusable(self, x):
             return F.tigon_gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                                     "gelu_tanh")
-        return self.down_proj(F.tigon_geglu(self.gate_proj(x), self.up_proj(x)))
+                                     self.act_kind)
+        return self.down_proj(TigonGatedMulFunction.apply(self.gate_proj(x), self.up_proj(x), self.act_kind))
 
 
-class TigonPhi3MLP(nn.Module):
-    """down_proj(silu(gate) * up) over Phi-3's fused gate_up_proj, without splitting the projection."""
+class TigonPhi3SwiGLUMLP(nn.Module):
+    """Liger's LigerPhi3SwiGLUMLP: down_proj(silu(gate) * up) over Phi-3's fused gate_up_proj, without
+    splitting the projection."""
 
     def __init__(self, config):
         super().__init__()
+        _check_silu(config)
         self.config = config
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, hidden_states):
-        return self.down_proj(F.tigon_fused_gate_up(self.gate_up_proj(hidden_states), "silu"))
+    def forward(self, x):
+        return self.down_proj(F.tigon_fused_gate_up(self.gate_up_proj(x), "silu"))
+
+
+TigonPhi3MLP = TigonPhi3SwiGLUMLP  # the earlier name
+
+
+def _check_loss_args(label_smoothing, reduction, softcap) -> None:
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
 
 
 class TigonCrossEntropyLoss(nn.Module):
+    """Liger's LigerCrossEntropyLoss: forward(_input, target) returns the loss, or a CrossEntropyOutput
+    when a return_* flag is set. in_place (tigon only, keyword): see tigon_cross_entropy."""
+
     def __init__(self, weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0, reduction="mean",
-                 softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False,
+                 softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False, *,
                  in_place=False):
         super().__init__()
-        if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-        if not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-        if softcap is not None and not softcap > 0:
-            raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+        _check_loss_args(label_smoothing, reduction, softcap)
         self.weight = weight
         self.ignore_index = ignore_index
         self.lse_square_scale = lse_square_scale
@@ -147,25 +232,23 @@ class TigonCrossEntropyLoss(nn.Module):
         self.in_place = in_place
 
     def forward(self, _input, target):
-        return F.tigon_cross_entropy(_input, target, self.weight, self.ignore_index, self.lse_square_scale,
-                                     self.label_smoothing, self.reduction, self.softcap, self.return_z_loss,
-                                     self.return_token_accuracy, self.return_predicted_tokens, self.in_place)
+        return F.tigon_cross_entropy(
+            _input, target, self.weight, ignore_index=self.ignore_index, reduction=self.reduction,
+            label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap,
+            return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy,
+            return_predicted_tokens=self.return_predicted_tokens, in_place=self.in_place)
 
 
 class TigonFusedLinearCrossEntropyLoss(nn.Module):
-    """forward(lin_weight, _input, target, bias=None): the loss of _input @ lin_weight.T + bias against
-    target without materialising the logits (Liger's argument order)."""
+    """Liger's LigerFusedLinearCrossEntropyLoss: forward(lin_weight, _input, target, bias=None) returns
+    the loss of _input @ lin_weight.T + bias against target without materialising the logits, or a
+    CrossEntropyOutput when a return_* flag is set."""
 
     def __init__(self, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
                  reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None, use_token_scaling=False,
                  return_token_accuracy=False, return_predicted_tokens=False):
         super().__init__()
-        if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-        if not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-        if softcap is not None and not softcap > 0:
-            raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+        _check_loss_args(label_smoothing, reduction, softcap)
         self.ce_weight = ce_weight
         self.ignore_index = ignore_index
         self.lse_square_scale = lse_square_scale

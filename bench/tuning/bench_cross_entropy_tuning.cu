@@ -33,10 +33,6 @@ struct OptLossRows : CrossEntropyPolicy {
 
 using Opt256x8x2 = OptShape<256, 8, 2>;
 using Opt128x16x4 = OptShape<128, 16, 4>;
-// The softcap's tanh computed again for the gradient instead of kept from the first pass.
-struct RecomputeTanh : CrossEntropyPolicy {
-  static constexpr bool kCapKeepTanh = false;
-};
 
 const Opt kCap{.cap = 30.0f};
 const Opt kSmooth{.eps = 0.1f};
@@ -59,8 +55,6 @@ CE_TUNE(rows_plain_grad, RowsOnly, true, Opt{}) TWO->Args({8192, 8192})->Args({8
 CE_TUNE(default_plain_grad_small, CrossEntropyPolicy, true, Opt{})->Args({8192, 8192})->Args({8192, 16384});
 CE_TUNE(rows_softcap_grad, RowsOnly, true, kCap) TWO;
 CE_TUNE(rows_all_grad, RowsOnly, true, kAll) TWO;
-CE_TUNE(recompute_tanh_softcap, RecomputeTanh, true, kCap) TWO;
-CE_TUNE(recompute_tanh_all, RecomputeTanh, true, kAll) TWO;
 CE_TUNE(opt_b256_v8_m2_softcap, Opt256x8x2, true, kCap) TWO;
 CE_TUNE(opt_b128_v16_m4_softcap, Opt128x16x4, true, kCap) TWO;
 CE_TUNE(opt_b128_v16_m4_smooth, Opt128x16x4, true, kSmooth) TWO;

@@ -258,6 +258,10 @@ def _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim):
     _check_cuda(q, k, cos, sin)
     if k is not None and k.dtype != q.dtype:
         raise TypeError(f"tigon_torch: q ({q.dtype}) and k ({k.dtype}) must have one dtype")
+    head_dim, width = q.shape[-1], cos.shape[-1]
+    if not (2 <= width <= head_dim or (width == head_dim + 1 and head_dim % 2 == 1)):
+        raise ValueError(f"tigon_torch: cos / sin width {width} must be in [2, head_dim] (head_dim {head_dim}), "
+                         "or head_dim + 1 for an odd head_dim")
     cos = _table(cos, q.dtype)
     sin = _table(sin, q.dtype)
     if sin.dtype != cos.dtype:

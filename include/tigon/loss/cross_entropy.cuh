@@ -281,11 +281,6 @@ struct CrossEntropyPolicy {
   static constexpr int kOptVecs = 8;
   static constexpr int kOptMinBlocks = 4;
   static constexpr int kOptAhead = 32;
-  // The softcap on bfloat16 logits in the optioned resident kernel: the tanh values of the first
-  // pass kept in registers as fp16 for the gradient (true), or computed again (false). 16-bit
-  // logits take the special-function unit's tanh.approx (relative error under 2^-10.9), fp32 the
-  // rational tanh.
-  static constexpr bool kCapKeepTanh = true;
   // Whether the loss alone with options takes the optioned resident kernel (else the row kernel).
   static constexpr bool kOptLoss = true;
   // Rows shorter than this take the row kernel (columns).

@@ -117,8 +117,8 @@ Status launch_ce_resident(const CeParams<T, I>& p, cudaStream_t stream, const ch
   return Status();
 }
 
-// The optioned resident kernel with the softcap (0: none, 1: rational tanh, 2: hardware tanh, 3:
-// hardware tanh kept from pass 1) and the bias as compile-time switches.
+// The optioned resident kernel with the softcap (0: none, 1: rational tanh, 2: hardware tanh) and
+// the bias as compile-time switches.
 template <class P, int kCap, bool kBias, class T, class I>
 Status launch_ce_opt(const CeParams<T, I>& p, cudaStream_t stream, const char* op, bool& launched) {
   constexpr auto kernel =
@@ -145,7 +145,7 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
           constexpr auto kernel = ce_resident_kernel<T, I, kV, P::kResThreads, P::kResVecs, P::kResMinBlocks>;
           TIGON_CHECK((launch_ce_resident<kernel, P::kResThreads, P::kResVecs, P::kResAhead>(p, stream, op, launched)));
         } else if (p.cap > 0.0f) {
-          constexpr int kCap = sizeof(T) != 2 ? 1 : (P::kCapKeepTanh && std::is_same_v<T, bf16>) ? 3 : 2;
+          constexpr int kCap = sizeof(T) == 2 ? 2 : 1;
           TIGON_CHECK((p.bias != nullptr ? launch_ce_opt<P, kCap, true>(p, stream, op, launched)
                                         : launch_ce_opt<P, kCap, false>(p, stream, op, launched)));
         } else {

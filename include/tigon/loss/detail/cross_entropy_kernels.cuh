@@ -648,11 +648,11 @@ TIGON_DEVICE void ce_argmax_lanes(int lane, int n, float& v, unsigned& c) {
 }
 
 // The softcap's tanh(u), u = x / cap: kCap 1 the rational tanh (ce_math::tanh_rational, accurate to
-// fp32), kCap 2 and 3 the special-function unit's tanh.approx.f32 (relative error under 2^-10.9, a
+// fp32), kCap 2 the special-function unit's tanh.approx.f32 (relative error under 2^-10.9, a
 // quarter of a bfloat16 rounding; one instruction instead of a dozen FMAs and a divide).
 template <int kCap>
 TIGON_DEVICE float ce_tanh(float u) {
-  if constexpr (kCap >= 2) {
+  if constexpr (kCap == 2) {
     float y;
     asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(u));
     return y;
@@ -665,8 +665,7 @@ TIGON_DEVICE float ce_tanh(float u) {
 // split-vocabulary statistics and finalize passes; the default for them on sm_90+ with 16-byte
 // rows): the plain kernel's structure and registers, the raw 16-byte vectors held, and the logits
 // formed from them (bias added, softcap applied) each time a pass needs them, in fp32. kCap (0:
-// none, 1: rational tanh, 2: hardware tanh, 3: hardware tanh whose values pass 1 keeps, as fp16
-// pairs in the raw vectors' registers, for the gradient; bfloat16 logits) and kBias are
+// none, 1: rational tanh for fp32 logits, 2: hardware tanh for 16-bit ones) and kBias are
 // compile-time, so that a call without them pays nothing; smoothing, weights and argmax are
 // uniform branches per thread. A block's
 // message is one 16-byte store (max, sum of exp, the target's logit), and a second (sum of w_i x_i,
@@ -729,22 +728,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
 #pragma unroll
       for (int k = 0; k < kV; ++k) x[k] = cap * ce_tanh<kCap>(x[k] * inv_cap);
     }
-  };
-  static_assert(kCap != 3 || (std::is_same_v<T, __nv_bfloat16> && kV % 2 == 0), "kept tanh: bfloat16 vectors");
-  // kCap 3: vector j's tanh values (x / cap) stored over its raw values as fp16 pairs, and read back.
-  auto keep_tanh = [&](int j, const float (&x)[kV]) {
-    float y[kV];
-#pragma unroll
-    for (int k = 0; k < kV; ++k) y[k] = x[k] * inv_cap;
-    const AlignedVec<__half, kV> h = from_floats<__half>(y);
-    __builtin_memcpy(&raw[j], &h, sizeof(h));
-  };
-  auto kept_logits = [&](int j, float (&x)[kV]) {
-    AlignedVec<__half, kV> h;
-    __builtin_memcpy(&h, &raw[j], sizeof(h));
-    to_floats(h, x);
-#pragma unroll
-    for (int k = 0; k < kV; ++k) x[k] *= cap;
   };
   const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
   const std::int64_t t = t_raw - p.col0;
@@ -835,7 +818,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
         if (j * kThreads < mine) {
           float x[kV];
           logits(j, x);
-          if constexpr (kCap == 3) keep_tanh(j, x);
 #pragma unroll
           for (int k = 0; k < kV; ++k) s[0] += exp2_ftz(fmaf(x[k], kLog2e, -mb));
           if constexpr (kSmooth) {
@@ -973,9 +955,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   T* dv = p.dx + row * p.dxs + static_cast<std::int64_t>(first) * kV;
   // The element loop, with smoothing a compile-time switch; without it and for a > 0, log2(a)
   // joins the exponent.
-  auto write = [&](auto smooth_c, auto kept_c) {
+  auto write = [&](auto smooth_c) {
     constexpr bool kSmooth = decltype(smooth_c)::value;
-    constexpr bool kKept = decltype(kept_c)::value;
     const bool fold = !kSmooth && a > 0.0f;
     const float e0 = fold ? neg_lse2 + __log2f(a) : neg_lse2;
     const float a1 = fold ? 1.0f : a;
@@ -984,11 +965,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
       if (j * kThreads < mine) {
         const int c0 = (first + j * kThreads) * kV;
         float x[kV];
-        if constexpr (kKept) {
-          kept_logits(j, x);
-        } else {
-          logits(j, x);
-        }
+        logits(j, x);
         float g[kV];
 #pragma unroll
         for (int k = 0; k < kV; ++k) {
@@ -1016,23 +993,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     }
     return;
   }
-  if constexpr (kCap == 3) {
-    if (!exchange) {  // finalize: no first pass kept the tanh values
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) {
-        if (j * kThreads < mine) {
-          float x[kV];
-          logits(j, x);
-          keep_tanh(j, x);
-        }
-      }
-    }
-  }
-  constexpr std::bool_constant<kCap == 3> kept{};
   if (smooth) {
-    write(std::true_type{}, kept);
+    write(std::true_type{});
   } else {
-    write(std::false_type{}, kept);
+    write(std::false_type{});
   }
   // The target's gradient in fp32 from p - 1, over the value this thread just stored.
   if (in_row) {

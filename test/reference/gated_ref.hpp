@@ -46,13 +46,17 @@ inline double act_derivative(GatedAct k, double x) {
 }
 
 // Dense [rows, cols] inputs (the values as stored in T); outputs before their rounding to T.
-// `value(x)` and `derivative(x)` are any callables in double (a user activation's definition).
-template <class Value>
+// `value(x)` and `derivative(x)` are any callables in double (a user activation's definition);
+// `round(x)` the rounding of an intermediate to the module's dtype (act(gate * a) in the forward,
+// and it and dc * down * b in the backward), the identity for fp32.
+inline double no_round(double x) { return x; }
+
+template <class Value, class Round = double (*)(double)>
 std::vector<double> gated_forward(const std::vector<double>& a, const std::vector<double>& b,
                                   std::int64_t rows, std::int64_t cols, double gate, double down,
-                                  Value&& value) {
+                                  Value&& value, Round&& round = no_round) {
   std::vector<double> c(static_cast<std::size_t>(rows * cols));
-  for (std::int64_t i = 0; i < rows * cols; ++i) c[i] = down * value(gate * a[i]) * b[i];
+  for (std::int64_t i = 0; i < rows * cols; ++i) c[i] = down * round(value(gate * a[i])) * b[i];
   return c;
 }
 
@@ -60,17 +64,18 @@ struct GatedBwdOut {
   std::vector<double> da, db;
 };
 
-template <class Value, class Derivative>
+template <class Value, class Derivative, class Round = double (*)(double)>
 GatedBwdOut gated_backward(const std::vector<double>& dc, const std::vector<double>& a,
                            const std::vector<double>& b, std::int64_t rows, std::int64_t cols,
-                           double gate, double down, Value&& value, Derivative&& derivative) {
+                           double gate, double down, Value&& value, Derivative&& derivative,
+                           Round&& round = no_round) {
   GatedBwdOut out;
   out.da.resize(static_cast<std::size_t>(rows * cols));
   out.db.resize(static_cast<std::size_t>(rows * cols));
   for (std::int64_t i = 0; i < rows * cols; ++i) {
     const double x = gate * a[i];
-    out.da[i] = dc[i] * b[i] * down * gate * derivative(x);
-    out.db[i] = dc[i] * down * value(x);
+    out.da[i] = round(dc[i] * down * b[i]) * gate * derivative(x);
+    out.db[i] = dc[i] * down * round(value(x));
   }
   return out;
 }

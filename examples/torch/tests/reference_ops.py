@@ -144,8 +144,13 @@ def _act(act, a):
     return torch.nn.functional.gelu(a, approximate="tanh" if act == 1 else "none")
 
 
+def _round(x, dtype):
+    """x rounded to dtype and back to fp32: an intermediate tensor of the module's dtype."""
+    return x.to(dtype).float()
+
+
 def gated_fwd(a, b, c, act, gate_multiplier, down_multiplier):
-    out = down_multiplier * _act(act, gate_multiplier * a.float()) * b.float()
+    out = down_multiplier * _round(_act(act, gate_multiplier * a.float()), a.dtype) * b.float()
     c.copy_(out.to(c.dtype))
 
 
@@ -164,8 +169,8 @@ def _act_derivative(act, a):
 def gated_bwd(dc, a, b, da, db, act, gate_multiplier, down_multiplier):
     z = gate_multiplier * a.float()
     g = dc.float() * down_multiplier
-    ga = g * b.float() * gate_multiplier * _act_derivative(act, z)
-    gb = g * _act(act, z)
+    ga = _round(g * b.float(), a.dtype) * gate_multiplier * _act_derivative(act, z)
+    gb = g * _round(_act(act, z), a.dtype)
     da.copy_(ga.to(da.dtype))
     db.copy_(gb.to(db.dtype))
 

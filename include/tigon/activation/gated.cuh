@@ -6,7 +6,9 @@
 //   db = dc * down_multiplier * act(gate_multiplier * a)
 //
 // a is the gate projection, b the up projection, c the input of the down projection. All math in
-// fp32, outputs in the input dtype. The backward recomputes act from a (the forward saves nothing).
+// fp32, outputs in the input dtype; with 16-bit inputs act(gate_multiplier * a) (and in the backward
+// dc * b) is rounded to the dtype before its product, as a Hugging Face MLP of that dtype computes
+// it. The backward recomputes act from a (the forward saves nothing).
 //
 // The header reads in four layers: arguments, math (host + device), kernels, launchers. The first
 // two compile under any C++20 compiler; kernels and launchers need nvcc.
@@ -83,21 +85,26 @@ struct GatedBackwardArgs {
 
 namespace gated_math {
 
-// c before its rounding to T.
-template <Activation Act>
+// c before its rounding to T. act(gate_mult * a) is rounded to T before the product, as a module of
+// dtype T computes it (Hugging Face's MLPs: the activation's output is a tensor of its own, then
+// multiplied by up_proj's), so that 16-bit outputs match that module's bit for bit where the fp32
+// activations agree; for T = float the roundings are the identity.
+template <Activation Act, class T = float>
 TIGON_HD float forward(float a, float b, float gate_mult, float down_mult) {
-  return down_mult * Act::value(gate_mult * a) * b;
+  return down_mult * round_to<T>(Act::value(gate_mult * a)) * b;
 }
 
-// da and db before their rounding to T.
-template <Activation Act>
+// da and db before their rounding to T, with the intermediate roundings of that module's autograd:
+// db from act rounded to T, da from the product dc * b rounded to T (the gradient reaching the
+// activation is a tensor of dtype T).
+template <Activation Act, class T = float>
 TIGON_HD void backward(float dc, float a, float b, float gate_mult, float down_mult, float& da,
                        float& db) {
   float v = 0.0f, d = 0.0f;
   activation_value_and_derivative<Act>(gate_mult * a, v, d);
   const float g = dc * down_mult;
-  db = g * v;
-  da = g * b * gate_mult * d;
+  db = g * round_to<T>(v);
+  da = round_to<T>(g * b) * gate_mult * d;
 }
 
 }  // namespace gated_math
@@ -294,7 +301,7 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, 1) gated_fwd_kernel(const Gat
       AlignedVec<T, kV> cv;
 #pragma unroll
       for (int k = 0; k < kV; ++k) {
-        cv.v[k] = from_float<T>(gated_math::forward<Act>(to_float(av.v[k]), to_float(bv.v[k]),
+        cv.v[k] = from_float<T>(gated_math::forward<Act, T>(to_float(av.v[k]), to_float(bv.v[k]),
                                                          p.gate_mult, p.down_mult));
       }
       store_vec_hinted<true>(cr + i * kV, cv);
@@ -327,7 +334,7 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads) gated_fwd_flat_kernel(const G
 #pragma unroll
       for (int k = 0; k < kV; ++k) {
         cv.v[k] = from_float<T>(
-            gated_math::forward<Act>(to_float(av[u].v[k]), to_float(bv[u].v[k]), p.gate_mult, p.down_mult));
+            gated_math::forward<Act, T>(to_float(av[u].v[k]), to_float(bv[u].v[k]), p.gate_mult, p.down_mult));
       }
       store_vec_hinted<true>(p.c + static_cast<std::int64_t>(v) * kV, cv);
     }
@@ -357,7 +364,7 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, 1) gated_bwd_kernel(const Gat
 #pragma unroll
       for (int k = 0; k < kV; ++k) {
         float da = 0.0f, db = 0.0f;
-        gated_math::backward<Act>(to_float(dcv.v[k]), to_float(av.v[k]), to_float(bv.v[k]), p.gate_mult,
+        gated_math::backward<Act, T>(to_float(dcv.v[k]), to_float(av.v[k]), to_float(bv.v[k]), p.gate_mult,
                                   p.down_mult, da, db);
         dav.v[k] = from_float<T>(da);
         dbv.v[k] = from_float<T>(db);

@@ -57,14 +57,16 @@ void run_case(const Case& c, CublasLtGemm& blas) {
   std::vector<std::int64_t> t(c.N);
   for (std::int64_t i = 0; i < c.N; ++i) t[i] = i % 9 == 4 ? -100 : (i * 7919) % c.V;
 
-  // Reference: logits rounded to T (the GEMM's output), loss and dlogits in double, dlogits
-  // rounded to T (the buffer the gradient GEMMs read), then the gradient products.
+  // Reference: logits rounded to T (the GEMM's output; with the bias, the sum rounded to T again,
+  // as a logits tensor of dtype T holds it), loss and dlogits in double, dlogits rounded to T (the
+  // buffer the gradient GEMMs read), then the gradient products.
   std::vector<double> logits(c.N * c.V);
   for (std::int64_t n = 0; n < c.N; ++n)
     for (std::int64_t v = 0; v < c.V; ++v) {
       double s = 0;
       for (std::int64_t d = 0; d < c.D; ++d) s += xd[n * c.D + d] * wd[v * c.D + d];
-      logits[n * c.V + v] = tigon_ref_round<T>(s) + (c.bias ? bd[v] : 0.0);
+      const double r = tigon_ref_round<T>(s);
+      logits[n * c.V + v] = c.bias ? tigon_ref_round<T>(r + bd[v]) : r;
     }
   tigon_ref::CeOptions o;
   o.eps = c.eps;

@@ -179,7 +179,7 @@ def _ce(x, target, class_weights, grad_output, ignore_index, smoothing, z, cap, 
     """Rows' losses, the reduced loss and z part, lse, argmax and, when grad_scale is given, dloss/dlogits
     (times grad_scale and grad_output), from logits x [rows, vocab]; tigon's formulas in fp32."""
     x = x.float()
-    xb = x + bias.float() if bias is not None else x
+    xb = (x + bias.float()).to(bias.dtype).float() if bias is not None else x  # the sum in the logits' dtype
     xc = cap * torch.tanh(xb / cap) if cap > 0 else xb
     vocab = x.shape[1]
     valid = target != ignore_index
@@ -195,7 +195,7 @@ def _ce(x, target, class_weights, grad_output, ignore_index, smoothing, z, cap, 
     zrows = torch.where(valid, z * lse * lse, zero)
     if reduction == 2:  # the cross-entropy part over the weight sum, the z part over the token count
         denom = (wt * valid).sum() if class_weights is not None else valid.sum().float()
-        denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+        denom = torch.where(denom != 0, denom, torch.ones_like(denom))
         count = valid.sum().float().clamp_min(1)
         ztotal = zrows.sum() / count
         total = (rows - zrows).sum() / denom + ztotal

@@ -32,7 +32,7 @@ struct CeParams {
   std::int64_t col0, total_vocab;
   const CrossEntropyStats* stats;  // merged statistics (finalize), or null: compute them here
   CrossEntropyStats* stats_out;    // shard statistics (stats pass), or null
-  const T* bias;                   // [vocab] added to the logits before the softcap, or null
+  const T* bias;                   // [vocab] added to the logits (the sum rounded to T) before the softcap, or null
 };
 
 struct CeAcc {  // one thread's (or a block's) running statistics
@@ -61,13 +61,16 @@ struct CeShared {
   float x_t;
 };
 
-// The logits of one raw vector (with bias and softcap) in fp32.
+// The logits of one raw vector (with bias and softcap) in fp32. With a bias the sum is rounded to
+// T, the value a logits tensor of dtype T holds after F.linear with a bias (the unfused head).
 template <class T, int kV>
 TIGON_DEVICE void to_x(const AlignedVec<T, kV>& v, const T* bias, std::int64_t c, float cap, float* x) {
   AlignedVec<T, kV> b;
   if (bias != nullptr) b = load_vec<kV>(bias + c);
 #pragma unroll
-  for (int k = 0; k < kV; ++k) x[k] = to_float(v.v[k]) + (bias != nullptr ? to_float(b.v[k]) : 0.0f);
+  for (int k = 0; k < kV; ++k) {
+    x[k] = bias != nullptr ? round_to<T>(to_float(v.v[k]) + to_float(b.v[k])) : to_float(v.v[k]);
+  }
   if (cap > 0.0f) {  // a branch per vector, not a select per element: the rational tanh costs a dozen FMAs
     const float inv = 1.0f / cap;
 #pragma unroll
@@ -121,10 +124,11 @@ TIGON_DEVICE void ce_accumulate(CeAcc& acc, const float* x, std::int64_t c0, boo
 
 // ---- The per-row steps the kernels share ----
 
-// Column c's logit from its raw value: bias and softcap applied.
+// Column c's logit from its raw value: bias (the sum rounded to T) and softcap applied.
 template <class T, class I>
 TIGON_DEVICE float ce_logit(const CeParams<T, I>& p, T raw, std::int64_t c) {
-  return ce_math::softcap(to_float(raw) + (p.bias != nullptr ? to_float(p.bias[c]) : 0.0f), p.cap);
+  return ce_math::softcap(p.bias != nullptr ? round_to<T>(to_float(raw) + to_float(p.bias[c])) : to_float(raw),
+                          p.cap);
 }
 
 // The target's logit, or 0 when the target is not in this shard.
@@ -716,13 +720,13 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
   const float cap = kCap ? p.cap : 0.0f;
   const float inv_cap = kCap ? 1.0f / p.cap : 0.0f;
-  // Vector j's logits: bias added, softcap applied.
+  // Vector j's logits: bias added (the sum rounded to T), softcap applied.
   auto logits = [&](int j, float (&x)[kV]) {
     to_floats(raw[j], x);
     if constexpr (kBias) {
       const AlignedVec<T, kV> b = load_vec<kV>(p.bias + static_cast<std::int64_t>(first + j * kThreads) * kV);
 #pragma unroll
-      for (int k = 0; k < kV; ++k) x[k] += to_float(b.v[k]);
+      for (int k = 0; k < kV; ++k) x[k] = round_to<T>(x[k] + to_float(b.v[k]));
     }
     if constexpr (kCap != 0) {
 #pragma unroll
@@ -736,7 +740,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   if (exchange) {
     float xt = 0.0f;
     if (rank == 0 && tid == 0 && in_row) {
-      xt = to_float(p.x[row * p.xs + t]) + (kBias ? to_float(p.bias[t]) : 0.0f);
+      xt = to_float(p.x[row * p.xs + t]);
+      if constexpr (kBias) xt = round_to<T>(xt + to_float(p.bias[t]));
       if constexpr (kCap != 0) xt = cap * ce_tanh<kCap>(xt * inv_cap);
     }
     // The thread's largest logit (and, for argmax, its first column). Without a bias the raw

@@ -39,7 +39,9 @@ inline bool elementwise_none(Div d) { return d == Div::kldiv || d == Div::tvd; }
 struct DivOut {
   double loss = 0, denom = 0;
   std::vector<double> loss_rows, loss_elems, grad;  // [rows], [rows, V], [rows, V]
-  std::vector<double> abs_rows;   // each row's sum of |element loss| (the loss's rounding scale)
+  // The fp32 rounding scale of each element's loss (q (1 + |log q|) + p (1 + |log p|): its terms
+  // may cancel), and each row's sum of them.
+  std::vector<double> elem_scale, scale_rows;
   std::vector<char> near_tie;     // tvd: elements whose q and p agree to 1e-5 (their sign is ambiguous in fp32)
 };
 
@@ -104,7 +106,8 @@ inline DivOut divergence(const std::vector<double>& x, const std::vector<double>
                          std::int64_t V, const DivOptions& o, bool want_grad) {
   DivOut r;
   r.loss_rows.assign(rows, 0);
-  r.abs_rows.assign(rows, 0);
+  r.scale_rows.assign(rows, 0);
+  r.elem_scale.assign(static_cast<std::size_t>(rows * V), 0);
   r.loss_elems.assign(static_cast<std::size_t>(rows * V), 0);
   r.near_tie.assign(static_cast<std::size_t>(rows * V), 0);
   if (want_grad) r.grad.assign(static_cast<std::size_t>(rows * V), 0);
@@ -123,7 +126,7 @@ inline DivOut divergence(const std::vector<double>& x, const std::vector<double>
     if (ignored(n)) continue;
     forms(o.student, &x[n * V], V, o.temperature, xl, xp);
     forms(o.teacher, &y[n * V], V, o.temperature, yl, yp);
-    double row = 0, abs_row = 0;
+    double row = 0, scale_row = 0;
     for (std::int64_t i = 0; i < V; ++i) {
       ElemValue e = element(o, xl[i], xp[i], yl[i], yp[i]);
       if (o.div == Div::tvd) {
@@ -132,11 +135,13 @@ inline DivOut divergence(const std::vector<double>& x, const std::vector<double>
       }
       r.loss_elems[n * V + i] = e.loss;
       row += e.loss;
-      abs_row += std::abs(e.loss);
+      auto term = [](double lg, double pr) { return pr == 0 ? 0.0 : pr * (1 + std::abs(lg)); };
+      r.elem_scale[n * V + i] = term(xl[i], xp[i]) + term(yl[i], yp[i]) + std::abs(e.loss);
+      scale_row += r.elem_scale[n * V + i];
       g[i] = e.grad;
     }
     r.loss_rows[n] = row;
-    r.abs_rows[n] = abs_row;
+    r.scale_rows[n] = scale_row;
     if (!want_grad || r.denom == 0) continue;
     double up = 1;
     if (!o.grad_output.empty() && !elems_go) up = o.grad_output[none ? n : 0];

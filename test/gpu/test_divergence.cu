@@ -52,6 +52,7 @@ struct Case {
   std::int64_t offset = 0;  // the student's (and dx's) first element in its buffer: 1 takes the scalar path
   bool loss_elems = true;
   bool loss_rows = true;
+  bool loss = true;     // the reduced loss (not under none)
   bool masked = false;  // some teacher entries with probability 0 (-inf log-probs / logits, 0 probs)
   bool tiny = false;    // some teacher probabilities below KLDiv's eps
   bool ties = false;    // some teacher values equal to the student's (TVD's sign convention)
@@ -67,7 +68,8 @@ std::string describe(const Case& c) {
          form_name(c.t) + " red " + reds[int(c.red)] + " T " + std::to_string(c.temperature) + " labels " +
          std::to_string(c.labels) + " scale " + std::to_string(c.grad_scale) +
          (c.grad_output ? " grad_output" : "") + (c.grad ? (c.in_place ? " in-place" : " out-of-place") : " loss-only") +
-         " pad " + std::to_string(c.pad) + " offset " + std::to_string(c.offset) + (c.masked ? " masked" : "") +
+         " pad " + std::to_string(c.pad) + " offset " + std::to_string(c.offset) + (c.loss ? "" : " no-loss") +
+         (c.loss_rows ? "" : " no-loss_rows") + (c.loss_elems ? "" : " no-loss_elems") + (c.masked ? " masked" : "") +
          (c.tiny ? " tiny" : "") + (c.ties ? " ties" : "");
 }
 
@@ -227,7 +229,8 @@ void run_case(const D& div, const Case& c) {
                              .dx = c.grad ? (c.in_place ? x.ptr + c.offset : dx.ptr + c.offset) : nullptr,
                              .dx_stride = dld, .grad_scale = c.grad_scale,
                              .grad_output = c.grad_output ? go.ptr : nullptr, .grad_output_stride = gld,
-                             .loss = none ? nullptr : loss.ptr, .loss_rows = c.loss_rows ? lrows.ptr : nullptr,
+                             .loss = (none || !c.loss) ? nullptr : loss.ptr,
+                             .loss_rows = c.loss_rows ? lrows.ptr : nullptr,
                              .loss_elems = c.loss_elems ? lelems.ptr : nullptr, .loss_elems_stride = eld};
   std::size_t wsb = 0;
   TIGON_OK(divergence_workspace_bytes(a, wsb));
@@ -242,7 +245,7 @@ void run_case(const D& div, const Case& c) {
   double total_scale = 0;
   for (double v : ref.scale_rows) total_scale += v;
   // The reduced loss.
-  if (!none) {
+  if (!none && c.loss) {
     const double got = loss.download()[0];
     const double den = ref.denom == 0 ? 1 : ref.denom;
     INFO("loss " << got << " reference " << ref.loss);
@@ -427,6 +430,31 @@ TEST_CASE("divergence: ignored rows, in place and out of place, strides, the sca
     run_case<TVD, bf16, bf16>(TVD{}, tie);
     run_case<TVD, float, float>(TVD{}, tie);
     run_case<TVD, bf16, float>(TVD{}, tie);
+  }
+}
+
+// Rows of several 8192-column chunks on the streaming kernel (each chunk a block, the partial sums
+// added by the finish kernel): exact multiples, a last chunk of one element (single elements) or
+// of part of a chunk, with every combination of the loss and row-sum outputs, ignored rows among them.
+TEST_CASE("divergence: rows of several chunks, every loss output", "[div][gpu]") {
+  for (std::int64_t V : {std::int64_t{8192}, std::int64_t{8193}, std::int64_t{16384}, std::int64_t{20000}}) {
+    for (int outputs = 0; outputs < 4; ++outputs) {
+      Case c{.rows = 11, .V = V, .labels = 1, .grad_output = true};
+      c.loss = (outputs & 1) != 0;
+      c.loss_rows = (outputs & 2) != 0;
+      c.loss_elems = outputs == 0;
+      run_case<ForwardKL, bf16, bf16>(ForwardKL{}, c);
+      run_case<GeneralizedJSD, float, bf16>(GeneralizedJSD{0.7f}, c);
+      Case t = c;
+      t.s = t.t = Form::probs;
+      t.red = Red::sum;
+      run_case<TVD, half, half, std::int32_t>(TVD{}, t);
+      t.red = Red::none;
+      run_case<TVD, bf16, float>(TVD{}, t);
+      Case z = c;  // logits: one block a row, whatever its length
+      z.s = Form::logits;
+      run_case<ForwardKL, bf16, bf16>(ForwardKL{}, z);
+    }
   }
 }
 

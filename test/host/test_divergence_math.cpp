@@ -389,7 +389,7 @@ struct ProbsOnly {
   }
 };
 struct Mine : DivergencePolicy {
-  static constexpr int kStreamUnroll = 2;
+  static constexpr int kStreamUnroll = 4;
 };
 }  // namespace
 
@@ -425,23 +425,29 @@ TEST_CASE("divergence traits: a user functor's defaults, the built-ins' input fo
   // TVD's gradient against q becomes one against log q for a log-prob student.
   const DivergenceValue t = div_math::evaluate<TVD, L, P>(TVD{}, std::log(0.5f), 0.25f, 1.0f, 0.0f, 0.0f, q);
   CHECK(std::abs(t.grad - 0.25f) < 1e-6f);
-  STATIC_REQUIRE(Mine::kStreamUnroll == 2);
+  STATIC_REQUIRE(Mine::kStreamUnroll == 4);
   STATIC_REQUIRE(Mine::kRowThreads == DivergencePolicy::kRowThreads);
   STATIC_REQUIRE(detail::check_divergence_policy<Mine>());
   STATIC_REQUIRE(detail::check_divergence_policy<DivergencePolicy>());
 }
 
-TEST_CASE("divergence workspace: the count and the row scratch only where needed", "[div][dispatch]") {
-  alignas(16) static bf16 x[64], y[64];
-  alignas(16) static std::int64_t lab[4];
-  alignas(16) static float loss[1], rows_out[4];
+TEST_CASE("divergence workspace: the count and the partial sums only where needed", "[div][dispatch]") {
+  alignas(16) static bf16 x[100 * 20000], y[100 * 20000];
+  alignas(16) static std::int64_t lab[100];
+  alignas(16) static float loss[1], rows_out[100];
   DivergenceArgs<bf16> a{.student = x, .teacher = y, .rows = 4, .vocab = 16};
-  CHECK(detail::div_workspace(a).bytes == 0);  // no labels, no reduced loss
+  CHECK(detail::div_workspace(a).bytes == 0);  // no labels, no loss outputs
+  CHECK(!detail::div_workspace(a).finish);
   a.loss = loss;
-  CHECK(detail::div_workspace(a).bytes == 256);  // row sums
-  CHECK(detail::div_workspace(a).row_sums);
+  CHECK(detail::div_workspace(a).bytes == 256);  // the rows' sums (one chunk each)
+  CHECK(detail::div_workspace(a).partials);
+  CHECK(detail::div_workspace(a).finish);
   a.loss_rows = rows_out;
   CHECK(detail::div_workspace(a).bytes == 0);  // loss_rows holds them
+  CHECK(detail::div_workspace(a).finish);      // the loss from them
+  a.loss = nullptr;
+  CHECK(!detail::div_workspace(a).finish);  // the rows write loss_rows themselves
+  a.loss = loss;
   a.labels = lab;
   CHECK(detail::div_workspace(a).bytes == 256);  // the count (batchmean)
   CHECK(detail::div_workspace(a).count);
@@ -451,8 +457,23 @@ TEST_CASE("divergence workspace: the count and the row scratch only where needed
   a.loss_rows = nullptr;
   a.rows = 100;
   CHECK(detail::div_workspace(a).bytes == 512);  // 16 + 400 bytes, rounded to 256
+  // Rows of 20000 columns take 3 chunks on the streaming kernel: partial sums even with loss_rows,
+  // which the finish writes; with logits, one block (and one sum) a row.
+  a.vocab = 20000;
+  a.loss_rows = rows_out;
+  CHECK(detail::div_workspace(a).chunks == 3);
+  CHECK(detail::div_workspace(a).bytes == round_up<std::size_t>(16 + 100 * 3 * 4, 256));
+  CHECK(detail::div_workspace(a).finish);
+  a.loss = nullptr;
+  CHECK(detail::div_workspace(a).finish);  // loss_rows from the partial sums
+  a.teacher_input = DivergenceInput::logits;
+  CHECK(detail::div_workspace(a).chunks == 1);
+  CHECK(detail::div_workspace(a).bytes == 256);  // the count alone
+  CHECK(!detail::div_workspace(a).finish);
+  CHECK(detail::kDivChunkCols == 8192);
   std::size_t bytes = 1;
-  a.rows = 4;
+  a = DivergenceArgs<bf16>{.student = x, .teacher = y, .rows = 4, .vocab = 16, .labels = lab,
+                           .reduction = DivergenceReduction::mean, .loss = loss};
   CHECK(divergence_workspace_bytes(a, bytes).ok());
   CHECK(bytes == 256);
   a.student = nullptr;

@@ -487,11 +487,30 @@ Status validate_divergence_call(const DivergenceArgs<T, TT, I>& a, const D& div,
   return Status();
 }
 
-// Workspace: the device count of non-ignored rows (labels under batchmean / mean: 16 bytes), then
-// the per-row loss sums when the reduced loss is asked for without loss_rows; 256-byte multiple.
+// The streaming kernel's chunk: each block takes this many columns of one row (a row of more
+// columns takes several blocks, whose partial loss sums the finish kernel adds).
+inline constexpr std::int64_t kDivChunkCols = 8192;
+
+// Whether the call takes the streaming kernel (neither side given as logits), and the blocks (chunks)
+// a row takes: ceil(vocab / kDivChunkCols) on the streaming kernel, 1 on the row kernel.
+template <class T, class TT, class I>
+bool div_streaming(const DivergenceArgs<T, TT, I>& a) {
+  return a.student_input != DivergenceInput::logits && a.teacher_input != DivergenceInput::logits;
+}
+template <class T, class TT, class I>
+std::int64_t div_chunks(const DivergenceArgs<T, TT, I>& a) {
+  return div_streaming(a) ? ceil_div(a.vocab, kDivChunkCols) : 1;
+}
+
+// The workspace plan: the device count of non-ignored rows (labels under batchmean / mean: 16
+// bytes at byte 0), then the per-chunk partial loss sums [rows, chunks] (at byte 16) when the loss
+// or the row sums are asked for, unless the row sums go straight to loss_rows (one chunk a row); a
+// 256-byte multiple. `finish`: the finish kernel forms loss_rows and the loss from the partials.
 struct DivWorkspace {
-  bool count = false;     // the count at byte 0
-  bool row_sums = false;  // rows floats at byte 16
+  bool count = false;
+  bool partials = false;
+  bool finish = false;
+  std::int64_t chunks = 1;
   std::size_t bytes = 0;
 };
 template <class T, class TT, class I>
@@ -499,9 +518,13 @@ DivWorkspace div_workspace(const DivergenceArgs<T, TT, I>& a) {
   DivWorkspace w;
   w.count = a.labels != nullptr &&
             (a.reduction == DivergenceReduction::batchmean || a.reduction == DivergenceReduction::mean);
-  w.row_sums = a.loss != nullptr && a.loss_rows == nullptr;
-  if (w.count || w.row_sums) {
-    w.bytes = round_up<std::size_t>(16 + (w.row_sums ? static_cast<std::size_t>(a.rows) * 4u : 0u), 256u);
+  w.chunks = div_chunks(a);
+  const bool sums = a.loss != nullptr || a.loss_rows != nullptr;
+  w.partials = sums && (w.chunks > 1 || a.loss_rows == nullptr);
+  w.finish = a.loss != nullptr || (sums && w.partials);
+  if (w.count || w.partials) {
+    const std::size_t n = w.partials ? static_cast<std::size_t>(a.rows * w.chunks) : 0u;
+    w.bytes = round_up<std::size_t>(16 + n * 4u, 256u);
   }
   return w;
 }
@@ -509,20 +532,20 @@ DivWorkspace div_workspace(const DivergenceArgs<T, TT, I>& a) {
 }  // namespace detail
 
 // The divergence kernels' tuning, CUB-style: the members are the defaults; derive and override,
-//   struct MyPolicy : tigon::DivergencePolicy { static constexpr int kStreamUnroll = 2; };
+//   struct MyPolicy : tigon::DivergencePolicy { static constexpr int kStreamUnroll = 4; };
 // and pass it as divergence<MyPolicy>(args, div, stream).
 //
 // Which kernel takes a call: with neither side given as logits, the streaming kernel (one block
-// per row, every element read once and its gradient written from registers, a block reduction of
-// the row's loss); with logits on either side, the row kernel (one block per row: the logsumexp of
-// each logits side, then a pass for the loss and the gradient's row sum, then, for student logits
-// with a gradient, a pass that writes the gradient; the later passes re-read the row, from L2 where
-// it stayed). 16-byte vectors where the pointers, strides and vocabulary allow; single elements
-// otherwise.
+// per 8192-column chunk of a row, every element read once and its gradient written from
+// registers, a block reduction of the chunk's loss); with logits on either side, the row kernel
+// (one block per row: the logsumexp of each logits side, then a pass for the loss and the
+// gradient's row sum, then, for student logits with a gradient, a pass that writes the gradient;
+// the later passes re-read the row, from L2 where it stayed). 16-byte vectors where the pointers,
+// strides and vocabulary allow; single elements otherwise.
 struct DivergencePolicy {
   // Streaming kernel: block size, and 16-byte vectors of each input each thread has in flight.
   static constexpr int kStreamThreads = 256;
-  static constexpr int kStreamUnroll = 4;
+  static constexpr int kStreamUnroll = 2;
   // Row kernel: block size, and vectors of each input in flight per thread in each pass.
   static constexpr int kRowThreads = 512;
   static constexpr int kRowUnroll = 2;
@@ -543,8 +566,10 @@ constexpr bool check_divergence_policy() {
 }  // namespace detail
 
 // Bytes of workspace divergence(args, div) needs (0 when none): the count of non-ignored rows when
-// labels are given under batchmean / mean, and per-row scratch when `loss` is asked for without
-// `loss_rows`. Validates what does not depend on the functor as the launch will.
+// labels are given under batchmean / mean, and the partial loss sums of each row's chunks (4 bytes
+// per row and chunk of 8192 columns; one chunk a row with logits) when the loss or the row sums are
+// asked for, unless the row sums go straight to `loss_rows`. Validates what does not depend on the
+// functor as the launch will.
 template <class T, class TT, class I>
 [[nodiscard]] Status divergence_workspace_bytes(const DivergenceArgs<T, TT, I>& args, std::size_t& bytes) {
   bytes = 0;
@@ -583,7 +608,8 @@ struct DivParams {
   std::int64_t gos;
   const float* count;     // the device count of non-ignored rows, or null
   float den;              // the denominator: count[0] * den with a count, else den
-  float* row_sums;        // per-row loss sums, or null
+  float* partials;        // the loss sums [rows, chunks] (a chunk: kDivChunkCols columns), or null
+  std::int64_t chunks;    // chunks a row: ceil(vocab / kDivChunkCols) (streaming kernel), 1 (row kernel)
   float* loss_elems;      // per-element losses (row stride les), or null
   std::int64_t les;
 };
@@ -644,41 +670,46 @@ TIGON_DEVICE float div_row_factor(const DivParams<T, TT, I>& p, std::int64_t row
   return p.grad_scale * up / den;
 }
 
-// An ignored row: zero gradient and element losses, a zero row sum; its inputs are not read.
+// Vectors [v0, v1) of an ignored row: zero gradient and element losses; its inputs are not read.
 template <int kN, int kThreads, class T, class TT, class I>
-TIGON_DEVICE void div_zero_row(const DivParams<T, TT, I>& p, std::int64_t row, std::uint64_t pol) {
-  const int nvec = static_cast<int>(p.vocab / kN);
+TIGON_DEVICE void div_zero(const DivParams<T, TT, I>& p, std::int64_t row, int v0, int v1, std::uint64_t pol) {
   float z[kN];
 #pragma unroll
   for (int k = 0; k < kN; ++k) z[k] = 0.0f;
   T* dr = p.dx != nullptr ? p.dx + row * p.dxs : nullptr;
   float* lr = p.loss_elems != nullptr ? p.loss_elems + row * p.les : nullptr;
-  for (int i = static_cast<int>(threadIdx.x); i < nvec; i += kThreads) {
+  for (int i = v0 + static_cast<int>(threadIdx.x); i < v1; i += kThreads) {
     const std::int64_t c0 = static_cast<std::int64_t>(i) * kN;
     if (dr != nullptr) div_store<kN>(dr + c0, z, pol);
     if (lr != nullptr) div_store<kN>(lr + c0, z, pol);
   }
-  if (threadIdx.x == 0 && p.row_sums != nullptr) p.row_sums[row] = 0.0f;
 }
 
 // ---- The streaming kernel (neither side given as logits) ----
 
-// One block per row (the grid walks rows when it holds fewer blocks). Each thread takes the row's
-// vectors tid, tid + kThreads, ..., kU of each input in flight per trip (read with the evict-first
-// L2 priority: used once), computes each element's loss and gradient, writes the gradient (and the
-// element losses) from registers, and adds the losses in a fixed order; one CUB block reduction
-// gives the row's sum.
+// One block per chunk of kDivChunkCols columns of one row (the grid walks the chunks when it holds
+// fewer blocks), so every block streams about the same bytes and the grid drains evenly. Each
+// thread takes the chunk's vectors tid, tid + kThreads, ..., kU of each input in flight per trip
+// (read with the evict-first L2 priority: used once), computes each element's loss and gradient,
+// writes the gradient (and the element losses) from registers, and adds the losses in a fixed
+// order; one CUB block reduction gives the chunk's partial sum.
 template <class D, DivergenceInput kS, DivergenceInput kT, class T, class TT, class I, int kN, int kThreads, int kU>
 TIGON_KERNEL void __launch_bounds__(kThreads) div_stream_kernel(const DivParams<T, TT, I> p, const D div) {
   detail::grid_dependency_sync();
   using Reduce = cub::BlockReduce<float, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
   __shared__ typename Reduce::TempStorage tmp;
+  constexpr int kChunkVecs = static_cast<int>(kDivChunkCols / kN);
   const int nvec = static_cast<int>(p.vocab / kN);
   const int tid = static_cast<int>(threadIdx.x);
   const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
-  for (std::int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+  const std::int64_t blocks = p.rows * p.chunks;
+  for (std::int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    const std::int64_t row = b / p.chunks;
+    const int v0 = static_cast<int>(b - row * p.chunks) * kChunkVecs;
+    const int v1 = min(v0 + kChunkVecs, nvec);
     if (div_ignored(p, row)) {
-      div_zero_row<kN, kThreads>(p, row, drop);
+      div_zero<kN, kThreads>(p, row, v0, v1, drop);
+      if (tid == 0 && p.partials != nullptr) p.partials[b] = 0.0f;
       continue;
     }
     const T* xr = p.x + row * p.xs;
@@ -688,48 +719,46 @@ TIGON_KERNEL void __launch_bounds__(kThreads) div_stream_kernel(const DivParams<
     const float* wr = p.go_elems != nullptr ? p.go_elems + row * p.gos : nullptr;
     const float f = div_row_factor(p, row);
     float acc = 0.0f;
-    auto step = [&](int i, const DivVecs<T, kN>& xv, const DivVecs<TT, kN>& yv) {
-      const std::int64_t c0 = static_cast<std::int64_t>(i) * kN;
-      float xf[kN], yf[kN], l[kN], g[kN];
-      div_floats(xv, xf);
-      div_floats(yv, yf);
-#pragma unroll
-      for (int k = 0; k < kN; ++k) {
-        float q;
-        const DivergenceValue v = div_math::evaluate<D, kS, kT>(div, xf[k], yf[k], 1.0f, 0.0f, 0.0f, q);
-        acc += v.loss;
-        l[k] = v.loss;
-        g[k] = v.grad * f;
-      }
-      if (wr != nullptr) {
-        float w[kN];
-        div_floats(div_load<kN>(wr + c0, drop), w);
-#pragma unroll
-        for (int k = 0; k < kN; ++k) g[k] *= w[k];
-      }
-      if (dr != nullptr) div_store<kN>(dr + c0, g, drop);
-      if (lr != nullptr) div_store<kN>(lr + c0, l, drop);
-    };
-    int i = tid;
-    for (; i + (kU - 1) * kThreads < nvec; i += kU * kThreads) {
+    for (int i = v0 + tid; i < v1; i += kU * kThreads) {
       DivVecs<T, kN> xv[kU];
       DivVecs<TT, kN> yv[kU];
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
-        const std::int64_t c0 = static_cast<std::int64_t>(i + u * kThreads) * kN;
-        xv[u] = div_load<kN>(xr + c0, drop);
-        yv[u] = div_load<kN>(yr + c0, drop);
+        const int j = i + u * kThreads;
+        if (j < v1) {
+          xv[u] = div_load<kN>(xr + static_cast<std::int64_t>(j) * kN, drop);
+          yv[u] = div_load<kN>(yr + static_cast<std::int64_t>(j) * kN, drop);
+        }
       }
 #pragma unroll
-      for (int u = 0; u < kU; ++u) step(i + u * kThreads, xv[u], yv[u]);
+      for (int u = 0; u < kU; ++u) {
+        const int j = i + u * kThreads;
+        if (j >= v1) break;
+        const std::int64_t c0 = static_cast<std::int64_t>(j) * kN;
+        float xf[kN], yf[kN], l[kN], g[kN];
+        div_floats(xv[u], xf);
+        div_floats(yv[u], yf);
+#pragma unroll
+        for (int k = 0; k < kN; ++k) {
+          float q;
+          const DivergenceValue v = div_math::evaluate<D, kS, kT>(div, xf[k], yf[k], 1.0f, 0.0f, 0.0f, q);
+          acc += v.loss;
+          l[k] = v.loss;
+          g[k] = v.grad * f;
+        }
+        if (wr != nullptr) {
+          float w[kN];
+          div_floats(div_load<kN>(wr + c0, drop), w);
+#pragma unroll
+          for (int k = 0; k < kN; ++k) g[k] *= w[k];
+        }
+        if (dr != nullptr) div_store<kN>(dr + c0, g, drop);
+        if (lr != nullptr) div_store<kN>(lr + c0, l, drop);
+      }
     }
-    for (; i < nvec; i += kThreads) {
-      const std::int64_t c0 = static_cast<std::int64_t>(i) * kN;
-      step(i, div_load<kN>(xr + c0, drop), div_load<kN>(yr + c0, drop));
-    }
-    const float s = Reduce(tmp).Sum(acc);
-    if (tid == 0 && p.row_sums != nullptr) p.row_sums[row] = s;
-    __syncthreads();  // tmp is reused by the next row
+    const float sum = Reduce(tmp).Sum(acc);
+    if (tid == 0 && p.partials != nullptr) p.partials[b] = sum;
+    __syncthreads();  // tmp is reused by the next chunk
   }
 }
 
@@ -774,7 +803,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads) div_row_kernel(const DivParams<T, 
   const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
   for (std::int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     if (div_ignored(p, row)) {
-      div_zero_row<kN, kThreads>(p, row, drop);
+      div_zero<kN, kThreads>(p, row, 0, nvec, drop);
+      if (tid == 0 && p.partials != nullptr) p.partials[row] = 0.0f;
       continue;
     }
     const T* xr = p.x + row * p.xs;
@@ -854,7 +884,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) div_row_kernel(const DivParams<T, 
       for (; i < nvec; i += kThreads) step(static_cast<std::int64_t>(i) * kN, mid);
     }
     Sums::sum(sums, sh.sums);  // every thread gets the totals; ends with a barrier
-    if (tid == 0 && p.row_sums != nullptr) p.row_sums[row] = sums[0];
+    if (tid == 0 && p.partials != nullptr) p.partials[row] = sums[0];
     // Pass 3.
     if constexpr (kSL) {
       if (third) {
@@ -906,15 +936,24 @@ TIGON_KERNEL void __launch_bounds__(1024)
   if (threadIdx.x == 0) count[0] = static_cast<float>(total);
 }
 
-// loss = (sum of the row sums) / denominator (0 when the denominator is 0: every row ignored).
+// From the partial sums [rows, chunks]: each row's sum (in chunk order) into loss_rows (unless
+// the partials are loss_rows), and loss = (sum of the rows) / denominator (0 when the denominator
+// is 0: every row ignored), when loss is set. One block, fixed order.
 template <int kThreads = 1024>  // a template: a header's kernel needs one definition per program
 TIGON_KERNEL void __launch_bounds__(kThreads)
-    div_reduce_kernel(const float* row_sums, std::int64_t rows, const float* count, float den, float* loss) {
+    div_finish_kernel(const float* partials, std::int64_t rows, std::int64_t chunks, float* loss_rows,
+                      const float* count, float den, float* loss) {
   detail::grid_dependency_sync();
   using Reduce = cub::BlockReduce<float, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
   __shared__ typename Reduce::TempStorage tmp;
   float s = 0.0f;
-  for (std::int64_t r = threadIdx.x; r < rows; r += kThreads) s += row_sums[r];
+  for (std::int64_t r = threadIdx.x; r < rows; r += kThreads) {
+    float rs = 0.0f;
+    for (std::int64_t c = 0; c < chunks; ++c) rs += partials[r * chunks + c];
+    if (loss_rows != nullptr && loss_rows != partials) loss_rows[r] = rs;
+    s += rs;
+  }
+  if (loss == nullptr) return;
   const float total = Reduce(tmp).Sum(s);
   if (threadIdx.x == 0) {
     const float d = count != nullptr ? count[0] * den : den;
@@ -950,7 +989,8 @@ template <class P, class D, DivergenceInput kS, DivergenceInput kT, class T, cla
 Status div_launch(const DivParams<T, TT, I>& p, const D& div, cudaStream_t stream, const char* op) {
   constexpr int kN = kVecElems<T> > kVecElems<TT> ? kVecElems<T> : kVecElems<TT>;
   const bool vec = div_vectorizable<kN>(p);
-  const unsigned grid = static_cast<unsigned>(std::min<std::int64_t>(p.rows, (std::int64_t{1} << 31) - 1));
+  const unsigned grid =
+      static_cast<unsigned>(std::min<std::int64_t>(p.rows * p.chunks, (std::int64_t{1} << 31) - 1));
   if constexpr (kS == DivergenceInput::logits || kT == DivergenceInput::logits) {
     constexpr int kThreads = P::kRowThreads;
     const LaunchShape shape{dim3(grid), dim3(kThreads), 0, stream};
@@ -991,7 +1031,8 @@ Status div_rows(const DivParams<T, TT, I>& p, const D& div, DivergenceInput s, D
 // functor) between args.student and args.teacher: the reduced loss and per-row / per-element
 // losses where asked for, and the student's gradient when args.dx is set. P: the kernels' tuning
 // (DivergencePolicy or a policy derived from it). Launches, in order: the count of non-ignored
-// rows (labels under batchmean / mean), the rows, the reduction (when args.loss is set).
+// rows (labels under batchmean / mean), the rows, and the finish (the row sums from the chunks'
+// partial sums, and the reduced loss) when the loss or row sums need it.
 template <class P = DivergencePolicy, class D, class T, class TT, class I>
 [[nodiscard]] Status divergence(const DivergenceArgs<T, TT, I>& args, const D& div, cudaStream_t stream) {
   static_assert(detail::check_divergence_policy<P>());
@@ -1033,7 +1074,8 @@ template <class P = DivergencePolicy, class D, class T, class TT, class I>
     case DivergenceReduction::mean: p.den = static_cast<float>(ws.count ? vocab : rows * vocab); break;
     default: p.den = 1.0f; break;
   }
-  p.row_sums = args.loss_rows != nullptr ? args.loss_rows : (ws.row_sums ? base + 4 : nullptr);
+  p.chunks = ws.chunks;
+  p.partials = ws.partials ? base + 4 : args.loss_rows;
   p.loss_elems = args.loss_elems;
   p.les = args.loss_elems_stride != 0 ? args.loss_elems_stride : args.vocab;
 
@@ -1042,9 +1084,10 @@ template <class P = DivergencePolicy, class D, class T, class TT, class I>
                                args.rows, args.ignore_index, base));
   }
   TIGON_CHECK((detail::div_rows<P>(p, div, args.student_input, args.teacher_input, stream, kOp)));
-  if (args.loss != nullptr) {
-    TIGON_CHECK(detail::launch(kOp, detail::div_reduce_kernel<1024>, {dim3(1), dim3(1024), 0, stream},
-                               static_cast<const float*>(p.row_sums), args.rows, p.count, p.den, args.loss));
+  if (ws.finish) {
+    TIGON_CHECK(detail::launch(kOp, detail::div_finish_kernel<1024>, {dim3(1), dim3(1024), 0, stream},
+                               static_cast<const float*>(p.partials), args.rows, p.chunks, args.loss_rows, p.count,
+                               p.den, args.loss));
   }
   return Status();
 }

@@ -716,7 +716,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads) div_stream_kernel(const DivParams<
     const TT* yr = p.y + row * p.ys;
     T* dr = p.dx != nullptr ? p.dx + row * p.dxs : nullptr;
     float* lr = p.loss_elems != nullptr ? p.loss_elems + row * p.les : nullptr;
-    const float* wr = p.go_elems != nullptr ? p.go_elems + row * p.gos : nullptr;
+    // A per-element upstream gradient scales the gradient only: not read for the loss alone.
+    const float* wr = (p.go_elems != nullptr && dr != nullptr) ? p.go_elems + row * p.gos : nullptr;
     const float f = div_row_factor(p, row);
     float acc = 0.0f;
     for (int i = v0 + tid; i < v1; i += kU * kThreads) {
@@ -811,7 +812,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads) div_row_kernel(const DivParams<T, 
     const TT* yr = p.y + row * p.ys;
     T* dr = p.dx != nullptr ? p.dx + row * p.dxs : nullptr;
     float* lr = p.loss_elems != nullptr ? p.loss_elems + row * p.les : nullptr;
-    const float* wr = p.go_elems != nullptr ? p.go_elems + row * p.gos : nullptr;
+    // A per-element upstream gradient scales the gradient only: not read for the loss alone.
+    const float* wr = (p.go_elems != nullptr && dr != nullptr) ? p.go_elems + row * p.gos : nullptr;
     const bool third = kSL && dr != nullptr;  // pass 3 follows
     const std::uint64_t mid = third ? keep : drop;
     // Pass 1.

@@ -14,6 +14,7 @@
 #include "norm/add_rms_norm.cuh"
 #include "rope/rope.cuh"
 #include "loss/cross_entropy.cuh"
+#include "loss/divergence.cuh"
 #include "loss/linear_cross_entropy.cuh"
 
 #if defined(__CUDACC__)

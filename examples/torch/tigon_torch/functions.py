@@ -9,6 +9,10 @@ and the return values of its Liger-Kernel counterpart, so that switching is a ch
   TigonGELUMulFunction                  LigerGELUMulFunction
   TigonCrossEntropyFunction             LigerCrossEntropyFunction
   TigonFusedLinearCrossEntropyFunction  LigerFusedLinearCrossEntropyFunction
+  TigonJSDFunction                      LigerJSDFunction
+  TigonKLDivLossFunction                LigerKLDivLossFunction
+  TigonTVDLossFunction                  LigerTVDLossFunction
+  TigonFusedLinearJSDFunction           LigerFusedLinearJSDFunction
 
 plus TigonGatedMulFunction (any of the three activations, exact GELU included),
 TigonFusedGateUpMulFunction (the gated activation over a fused gate||up projection, Phi-3's layout)

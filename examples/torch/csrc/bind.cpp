@@ -32,6 +32,10 @@ TORCH_LIBRARY(tigon, m) {
         "float label_smoothing, float z_loss_scale, float softcap, int reduction, float grad_scale, "
         "int chunk) -> ()");
   m.def("scale_rows(Tensor(a!) x, Tensor scale) -> ()");
+  m.def("divergence(Tensor student, Tensor teacher, Tensor? labels, Tensor? grad_output, Tensor(a!)? dx, "
+        "Tensor(b!)? loss, Tensor(c!)? loss_rows, Tensor(d!)? loss_elems, int kind, int student_input, "
+        "int teacher_input, int reduction, int ignore_index, float beta, float eps, float temperature, "
+        "float grad_scale) -> ()");
 }
 
 #if defined(TIGON_TORCH_PYTHON_MODULE)

@@ -254,8 +254,101 @@ def scale_rows(x, scale):
     x.copy_(torch.where(s == 1.0, x.float(), x.float() * s).to(x.dtype))
 
 
+def _div_forms(v, form, temperature):
+    """(log-probabilities, probabilities) of one side given in form 0 (log-probs), 1 (probs), 2 (logits)."""
+    if form == 0:
+        return v, torch.exp(v)
+    if form == 1:
+        return torch.log(v), v
+    lg = torch.log_softmax(v / temperature, dim=-1)
+    return lg, torch.exp(lg)
+
+
+def _div_elements(kind, xl, xp, yl, yp, student_input, teacher_input, beta, eps):
+    """Each element's loss and its gradient with respect to the student's log-probability (kinds 0, 1) or
+    probability (kind 2), with tigon's conventions: an element whose weighting probability is 0 gives 0."""
+    zero = torch.zeros_like(xl)
+    if kind == 0:
+        if beta == 0.0:  # forward KL
+            return torch.where(yp != 0, yp * (yl - xl), zero), -yp
+        if beta == 1.0:  # reverse KL
+            loss = torch.where(xp != 0, xp * (xl - yl), zero)
+            return loss, torch.where(xp != 0, loss + xp, zero)
+        bp, bq = beta * yp, (1.0 - beta) * xp
+        m = bp + bq
+        log_m = torch.log(m)
+        loss = torch.where(bp != 0, bp * yl, zero) + torch.where(bq != 0, bq * xl, zero) - torch.where(
+            m != 0, m * log_m, zero)
+        return loss, torch.where(bq != 0, bq * (xl - log_m), zero)
+    if kind == 1:
+        if teacher_input == 1:  # probabilities, clamped to eps inside the log
+            loss = torch.where(yp != 0, yp * (torch.log(torch.clamp(yp, min=eps)) - xl), zero)
+        else:
+            loss = torch.where(yp != 0, yp * (yl - xl), zero)
+        return loss, -yp
+    d = xp - yp
+    return 0.5 * d.abs(), torch.where(d > 0, torch.full_like(d, 0.5), torch.full_like(d, -0.5))
+
+
+def divergence(student, teacher, labels, grad_output, dx, loss, loss_rows, loss_elems, kind, student_input,
+               teacher_input, reduction, ignore_index, beta, eps, temperature, grad_scale):
+    """tigon.divergence (docs/divergence.md): elements in fp32, the loss sums in fp64 (where tigon adds in
+    fp32 in a fixed tree order, which loses less than a CPU's sequential fp32 sum), the gradient rounded
+    once to the student's dtype."""
+    if kind not in (0, 1, 2):
+        raise ValueError(f"tigon.divergence: kind must be 0, 1 or 2, got {kind}")
+    accepted = {0: ((0, 0), (2, 2)), 1: ((0, 1), (0, 0)), 2: ((1, 1),)}[kind]
+    if (student_input, teacher_input) not in accepted:
+        raise NotImplementedError(f"tigon.divergence: input forms ({student_input}, {teacher_input}) for kind {kind}")
+    if kind == 0 and not 0.0 <= beta <= 1.0:
+        raise ValueError(f"tigon.divergence: beta must be in [0, 1], got {beta}")
+    if not temperature > 0:
+        raise ValueError(f"tigon.divergence: temperature must be > 0, got {temperature}")
+    if teacher.shape[-1] != student.shape[-1]:
+        raise ValueError("tigon.divergence: the teacher's vocabulary differs from the student's")
+    rows, vocab = student.shape
+    if rows == 0:
+        if loss is not None:
+            loss.zero_()
+        return
+    xl, xp = _div_forms(student.float(), student_input, temperature)
+    yl, yp = _div_forms(teacher.float(), teacher_input, temperature)
+    el, g = _div_elements(kind, xl, xp, yl, yp, student_input, teacher_input, beta, eps)
+    if kind == 2 and student_input != 1:
+        g = g * xp
+    valid = labels != ignore_index if labels is not None else torch.ones(rows, dtype=torch.bool)
+    el = torch.where(valid[:, None], el, torch.zeros_like(el))
+    g = torch.where(valid[:, None], g, torch.zeros_like(g))
+    row_sums = el.double().sum(-1)
+    count = float(valid.sum()) if labels is not None else float(rows)
+    den = {3: count, 2: count * vocab}.get(reduction, 1.0)
+    if loss is not None:
+        loss.copy_(torch.tensor(0.0 if den == 0 else float(row_sums.sum()) / den).reshape(loss.shape))
+    if loss_rows is not None:
+        loss_rows.copy_(row_sums.float())
+    if loss_elems is not None:
+        loss_elems.copy_(el)
+    if dx is not None:
+        f = 0.0 if den == 0 else grad_scale / den
+        w = None
+        if grad_output is not None:
+            go = grad_output.float()
+            if reduction != 0:
+                f = f * float(go.reshape(-1)[0])
+            elif kind == 0:
+                g = g * go.reshape(-1, 1)
+            else:
+                w = go
+        if w is not None:
+            g = g * w
+        g = g * f
+        if student_input == 2:  # through the log-softmax to the logits
+            g = (g - xp * g.double().sum(-1, keepdim=True).float()) / temperature
+        dx.copy_(g.to(dx.dtype))
+
+
 OPS = [rms_norm_fwd, rms_norm_bwd, layer_norm_fwd, layer_norm_bwd, add_rms_norm_fwd, add_rms_norm_bwd, rope,
-       gated_fwd, gated_bwd, cross_entropy, linear_cross_entropy, scale_rows]
+       gated_fwd, gated_bwd, cross_entropy, linear_cross_entropy, scale_rows, divergence]
 
 
 def install() -> None:

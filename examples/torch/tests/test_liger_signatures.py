@@ -18,6 +18,7 @@ import tigon_torch as tt
 
 R = inspect.Parameter.empty  # no default
 VAR_KW = "**"  # a **kwargs parameter
+VAR_POS = "*"  # a *args parameter
 KW = inspect.Parameter.KEYWORD_ONLY
 POS = inspect.Parameter.POSITIONAL_OR_KEYWORD
 
@@ -37,6 +38,9 @@ _CE_FUNCTION = [("_input", R), ("target", R), ("weight", R), ("ignore_index", -1
 _LCE_TAIL = [("ce_weight", None), ("ignore_index", -100), ("lse_square_scale", 0.0), ("label_smoothing", 0.0),
              ("reduction", "mean"), ("softcap", None), ("return_z_loss", False), ("accum_dtype", None),
              ("use_token_scaling", False), ("return_token_accuracy", False), ("return_predicted_tokens", False)]
+_FLJSD = [("student_input", R), ("student_weight", R), ("teacher_input", R), ("teacher_weight", R),
+          ("shift_labels", None), ("jsd_beta", 0.5), ("ignore_index", -100), ("temperature", 1.0),
+          ("accum_dtype", None)]
 
 # tigon's name -> (Liger's object, "module:qualified name"; Liger's parameters without self / ctx).
 LIGER = {
@@ -127,6 +131,38 @@ LIGER = {
     "TigonFusedLinearCrossEntropyFunction.forward": (
         "liger_kernel.ops:LigerFusedLinearCrossEntropyFunction.forward",
         [("_input", R), ("weight", R), ("target", R), ("bias", None)] + _LCE_TAIL),
+    # Distillation losses (liger_kernel/ops/{jsd,kl_div,tvd,fused_linear_jsd}.py,
+    # liger_kernel/transformers/{jsd,kl_div,tvd,fused_linear_jsd,functional}.py)
+    "TigonJSDFunction.forward": ("liger_kernel.ops:LigerJSDFunction.forward", [
+        ("_input", R), ("target", R), ("shift_labels", None), ("beta", 0.5), ("ignore_index", -100)]),
+    "TigonKLDivLossFunction.forward": ("liger_kernel.ops:LigerKLDivLossFunction.forward", [
+        ("y_pred", R), ("y_true", R), ("reduction", "batchmean"), ("log_target", False), ("eps", 1e-10)]),
+    "TigonTVDLossFunction.forward": ("liger_kernel.ops:LigerTVDLossFunction.forward", [
+        ("p", R), ("q", R), ("shift_labels", None), ("reduction", "batchmean"), ("ignore_index", -100)]),
+    "TigonFusedLinearJSDFunction.forward": ("liger_kernel.ops:LigerFusedLinearJSDFunction.forward", _FLJSD),
+    "TigonJSD.__init__": ("liger_kernel.transformers.jsd:LigerJSD.__init__", [("beta", 0.5), ("ignore_index", -100)]),
+    "TigonJSD.forward": ("liger_kernel.transformers.jsd:LigerJSD.forward",
+                         [("log_q", R), ("log_p", R), ("shift_labels", None)]),
+    "TigonKLDIVLoss.__init__": ("liger_kernel.transformers.kl_div:LigerKLDIVLoss.__init__",
+                                [("eps", 1e-10), ("args", VAR_POS), ("kwargs", VAR_KW)]),
+    "TigonKLDIVLoss.forward": ("liger_kernel.transformers.kl_div:LigerKLDIVLoss.forward", [("y_pred", R), ("y_true", R)]),
+    "TigonTVDLoss.__init__": ("liger_kernel.transformers.tvd:LigerTVDLoss.__init__",
+                              [("reduction", "batchmean"), ("ignore_index", -100)]),
+    "TigonTVDLoss.forward": ("liger_kernel.transformers.tvd:LigerTVDLoss.forward",
+                             [("p", R), ("q", R), ("shift_labels", None)]),
+    "TigonFusedLinearJSD.__init__": ("liger_kernel.transformers.fused_linear_jsd:LigerFusedLinearJSD.__init__", [
+        ("jsd_beta", 0.5), ("ignore_index", -100), ("temperature", 1.0), ("accum_dtype", None)]),
+    "TigonFusedLinearJSD.forward": ("liger_kernel.transformers.fused_linear_jsd:LigerFusedLinearJSD.forward", [
+        ("student_input", R), ("student_weight", R), ("teacher_input", R), ("teacher_weight", R),
+        ("shift_labels", R)]),
+    "tigon_jsd": (f"{_FN}:liger_jsd", [("input", R), ("target", R), ("shift_labels", None), ("beta", 0.5),
+                                       ("ignore_index", -100)]),
+    "tigon_kl_div": (f"{_FN}:liger_kl_div", [
+        ("input", R), ("target", R), ("size_average", True), ("reduce", True), ("reduction", "mean"),
+        ("log_target", False), ("eps", 1e-10)]),
+    "tigon_tvd": (f"{_FN}:liger_tvd", [("input", R), ("target", R), ("shift_labels", None), ("reduction", "mean"),
+                                       ("ignore_index", -100)]),
+    "tigon_fused_linear_jsd": (f"{_FN}:liger_fused_linear_jsd", _FLJSD),
 }
 
 # tigon-only parameters, after Liger's: (name, default, kind). Keyword-only, except where a positional
@@ -167,7 +203,8 @@ def _params(fn) -> list[inspect.Parameter]:
 
 
 def _as_data(params) -> list[tuple]:
-    return [(p.name, VAR_KW) if p.kind is inspect.Parameter.VAR_KEYWORD else (p.name, p.default) for p in params]
+    var = {inspect.Parameter.VAR_KEYWORD: VAR_KW, inspect.Parameter.VAR_POSITIONAL: VAR_POS}
+    return [(p.name, var[p.kind]) if p.kind in var else (p.name, p.default) for p in params]
 
 
 def _same_default(got, want) -> bool:
@@ -183,6 +220,9 @@ def _check(name: str, liger: list[tuple]) -> None:
     for p, (pname, want) in zip(got, liger):
         if want == VAR_KW:
             assert p.kind is inspect.Parameter.VAR_KEYWORD, f"{name}: {pname} must be **{pname}"
+            continue
+        if want == VAR_POS:
+            assert p.kind is inspect.Parameter.VAR_POSITIONAL, f"{name}: {pname} must be *{pname}"
             continue
         assert p.kind is POS, f"{name}: {pname} is {p.kind.description}, Liger's is positional or keyword"
         if want is R and pname in DEFAULTED.get(name, {}):

@@ -1,6 +1,6 @@
 """tigon_torch: PyTorch autograd functions, modules and Hugging Face patches over tigon's fused
 training kernels (RMSNorm, LayerNorm, fused add + RMSNorm, RoPE, SwiGLU / GeGLU, cross-entropy,
-fused linear cross-entropy).
+fused linear cross-entropy, the distillation divergences: JSD, KL divergence, TVD, fused linear JSD).
 
 The compiled operators load on first use (tigon_torch.load(): the pip-built extension, or a JIT
 build). Importing the package needs neither a GPU nor the extension.
@@ -18,26 +18,34 @@ from .functional import (
     tigon_fused_add_rms_norm,
     tigon_fused_gate_up,
     tigon_fused_linear_cross_entropy,
+    tigon_fused_linear_jsd,
     tigon_gated_mlp,
     tigon_geglu,
+    tigon_jsd,
+    tigon_kl_div,
     tigon_layer_norm,
     tigon_rms_norm,
     tigon_rope,
     tigon_rotary_pos_emb,
     tigon_swiglu,
+    tigon_tvd,
 )
 from .functions import (
     TigonCrossEntropyFunction,
     TigonFusedAddRMSNormFunction,
     TigonFusedGateUpMulFunction,
     TigonFusedLinearCrossEntropyFunction,
+    TigonFusedLinearJSDFunction,
     TigonGatedMLPFunction,
     TigonGatedMulFunction,
     TigonGELUMulFunction,
+    TigonJSDFunction,
+    TigonKLDivLossFunction,
     TigonLayerNormFunction,
     TigonRMSNormFunction,
     TigonRopeFunction,
     TigonSiLUMulFunction,
+    TigonTVDLossFunction,
     TargetOutOfRangeError,
     check_targets,
     count_invalid_targets,
@@ -46,7 +54,10 @@ from .modules import (
     TigonCrossEntropyLoss,
     TigonFusedAddRMSNorm,
     TigonFusedLinearCrossEntropyLoss,
+    TigonFusedLinearJSD,
     TigonGEGLUMLP,
+    TigonJSD,
+    TigonKLDIVLoss,
     TigonLayerNorm,
     TigonPhi3MLP,
     TigonPhi3SwiGLUMLP,
@@ -55,6 +66,7 @@ from .modules import (
     TigonRMSNormForGemma2,
     TigonRMSNormForGemma3,
     TigonSwiGLUMLP,
+    TigonTVDLoss,
 )
 from .patch import (
     _apply_tigon,

@@ -25,6 +25,7 @@ SOURCES = [
     "rope.cu",
     "gated.cu",
     "loss.cu",
+    "divergence.cu",
 ]
 DEFAULT_ARCH = "9.0"
 

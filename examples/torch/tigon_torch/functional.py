@@ -15,12 +15,16 @@ from .functions import (
     TigonFusedAddRMSNormFunction,
     TigonFusedGateUpMulFunction,
     TigonFusedLinearCrossEntropyFunction,
+    TigonFusedLinearJSDFunction,
     TigonGatedMLPFunction,
     TigonGELUMulFunction,
+    TigonJSDFunction,
+    TigonKLDivLossFunction,
     TigonLayerNormFunction,
     TigonRMSNormFunction,
     TigonRopeFunction,
     TigonSiLUMulFunction,
+    TigonTVDLossFunction,
 )
 
 
@@ -281,3 +285,40 @@ def tigon_causal_lm_loss_from_logits(logits, labels=None, vocab_size=None, num_i
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
     return loss
+
+
+# ------------------------------------------------------------------------------------------------
+# Distillation losses
+# ------------------------------------------------------------------------------------------------
+
+
+def tigon_jsd(input, target, shift_labels=None, beta: float = 0.5, ignore_index: int = -100):
+    """Liger's liger_jsd: the generalised JSD of the student's log-probabilities `input` [BT, V] and the
+    teacher's `target` [BT, V] (see TigonJSDFunction); the loss in input's dtype."""
+    return TigonJSDFunction.apply(input, target, shift_labels, beta, ignore_index)
+
+
+def tigon_kl_div(input, target, size_average: bool = True, reduce: bool = True, reduction: str = "mean",
+                 log_target: bool = False, eps: float = 1e-10):
+    """Liger's liger_kl_div: KL(target || input) as torch.nn.functional.kl_div computes it, with the
+    student's log-probabilities `input` [BT, V] (see TigonKLDivLossFunction). The default reduction is
+    "mean" here, as in torch and Liger's functional call (the module and the function default to
+    "batchmean"). size_average and reduce are placeholders, as in Liger: `reduction` alone selects."""
+    return TigonKLDivLossFunction.apply(input, target, reduction, log_target, eps)
+
+
+def tigon_tvd(input, target, shift_labels=None, reduction: str = "mean", ignore_index: int = -100):
+    """Liger's liger_tvd: the total variation distance between the probabilities `input` and `target`
+    [BT, V] (see TigonTVDLossFunction); the default reduction is "mean" here, as in Liger's functional
+    call (the module and the function default to "batchmean")."""
+    return TigonTVDLossFunction.apply(input, target, shift_labels, reduction, ignore_index)
+
+
+def tigon_fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None,
+                           jsd_beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0,
+                           accum_dtype=None):
+    """Liger's liger_fused_linear_jsd: the generalised JSD of the student's and the teacher's LM heads
+    without their [BT, V] logits (see TigonFusedLinearJSDFunction)."""
+    return TigonFusedLinearJSDFunction.apply(student_input, _local(student_weight), teacher_input,
+                                             _local(teacher_weight), shift_labels, jsd_beta, ignore_index,
+                                             temperature, accum_dtype)

@@ -9,6 +9,10 @@ and the return values of its Liger-Kernel counterpart, so that switching is a ch
   TigonGELUMulFunction                  LigerGELUMulFunction
   TigonCrossEntropyFunction             LigerCrossEntropyFunction
   TigonFusedLinearCrossEntropyFunction  LigerFusedLinearCrossEntropyFunction
+  TigonJSDFunction                      LigerJSDFunction
+  TigonKLDivLossFunction                LigerKLDivLossFunction
+  TigonTVDLossFunction                  LigerTVDLossFunction
+  TigonFusedLinearJSDFunction           LigerFusedLinearJSDFunction
 
 plus TigonGatedMulFunction (any of the three activations, exact GELU included),
 TigonFusedGateUpMulFunction (the gated activation over a fused gate||up projection, Phi-3's layout)
@@ -896,3 +900,331 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         if dx is not None:
             dx = dx.view(ctx.shape)
         return (dx, dw, None, db) + nones
+
+
+# ------------------------------------------------------------------------------------------------
+# Distillation: generalised JSD, KL divergence, TVD, and the fused linear JSD
+# ------------------------------------------------------------------------------------------------
+
+_JSD, _KL_DIV, _TVD = (_o.DIVERGENCES[k] for k in ("jsd", "kl_div", "tvd"))
+_LOG_PROBS, _PROBS, _LOGITS = (_o.DIV_INPUTS[k] for k in ("log_probs", "probs", "logits"))
+_DIV_SUM, _DIV_BATCHMEAN = _o.DIV_REDUCTIONS["sum"], _o.DIV_REDUCTIONS["batchmean"]
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_beta(beta) -> float:
+    beta = float(beta)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"tigon_torch: beta must be in [0, 1], got {beta}")
+    return beta
+
+
+def _div_pair(student, teacher, what):
+    """The student and the teacher as [BT, V] matrices with unit column stride (views when the strides
+    allow it). The teacher keeps its dtype when it is the student's or float32, and is cast to float32
+    otherwise (the operator takes those two)."""
+    _check_cuda(student, teacher)
+    if student.dim() != 2 or teacher.dim() != 2:
+        raise ValueError(f"tigon_torch: {what} takes 2-D [BT, V] inputs, got shapes {tuple(student.shape)} and "
+                         f"{tuple(teacher.shape)}")
+    if student.shape[1] != teacher.shape[1]:
+        raise ValueError(f"tigon_torch: {what}: the teacher's vocabulary ({teacher.shape[1]}) differs from the "
+                         f"student's ({student.shape[1]})")
+    if student.shape[0] != teacher.shape[0]:
+        raise ValueError(f"tigon_torch: {what}: the student has {student.shape[0]} rows, the teacher "
+                         f"{teacher.shape[0]}")
+    if student.dtype not in _FLOATS:
+        raise TypeError(f"tigon_torch: {what}: the student must be float32, float16 or bfloat16, got {student.dtype}")
+    if not torch.is_floating_point(teacher):
+        raise TypeError(f"tigon_torch: {what}: the teacher must be a floating-point tensor, got {teacher.dtype}")
+    if teacher.dtype != student.dtype and teacher.dtype != torch.float32:
+        teacher = teacher.to(torch.float32)
+    return as_rows(student), as_rows(teacher)
+
+
+def _div_labels(shift_labels, rows, what):
+    if shift_labels is None:
+        return None
+    _check_cuda(shift_labels)
+    if tuple(shift_labels.shape) != (rows,):
+        raise ValueError(f"tigon_torch: {what}: shift_labels must have shape ({rows},), got "
+                         f"{tuple(shift_labels.shape)}")
+    if shift_labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"tigon_torch: {what}: shift_labels must be int64 or int32, got {shift_labels.dtype}")
+    return shift_labels.contiguous()
+
+
+def _div_forward(ctx, kind, x2, y2, labels, student_input, teacher_input, red, ignore_index, beta, eps):
+    """The loss of one divergence call: a 0-d fp32 tensor, or with reduction none the [BT, V] fp32 element
+    losses. The student's gradient is computed here with the loss, in the same kernel call, and scaled
+    by the upstream gradient in the backward; it waits for the backward instead (one call there with the
+    upstream gradient folded in, from the saved inputs) with reduction none (a per-element upstream
+    gradient), for a float16 student (its small entries would underflow in fp16 before a loss scale
+    reaches them) and under torch.compile."""
+    want_grad = ctx.needs_input_grad[0]
+    defer = want_grad and (red == 0 or x2.dtype == torch.float16 or _compiling())
+    rows, vocab = x2.shape
+    f32 = dict(dtype=torch.float32, device=x2.device)
+    loss = torch.empty((), **f32) if red != 0 else None
+    elems = torch.empty(rows, vocab, **f32) if red == 0 else None
+    dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if (want_grad and not defer) else None
+    args = (kind, student_input, teacher_input, red, int(ignore_index), float(beta), float(eps), 1.0, 1.0)
+    ops().divergence(x2, y2, labels, None, dx, loss, None, elems, *args)
+    ctx.defer, ctx.consumed, ctx.args = defer, False, args
+    if defer:
+        ctx.save_for_backward(x2, y2, labels)
+    elif want_grad:
+        ctx.save_for_backward(dx)
+    return loss if red != 0 else elems
+
+
+def _div_backward(ctx, grad_output):
+    """The student's gradient for an upstream gradient grad_output (0-d, or [BT, V] with reduction none)."""
+    if grad_output is None or not ctx.needs_input_grad[0]:
+        return None
+    if ctx.defer:
+        x2, y2, labels = ctx.saved_tensors
+        go = grad_output.to(torch.float32)
+        go = as_rows(go) if ctx.args[3] == 0 else go.reshape(1).contiguous()
+        dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
+        ops().divergence(x2, y2, labels, go, dx, None, None, None, *ctx.args)
+        return dx
+    if ctx.consumed:
+        raise RuntimeError(
+            "tigon_torch: the divergence's gradient (computed with the loss in the forward) was already scaled "
+            "by a first backward; a second backward through the same graph (retain_graph=True) is not "
+            "supported")
+    ctx.consumed = True
+    (dx,) = ctx.saved_tensors
+    if dx.shape[0] > 0:
+        ops().scale_rows(dx, grad_output.to(torch.float32).reshape(1).contiguous())
+    return dx
+
+
+class TigonJSDFunction(torch.autograd.Function):
+    """Liger's LigerJSDFunction: the generalised Jensen-Shannon divergence
+    JSD(beta) = beta KL(P || M) + (1 - beta) KL(Q || M), M = beta P + (1 - beta) Q, between the student's
+    distribution Q (_input, log-probabilities [BT, V]) and the teacher's P (target, log-probabilities
+    [BT, V]); beta 0 is KL(P || Q) (forward KL), beta 1 is KL(Q || P) (reverse KL). The sum over the
+    rows whose shift_labels entry is not ignore_index (all rows without shift_labels), divided by their
+    count; an all-ignored batch gives 0. Returns the loss in _input's dtype (computed in fp32).
+
+    The gradient with respect to _input is computed with the loss (one kernel call; Liger keeps it from
+    the forward too) and scaled by the upstream gradient in the backward on the device, skipping the
+    pass when it is exactly 1; no gradient flows to target. For a float16 _input and under
+    torch.compile the gradient is computed in the backward instead, with the upstream gradient folded
+    in. One backward per forward (retain_graph=True and a second backward raise), except on that path.
+    target may have another dtype than _input (float32, or cast to it).
+    """
+
+    @staticmethod
+    def forward(ctx, _input, target, shift_labels=None, beta=0.5, ignore_index=-100):
+        beta = _check_beta(beta)
+        x2, y2 = _div_pair(_input, target, "JSD")
+        labels = _div_labels(shift_labels, x2.shape[0], "JSD")
+        loss = _div_forward(ctx, _JSD, x2, y2, labels, _LOG_PROBS, _LOG_PROBS, _DIV_BATCHMEAN, ignore_index, beta,
+                            0.0)
+        return _cast(loss, _input.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _div_backward(ctx, grad_output), None, None, None, None
+
+
+class TigonKLDivLossFunction(torch.autograd.Function):
+    """Liger's LigerKLDivLossFunction: torch.nn.functional.kl_div(y_pred, y_true, reduction, log_target)
+    with y_pred the student's log-probabilities [BT, V] and y_true the teacher's probabilities
+    (log_target=False; inside the log they are clamped to eps, as in Liger) or log-probabilities
+    (log_target=True). reduction "batchmean" (the default: the sum over BT), "sum", "mean" (the sum over
+    BT * V) or "none" (the [BT, V] element losses). Returns float32, as Liger. The gradient is
+    -y_true (or -exp(y_true)) over the reduction's denominator times the upstream gradient; it is
+    computed and scaled as in TigonJSDFunction (with "none" in the backward, with the per-element
+    upstream gradient). y_true may have another dtype than y_pred; no gradient flows to it."""
+
+    @staticmethod
+    def forward(ctx, y_pred, y_true, reduction="batchmean", log_target=False, eps=1e-10):
+        red = _o.div_reduction_code(reduction)
+        x2, y2 = _div_pair(y_pred, y_true, "KL divergence")
+        return _div_forward(ctx, _KL_DIV, x2, y2, None, _LOG_PROBS, _LOG_PROBS if log_target else _PROBS, red, -100,
+                            0.0, eps)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _div_backward(ctx, grad_output), None, None, None, None
+
+
+class TigonTVDLossFunction(torch.autograd.Function):
+    """Liger's LigerTVDLossFunction: the total variation distance |p - q| / 2 per element between two
+    distributions given as probabilities, p [BT, V] (whose gradient is taken: +1/2 where p > q, else -1/2)
+    and q [BT, V]; rows whose shift_labels entry is ignore_index contribute 0. reduction "batchmean" (the
+    default: over the non-ignored rows' count), "sum", "mean" (over that count times V) or "none" (the
+    [BT, V] element losses, 0 in ignored rows). Returns float32, as Liger; an all-ignored batch gives 0.
+    The gradient is computed and scaled as in TigonJSDFunction; none flows to q."""
+
+    @staticmethod
+    def forward(ctx, p, q, shift_labels=None, reduction="batchmean", ignore_index=-100):
+        red = _o.div_reduction_code(reduction)
+        x2, y2 = _div_pair(p, q, "TVD")
+        labels = _div_labels(shift_labels, x2.shape[0], "TVD")
+        return _div_forward(ctx, _TVD, x2, y2, labels, _PROBS, _PROBS, red, ignore_index, 0.0, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _div_backward(ctx, grad_output), None, None, None, None
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    try:
+        got = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    except ValueError:  # pragma: no cover
+        return False
+    return got >= (major, minor)
+
+
+_ADDMM_OUT_DTYPE = _torch_at_least(2, 8)  # torch.addmm(..., out_dtype=torch.float32) for 16-bit inputs (CUDA)
+
+
+def _addmm_fp32(acc, a, b) -> None:
+    """acc += a @ b, acc float32, a and b of one dtype: accumulated in fp32."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and _ADDMM_OUT_DTYPE:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(torch.mm(a, b).to(torch.float32))
+
+
+def _jsd_chunk(tokens: int, vocab: int, elem_bytes: int) -> int:
+    """Tokens per chunk of the fused linear JSD: TIGON_TORCH_JSD_CHUNK, else about 512 MiB of logits per
+    chunk (a multiple of 128 tokens, at least 128), at most all of them."""
+    import os
+
+    env = os.environ.get("TIGON_TORCH_JSD_CHUNK", "")
+    if env not in ("", "0"):
+        c = int(env)
+        if c < 0:
+            raise ValueError(f"TIGON_TORCH_JSD_CHUNK must be >= 0, got {c}")
+    else:
+        c = max(128, (512 << 20) // max(1, vocab * elem_bytes) // 128 * 128)
+    return max(1, min(c, tokens))
+
+
+class TigonFusedLinearJSDFunction(torch.autograd.Function):
+    """Liger's LigerFusedLinearJSDFunction: the generalised JSD (TigonJSDFunction's, with beta jsd_beta)
+    between the student's distribution softmax(student_input @ student_weight.T / temperature) and the
+    teacher's softmax(teacher_input @ teacher_weight.T / temperature), averaged over the non-ignored
+    tokens, without the [BT, V] logits. student_input: [BT, H]; student_weight: [V, H]; teacher_input:
+    [BT, H_t]; teacher_weight: [V, H_t] (H_t may differ from H; the vocabularies must match);
+    shift_labels: [BT] or None. Returns the fp32 loss, as Liger.
+
+    Tokens go in chunks (about 512 MiB of logits each, or TIGON_TORCH_JSD_CHUNK tokens): per chunk the
+    student's and the teacher's logits (torch matmuls in the inputs' dtype), then tigon's divergence
+    operator on the two logits chunks with the temperature (loss, and the logits' gradient written over
+    the student's chunk), then dx for the chunk (a matmul) and dW accumulated in fp32. Extra memory: two
+    chunks of logits, the fp32 dW accumulator and the gradients. The gradients are computed in the
+    forward and scaled by the upstream gradient in the backward on the device (skipped when it is
+    exactly 1); one backward per forward. dW is returned in the weight's dtype; accum_dtype is accepted
+    and has no effect (accumulation is always fp32). Under CUDA autocast the inputs and weights are cast
+    to the autocast dtype first, as the unfused heads' matmuls would be. No gradient flows to the
+    teacher.
+    """
+
+    @staticmethod
+    def forward(ctx, student_input, student_weight, teacher_input, teacher_weight, shift_labels=None, jsd_beta=0.5,
+                ignore_index=-100, temperature=1.0, accum_dtype=None):
+        import contextlib
+        import math
+
+        _check_cuda(student_input, student_weight, teacher_input, teacher_weight, shift_labels)
+        beta = _check_beta(jsd_beta)
+        temperature = float(temperature)
+        if not (temperature > 0.0 and math.isfinite(temperature)):
+            raise ValueError(f"tigon_torch: temperature must be finite and > 0, got {temperature}")
+        for name, t in (("student_input", student_input), ("student_weight", student_weight),
+                        ("teacher_input", teacher_input), ("teacher_weight", teacher_weight)):
+            if t.dim() != 2:
+                raise ValueError(f"tigon_torch: {name} must be 2-D, got shape {tuple(t.shape)}")
+        rows, hidden = student_input.shape
+        vocab = student_weight.shape[0]
+        if student_weight.shape[1] != hidden:
+            raise ValueError(f"tigon_torch: student_weight is {tuple(student_weight.shape)}, student_input has "
+                             f"{hidden} columns")
+        if teacher_weight.shape[1] != teacher_input.shape[1]:
+            raise ValueError(f"tigon_torch: teacher_weight is {tuple(teacher_weight.shape)}, teacher_input has "
+                             f"{teacher_input.shape[1]} columns")
+        if teacher_weight.shape[0] != vocab:
+            raise ValueError(f"tigon_torch: the teacher's vocabulary ({teacher_weight.shape[0]}) differs from the "
+                             f"student's ({vocab})")
+        if teacher_input.shape[0] != rows:
+            raise ValueError(f"tigon_torch: teacher_input has {teacher_input.shape[0]} tokens, student_input {rows}")
+        labels = _div_labels(shift_labels, rows, "fused linear JSD")
+        in_dtype, w_dtype = student_input.dtype, student_weight.dtype
+        x, w, xt, wt = student_input, student_weight, teacher_input, teacher_weight
+        autocast = torch.is_autocast_enabled("cuda")
+        if autocast:
+            dt = torch.get_autocast_dtype("cuda")
+            x, w, xt, wt = x.to(dt), w.to(dt), xt.to(dt), wt.to(dt)
+        if w.dtype != x.dtype or wt.dtype != xt.dtype:
+            raise TypeError(
+                f"tigon_torch: student_input ({x.dtype}) and student_weight ({w.dtype}), teacher_input ({xt.dtype}) "
+                f"and teacher_weight ({wt.dtype}) must have one dtype each (or run under autocast)")
+        if x.dtype not in _FLOATS:
+            raise TypeError(f"tigon_torch: the student must be float32, float16 or bfloat16, got {x.dtype}")
+        want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_grad = want_dx or want_dw
+        f32 = dict(dtype=torch.float32, device=x.device)
+        loss_rows = torch.empty(rows, **f32)
+        # The mean over the non-ignored tokens: their count stays on the device, as the gradient's factor.
+        if labels is not None:
+            inv = (1.0 / (labels != ignore_index).sum().clamp_min(1).to(torch.float32)).reshape(1)
+            grad_scale = 1.0
+        else:
+            inv, grad_scale = None, 1.0 / max(rows, 1)
+        dx = torch.empty(rows, hidden, dtype=x.dtype, device=x.device) if want_dx else None
+        dw = torch.zeros(vocab, hidden, **f32) if want_dw else None
+        in_place = not _compiling()
+        chunk = _jsd_chunk(rows, vocab, x.element_size())
+        no_autocast = torch.autocast("cuda", enabled=False) if autocast else contextlib.nullcontext()
+        with no_autocast:
+            for r0 in range(0, rows, chunk):
+                r1 = min(r0 + chunk, rows)
+                xs = x[r0:r1]
+                zs = torch.mm(xs, w.t())  # the student's logits chunk
+                zt = torch.mm(xt[r0:r1], wt.t())  # the teacher's
+                if zt.dtype != zs.dtype and zt.dtype != torch.float32:
+                    zt = zt.to(torch.float32)
+                dz = (zs if in_place else torch.empty_like(zs)) if want_grad else None
+                ops().divergence(zs, zt, labels[r0:r1] if labels is not None else None, inv, dz, None,
+                                 loss_rows[r0:r1], None, _JSD, _LOGITS, _LOGITS, _DIV_SUM, int(ignore_index), beta,
+                                 0.0, temperature, grad_scale)
+                if want_dx:
+                    dx[r0:r1] = torch.mm(dz, w)
+                if want_dw:
+                    _addmm_fp32(dw, dz.t(), xs)
+                del zs, zt, dz
+        total = loss_rows.sum()
+        loss = total * inv.reshape(()) if inv is not None else total * grad_scale
+        ctx.consumed, ctx.compiled = False, not in_place
+        ctx.save_for_backward(_cast(dx, in_dtype), _cast(dw, w_dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        nones = (None,) * 7
+        dx, dw = ctx.saved_tensors
+        if grad_output is None:
+            return (None, None) + nones
+        go = grad_output.to(torch.float32).reshape(1).contiguous()
+        if ctx.compiled:  # traced: out of place (the backward is traced where the forward was)
+            dx = dx * go.to(dx.dtype) if dx is not None else None
+            dw = dw * go.to(dw.dtype) if dw is not None else None
+            return (dx, dw) + nones
+        if ctx.consumed:
+            raise RuntimeError(
+                "tigon_torch: the fused linear JSD's gradients (computed in the forward) were already scaled by a "
+                "first backward; a second backward through the same graph (retain_graph=True) is not supported")
+        ctx.consumed = True
+        for g in (dx, dw):
+            if g is not None and g.shape[0] > 0:
+                ops().scale_rows(g, go)
+        return (dx, dw) + nones

@@ -9,7 +9,17 @@ from torch import nn
 
 from . import functional as F
 from .functional import _local
-from .functions import TigonGatedMulFunction, TigonLayerNormFunction, TigonRMSNormFunction, _casting
+from . import ops as _ops
+from .functions import (
+    TigonGatedMulFunction,
+    TigonJSDFunction,
+    TigonKLDivLossFunction,
+    TigonLayerNormFunction,
+    TigonRMSNormFunction,
+    TigonTVDLossFunction,
+    _casting,
+    _check_beta,
+)
 
 
 def _check_init_fn(init_fn) -> None:
@@ -266,3 +276,81 @@ class TigonFusedLinearCrossEntropyLoss(nn.Module):
             _input, lin_weight, target, bias, self.ce_weight, self.ignore_index, self.lse_square_scale,
             self.label_smoothing, self.reduction, self.softcap, self.return_z_loss, self.accum_dtype,
             self.use_token_scaling, self.return_token_accuracy, self.return_predicted_tokens)
+
+
+# ------------------------------------------------------------------------------------------------
+# Distillation losses
+# ------------------------------------------------------------------------------------------------
+
+
+class TigonJSD(nn.Module):
+    """Liger's LigerJSD: the generalised Jensen-Shannon divergence, forward(log_q, log_p, shift_labels=None)
+    with the student's log-probabilities log_q [BT, V] and the teacher's log_p [BT, V]; beta 0 is the
+    forward KL(P || Q), beta 1 the reverse KL(Q || P). See TigonJSDFunction."""
+
+    def __init__(self, beta: float = 0.5, ignore_index: int = -100):
+        super().__init__()
+        _check_beta(beta)
+        self.beta = beta
+        self.ignore_index = ignore_index
+
+    def forward(self, log_q, log_p, shift_labels=None):
+        return TigonJSDFunction.apply(log_q, log_p, shift_labels, self.beta, self.ignore_index)
+
+    def extra_repr(self):
+        return f"beta={self.beta}, ignore_index={self.ignore_index}"
+
+
+class TigonKLDIVLoss(nn.KLDivLoss):
+    """Liger's LigerKLDIVLoss: torch.nn.KLDivLoss (its arguments after eps: size_average, reduce,
+    reduction="mean", log_target=False) over the student's log-probabilities y_pred [BT, V] and the
+    teacher's y_true [BT, V], with tigon's kernel; eps clamps a probability target inside the log, as in
+    Liger. forward(y_pred, y_true). See TigonKLDivLossFunction."""
+
+    def __init__(self, eps: float = 1e-10, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eps = eps
+
+    def forward(self, y_pred, y_true):
+        return TigonKLDivLossFunction.apply(y_pred, y_true, self.reduction, self.log_target, self.eps)
+
+
+class TigonTVDLoss(nn.Module):
+    """Liger's LigerTVDLoss: the total variation distance, forward(p, q, shift_labels=None) with the
+    probabilities p (whose gradient is taken) and q, [BT, V] each. See TigonTVDLossFunction."""
+
+    def __init__(self, reduction="batchmean", ignore_index: int = -100):
+        super().__init__()
+        _ops.div_reduction_code(reduction)  # an unknown reduction raises here
+        self.reduction = reduction
+        self.ignore_index = ignore_index
+
+    def forward(self, p, q, shift_labels=None):
+        return TigonTVDLossFunction.apply(p, q, shift_labels, self.reduction, self.ignore_index)
+
+    def extra_repr(self):
+        return f"reduction={self.reduction!r}, ignore_index={self.ignore_index}"
+
+
+class TigonFusedLinearJSD(nn.Module):
+    """Liger's LigerFusedLinearJSD: the generalised JSD of the student's and the teacher's LM heads,
+    forward(student_input [BT, H], student_weight [V, H], teacher_input [BT, H_t], teacher_weight
+    [V, H_t], shift_labels [BT] or None), without the [BT, V] logits. See TigonFusedLinearJSDFunction.
+    A temperature that is not > 0 raises ValueError (Liger asserts that it is not 0)."""
+
+    def __init__(self, jsd_beta=0.5, ignore_index=-100, temperature=1.0, accum_dtype=None):
+        super().__init__()
+        _check_beta(jsd_beta)
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.jsd_beta = jsd_beta
+        self.temperature = temperature
+        self.ignore_index = ignore_index
+        self.accum_dtype = accum_dtype
+
+    def forward(self, student_input, student_weight, teacher_input, teacher_weight, shift_labels):
+        return F.tigon_fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels,
+                                        self.jsd_beta, self.ignore_index, self.temperature, self.accum_dtype)
+
+    def extra_repr(self):
+        return f"jsd_beta={self.jsd_beta}, ignore_index={self.ignore_index}, temperature={self.temperature}"

@@ -16,6 +16,10 @@ from . import _ext
 CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+# tigon.divergence's codes: the divergence, each side's input form, the reduction.
+DIVERGENCES = {"jsd": 0, "kl_div": 1, "tvd": 2}
+DIV_INPUTS = {"log_probs": 0, "probs": 1, "logits": 2}
+DIV_REDUCTIONS = {"none": 0, "sum": 1, "mean": 2, "batchmean": 3}
 
 _fakes_registered = False
 
@@ -44,6 +48,7 @@ def _register_fakes() -> None:
         "cross_entropy",
         "linear_cross_entropy",
         "scale_rows",
+        "divergence",
     ]
     for name in names:
 
@@ -80,6 +85,13 @@ def reduction_code(reduction: str) -> int:
         return REDUCTIONS[reduction]
     except KeyError:
         raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, got {reduction!r}") from None
+
+
+def div_reduction_code(reduction: str) -> int:
+    try:
+        return DIV_REDUCTIONS[reduction]
+    except KeyError:
+        raise ValueError(f"reduction must be one of {sorted(DIV_REDUCTIONS)}, got {reduction!r}") from None
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,167 @@
+// Argument validation of the linear divergence launcher and its workspace query; runs without a
+// GPU. Every rejection names its argument, and nothing runs: the GEMM back end here counts its
+// calls, and the outputs (host memory) keep their sentinel bytes.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <string>
+
+#include <tigon/loss/linear_divergence.cuh>
+
+using namespace tigon;
+
+namespace {
+constexpr std::int64_t kTok = 8, kH = 16, kHt = 24, kV = 64;
+alignas(256) bf16 x[kTok * kH];
+alignas(256) bf16 w[kV * kH];
+alignas(256) bf16 tx[kTok * kHt];
+alignas(256) bf16 tw[kV * kHt];
+alignas(256) std::int64_t labels[kTok];
+alignas(256) bf16 dx[kTok * kH];
+alignas(256) float dw[kV * kH];
+alignas(256) float loss[1];
+alignas(256) float loss_rows[kTok];
+alignas(256) unsigned char ws[1 << 16];
+
+struct CountingGemm {
+  int calls = 0;
+  template <class A, class B>
+  Status gemm(const GemmArgs<A, B>&, cudaStream_t) {
+    ++calls;
+    return Status();
+  }
+};
+
+LinearDivergenceArgs<bf16> good() {
+  return {.x = x, .weight = w, .hidden = kH, .teacher_x = tx, .teacher_weight = tw, .teacher_hidden = kHt,
+          .tokens = kTok, .vocab = kV, .labels = labels, .loss = loss, .loss_rows = loss_rows, .dx = dx,
+          .dweight = dw, .chunk = 4, .workspace = ws, .workspace_bytes = sizeof(ws)};
+}
+
+void poison_outputs() {
+  std::memset(static_cast<void*>(dx), 0x5a, sizeof(dx));
+  std::memset(dw, 0x5a, sizeof(dw));
+  std::memset(loss, 0x5a, sizeof(loss));
+  std::memset(loss_rows, 0x5a, sizeof(loss_rows));
+}
+
+bool untouched(const void* p, std::size_t n) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  for (std::size_t i = 0; i < n; ++i)
+    if (b[i] != 0x5a) return false;
+  return true;
+}
+
+template <class D>
+void expect(const LinearDivergenceArgs<bf16>& a, const D& div, Errc code, const char* arg) {
+  poison_outputs();
+  CountingGemm g;
+  const Status s = linear_divergence(a, div, g, nullptr);
+  INFO(s.message());
+  CHECK(s.code() == code);
+  CHECK(std::string(s.argument()) == arg);
+  CHECK(s.message().find(std::string("'") + arg + "'") != std::string::npos);
+  CHECK(g.calls == 0);
+  CHECK(untouched(dx, sizeof(dx)));
+  CHECK(untouched(dw, sizeof(dw)));
+  CHECK(untouched(loss, sizeof(loss)));
+  CHECK(untouched(loss_rows, sizeof(loss_rows)));
+}
+}  // namespace
+
+TEST_CASE("linear_divergence: the good arguments pass validation", "[ldiv][validation]") {
+  const auto a = good();
+  CHECK(detail::validate(a, "linear_divergence").ok());
+  CHECK(detail::validate_call(a, GeneralizedJSD{0.5f}, "linear_divergence").ok());
+  CHECK(detail::validate_call(a, KLDiv{}, "linear_divergence").ok());
+  CHECK(detail::validate_call(a, TVD{}, "linear_divergence").ok());
+  std::size_t bytes = 0;
+  CHECK(linear_divergence_workspace_bytes(a, bytes).ok());
+  // The count (loss_rows takes the row sums), then two chunks of 4 x 64 bf16 logits.
+  CHECK(bytes == 256 + 2 * 512);
+  auto b = a;
+  b.labels = nullptr;
+  b.loss_rows = nullptr;
+  CHECK(linear_divergence_workspace_bytes(b, bytes).ok());
+  CHECK(bytes == 256 + 2 * 512);  // the row sums
+  b.loss = nullptr;
+  CHECK(linear_divergence_workspace_bytes(b, bytes).ok());
+  CHECK(bytes == 2 * 512);  // the logits chunks only
+  b.chunk = 0;              // the default: all 8 tokens
+  CHECK(linear_divergence_workspace_bytes(b, bytes).ok());
+  CHECK(bytes == 2 * 1024);
+  b.chunk = 100;  // at most all tokens
+  CHECK(linear_divergence_workspace_bytes(b, bytes).ok());
+  CHECK(bytes == 2 * 1024);
+}
+
+TEST_CASE("linear_divergence rejects bad arguments by name and runs nothing", "[ldiv][validation]") {
+  const ForwardKL kl;
+  auto a = good();
+  a.x = nullptr;
+  expect(a, kl, Errc::null_pointer, "x");
+  a = good();
+  a.weight = nullptr;
+  expect(a, kl, Errc::null_pointer, "weight");
+  a = good();
+  a.teacher_x = nullptr;
+  expect(a, kl, Errc::null_pointer, "teacher_x");
+  a = good();
+  a.teacher_weight = nullptr;
+  expect(a, kl, Errc::null_pointer, "teacher_weight");
+  a = good();
+  a.tokens = 0;
+  expect(a, kl, Errc::invalid_size, "tokens");
+  a = good();
+  a.hidden = 0;
+  expect(a, kl, Errc::invalid_size, "hidden");
+  a = good();
+  a.teacher_hidden = -1;
+  expect(a, kl, Errc::invalid_size, "teacher_hidden");
+  a = good();
+  a.vocab = 0;
+  expect(a, kl, Errc::invalid_size, "vocab");
+  a = good();
+  a.teacher_vocab = kV + 1;
+  expect(a, kl, Errc::invalid_size, "teacher_vocab");
+  a = good();
+  a.chunk = -1;
+  expect(a, kl, Errc::invalid_size, "chunk");
+  a = good();
+  a.temperature = 0.0f;
+  expect(a, kl, Errc::invalid_value, "temperature");
+  a = good();
+  a.reduction = static_cast<DivergenceReduction>(9);
+  expect(a, kl, Errc::invalid_value, "reduction");
+  a = good();
+  a.reduction = DivergenceReduction::none;
+  expect(a, kl, Errc::invalid_value, "loss");
+  a = good();
+  a.grad_scale = __builtin_nanf("");
+  expect(a, kl, Errc::invalid_value, "grad_scale");
+  a = good();
+  a.x_stride = kH - 1;
+  expect(a, kl, Errc::invalid_stride, "x_stride");
+  a = good();
+  a.teacher_x_stride = kHt - 1;
+  expect(a, kl, Errc::invalid_stride, "teacher_x_stride");
+  a = good();
+  a.dx_stride = 3;
+  expect(a, kl, Errc::invalid_stride, "dx_stride");
+  a = good();
+  a.workspace_bytes = 1024;
+  expect(a, kl, Errc::workspace_too_small, "workspace_bytes");
+  a = good();
+  a.workspace = nullptr;
+  expect(a, kl, Errc::null_pointer, "workspace");
+  // The functor's own parameters.
+  expect(good(), GeneralizedJSD{1.5f}, Errc::invalid_value, "beta");
+  // Outputs overlapping inputs or each other.
+  a = good();
+  a.dx = const_cast<bf16*>(a.x);
+  expect(a, kl, Errc::aliasing, "dx");
+  a = good();
+  a.loss_rows = loss;
+  a.tokens = 1;
+  expect(a, kl, Errc::aliasing, "loss_rows");
+}

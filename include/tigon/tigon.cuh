@@ -16,6 +16,7 @@
 #include "loss/cross_entropy.cuh"
 #include "loss/divergence.cuh"
 #include "loss/linear_cross_entropy.cuh"
+#include "loss/linear_divergence.cuh"
 
 #if defined(__CUDACC__)
 #include "core/colsum.cuh"

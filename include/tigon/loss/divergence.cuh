@@ -372,6 +372,24 @@ inline bool div_input_valid(DivergenceInput k) {
 inline constexpr std::int64_t kDivMaxVocab = std::int64_t{1} << 30;
 
 // Everything the functor does not decide: pointers, sizes, strides, scalars, aliasing.
+// The options every divergence op takes (the element-wise op and linear_divergence): temperature,
+// reduction, the reduced loss's absence under none, grad_scale.
+inline Status validate_divergence_options(float temperature, DivergenceReduction reduction, const float* loss,
+                                          float grad_scale, const char* op) {
+  if (!(temperature > 0.0f) || temperature == __builtin_huge_valf()) {
+    return Status::error(Errc::invalid_value, op, "temperature", "must be finite and > 0, got " + std::to_string(temperature));
+  }
+  if (reduction != DivergenceReduction::none && reduction != DivergenceReduction::sum &&
+      reduction != DivergenceReduction::mean && reduction != DivergenceReduction::batchmean) {
+    return Status::error(Errc::invalid_value, op, "reduction", "unknown reduction");
+  }
+  if (reduction == DivergenceReduction::none && loss != nullptr) {
+    return Status::error(Errc::invalid_value, op, "loss",
+                         "reduction none has no reduced loss: use loss_rows or loss_elems");
+  }
+  return check::finite(grad_scale, op, "grad_scale");
+}
+
 template <class T, class TT, class I>
 Status validate_divergence_args(const DivergenceArgs<T, TT, I>& a, const char* op) {
   using namespace check;
@@ -393,18 +411,7 @@ Status validate_divergence_args(const DivergenceArgs<T, TT, I>& a, const char* o
   if (!div_input_valid(a.teacher_input)) {
     return Status::error(Errc::invalid_value, op, "teacher_input", "unknown input form");
   }
-  if (!(a.temperature > 0.0f) || a.temperature == __builtin_huge_valf()) {
-    return Status::error(Errc::invalid_value, op, "temperature", "must be finite and > 0, got " + std::to_string(a.temperature));
-  }
-  if (a.reduction != DivergenceReduction::none && a.reduction != DivergenceReduction::sum &&
-      a.reduction != DivergenceReduction::mean && a.reduction != DivergenceReduction::batchmean) {
-    return Status::error(Errc::invalid_value, op, "reduction", "unknown reduction");
-  }
-  if (a.reduction == DivergenceReduction::none && a.loss != nullptr) {
-    return Status::error(Errc::invalid_value, op, "loss",
-                         "reduction none has no reduced loss: use loss_rows or loss_elems");
-  }
-  TIGON_CHECK(finite(a.grad_scale, op, "grad_scale"));
+  TIGON_CHECK(validate_divergence_options(a.temperature, a.reduction, a.loss, a.grad_scale, op));
   TIGON_CHECK(row_stride(a.student_stride, a.vocab, op, "student_stride"));
   TIGON_CHECK(row_stride(a.teacher_stride, a.vocab, op, "teacher_stride"));
   TIGON_CHECK(row_stride(a.dx_stride, a.vocab, op, "dx_stride"));

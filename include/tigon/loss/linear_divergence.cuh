@@ -132,19 +132,7 @@ Status validate(const LinearDivergenceArgs<T, I>& a, const char* op) {
                              ") differs from the student's (" + std::to_string(a.vocab) + ")");
   }
   if (a.chunk < 0) return Status::error(Errc::invalid_size, op, "chunk", "must be >= 0");
-  if (!(a.temperature > 0.0f) || a.temperature == __builtin_huge_valf()) {
-    return Status::error(Errc::invalid_value, op, "temperature",
-                         "must be finite and > 0, got " + std::to_string(a.temperature));
-  }
-  if (a.reduction != DivergenceReduction::none && a.reduction != DivergenceReduction::sum &&
-      a.reduction != DivergenceReduction::mean && a.reduction != DivergenceReduction::batchmean) {
-    return Status::error(Errc::invalid_value, op, "reduction", "unknown reduction");
-  }
-  if (a.reduction == DivergenceReduction::none && a.loss != nullptr) {
-    return Status::error(Errc::invalid_value, op, "loss",
-                         "reduction none has no reduced loss: use loss_rows or loss_elems");
-  }
-  TIGON_CHECK(finite(a.grad_scale, op, "grad_scale"));
+  TIGON_CHECK(validate_divergence_options(a.temperature, a.reduction, a.loss, a.grad_scale, op));
   TIGON_CHECK(row_stride(a.x_stride, a.hidden, op, "x_stride"));
   TIGON_CHECK(row_stride(a.teacher_x_stride, a.teacher_hidden, op, "teacher_x_stride"));
   TIGON_CHECK(row_stride(a.dx_stride, a.hidden, op, "dx_stride"));

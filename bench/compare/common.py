@@ -53,6 +53,10 @@ LIGER_NAMES = {
     "geglu": ("liger_kernel.ops.geglu", "LigerGELUMulFunction"),
     "cross_entropy": ("liger_kernel.ops.cross_entropy", "LigerCrossEntropyFunction"),
     "linear_cross_entropy": ("liger_kernel.ops.fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyFunction"),
+    "jsd": ("liger_kernel.ops.jsd", "LigerJSDFunction"),
+    "kl_div": ("liger_kernel.ops.kl_div", "LigerKLDivLossFunction"),
+    "tvd": ("liger_kernel.ops.tvd", "LigerTVDLossFunction"),
+    "fused_linear_jsd": ("liger_kernel.ops.fused_linear_jsd", "LigerFusedLinearJSDFunction"),
 }
 
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Budget, environment, log, probe_liger, probe_tigon, write_json  # noqa: E402
 
 OPS = ["rms_norm", "layer_norm", "add_rms_norm", "rope", "swiglu", "geglu", "cross_entropy",
-       "linear_cross_entropy"]
+       "linear_cross_entropy", "jsd", "kl_div", "tvd", "fused_linear_jsd"]
 IMPLS = ["eager", "compile", "liger", "tigon"]
 MODES = ["fwd", "fwdbwd"]
 
@@ -56,6 +56,12 @@ def main_shapes() -> list[tuple[str, dict]]:
             rows.append((op, {"N": n, "I": INTER}))
         rows.append(("cross_entropy", {"N": n, "V": VOCAB}))
         rows.append(("linear_cross_entropy", {"N": n, "D": HIDDEN, "V": VOCAB}))
+    # Distillation at the issue's shape: 8192 tokens of LLaMA-3's vocabulary; the fused head with
+    # a teacher as wide as the student and one twice as wide.
+    for op in ("jsd", "kl_div", "tvd"):
+        rows.append((op, {"N": 8192, "V": VOCAB}))
+    for dt in (HIDDEN, 2 * HIDDEN):
+        rows.append(("fused_linear_jsd", {"N": 8192, "D": HIDDEN, "DT": dt, "V": VOCAB}))
     return rows
 
 
@@ -81,7 +87,9 @@ def shape_str(op: str, s: dict) -> str:
         return f"B{s['B']} T{s['T']} {s['HQ']}/{s['HK']}x{s['HD']}"
     if op == "linear_cross_entropy":
         return f"N{s['N']} D{s['D']} V{s['V']}"
-    if op == "cross_entropy":
+    if op == "fused_linear_jsd":
+        return f"N{s['N']} D{s['D']} teacher D{s['DT']} V{s['V']}"
+    if op in ("cross_entropy", "jsd", "kl_div", "tvd"):
         return f"{s['N']}x{s['V']}"
     return f"{s['N']}x{s.get('D', s.get('I'))}"
 
@@ -208,7 +216,44 @@ def make_case(op: str, s: dict, device, dtype, seed: int, with_grad: bool) -> Ca
         target = torch.randint(0, v, (n,), generator=g, device=device)
         return Case([x, w, target], [0, 1], 1, True, flops_fwd=2.0 * n * d * v, flops_fwdbwd=6.0 * n * d * v,
                     note="eager: logits = x @ W^T, F.cross_entropy(logits.float(), target)")
+    if op in ("jsd", "kl_div", "tvd"):
+        n, v = s["N"], s["V"]
+        # The student's input gets the gradient; the teacher's is data. JSD and KL take
+        # log-probabilities (KL's target as probabilities, log_target=False), TVD probabilities.
+        with torch.no_grad():
+            student = torch.randn(n, v, generator=g, device=device).log_softmax(-1)
+            teacher = torch.randn(n, v, generator=g, device=device).log_softmax(-1)
+            if op == "kl_div":
+                teacher = teacher.exp()
+            if op == "tvd":
+                student, teacher = student.exp(), teacher.exp()
+        student = student.to(dtype).requires_grad_(with_grad)
+        teacher = teacher.to(dtype)
+        notes = {"jsd": "log-probs; eager: the generalised JSD (beta 0.5) in fp32, mean over rows",
+                 "kl_div": "student log-probs, teacher probs; eager: F.kl_div(reduction='batchmean')",
+                 "tvd": "probs; eager: 0.5 * |p - q| summed, mean over rows"}
+        return Case([student, teacher], [0], 1, True, bytes_fwd=2 * n * v * e, bytes_fwdbwd=3 * n * v * e,
+                    note=notes[op])
+    if op == "fused_linear_jsd":
+        n, d, dt, v = s["N"], s["D"], s["DT"], s["V"]
+        x = randn(n, d)
+        w = randn(v, d, scale=d ** -0.5)
+        with torch.no_grad():
+            xt = torch.randn(n, dt, generator=g, device=device).to(dtype)
+            wt = (torch.randn(v, dt, generator=g, device=device) * dt ** -0.5).to(dtype)
+        return Case([x, w, xt, wt], [0, 1], 1, True, flops_fwd=2.0 * n * v * (d + dt),
+                    flops_fwdbwd=2.0 * n * v * (d + dt) + 4.0 * n * v * d,
+                    note="eager: both heads' logits in fp32, log_softmax, the generalised JSD (beta 0.5)")
     raise ValueError(op)
+
+
+def _eager_jsd(student_lp, teacher_lp, beta: float = 0.5):
+    """Liger's generalised JSD: beta KL(P || M) + (1 - beta) KL(Q || M), M = beta P + (1 - beta) Q,
+    P the teacher's and Q the student's distribution, summed over the vocabulary, mean over rows."""
+    s, t = student_lp.float(), teacher_lp.float()
+    p, q = t.exp(), s.exp()
+    log_m = (beta * p + (1 - beta) * q).log()
+    return (beta * p * (t - log_m) + (1 - beta) * q * (s - log_m)).sum() / s.shape[0]
 
 
 def eager_fn(op: str, s: dict, hf, inputs):
@@ -241,6 +286,15 @@ def eager_fn(op: str, s: dict, hf, inputs):
         return lambda logits, t: F.cross_entropy(logits.float(), t)
     if op == "linear_cross_entropy":
         return lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t)
+    if op == "jsd":
+        return lambda s_, t: _eager_jsd(s_, t)
+    if op == "kl_div":
+        return lambda s_, t: F.kl_div(s_, t, reduction="batchmean")
+    if op == "tvd":
+        return lambda p, q: 0.5 * (p.float() - q.float()).abs().sum() / p.shape[0]
+    if op == "fused_linear_jsd":
+        return lambda x, w, xt, wt: _eager_jsd(F.linear(x, w).float().log_softmax(-1),
+                                               F.linear(xt, wt).float().log_softmax(-1))
     raise ValueError(op)
 
 
@@ -268,6 +322,14 @@ def liger_fn(op: str, fn_cls):
         return lambda logits, t: _first(fn_cls.apply(logits, t, None))
     if op == "linear_cross_entropy":
         return lambda x, w, t: _first(fn_cls.apply(x, w, t))
+    if op == "jsd":
+        return lambda s_, t: fn_cls.apply(s_, t)
+    if op == "kl_div":
+        return lambda s_, t: fn_cls.apply(s_, t, "batchmean")
+    if op == "tvd":
+        return lambda p, q: fn_cls.apply(p, q)
+    if op == "fused_linear_jsd":
+        return lambda x, w, xt, wt: fn_cls.apply(x, w, xt, wt)
     raise ValueError(op)
 
 
@@ -289,6 +351,14 @@ def tigon_fn(op: str, tt):
         return lambda logits, t: tt.tigon_cross_entropy(logits, t, in_place=True)
     if op == "linear_cross_entropy":
         return lambda x, w, t: tt.tigon_fused_linear_cross_entropy(x, w, t)
+    if op == "jsd":
+        return lambda s_, t: tt.TigonJSDFunction.apply(s_, t)
+    if op == "kl_div":
+        return lambda s_, t: tt.TigonKLDivLossFunction.apply(s_, t, "batchmean")
+    if op == "tvd":
+        return lambda p, q: tt.TigonTVDLossFunction.apply(p, q)
+    if op == "fused_linear_jsd":
+        return lambda x, w, xt, wt: tt.TigonFusedLinearJSDFunction.apply(x, w, xt, wt)
     raise ValueError(op)
 
 
@@ -433,7 +503,8 @@ def run(args) -> int:
     liger, liger_missing, liger_desc = probe_liger()
     env["liger"] = liger_desc
     env["liger_missing"] = liger_missing
-    tt, tigon_desc = probe_tigon(need_ops=(device.type == "cuda" or args.cpu_reference) and "tigon" in impls)
+    # The CPU reference mode registers its own operators below, so it loads none here.
+    tt, tigon_desc = probe_tigon(need_ops=device.type == "cuda" and not args.cpu_reference and "tigon" in impls)
     if args.cpu_reference and tt is not None:
         # The test suite's reference mode: CPU implementations of tigon's operators written from
         # its documented math. Checks this script's calls into tigon_torch, not tigon's kernels.

@@ -17,6 +17,7 @@
 #include "loss/divergence.cuh"
 #include "loss/linear_cross_entropy.cuh"
 #include "loss/linear_divergence.cuh"
+#include "loss/linear_logprob.cuh"
 
 #if defined(__CUDACC__)
 #include "core/colsum.cuh"

@@ -204,7 +204,7 @@ void run_case(const D& div, const Case& c) {
   o.reduction = c.red;
   o.labels = lab;
   o.grad_scale = c.grad_scale;
-  if (elems_go) {
+  if (elems_go && c.grad_output) {
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t i = 0; i < V; ++i) o.grad_output.push_back(goh[r * gld + i]);
   } else {

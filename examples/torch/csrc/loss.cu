@@ -16,6 +16,7 @@
 
 #include <tigon/loss/cross_entropy.cuh>
 #include <tigon/loss/linear_cross_entropy.cuh>
+#include <tigon/loss/linear_logprob.cuh>
 
 namespace tigon_torch {
 namespace {
@@ -180,11 +181,111 @@ void linear_cross_entropy(const Tensor& x, const Tensor& weight, const OptTensor
   });
 }
 
+// The per-token statistics (forward) or the gradients from their upstream gradients (backward) of
+// tigon.linear_logprob; the two share the layout checks.
+template <class F>
+void with_logprob_args(const char* op, const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                       const Tensor& target, std::int64_t ignore_index, double temperature, std::int64_t chunk,
+                       F&& f) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const Rows X = rows_of(x, x, x.scalar_type(), op, "x");
+  const Rows Wm = rows_of(weight, x, x.scalar_type(), op, "weight");
+  TORCH_CHECK_VALUE(Wm.cols == X.cols, op, ": weight is [", Wm.rows, ", ", Wm.cols, "], x has ", X.cols,
+                    " columns");
+  TORCH_CHECK_VALUE(Wm.stride == 0 || Wm.stride == Wm.cols, op, ": weight must be contiguous");
+  if (bias) vector_of(*bias, x, x.scalar_type(), Wm.rows, op, "bias");
+  TORCH_CHECK_VALUE(chunk >= 0, op, ": chunk must be >= 0");
+  dispatch_float(x.scalar_type(), op, "x", [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    dispatch_index(target.scalar_type(), op, [&](auto ti) {
+      using I = typename decltype(ti)::type;
+      tigon::LinearLogProbArgs<T, I> a;
+      a.x = static_cast<const T*>(X.ptr);
+      a.x_stride = X.stride;
+      a.weight = static_cast<const T*>(Wm.ptr);
+      a.bias = ptr<const T>(bias);
+      a.hidden = X.cols;
+      a.targets = static_cast<const I*>(vector_of(target, x, target.scalar_type(), X.rows, op, "target"));
+      a.tokens = X.rows;
+      a.vocab = Wm.rows;
+      a.ignore_index = ignore_index;
+      a.temperature = static_cast<float>(temperature);
+      a.chunk = chunk;
+      f(a, X);
+    });
+  });
+}
+
+float* row_values(const OptTensor& t, const Tensor& x, std::int64_t n, const char* op, const char* name) {
+  return t ? static_cast<float*>(vector_of(*t, x, at::kFloat, n, op, name)) : nullptr;
+}
+
+void linear_logprob(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& target,
+                    const OptTensor& logp, const OptTensor& lse, const OptTensor& entropy, const OptTensor& logit_sum,
+                    const OptTensor& error_count, std::int64_t ignore_index, double temperature, std::int64_t chunk) {
+  constexpr const char* op = "tigon.linear_logprob";
+  with_logprob_args(op, x, weight, bias, target, ignore_index, temperature, chunk, [&](auto& a, const Rows& X) {
+    a.logp = row_values(logp, x, X.rows, op, "logp");
+    a.lse = row_values(lse, x, X.rows, op, "lse");
+    a.entropy = row_values(entropy, x, X.rows, op, "entropy");
+    a.logit_sum = row_values(logit_sum, x, X.rows, op, "logit_sum");
+    if (error_count) a.error_count = static_cast<int*>(vector_of(*error_count, x, at::kInt, 1, op, "error_count"));
+    std::size_t bytes = 0;
+    check_status(tigon::linear_logprob_workspace_bytes(a, false, bytes));
+    const Tensor ws = workspace(bytes, x);
+    a.workspace = ws.data_ptr();
+    a.workspace_bytes = bytes;
+    const cudaStream_t stream = current_stream(x);
+    const std::lock_guard<std::mutex> lock(gemm_mutex());
+    check_status(tigon::linear_logprob_forward(a, gemm_for(x, stream), stream));
+  });
+}
+
+void linear_logprob_bwd(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& target,
+                        const Tensor& lse, const OptTensor& entropy, const OptTensor& grad_logp,
+                        const OptTensor& grad_entropy, const OptTensor& dx, const OptTensor& dweight,
+                        const OptTensor& dbias, std::int64_t ignore_index, double temperature, std::int64_t chunk,
+                        bool accumulate) {
+  constexpr const char* op = "tigon.linear_logprob_bwd";
+  with_logprob_args(op, x, weight, bias, target, ignore_index, temperature, chunk, [&](auto& a, const Rows& X) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(a.x)>>;
+    a.lse = static_cast<float*>(vector_of(lse, x, at::kFloat, X.rows, op, "lse"));
+    a.entropy = row_values(entropy, x, X.rows, op, "entropy");
+    a.grad_logp = row_values(grad_logp, x, X.rows, op, "grad_logp");
+    a.grad_entropy = row_values(grad_entropy, x, X.rows, op, "grad_entropy");
+    if (dx) {
+      const Rows DX = rows_of(*dx, x, x.scalar_type(), op, "dx");
+      same_shape(X, DX, op, "x", "dx");
+      a.dx = static_cast<T*>(DX.ptr);
+      a.dx_stride = DX.stride;
+    }
+    if (dweight) {
+      const Rows Wm = rows_of(weight, x, x.scalar_type(), op, "weight");
+      const Rows DW = rows_of(*dweight, x, at::kFloat, op, "dweight");
+      same_shape(Wm, DW, op, "weight", "dweight");
+      TORCH_CHECK_VALUE(DW.stride == 0 || DW.stride == DW.cols, op, ": dweight must be contiguous");
+      a.dweight = static_cast<float*>(DW.ptr);
+    }
+    if (dbias) a.dbias = static_cast<float*>(vector_of(*dbias, x, at::kFloat, a.vocab, op, "dbias"));
+    a.accumulate = accumulate;
+    std::size_t bytes = 0;
+    check_status(tigon::linear_logprob_workspace_bytes(a, true, bytes));
+    const Tensor ws = workspace(bytes, x);
+    a.workspace = ws.data_ptr();
+    a.workspace_bytes = bytes;
+    const cudaStream_t stream = current_stream(x);
+    const std::lock_guard<std::mutex> lock(gemm_mutex());
+    check_status(tigon::linear_logprob_backward(a, gemm_for(x, stream), stream));
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tigon, CUDA, m) {
   m.impl("cross_entropy", &cross_entropy);
   m.impl("linear_cross_entropy", &linear_cross_entropy);
+  m.impl("linear_logprob", &linear_logprob);
+  m.impl("linear_logprob_bwd", &linear_logprob_bwd);
   m.impl("scale_rows", &scale_rows);
 }
 

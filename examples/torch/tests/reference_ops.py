@@ -249,6 +249,54 @@ def linear_cross_entropy(x, weight, bias, target, class_weights, grad_output, dx
             dbias.copy_(g.sum(0))
 
 
+def _llp_logits(x, weight, bias, temperature):
+    """The linear log-prob op's logits in fp32: the GEMM's output in the inputs' dtype, plus the bias rounded
+    to that dtype again, over the temperature."""
+    logits = (x.float() @ weight.float().t()).to(x.dtype)
+    if bias is not None:
+        logits = (logits.float() + bias.float()).to(x.dtype)
+    return logits.float(), logits.float() / temperature
+
+
+def linear_logprob(x, weight, bias, target, logp, lse, entropy, logit_sum, error_count, ignore_index, temperature,
+                   chunk):
+    raw, z = _llp_logits(x, weight, bias, temperature)
+    vocab = z.shape[1]
+    valid = (target != ignore_index) & (target >= 0) & (target < vocab)
+    if error_count is not None:
+        error_count += ((target != ignore_index) & ~valid).sum().to(error_count.dtype)
+    l = torch.logsumexp(z, dim=-1)
+    lp = torch.log_softmax(z, dim=-1)
+    t = torch.where(valid, target, torch.zeros_like(target))
+    zero = torch.zeros_like(l)
+    vals = {"logp": torch.where(valid, lp.gather(1, t[:, None])[:, 0], zero), "lse": torch.where(valid, l, zero),
+            "entropy": torch.where(valid, -(lp.exp() * lp).sum(-1), zero),
+            "logit_sum": torch.where(valid, raw.sum(-1), zero)}
+    for name, out in (("logp", logp), ("lse", lse), ("entropy", entropy), ("logit_sum", logit_sum)):
+        if out is not None:
+            out.copy_(vals[name])
+
+
+def linear_logprob_bwd(x, weight, bias, target, lse, entropy, grad_logp, grad_entropy, dx, dweight, dbias,
+                       ignore_index, temperature, chunk, accumulate):
+    _, z = _llp_logits(x, weight, bias, temperature)
+    vocab = z.shape[1]
+    valid = (target != ignore_index) & (target >= 0) & (target < vocab)
+    p = torch.exp(z - lse[:, None])
+    g = grad_logp if grad_logp is not None else torch.zeros_like(lse)
+    h = grad_entropy if grad_entropy is not None else torch.zeros_like(lse)
+    mean_z = lse - (entropy if entropy is not None else torch.zeros_like(lse))
+    t = torch.where(valid, target, torch.zeros_like(target))
+    onehot = torch.nn.functional.one_hot(t, vocab).float()
+    d = (g[:, None] * onehot - p * (g[:, None] + h[:, None] * (z - mean_z[:, None]))) / temperature
+    d = torch.where(valid[:, None], d, torch.zeros_like(d)).to(x.dtype).float()  # dlogits in the inputs' dtype
+    if dx is not None:
+        dx.copy_((d @ weight.float()).to(dx.dtype))
+    for out, val in ((dweight, d.t() @ x.float()), (dbias, d.sum(0))):
+        if out is not None:
+            out.copy_(out + val if accumulate else val)
+
+
 def scale_rows(x, scale):
     s = scale.reshape(-1, 1).float()
     x.copy_(torch.where(s == 1.0, x.float(), x.float() * s).to(x.dtype))
@@ -348,7 +396,8 @@ def divergence(student, teacher, labels, grad_output, dx, loss, loss_rows, loss_
 
 
 OPS = [rms_norm_fwd, rms_norm_bwd, layer_norm_fwd, layer_norm_bwd, add_rms_norm_fwd, add_rms_norm_bwd, rope,
-       gated_fwd, gated_bwd, cross_entropy, linear_cross_entropy, scale_rows, divergence]
+       gated_fwd, gated_bwd, cross_entropy, linear_cross_entropy, linear_logprob, linear_logprob_bwd, scale_rows,
+       divergence]
 
 
 def install() -> None:

@@ -42,9 +42,13 @@ OPTION_NAMES = "has_ce_weight, label_smoothing, ignore_index, lse_square_scale, 
 
 def reference_head(x, weight, bias, target, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
                    label_smoothing=0.0, reduction="mean", softcap=None):
-    """(loss, z_loss) of the unfused head: F.linear in the inputs' dtype, the logits upcast (fp32; fp64 in
-    the CPU reference mode), softcap, CE."""
-    logits = F.linear(x, weight, bias).to(REF_FLOAT)
+    """(loss, z_loss) of the unfused head as Liger composes it: x @ W^T in the inputs' dtype, plus the bias
+    in that dtype (two roundings, where nn.Linear's fused bias rounds once), the logits upcast (fp32;
+    fp64 in the CPU reference mode), softcap, CE."""
+    logits = F.linear(x, weight)
+    if bias is not None:
+        logits = logits + bias
+    logits = logits.to(REF_FLOAT)
     if softcap is not None and softcap != 0.0:
         logits = softcap * torch.tanh(logits / softcap)
     return ce_with_z_loss(logits, target, weight=ce_weight, lse_square_scale=lse_square_scale, reduction=reduction,
@@ -156,8 +160,14 @@ def test_correctness_functional(ext, seed, B, T, H, V, scalar, dtype, bias, ce_w
     grad = torch.randn_like(y0)
     for y in (y0, y1, y2):
         y.backward(grad.clone())
-    assert_close(x1.grad, x0.grad, atol, rtol, "functional dx")
-    assert_close(x2.grad, x0.grad, atol, rtol, "Function dx")
+    # The functional call and the Function are one computation: the same gradient, bit for bit (Liger's
+    # test asserts this). Against the unfused head the gradient agrees to its rounding: the class weights
+    # from randn can sum close to 0, so the mean's 1 / sum scales dlogits up, and each path's bf16
+    # roundings of dlogits (before or after the upstream gradient) reach dx as an absolute error of
+    # about ulp(|dlogits|) * sqrt(V) * |W|, which the tolerance scales with.
+    assert torch.equal(x1.grad, x2.grad), "functional dx != Function dx"
+    scale = x0.grad.double().abs().max().item()
+    assert_close(x1.grad, x0.grad, atol + rtol * 0.05 * scale, rtol, "functional dx")
 
 
 @pytest.mark.parametrize("B, T, H, V", SHAPES)

@@ -36,6 +36,7 @@ from .functions import (
     TigonFusedGateUpMulFunction,
     TigonFusedLinearCrossEntropyFunction,
     TigonFusedLinearJSDFunction,
+    TigonFusedLinearLogProbFunction,
     TigonGatedMLPFunction,
     TigonGatedMulFunction,
     TigonGELUMulFunction,

@@ -28,6 +28,8 @@ torch.compile.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -1084,10 +1086,20 @@ def _torch_at_least(major: int, minor: int) -> bool:
 _ADDMM_OUT_DTYPE = _torch_at_least(2, 8)  # torch.addmm(..., out_dtype=torch.float32) for 16-bit inputs (CUDA)
 
 
+def _is_fake(t) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:
+        return False
+    return is_fake(t)
+
+
 def _addmm_fp32(acc, a, b) -> None:
     """acc += a @ b, acc float32, a and b of one dtype: accumulated in fp32."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
+    elif _is_fake(acc):
+        pass  # FakeTensor tracing (torch.compile, torch.export): acc's shape and dtype are already the result's
     elif acc.is_cuda and _ADDMM_OUT_DTYPE:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
@@ -1228,3 +1240,81 @@ class TigonFusedLinearJSDFunction(torch.autograd.Function):
             if g is not None and g.shape[0] > 0:
                 ops().scale_rows(g, go)
         return (dx, dw) + nones
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-token log-probabilities of the LM head (post-training losses)
+# ------------------------------------------------------------------------------------------------
+
+
+class TigonFusedLinearLogProbFunction(torch.autograd.Function):
+    """Per-token log p(target) and entropy of the LM head softmax((_input @ weight.T + bias) / temperature),
+    without the [tokens, vocab] logits (tigon.linear_logprob, docs/linear_logprob.md).
+
+    forward(_input [..., H], weight [V, H], target [...], bias=None, ignore_index=-100, temperature=1.0)
+    returns (logp, entropy), both float32 of target's shape; a token whose target is ignore_index gives 0 in
+    both and takes no gradient. The backward takes the gradients of either or both and recomputes the
+    logits chunk by chunk: dx in _input's dtype, dweight and dbias accumulated in fp32 and returned in their
+    parameters' dtypes. Targets outside [0, V) other than ignore_index raise TargetOutOfRangeError (eager).
+    Every sequence-level loss (DPO, ORPO, CPO, SimPO, KTO, GRPO) is a function of these [tokens] values."""
+
+    @staticmethod
+    def forward(ctx, _input, weight, target, bias=None, ignore_index=-100, temperature=1.0):
+        _check_cuda(_input, weight, target, bias)
+        x, w, b = _input, weight, bias
+        if torch.is_autocast_enabled("cuda"):
+            dt = torch.get_autocast_dtype("cuda")
+            x, w = x.to(dt), w.to(dt)
+            b = b.to(dt) if b is not None else None
+        if w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
+            raise TypeError(
+                f"tigon_torch: _input ({x.dtype}), weight ({w.dtype}) and bias must have one dtype "
+                "(or run under autocast)")
+        if not float(temperature) > 0.0 or not math.isfinite(float(temperature)):
+            raise ValueError(f"tigon_torch: temperature must be finite and > 0, got {temperature}")
+        hidden = x.shape[-1]
+        x2 = as_rows(x.reshape(-1, hidden))
+        w = w.contiguous()
+        b = vector(b)
+        tshape = target.shape
+        target = target.reshape(-1).contiguous()
+        rows, vocab = x2.shape[0], w.shape[0]
+        if w.shape[1] != hidden:
+            raise ValueError(f"tigon_torch: weight is {tuple(w.shape)}, _input has {hidden} features")
+        if target.shape[0] != rows:
+            raise ValueError(f"tigon_torch: target has {target.shape[0]} tokens, _input {rows}")
+        check_targets(target, vocab, int(ignore_index))
+        logp = torch.empty(rows, dtype=torch.float32, device=x2.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp)
+        chunk = _lce_chunk()
+        if rows > 0:
+            ops().linear_logprob(x2, w, b, target, logp, lse, entropy, None, None, int(ignore_index),
+                                 float(temperature), chunk)
+        ctx.save_for_backward(x2, w, b, target, lse, entropy)
+        ctx.args = (int(ignore_index), float(temperature), chunk)
+        ctx.dtypes = (_input.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.shape = _input.shape
+        return logp.reshape(tshape), entropy.reshape(tshape)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        x2, w, b, target, lse, entropy = ctx.saved_tensors
+        want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_db = b is not None and ctx.needs_input_grad[3]
+        if (grad_logp is None and grad_entropy is None) or not (want_dx or want_dw or want_db):
+            return None, None, None, None, None, None
+        in_dtype, w_dtype, b_dtype = ctx.dtypes
+        gl = grad_logp.reshape(-1).to(torch.float32).contiguous() if grad_logp is not None else None
+        ge = grad_entropy.reshape(-1).to(torch.float32).contiguous() if grad_entropy is not None else None
+        dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
+        dw = torch.empty(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
+        db = torch.empty(w.shape[0], dtype=torch.float32, device=w.device) if want_db else None
+        if x2.shape[0] > 0:
+            ops().linear_logprob_bwd(x2, w, b, target, lse, entropy, gl, ge, dx, dw, db, *ctx.args, False)
+        else:
+            for t in (dw, db):
+                if t is not None:
+                    t.zero_()
+        dx = _cast(dx, in_dtype).reshape(ctx.shape) if dx is not None else None
+        return dx, _cast(dw, w_dtype), None, _cast(db, b_dtype), None, None

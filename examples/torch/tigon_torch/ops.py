@@ -47,6 +47,8 @@ def _register_fakes() -> None:
         "gated_bwd",
         "cross_entropy",
         "linear_cross_entropy",
+        "linear_logprob",
+        "linear_logprob_bwd",
         "scale_rows",
         "divergence",
     ]

@@ -58,10 +58,19 @@ struct Silu {
 struct GeluTanh {
   static constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
   static constexpr float kKappa = 0.044715f;
-  static TIGON_HD float inner_tanh(float a) { return ::tanhf(kBeta * (a + kKappa * a * a * a)); }
+  // Each expression in PyTorch's order of operations (its CUDA gelu kernels), so that the fp32
+  // values, and the bf16 / fp16 values rounded from them, are the ones PyTorch computes.
+  static TIGON_HD float inner_tanh(float a) {
+    const float a3 = a * a * a;
+    return ::tanhf(kBeta * (a + kKappa * a3));
+  }
   static TIGON_HD float derivative_from(float a, float t) {
-    const float a2 = ::fminf(a * a, 1e4f);
-    return 0.5f * (1.0f + t) + 0.5f * a * ((1.0f - t * t) * kBeta * (1.0f + 3.0f * kKappa * a2));
+    const float a2 = ::fminf(a * a, 1e4f);  // past |a| = 100 the tanh factor is 0: no inf * 0
+    const float left = 0.5f * a;
+    const float left_derivative = 0.5f * (1.0f + t);
+    const float tanh_derivative = 1.0f - t * t;
+    const float inner_derivative = kBeta * (1.0f + 3.0f * kKappa * a2);
+    return left_derivative + left * tanh_derivative * inner_derivative;
   }
   static TIGON_HD float value(float a) { return 0.5f * a * (1.0f + inner_tanh(a)); }
   static TIGON_HD float derivative(float a) { return derivative_from(a, inner_tanh(a)); }

@@ -101,11 +101,14 @@ struct DivergenceArgs {
 
 // One element of a row as a divergence functor sees it: each side's log-probability and
 // probability (both derived from the form the side was given in; the forms a functor does not read
-// are never computed in the kernels), and the two input forms as compile-time constants.
-template <DivergenceInput kStudent, DivergenceInput kTeacher>
+// are never computed in the kernels), the two input forms as compile-time constants, and whether
+// the kernel computes exp and log with the hardware approximations (fast_math: a 16-bit student,
+// whose gradient's rounding is 500x coarser than their error; div_math::log_of<E> follows it).
+template <DivergenceInput kStudent, DivergenceInput kTeacher, bool kFastMath = false>
 struct DivergenceElement {
   static constexpr DivergenceInput student_input = kStudent;
   static constexpr DivergenceInput teacher_input = kTeacher;
+  static constexpr bool fast_math = kFastMath;
   float x_log, x_prob;  // student: log q_i, q_i
   float y_log, y_prob;  // teacher: log p_i, p_i
 };
@@ -121,38 +124,57 @@ namespace div_math {
 
 inline constexpr float kNegInf = -__builtin_huge_valf();
 
-// exp and log in fp32, CUDA's expf / logf (a couple of ulp) rather than the intrinsics __expf
-// (2 + floor(|1.173 x|) ulp) and __logf (absolute error 2^-21.41 on [0.5, 2], so large relative
-// error near log(1) = 0), whose errors fp32 callers' tolerances do not allow.
-TIGON_HD float exp_f32(float x) { return ::expf(x); }
-TIGON_HD float log_f32(float x) { return ::logf(x); }
+// exp and log in fp32. Accurate (kFast false): CUDA's expf / logf, a couple of ulp, for fp32
+// students. Fast: the hardware approximations __expf (2 + floor(|1.173 x|) ulp) and __logf
+// (absolute error 2^-21.41 on [0.5, 2]), for 16-bit students, whose gradients round to 2^-8 or
+// 2^-11 relative; with accurate logf the generalised JSD is bound by the FP32 pipe at half the
+// copy rate, with the intrinsics it streams at the copy rate.
+template <bool kFast = false>
+TIGON_HD float exp_f32(float x) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (kFast) return __expf(x);
+#endif
+  return ::expf(x);
+}
+template <bool kFast = false>
+TIGON_HD float log_f32(float x) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (kFast) return __logf(x);
+#endif
+  return ::logf(x);
+}
+// log in the precision of element E's kernel: what a functor calls.
+template <class E>
+TIGON_HD float log_of(float x) {
+  return log_f32<E::fast_math>(x);
+}
 
 // One side's log-probability and probability from its value v in form K (lse: the logsumexp of the
 // row's v / temperature, for logits).
-template <DivergenceInput K>
+template <DivergenceInput K, bool kFast = false>
 TIGON_HD void element_forms(float v, float inv_temp, float lse, float& lg, float& pr) {
   if constexpr (K == DivergenceInput::log_probs) {
     lg = v;
-    pr = exp_f32(v);
+    pr = exp_f32<kFast>(v);
   } else if constexpr (K == DivergenceInput::probs) {
     pr = v;
-    lg = log_f32(v);
+    lg = log_f32<kFast>(v);
   } else {
     lg = v * inv_temp - lse;
-    pr = exp_f32(lg);
+    pr = exp_f32<kFast>(lg);
   }
 }
 
 // Fold kN values into a running (max, sum of exp relative to the max); -inf values add nothing.
-template <int kN>
+template <int kN, bool kFast = false>
 TIGON_HD void lse_fold(float& m, float& s, const float (&v)[kN]) {
   float vm = v[0];
   for (int k = 1; k < kN; ++k) vm = fmaxf(vm, v[k]);
   const float mm = fmaxf(m, vm);
   if (mm == kNegInf) return;
   float t = 0.0f;
-  for (int k = 0; k < kN; ++k) t += exp_f32(v[k] - mm);
-  s = s * exp_f32(m - mm) + t;
+  for (int k = 0; k < kN; ++k) t += exp_f32<kFast>(v[k] - mm);
+  s = s * exp_f32<kFast>(m - mm) + t;
   m = mm;
 }
 
@@ -239,7 +261,7 @@ struct GeneralizedJSD {
     const float bq = (1.0f - beta) * e.x_prob;
     const float m = bp + bq;
     if (m == 0.0f) return {0.0f, 0.0f};
-    const float log_m = div_math::log_f32(m);
+    const float log_m = div_math::log_of<E>(m);
     const float l = (bp != 0.0f ? bp * e.y_log : 0.0f) + (bq != 0.0f ? bq * e.x_log : 0.0f) - m * log_m;
     return {l, bq != 0.0f ? bq * (e.x_log - log_m) : 0.0f};
   }
@@ -262,7 +284,7 @@ struct KLDiv {
   TIGON_HD DivergenceValue operator()(const E& e) const {
     const float t = e.y_prob;
     if constexpr (E::teacher_input == DivergenceInput::probs) {
-      return {t != 0.0f ? t * (div_math::log_f32(fmaxf(t, eps)) - e.x_log) : 0.0f, -t};
+      return {t != 0.0f ? t * (div_math::log_of<E>(fmaxf(t, eps)) - e.x_log) : 0.0f, -t};
     } else {
       return {t != 0.0f ? t * (e.y_log - e.x_log) : 0.0f, -t};
     }
@@ -333,12 +355,12 @@ namespace div_math {
 
 // One element: the functor's loss, and its gradient with respect to the student's value in form
 // kS (with respect to the log-probability when the student is given as logits); x_prob: q_i.
-template <class D, DivergenceInput kS, DivergenceInput kT>
+template <class D, DivergenceInput kS, DivergenceInput kT, bool kFast = false>
 TIGON_HD DivergenceValue evaluate(const D& div, float x, float y, float inv_temp, float lse_x, float lse_y,
                                   float& x_prob) {
-  DivergenceElement<kS, kT> e;
-  element_forms<kS>(x, inv_temp, lse_x, e.x_log, e.x_prob);
-  element_forms<kT>(y, inv_temp, lse_y, e.y_log, e.y_prob);
+  DivergenceElement<kS, kT, kFast> e;
+  element_forms<kS, kFast>(x, inv_temp, lse_x, e.x_log, e.x_prob);
+  element_forms<kT, kFast>(y, inv_temp, lse_y, e.y_log, e.y_prob);
   DivergenceValue v = div(e);
   if constexpr (detail::div_grad_form<D>() == DivergenceInput::probs && kS != DivergenceInput::probs) {
     v.grad *= e.x_prob;  // d / d log q = q d / d q
@@ -486,6 +508,11 @@ Status validate_divergence_call(const DivergenceArgs<T, TT, I>& a, const D& div,
 // The streaming kernel's chunk: each block takes this many columns of one row (a row of more
 // columns takes several blocks, whose partial loss sums the finish kernel adds).
 inline constexpr std::int64_t kDivChunkCols = 8192;
+
+// The kernels compute exp and log with the hardware approximations for a 16-bit student
+// (div_math::exp_f32), accurately for an fp32 one.
+template <class T>
+inline constexpr bool kDivFastMath = sizeof(T) < 4;
 
 // Whether the call takes the streaming kernel (neither side given as logits), and the blocks (chunks)
 // a row takes: ceil(vocab / kDivChunkCols) on the streaming kernel, 1 on the row kernel.
@@ -738,7 +765,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) div_stream_kernel(const DivParams<
 #pragma unroll
         for (int k = 0; k < kN; ++k) {
           float q;
-          const DivergenceValue v = div_math::evaluate<D, kS, kT>(div, xf[k], yf[k], 1.0f, 0.0f, 0.0f, q);
+          const DivergenceValue v = div_math::evaluate<D, kS, kT, kDivFastMath<T>>(div, xf[k], yf[k], 1.0f, 0.0f, 0.0f, q);
           acc += v.loss;
           l[k] = v.loss;
           g[k] = v.grad * f;
@@ -821,14 +848,14 @@ TIGON_KERNEL void __launch_bounds__(kThreads) div_row_kernel(const DivParams<T, 
           div_floats(div_load<kN>(xr + c0, keep), v);
 #pragma unroll
           for (int k = 0; k < kN; ++k) v[k] *= p.inv_temp;
-          div_math::lse_fold(a.mx, a.sx, v);
+          div_math::lse_fold<kN, kDivFastMath<T>>(a.mx, a.sx, v);
         }
         if constexpr (kTL) {
           float v[kN];
           div_floats(div_load<kN>(yr + c0, keep), v);
 #pragma unroll
           for (int k = 0; k < kN; ++k) v[k] *= p.inv_temp;
-          div_math::lse_fold(a.my, a.sy, v);
+          div_math::lse_fold<kN, kDivFastMath<T>>(a.my, a.sy, v);
         }
       };
       int i = tid;
@@ -860,7 +887,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) div_row_kernel(const DivParams<T, 
 #pragma unroll
         for (int k = 0; k < kN; ++k) {
           float q;
-          const DivergenceValue v = div_math::evaluate<D, kS, kT>(div, xf[k], yf[k], p.inv_temp, lse_x, lse_y, q);
+          const DivergenceValue v = div_math::evaluate<D, kS, kT, kDivFastMath<T>>(div, xf[k], yf[k], p.inv_temp, lse_x, lse_y, q);
           sums[0] += v.loss;
           l[k] = v.loss;
           if constexpr (kSL) {
@@ -902,7 +929,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) div_row_kernel(const DivParams<T, 
           for (int k = 0; k < kN; ++k) {
             float q;
             const DivergenceValue v =
-                div_math::evaluate<D, kS, kT>(div, xf[k], yf[k], p.inv_temp, lse_x, lse_y, q);
+                div_math::evaluate<D, kS, kT, kDivFastMath<T>>(div, xf[k], yf[k], p.inv_temp, lse_x, lse_y, q);
             g[k] = fs * (w[k] * v.grad - q * s_total);
           }
           div_store<kN>(dr + c0, g, drop);

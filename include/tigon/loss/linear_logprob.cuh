@@ -1,0 +1,477 @@
+// tigon/loss/linear_logprob.cuh - per-token log-probabilities of the LM head without the
+// [tokens x vocabulary] logits: the building block of the sequence-level post-training losses
+// (DPO, ORPO, CPO, SimPO, KTO: sums of log p(target) over a completion; GRPO and its variants:
+// per-token log p weighted by advantages, with the entropy as a bonus or a metric).
+//
+// Per token n with target t_n (fp32 math; z = logits / temperature):
+//   logits_n  = x_n W^T (+ b)            the GEMM's output in T (the bias added and rounded to T again)
+//   lse_n     = log sum_v exp(z_v)
+//   logp_n    = z_t - lse_n              log softmax(z)_t
+//   entropy_n = lse_n - sum_v p_v z_v    -sum_v p_v log p_v,   p = softmax(z)
+//   logit_sum_n = sum_v logits_v         (before the temperature: Liger's chosen / rejected logits means)
+// Tokens whose target is ignore_index give 0 everywhere and take no gradient.
+//
+// Backward, from the upstream gradients g_n = dL/dlogp_n and h_n = dL/dentropy_n:
+//   dL/dz_v = g (1[v == t] - p_v) - h p_v (z_v - (lse - entropy))
+//   dL/dlogits = dL/dz / temperature,   dx = dlogits W,   dW += dlogits^T x,   db += 1^T dlogits
+//
+// Tokens are processed in chunks through the GEMM back end (CublasLtGemm by default), as in
+// linear_cross_entropy.cuh. linear_logprob_forward: per chunk one GEMM and the statistics kernel.
+// linear_logprob_backward: per chunk the GEMM again (the logits are never stored), the gradient
+// kernel (dlogits over the chunk, in place), and the GEMMs of dx, dW (fp32, accumulated across
+// chunks) and db. Both pass through the same arguments: the backward reads the forward's lse (and
+// entropy, when h is given). No host synchronisation. Extra device memory: one logits chunk and,
+// with dbias, a ones vector — what linear_logprob_workspace_bytes() returns.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "../blas/gemm.cuh"
+#include "../core/config.hpp"
+#include "../core/dtype.hpp"
+#include "../core/math.hpp"
+#include "../core/status.hpp"
+#include "../core/validate.hpp"
+
+#if defined(__CUDACC__)
+#include <cub/block/block_reduce.cuh>
+
+#include "../core/device.hpp"
+#include "../core/launch.cuh"
+#include "../core/vector.cuh"
+#endif
+
+TIGON_NAMESPACE_BEGIN
+
+// ------------------------------------------------------------------------------------------------
+// 1. Arguments
+// ------------------------------------------------------------------------------------------------
+
+template <class T, class I = std::int64_t>
+struct LinearLogProbArgs {
+  const T* x = nullptr;  // [tokens, hidden], row stride x_stride (0: hidden)
+  std::int64_t x_stride = 0;
+  const T* weight = nullptr;  // [vocab, hidden], contiguous
+  const T* bias = nullptr;    // [vocab], or null
+  std::int64_t hidden = 0;
+  const I* targets = nullptr;  // [tokens], int32 or int64
+  std::int64_t tokens = 0;
+  std::int64_t vocab = 0;
+  std::int64_t ignore_index = -100;
+  float temperature = 1.0f;  // the logits are divided by it (finite, > 0)
+  // Forward outputs, each optional (at least one): [tokens] fp32. The backward reads lse (and
+  // entropy when grad_entropy is given) as the forward wrote them.
+  float* logp = nullptr;
+  float* lse = nullptr;
+  float* entropy = nullptr;
+  float* logit_sum = nullptr;
+  int* error_count = nullptr;  // incremented once per token whose target is outside [0, vocab) (forward)
+  // Backward: upstream gradients [tokens] fp32 (at least one), and the gradients asked for.
+  const float* grad_logp = nullptr;
+  const float* grad_entropy = nullptr;
+  T* dx = nullptr;  // [tokens, hidden], row stride dx_stride (0: hidden)
+  std::int64_t dx_stride = 0;
+  float* dweight = nullptr;  // [vocab, hidden] fp32
+  float* dbias = nullptr;    // [vocab] fp32
+  bool accumulate = false;   // dweight / dbias += the gradient instead of =
+  std::int64_t chunk = 0;    // tokens per chunk; 0: linear_logprob_default_chunk()
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+};
+
+// Default chunk: about 1 GiB of logits, a multiple of 128 tokens, at most all of them.
+inline std::int64_t linear_logprob_default_chunk(std::int64_t tokens, std::int64_t vocab, std::size_t elem_bytes) {
+  std::int64_t c = static_cast<std::int64_t>((std::size_t{1} << 30) / (static_cast<std::size_t>(vocab) * elem_bytes));
+  c = c / 128 * 128;
+  if (c < 128) c = 128;
+  return c < tokens ? c : tokens;
+}
+
+// ------------------------------------------------------------------------------------------------
+// 2. Math (host and device: the kernels and the tests' references share it)
+// ------------------------------------------------------------------------------------------------
+
+namespace llp_math {
+
+// A running (max, sum of exp(z - max), sum of exp(z - max) z) over some of a row's z, and the sum
+// of the raw logits.
+struct RowAcc {
+  float m;
+  float s;
+  float t;
+  float sum;
+};
+
+TIGON_HD RowAcc empty() { return {-__builtin_huge_valf(), 0.0f, 0.0f, 0.0f}; }
+
+TIGON_HD float exp_f(float x) {
+#if defined(__CUDA_ARCH__)
+  return __expf(x);  // the hardware exp: 2 + floor(|1.173 x|) ulp, far below T's rounding of the gradient
+#else
+  return ::expf(x);
+#endif
+}
+
+TIGON_HD RowAcc merge(const RowAcc& a, const RowAcc& b) {
+  const float m = a.m > b.m ? a.m : b.m;
+  if (m == -__builtin_huge_valf()) return {m, 0.0f, 0.0f, a.sum + b.sum};
+  const float fa = a.s > 0.0f ? exp_f(a.m - m) : 0.0f, fb = b.s > 0.0f ? exp_f(b.m - m) : 0.0f;
+  return {m, a.s * fa + b.s * fb, a.t * fa + b.t * fb, a.sum + b.sum};
+}
+
+// lse, and entropy = lse - sum p z, from a whole row's accumulator.
+TIGON_HD float lse_of(const RowAcc& a) { return a.m + ::logf(a.s); }
+TIGON_HD float entropy_of(const RowAcc& a) { return ::logf(a.s) - (a.t / a.s - a.m); }
+
+// dL/dz for one element: g (1[target] - p) - h p (z - mean_z), mean_z = lse - entropy.
+TIGON_HD float dz(float z, float lse, float mean_z, float g, float h, bool is_target) {
+  const float p = exp_f(z - lse);
+  return (is_target ? g : 0.0f) - p * (g + h * (z - mean_z));
+}
+
+}  // namespace llp_math
+
+// ------------------------------------------------------------------------------------------------
+// 3. Validation and workspace
+// ------------------------------------------------------------------------------------------------
+
+namespace detail {
+
+struct LlpLayout {
+  std::int64_t chunk;
+  std::size_t ones_offset, total;
+};
+
+template <class T, class I>
+LlpLayout llp_layout(const LinearLogProbArgs<T, I>& a, bool backward) {
+  LlpLayout l{};
+  l.chunk = a.chunk > 0 ? (a.chunk < a.tokens ? a.chunk : a.tokens)
+                        : linear_logprob_default_chunk(a.tokens, a.vocab, sizeof(T));
+  l.ones_offset = round_up<std::size_t>(static_cast<std::size_t>(l.chunk * a.vocab) * sizeof(T), 256);
+  l.total = l.ones_offset + (backward && a.dbias != nullptr ? round_up<std::size_t>(l.chunk * sizeof(T), 256) : 0);
+  return l;
+}
+
+template <class T, class I>
+Status llp_validate(const LinearLogProbArgs<T, I>& a, bool backward, const char* op) {
+  using namespace check;
+  static_assert(Element<T>, "x and the head are float, half or bfloat16");
+  static_assert(std::is_same_v<I, std::int64_t> || std::is_same_v<I, std::int32_t>, "targets are int32 or int64");
+  TIGON_CHECK(not_null(a.x, op, "x"));
+  TIGON_CHECK(not_null(a.weight, op, "weight"));
+  TIGON_CHECK(not_null(a.targets, op, "targets"));
+  TIGON_CHECK(positive(a.hidden, op, "hidden"));
+  TIGON_CHECK(positive(a.tokens, op, "tokens"));
+  TIGON_CHECK(positive(a.vocab, op, "vocab"));
+  TIGON_CHECK(at_most(a.vocab, std::int64_t{1} << 30, op, "vocab"));
+  TIGON_CHECK(row_stride(a.x_stride, a.hidden, op, "x_stride"));
+  TIGON_CHECK(row_stride(a.dx_stride, a.hidden, op, "dx_stride"));
+  if (!(a.temperature > 0.0f) || a.temperature == __builtin_huge_valf()) {
+    return Status::error(Errc::invalid_value, op, "temperature",
+                         "must be finite and > 0, got " + std::to_string(a.temperature));
+  }
+  if (a.chunk < 0) return Status::error(Errc::invalid_size, op, "chunk", "must be >= 0");
+  const MatrixView x = MatrixView::of(a.x, a.tokens, a.hidden, a.x_stride);
+  const MatrixView w = MatrixView::of(a.weight, a.vocab, a.hidden, 0);
+  const MatrixView row_outs[] = {MatrixView::of(a.logp, 1, a.tokens, 0), MatrixView::of(a.lse, 1, a.tokens, 0),
+                                 MatrixView::of(a.entropy, 1, a.tokens, 0),
+                                 MatrixView::of(a.logit_sum, 1, a.tokens, 0)};
+  const char* row_names[] = {"logp", "lse", "entropy", "logit_sum"};
+  if (!backward) {
+    if (a.logp == nullptr && a.lse == nullptr && a.entropy == nullptr && a.logit_sum == nullptr) {
+      return Status::error(Errc::null_pointer, op, "logp", "no output: set logp, lse, entropy or logit_sum");
+    }
+    for (int i = 0; i < 4; ++i) {
+      if (row_outs[i].ptr == nullptr) continue;
+      TIGON_CHECK(disjoint(row_outs[i], x, op, row_names[i], "x"));
+      TIGON_CHECK(disjoint(row_outs[i], w, op, row_names[i], "weight"));
+      for (int j = 0; j < i; ++j) {
+        if (row_outs[j].ptr != nullptr) TIGON_CHECK(disjoint(row_outs[i], row_outs[j], op, row_names[i], row_names[j]));
+      }
+    }
+    return Status();
+  }
+  if (a.grad_logp == nullptr && a.grad_entropy == nullptr) {
+    return Status::error(Errc::null_pointer, op, "grad_logp", "no upstream gradient: set grad_logp or grad_entropy");
+  }
+  TIGON_CHECK(not_null(a.lse, op, "lse"));
+  if (a.grad_entropy != nullptr) TIGON_CHECK(not_null(a.entropy, op, "entropy"));
+  if (a.dx == nullptr && a.dweight == nullptr && a.dbias == nullptr) {
+    return Status::error(Errc::null_pointer, op, "dx", "no gradient asked for: set dx, dweight or dbias");
+  }
+  if (a.dx != nullptr) {
+    const MatrixView dx = MatrixView::of(a.dx, a.tokens, a.hidden, a.dx_stride);
+    TIGON_CHECK(disjoint(dx, x, op, "dx", "x"));
+    TIGON_CHECK(disjoint(dx, w, op, "dx", "weight"));
+  }
+  if (a.dweight != nullptr) {
+    const MatrixView dw = MatrixView::of(a.dweight, a.vocab, a.hidden, 0);
+    TIGON_CHECK(disjoint(dw, x, op, "dweight", "x"));
+    TIGON_CHECK(disjoint(dw, w, op, "dweight", "weight"));
+  }
+  return Status();
+}
+
+}  // namespace detail
+
+// Bytes of workspace linear_logprob_forward (backward false) or linear_logprob_backward (true)
+// needs: one logits chunk and, for the backward with dbias, a ones vector.
+template <class T, class I>
+[[nodiscard]] Status linear_logprob_workspace_bytes(const LinearLogProbArgs<T, I>& args, bool backward,
+                                                    std::size_t& bytes) {
+  bytes = 0;
+  TIGON_CHECK(detail::llp_validate(args, backward, "linear_logprob_workspace_bytes"));
+  bytes = detail::llp_layout(args, backward).total;
+  return Status();
+}
+
+#if defined(__CUDACC__)
+
+// ------------------------------------------------------------------------------------------------
+// 4. Kernels: one block per token of the chunk, 16-byte vectors where the row allows them
+// ------------------------------------------------------------------------------------------------
+
+namespace detail {
+
+inline constexpr int kLlpThreads = 512;
+
+template <class T, class I>
+struct LlpParams {
+  const T* logits;  // [rows, vocab], contiguous: the chunk
+  T* dlogits;       // = logits (backward) or null
+  const T* bias;
+  const I* targets;  // the chunk's first target
+  std::int64_t rows, vocab, ignore_index;
+  float inv_temp;
+  // Forward outputs (the chunk's first token), or null.
+  float *logp, *lse, *entropy, *logit_sum;
+  int* error_count;
+  // Backward inputs.
+  const float *lse_in, *entropy_in, *grad_logp, *grad_entropy;
+};
+
+struct LlpMerge {
+  TIGON_DEVICE llp_math::RowAcc operator()(const llp_math::RowAcc& a, const llp_math::RowAcc& b) const {
+    return llp_math::merge(a, b);
+  }
+};
+
+// Raw logit (the bias added, the sum rounded to T) of kN consecutive columns from c.
+template <int kN, class T>
+TIGON_DEVICE void llp_raw(const T* row, const T* bias, std::int64_t c, float (&v)[kN]) {
+  if constexpr (kN > 1) {
+    const AlignedVec<T, kN> a = load_vec<kN>(row + c);
+    to_floats(a, v);
+    if (bias != nullptr) {
+      float b[kN];
+      to_floats(load_vec<kN>(bias + c), b);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) v[k] = round_to<T>(v[k] + b[k]);
+    }
+  } else {
+    v[0] = to_float(row[c]);
+    if (bias != nullptr) v[0] = round_to<T>(v[0] + to_float(bias[c]));
+  }
+}
+
+template <class T, class I, int kN>
+TIGON_KERNEL void __launch_bounds__(kLlpThreads) llp_forward_kernel(const LlpParams<T, I> p) {
+  grid_dependency_sync();
+  using Reduce = cub::BlockReduce<llp_math::RowAcc, kLlpThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const std::int64_t r = blockIdx.x;
+  const T* row = p.logits + r * p.vocab;
+  const std::int64_t t = static_cast<std::int64_t>(p.targets[r]);
+  const bool ignored = t == p.ignore_index;
+  if (ignored || t < 0 || t >= p.vocab) {  // uniform over the block
+    if (threadIdx.x == 0) {
+      if (!ignored && p.error_count != nullptr) atomicAdd(p.error_count, 1);
+      if (p.logp) p.logp[r] = 0.0f;
+      if (p.lse) p.lse[r] = 0.0f;
+      if (p.entropy) p.entropy[r] = 0.0f;
+      if (p.logit_sum) p.logit_sum[r] = 0.0f;
+    }
+    return;
+  }
+  llp_math::RowAcc acc = llp_math::empty();
+  const std::int64_t nvec = p.vocab / kN;
+  for (std::int64_t i = threadIdx.x; i < nvec; i += kLlpThreads) {
+    float v[kN];
+    llp_raw<kN>(row, p.bias, i * kN, v);
+    float vm = v[0] * p.inv_temp;
+#pragma unroll
+    for (int k = 1; k < kN; ++k) vm = fmaxf(vm, v[k] * p.inv_temp);
+    const float m = fmaxf(acc.m, vm);
+    const float f = acc.s > 0.0f ? llp_math::exp_f(acc.m - m) : 0.0f;
+    float s = 0.0f, tz = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      const float z = v[k] * p.inv_temp;
+      const float e = llp_math::exp_f(z - m);
+      s += e;
+      tz = fmaf(e, z, tz);
+      sum += v[k];
+    }
+    acc = {m, fmaf(acc.s, f, s), fmaf(acc.t, f, tz), acc.sum + sum};
+  }
+  const llp_math::RowAcc total = Reduce(tmp).Reduce(acc, LlpMerge{});
+  if (threadIdx.x == 0) {
+    const float lse = llp_math::lse_of(total);
+    float zt[1];
+    llp_raw<1>(row, p.bias, t, zt);
+    if (p.logp) p.logp[r] = zt[0] * p.inv_temp - lse;
+    if (p.lse) p.lse[r] = lse;
+    if (p.entropy) p.entropy[r] = llp_math::entropy_of(total);
+    if (p.logit_sum) p.logit_sum[r] = total.sum;
+  }
+}
+
+template <class T, class I, int kN>
+TIGON_KERNEL void __launch_bounds__(kLlpThreads) llp_backward_kernel(const LlpParams<T, I> p) {
+  grid_dependency_sync();
+  const std::int64_t r = blockIdx.x;
+  const T* row = p.logits + r * p.vocab;
+  T* drow = p.dlogits + r * p.vocab;
+  const std::int64_t t = static_cast<std::int64_t>(p.targets[r]);
+  const std::int64_t nvec = p.vocab / kN;
+  if (t == p.ignore_index || t < 0 || t >= p.vocab) {
+    float zero[kN] = {};
+    for (std::int64_t i = threadIdx.x; i < nvec; i += kLlpThreads) {
+      if constexpr (kN > 1) {
+        store_vec<kN>(drow + i * kN, from_floats<T, kN>(zero));
+      } else {
+        drow[i] = from_float<T>(0.0f);
+      }
+    }
+    return;
+  }
+  const float g = p.grad_logp != nullptr ? p.grad_logp[r] : 0.0f;
+  const float h = p.grad_entropy != nullptr ? p.grad_entropy[r] : 0.0f;
+  const float lse = p.lse_in[r];
+  const float mean_z = h != 0.0f ? lse - p.entropy_in[r] : 0.0f;
+  for (std::int64_t i = threadIdx.x; i < nvec; i += kLlpThreads) {
+    float v[kN];
+    llp_raw<kN>(row, p.bias, i * kN, v);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      v[k] = llp_math::dz(v[k] * p.inv_temp, lse, mean_z, g, h, i * kN + k == t) * p.inv_temp;
+    }
+    if constexpr (kN > 1) {
+      store_vec<kN>(drow + i * kN, from_floats<T, kN>(v));
+    } else {
+      drow[i] = from_float<T>(v[0]);
+    }
+  }
+}
+
+template <class T, class I>
+Status llp_launch(const LlpParams<T, I>& p, bool backward, cudaStream_t stream, const char* op) {
+  constexpr int kN = kVecElems<T>;
+  const bool vec = p.vocab % kN == 0 && is_aligned(p.logits, 16) && (p.bias == nullptr || is_aligned(p.bias, 16));
+  const LaunchShape shape{dim3(static_cast<unsigned>(p.rows)), dim3(kLlpThreads), 0, stream};
+  if (backward) {
+    if (vec) return launch(op, llp_backward_kernel<T, I, kN>, shape, p);
+    return launch(op, llp_backward_kernel<T, I, 1>, shape, p);
+  }
+  if (vec) return launch(op, llp_forward_kernel<T, I, kN>, shape, p);
+  return launch(op, llp_forward_kernel<T, I, 1>, shape, p);
+}
+
+template <class T>
+TIGON_KERNEL void __launch_bounds__(256) llp_fill_ones(T* q, std::int64_t n) {
+  grid_dependency_sync();
+  for (std::int64_t i = blockIdx.x * 256ll + threadIdx.x; i < n; i += gridDim.x * 256ll) q[i] = from_float<T>(1.0f);
+}
+
+}  // namespace detail
+
+// ------------------------------------------------------------------------------------------------
+// 5. Launchers
+// ------------------------------------------------------------------------------------------------
+
+// Per-token logp, lse, entropy and logit sums (those asked for), one chunk of tokens at a time.
+template <class Gemm = CublasLtGemm, class T, class I>
+[[nodiscard]] Status linear_logprob_forward(const LinearLogProbArgs<T, I>& args, Gemm& gemm, cudaStream_t stream) {
+  constexpr const char* kOp = "linear_logprob_forward";
+  TIGON_CHECK(detail::llp_validate(args, false, kOp));
+  const detail::LlpLayout l = detail::llp_layout(args, false);
+  TIGON_CHECK(check::workspace(args.workspace, args.workspace_bytes, l.total, kOp));
+  T* logits = static_cast<T*>(args.workspace);
+  const std::int64_t xs = args.x_stride ? args.x_stride : args.hidden;
+  for (std::int64_t r0 = 0; r0 < args.tokens; r0 += l.chunk) {
+    const std::int64_t c = args.tokens - r0 < l.chunk ? args.tokens - r0 : l.chunk;
+    TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = args.x + r0 * xs, .b = args.weight, .d = logits, .m = c, .n = args.vocab,
+                                      .k = args.hidden, .lda = xs, .op_b = Op::t},
+                          stream));
+    auto at = [&](float* q) { return q != nullptr ? q + r0 : nullptr; };
+    const detail::LlpParams<T, I> p{.logits = logits, .dlogits = nullptr, .bias = args.bias,
+                                    .targets = args.targets + r0, .rows = c, .vocab = args.vocab,
+                                    .ignore_index = args.ignore_index, .inv_temp = 1.0f / args.temperature,
+                                    .logp = at(args.logp), .lse = at(args.lse), .entropy = at(args.entropy),
+                                    .logit_sum = at(args.logit_sum), .error_count = args.error_count,
+                                    .lse_in = nullptr, .entropy_in = nullptr, .grad_logp = nullptr,
+                                    .grad_entropy = nullptr};
+    TIGON_CHECK(detail::llp_launch(p, false, stream, kOp));
+  }
+  return Status();
+}
+
+// dx, dW (fp32) and db (fp32) from grad_logp / grad_entropy, the logits recomputed chunk by chunk.
+template <class Gemm = CublasLtGemm, class T, class I>
+[[nodiscard]] Status linear_logprob_backward(const LinearLogProbArgs<T, I>& args, Gemm& gemm, cudaStream_t stream) {
+  constexpr const char* kOp = "linear_logprob_backward";
+  TIGON_CHECK(detail::llp_validate(args, true, kOp));
+  const detail::LlpLayout l = detail::llp_layout(args, true);
+  TIGON_CHECK(check::workspace(args.workspace, args.workspace_bytes, l.total, kOp));
+  auto* base = static_cast<unsigned char*>(args.workspace);
+  T* logits = reinterpret_cast<T*>(base);
+  T* ones = reinterpret_cast<T*>(base + l.ones_offset);
+  const std::int64_t xs = args.x_stride ? args.x_stride : args.hidden;
+  const std::int64_t dxs = args.dx_stride ? args.dx_stride : args.hidden;
+  if (args.dbias != nullptr) {
+    TIGON_CHECK(detail::launch(kOp, detail::llp_fill_ones<T>,
+                               {dim3(static_cast<unsigned>(ceil_div<std::int64_t>(l.chunk, 256))), dim3(256), 0, stream},
+                               ones, l.chunk));
+  }
+  for (std::int64_t r0 = 0; r0 < args.tokens; r0 += l.chunk) {
+    const std::int64_t c = args.tokens - r0 < l.chunk ? args.tokens - r0 : l.chunk;
+    const T* xc = args.x + r0 * xs;
+    TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = xc, .b = args.weight, .d = logits, .m = c, .n = args.vocab,
+                                      .k = args.hidden, .lda = xs, .op_b = Op::t},
+                          stream));
+    auto at = [&](const float* q) { return q != nullptr ? q + r0 : nullptr; };
+    const detail::LlpParams<T, I> p{.logits = logits, .dlogits = logits, .bias = args.bias,
+                                    .targets = args.targets + r0, .rows = c, .vocab = args.vocab,
+                                    .ignore_index = args.ignore_index, .inv_temp = 1.0f / args.temperature,
+                                    .logp = nullptr, .lse = nullptr, .entropy = nullptr, .logit_sum = nullptr,
+                                    .error_count = nullptr, .lse_in = at(args.lse),
+                                    .entropy_in = at(args.entropy), .grad_logp = at(args.grad_logp),
+                                    .grad_entropy = at(args.grad_entropy)};
+    TIGON_CHECK(detail::llp_launch(p, true, stream, kOp));
+    const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
+    if (args.dx != nullptr) {
+      TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = logits, .b = args.weight, .d = args.dx + r0 * dxs, .m = c,
+                                        .n = args.hidden, .k = args.vocab, .ldd = dxs},
+                            stream));
+    }
+    if (args.dweight != nullptr) {
+      TIGON_CHECK(gemm.gemm(GemmArgs<T, float>{.a = logits, .b = xc, .c = args.dweight, .d = args.dweight,
+                                               .m = args.vocab, .n = args.hidden, .k = c, .ldb = xs,
+                                               .op_a = Op::t, .beta = beta},
+                            stream));
+    }
+    if (args.dbias != nullptr) {
+      TIGON_CHECK(gemm.gemm(GemmArgs<T, float>{.a = ones, .b = logits, .c = args.dbias, .d = args.dbias,
+                                               .m = 1, .n = args.vocab, .k = c, .beta = beta},
+                            stream));
+    }
+  }
+  return Status();
+}
+
+#endif  // __CUDACC__
+
+TIGON_NAMESPACE_END

@@ -1,0 +1,215 @@
+// Linear log-probs on the GPU: the forward's per-token logp, lse, entropy and logit sums, and the
+// backward's dx, dW, db from upstream gradients of logp and entropy, against a double-precision
+// reference on the logits rounded as the GEMM rounds them (bf16 and fp32, bias, temperature,
+// ignored and out-of-range targets, several chunk sizes, vectorised and single-element rows).
+#include "gpu_test.cuh"
+
+#include <cmath>
+
+#include <tigon/loss/linear_logprob.cuh>
+
+using namespace tigon;
+using gpu_test::DeviceBuffer;
+
+namespace {
+
+struct Case {
+  std::int64_t N = 47, D = 31, V = 128;
+  bool bias = false;
+  double temperature = 1;
+  std::int64_t chunk = 0;
+  bool entropy_grad = true;
+  bool dbias = false;
+};
+
+template <class T>
+double tol() {
+  return std::is_same_v<T, float> ? 2e-3 : 2e-2;  // relative L2 (GEMMs on tensor cores)
+}
+
+double rel_l2(const std::vector<double>& got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    num += std::isfinite(got[i]) ? (got[i] - ref[i]) * (got[i] - ref[i]) : INFINITY;
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / (den > 0 ? den : 1));
+}
+
+template <class V>
+std::vector<double> as_double(const V& v) {
+  std::vector<double> o;
+  for (const auto& e : v) o.push_back(double(to_float(e)));
+  return o;
+}
+
+template <class T>
+void run_case(const Case& c, CublasLtGemm& blas) {
+  INFO("N " << c.N << " D " << c.D << " V " << c.V << (c.bias ? " bias" : "") << " T " << c.temperature << " chunk "
+            << c.chunk << (c.entropy_grad ? " entropy-grad" : "") << " dtype " << dtype_traits<T>::name);
+  std::vector<double> xd, wd, bd;
+  const auto xh = gpu_test::random_values<T>(c.N * c.D, 0, 1, &xd);
+  const auto wh = gpu_test::random_values<T>(c.V * c.D, 0, 2 / std::sqrt(double(c.D)), &wd);
+  const auto bh = gpu_test::random_values<T>(c.V, 0, 0.5, &bd);
+  std::vector<std::int64_t> t(c.N);
+  for (std::int64_t i = 0; i < c.N; ++i) t[i] = i % 9 == 4 ? -100 : (i % 13 == 6 ? c.V + 3 : (i * 7919) % c.V);
+  std::vector<float> gl(c.N), ge(c.N);
+  for (std::int64_t i = 0; i < c.N; ++i) {
+    gl[i] = float(0.5 + 0.01 * (i % 37)) * (i % 2 ? -1.0f : 1.0f);
+    ge[i] = float(0.02 * (i % 11) - 0.1);
+  }
+
+  // Reference: logits rounded to T (the GEMM's output; with the bias, the sum rounded to T again).
+  const double inv_t = 1 / c.temperature;
+  std::vector<double> logits(c.N * c.V), dlog(c.N * c.V, 0.0);
+  std::vector<double> rlogp(c.N, 0), rlse(c.N, 0), rent(c.N, 0), rsum(c.N, 0);
+  int bad_targets = 0;
+  for (std::int64_t n = 0; n < c.N; ++n) {
+    for (std::int64_t v = 0; v < c.V; ++v) {
+      double r = 0;
+      for (std::int64_t k = 0; k < c.D; ++k) r += xd[n * c.D + k] * wd[v * c.D + k];
+      r = to_float(from_float<T>(float(r)));
+      if (c.bias) r = to_float(from_float<T>(float(r + bd[v])));
+      logits[n * c.V + v] = r;
+    }
+    const bool valid = t[n] >= 0 && t[n] < c.V;
+    if (!valid) {
+      bad_targets += t[n] != -100;
+      continue;
+    }
+    double m = -INFINITY, s = 0, pz = 0, sum = 0;
+    for (std::int64_t v = 0; v < c.V; ++v) m = std::max(m, logits[n * c.V + v] * inv_t);
+    for (std::int64_t v = 0; v < c.V; ++v) {
+      const double z = logits[n * c.V + v] * inv_t, e = std::exp(z - m);
+      s += e;
+      pz += e * z;
+      sum += logits[n * c.V + v];
+    }
+    const double lse = m + std::log(s);
+    rlse[n] = lse;
+    rlogp[n] = logits[n * c.V + t[n]] * inv_t - lse;
+    rent[n] = lse - pz / s;
+    rsum[n] = sum;
+    const double g = gl[n], h = c.entropy_grad ? ge[n] : 0.0, mz = lse - rent[n];
+    for (std::int64_t v = 0; v < c.V; ++v) {
+      const double z = logits[n * c.V + v] * inv_t, p = std::exp(z - lse);
+      dlog[n * c.V + v] = ((v == t[n] ? g : 0.0) - p * (g + h * (z - mz))) * inv_t;
+    }
+  }
+  // The gradient GEMMs from dlogits rounded to T (as the kernel stores them).
+  std::vector<double> dlr(dlog.size());
+  for (std::size_t i = 0; i < dlog.size(); ++i) dlr[i] = to_float(from_float<T>(float(dlog[i])));
+  std::vector<double> rdx(c.N * c.D, 0), rdw(c.V * c.D, 0), rdb(c.V, 0);
+  for (std::int64_t n = 0; n < c.N; ++n)
+    for (std::int64_t v = 0; v < c.V; ++v) {
+      const double d = dlr[n * c.V + v];
+      if (d == 0) continue;
+      rdb[v] += d;
+      for (std::int64_t k = 0; k < c.D; ++k) {
+        rdx[n * c.D + k] += d * wd[v * c.D + k];
+        rdw[v * c.D + k] += d * xd[n * c.D + k];
+      }
+    }
+
+  DeviceBuffer<T> x(xh.size()), w(wh.size()), b(bh.size()), dxb(c.N * c.D);
+  DeviceBuffer<std::int64_t> tb(c.N);
+  DeviceBuffer<float> lp(c.N), ls(c.N), en(c.N), su(c.N), glb(c.N), geb(c.N), dwb(c.V * c.D), dbb(c.V);
+  DeviceBuffer<int> errs(1);
+  x.upload(xh);
+  w.upload(wh);
+  b.upload(bh);
+  tb.upload(t);
+  glb.upload(gl);
+  geb.upload(ge);
+  for (auto* p : {&lp, &ls, &en, &su, &dwb, &dbb}) p->poison();
+  dxb.poison();
+  CUDA_OK(cudaMemset(errs.ptr, 0, sizeof(int)));
+  LinearLogProbArgs<T> a{.x = x.ptr, .weight = w.ptr, .bias = c.bias ? b.ptr : nullptr, .hidden = c.D,
+                         .targets = tb.ptr, .tokens = c.N, .vocab = c.V,
+                         .temperature = static_cast<float>(c.temperature), .logp = lp.ptr, .lse = ls.ptr,
+                         .entropy = en.ptr, .logit_sum = su.ptr, .error_count = errs.ptr, .grad_logp = glb.ptr,
+                         .grad_entropy = c.entropy_grad ? geb.ptr : nullptr, .dx = dxb.ptr, .dweight = dwb.ptr,
+                         .dbias = c.dbias ? dbb.ptr : nullptr, .chunk = c.chunk};
+  std::size_t fb = 0, bb = 0;
+  TIGON_OK(linear_logprob_workspace_bytes(a, false, fb));
+  TIGON_OK(linear_logprob_workspace_bytes(a, true, bb));
+  DeviceBuffer<unsigned char> ws(std::max(fb, bb));
+  a.workspace = ws.ptr;
+  a.workspace_bytes = ws.count;
+  TIGON_OK(linear_logprob_forward(a, blas, nullptr));
+  TIGON_OK(linear_logprob_backward(a, blas, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+
+  CHECK(errs.download()[0] == bad_targets);
+  // Per-token values: absolute in units of the row's scale (the logits' rounding dominates).
+  const auto glp = lp.download(), gls = ls.download(), gen = en.download(), gsu = su.download();
+  int bad = 0;
+  for (std::int64_t n = 0; n < c.N; ++n) {
+    const double e = std::is_same_v<T, float> ? 1e-4 : 1e-3;
+    bad += std::abs(glp[n] - rlogp[n]) > e * (1 + std::abs(rlogp[n]));
+    bad += std::abs(gls[n] - rlse[n]) > e * (1 + std::abs(rlse[n]));
+    bad += std::abs(gen[n] - rent[n]) > e * (1 + std::abs(rent[n]));
+    bad += std::abs(gsu[n] - rsum[n]) > 1e-4 * (1 + std::abs(rsum[n])) + 1e-5 * c.V;
+    if (!(t[n] >= 0 && t[n] < c.V)) bad += glp[n] != 0 || gls[n] != 0 || gen[n] != 0 || gsu[n] != 0;
+  }
+  CHECK(bad == 0);
+  CHECK(rel_l2(as_double(dxb.download()), rdx) < tol<T>());
+  CHECK(rel_l2(as_double(dwb.download()), rdw) < tol<T>());
+  if (c.dbias) CHECK(rel_l2(as_double(dbb.download()), rdb) < tol<T>());
+  // Ignored rows take no gradient: their dx rows are exactly 0.
+  const auto dxh = dxb.download();
+  int nonzero = 0;
+  for (std::int64_t n = 0; n < c.N; ++n) {
+    if (t[n] >= 0 && t[n] < c.V) continue;
+    for (std::int64_t k = 0; k < c.D; ++k) nonzero += to_float(dxh[n * c.D + k]) != 0.0f;
+  }
+  CHECK(nonzero == 0);
+}
+
+}  // namespace
+
+TEST_CASE("linear_logprob: forward and backward against the double reference", "[llp][gpu]") {
+  DeviceBuffer<unsigned char> ws(32u << 20);
+  CublasLtGemm blas(ws.ptr, ws.count);
+  TIGON_OK(blas.status());
+  for (std::int64_t chunk : {std::int64_t{0}, std::int64_t{1}, std::int64_t{17}}) {
+    run_case<bf16>({.chunk = chunk}, blas);
+    run_case<float>({.bias = true, .chunk = chunk, .dbias = true}, blas);
+  }
+  run_case<bf16>({.V = 127, .bias = true, .temperature = 0.7, .chunk = 16, .dbias = true}, blas);  // single elements
+  run_case<bf16>({.temperature = 2.0, .entropy_grad = false}, blas);
+  run_case<half>({.N = 300, .D = 64, .V = 1000, .chunk = 128}, blas);
+  run_case<bf16>({.N = 512, .D = 256, .V = 4096, .bias = true, .temperature = 0.9, .chunk = 200, .dbias = true}, blas);
+}
+
+TEST_CASE("linear_logprob: every target ignored gives zeros and no gradient", "[llp][gpu]") {
+  const std::int64_t N = 16, D = 32, V = 256;
+  DeviceBuffer<unsigned char> gws(32u << 20);
+  CublasLtGemm blas(gws.ptr, gws.count);
+  DeviceBuffer<bf16> x(N * D), w(V * D), dx(N * D);
+  DeviceBuffer<std::int64_t> tb(N);
+  DeviceBuffer<float> lp(N), ls(N), g(N), dw(V * D);
+  x.upload(gpu_test::random_values<bf16>(N * D, 0, 1, nullptr));
+  w.upload(gpu_test::random_values<bf16>(V * D, 0, 0.1, nullptr));
+  tb.upload(std::vector<std::int64_t>(N, -100));
+  g.upload(std::vector<float>(N, 1.0f));
+  lp.poison();
+  ls.poison();
+  dx.poison();
+  dw.poison();
+  LinearLogProbArgs<bf16> a{.x = x.ptr, .weight = w.ptr, .hidden = D, .targets = tb.ptr, .tokens = N, .vocab = V,
+                            .logp = lp.ptr, .lse = ls.ptr, .grad_logp = g.ptr, .dx = dx.ptr, .dweight = dw.ptr};
+  std::size_t bytes = 0;
+  TIGON_OK(linear_logprob_workspace_bytes(a, true, bytes));
+  DeviceBuffer<unsigned char> ws(bytes);
+  a.workspace = ws.ptr;
+  a.workspace_bytes = bytes;
+  TIGON_OK(linear_logprob_forward(a, blas, nullptr));
+  TIGON_OK(linear_logprob_backward(a, blas, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  for (float v : lp.download()) CHECK(v == 0.0f);
+  for (const auto& v : dx.download()) CHECK(to_float(v) == 0.0f);
+  for (float v : dw.download()) CHECK(v == 0.0f);
+}
+
+GPU_TEST_MAIN

@@ -1,0 +1,149 @@
+// Argument validation of the linear log-prob launchers and their workspace query; runs without a
+// GPU. Every rejection names its argument, and nothing runs: the GEMM back end here counts its
+// calls, and the outputs (host memory) keep their sentinel bytes.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <string>
+
+#include <tigon/loss/linear_logprob.cuh>
+
+using namespace tigon;
+
+namespace {
+constexpr std::int64_t kTok = 8, kH = 16, kV = 64;
+alignas(256) bf16 x[kTok * kH];
+alignas(256) bf16 w[kV * kH];
+alignas(256) std::int64_t targets[kTok];
+alignas(256) float logp[kTok];
+alignas(256) float lse[kTok];
+alignas(256) float ent[kTok];
+alignas(256) float glogp[kTok];
+alignas(256) bf16 dx[kTok * kH];
+alignas(256) float dw[kV * kH];
+alignas(256) unsigned char ws[1 << 16];
+
+struct CountingGemm {
+  int calls = 0;
+  template <class A, class B>
+  Status gemm(const GemmArgs<A, B>&, cudaStream_t) {
+    ++calls;
+    return Status();
+  }
+};
+
+LinearLogProbArgs<bf16> good() {
+  return {.x = x, .weight = w, .hidden = kH, .targets = targets, .tokens = kTok, .vocab = kV, .logp = logp,
+          .lse = lse, .entropy = ent, .grad_logp = glogp, .dx = dx, .dweight = dw, .chunk = 4, .workspace = ws,
+          .workspace_bytes = sizeof(ws)};
+}
+
+void poison_outputs() {
+  std::memset(static_cast<void*>(dx), 0x5a, sizeof(dx));
+  std::memset(dw, 0x5a, sizeof(dw));
+  std::memset(logp, 0x5a, sizeof(logp));
+}
+
+bool untouched(const void* p, std::size_t n) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  for (std::size_t i = 0; i < n; ++i)
+    if (b[i] != 0x5a) return false;
+  return true;
+}
+
+void expect(const LinearLogProbArgs<bf16>& a, bool backward, Errc code, const char* arg) {
+  poison_outputs();
+  CountingGemm g;
+  const Status s = backward ? linear_logprob_backward(a, g, nullptr) : linear_logprob_forward(a, g, nullptr);
+  INFO(s.message());
+  CHECK(s.code() == code);
+  CHECK(std::string(s.argument()) == arg);
+  CHECK(s.message().find(std::string("'") + arg + "'") != std::string::npos);
+  CHECK(g.calls == 0);
+  CHECK(untouched(dx, sizeof(dx)));
+  CHECK(untouched(dw, sizeof(dw)));
+  CHECK(untouched(logp, sizeof(logp)));
+}
+}  // namespace
+
+TEST_CASE("linear_logprob: the good arguments pass validation; the workspace", "[llp][validation]") {
+  const auto a = good();
+  CHECK(detail::llp_validate(a, false, "f").ok());
+  CHECK(detail::llp_validate(a, true, "f").ok());
+  std::size_t bytes = 0;
+  CHECK(linear_logprob_workspace_bytes(a, false, bytes).ok());
+  CHECK(bytes == 512);  // one chunk of 4 x 64 bf16 logits
+  auto b = a;
+  b.dbias = dw;  // (the pointer's extent is not checked against the bias here)
+  CHECK(linear_logprob_workspace_bytes(b, true, bytes).ok());
+  CHECK(bytes == 512 + 256);  // and the ones vector
+  CHECK(linear_logprob_workspace_bytes(b, false, bytes).ok());
+  CHECK(bytes == 512);  // the forward needs no ones
+  b.chunk = 0;  // the default: all 8 tokens
+  CHECK(linear_logprob_workspace_bytes(b, false, bytes).ok());
+  CHECK(bytes == 1024);
+  CHECK(linear_logprob_default_chunk(100000, 128256, 2) == 4096);
+  CHECK(linear_logprob_default_chunk(100, 128256, 2) == 100);
+}
+
+TEST_CASE("linear_logprob rejects bad arguments by name and runs nothing", "[llp][validation]") {
+  for (bool backward : {false, true}) {
+    auto a = good();
+    a.x = nullptr;
+    expect(a, backward, Errc::null_pointer, "x");
+    a = good();
+    a.weight = nullptr;
+    expect(a, backward, Errc::null_pointer, "weight");
+    a = good();
+    a.targets = nullptr;
+    expect(a, backward, Errc::null_pointer, "targets");
+    a = good();
+    a.hidden = 0;
+    expect(a, backward, Errc::invalid_size, "hidden");
+    a = good();
+    a.tokens = -1;
+    expect(a, backward, Errc::invalid_size, "tokens");
+    a = good();
+    a.vocab = 0;
+    expect(a, backward, Errc::invalid_size, "vocab");
+    a = good();
+    a.x_stride = kH - 1;
+    expect(a, backward, Errc::invalid_stride, "x_stride");
+    a = good();
+    a.chunk = -1;
+    expect(a, backward, Errc::invalid_size, "chunk");
+    for (float t : {0.0f, -1.0f, __builtin_inff(), __builtin_nanf("")}) {
+      a = good();
+      a.temperature = t;
+      expect(a, backward, Errc::invalid_value, "temperature");
+    }
+    a = good();
+    a.workspace_bytes = 100;
+    expect(a, backward, Errc::workspace_too_small, "workspace_bytes");
+  }
+  // Forward: some output; outputs that overlap.
+  auto a = good();
+  a.logp = a.lse = a.entropy = nullptr;
+  expect(a, false, Errc::null_pointer, "logp");
+  a = good();
+  a.lse = logp + 2;
+  expect(a, false, Errc::aliasing, "lse");
+  // Backward: an upstream gradient, the forward's lse (and entropy with grad_entropy), a gradient.
+  a = good();
+  a.grad_logp = nullptr;
+  expect(a, true, Errc::null_pointer, "grad_logp");
+  a = good();
+  a.lse = nullptr;
+  expect(a, true, Errc::null_pointer, "lse");
+  a = good();
+  a.grad_entropy = glogp;
+  a.entropy = nullptr;
+  expect(a, true, Errc::null_pointer, "entropy");
+  a = good();
+  a.dx = nullptr;
+  a.dweight = nullptr;
+  expect(a, true, Errc::null_pointer, "dx");
+  a = good();
+  a.dx = const_cast<bf16*>(x) + 1;
+  expect(a, true, Errc::aliasing, "dx");
+}

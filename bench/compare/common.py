@@ -57,6 +57,7 @@ LIGER_NAMES = {
     "kl_div": ("liger_kernel.ops.kl_div", "LigerKLDivLossFunction"),
     "tvd": ("liger_kernel.ops.tvd", "LigerTVDLossFunction"),
     "fused_linear_jsd": ("liger_kernel.ops.fused_linear_jsd", "LigerFusedLinearJSDFunction"),
+    "dpo": ("liger_kernel.chunked_loss", "LigerFusedLinearDPOLoss"),
 }
 
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Budget, environment, log, probe_liger, probe_tigon, write_json  # noqa: E402
 
 OPS = ["rms_norm", "layer_norm", "add_rms_norm", "rope", "swiglu", "geglu", "cross_entropy",
-       "linear_cross_entropy", "jsd", "kl_div", "tvd", "fused_linear_jsd"]
+       "linear_cross_entropy", "jsd", "kl_div", "tvd", "fused_linear_jsd", "dpo"]
 IMPLS = ["eager", "compile", "liger", "tigon"]
 MODES = ["fwd", "fwdbwd"]
 
@@ -62,6 +62,8 @@ def main_shapes() -> list[tuple[str, dict]]:
         rows.append((op, {"N": 8192, "V": VOCAB}))
     for dt in (HIDDEN, 2 * HIDDEN):
         rows.append(("fused_linear_jsd", {"N": 8192, "D": HIDDEN, "DT": dt, "V": VOCAB}))
+    # DPO on the LM head: 8 pairs of 1024-token sequences, with a reference model.
+    rows.append(("dpo", {"B": 8, "T": 1024, "D": HIDDEN, "V": VOCAB}))
     return rows
 
 
@@ -89,6 +91,8 @@ def shape_str(op: str, s: dict) -> str:
         return f"N{s['N']} D{s['D']} V{s['V']}"
     if op == "fused_linear_jsd":
         return f"N{s['N']} D{s['D']} teacher D{s['DT']} V{s['V']}"
+    if op == "dpo":
+        return f"{s['B']} pairs T{s['T']} D{s['D']} V{s['V']}"
     if op in ("cross_entropy", "jsd", "kl_div", "tvd"):
         return f"{s['N']}x{s['V']}"
     return f"{s['N']}x{s.get('D', s.get('I'))}"
@@ -244,7 +248,39 @@ def make_case(op: str, s: dict, device, dtype, seed: int, with_grad: bool) -> Ca
         return Case([x, w, xt, wt], [0, 1], 1, True, flops_fwd=2.0 * n * v * (d + dt),
                     flops_fwdbwd=2.0 * n * v * (d + dt) + 4.0 * n * v * d,
                     note="eager: both heads' logits in fp32, log_softmax, the generalised JSD (beta 0.5)")
+    if op == "dpo":
+        b, t, d, v = s["B"], s["T"], s["D"], s["V"]
+        x = randn(2 * b, t, d)
+        w = randn(v, d, scale=d ** -0.5)
+        with torch.no_grad():
+            rx = torch.randn(2 * b, t, d, generator=g, device=device).to(dtype)
+            rw = (w.detach().float() + 0.01 * torch.randn(v, d, generator=g, device=device) * d ** -0.5).to(dtype)
+        target = torch.randint(0, v, (2 * b, t), generator=g, device=device)
+        target[:, : t // 4] = -100  # the prompt
+        n = 2 * b * t
+        return Case([x, w, target, rx, rw], [0, 1], 1, True, flops_fwd=4.0 * n * d * v, flops_fwdbwd=8.0 * n * d * v,
+                    note="sigmoid DPO, beta 0.1, reference model; eager: both heads' logits in fp32, log_softmax, "
+                         "gather; FLOPs: the policy's forward and backward and the reference's forward")
     raise ValueError(op)
+
+
+def _eager_dpo(x, w, target, rx, rw, beta=0.1):
+    """DPO (sigmoid) as TRL's unfused trainer computes it: the logits materialised in fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    def seq(h, weight):
+        lp = F.log_softmax((h @ weight.t()).float(), dim=-1)
+        mask = target != -100
+        tok = lp.gather(-1, torch.where(mask, target, 0).unsqueeze(-1)).squeeze(-1)
+        return (tok * mask).sum(-1)
+
+    n = target.shape[0] // 2
+    pol = seq(x, w)
+    with torch.no_grad():
+        ref = seq(rx, rw)
+    d = beta * ((pol[:n] - ref[:n]) - (pol[n:] - ref[n:]))
+    return -F.logsigmoid(d).sum() / n
 
 
 def _eager_jsd(student_lp, teacher_lp, beta: float = 0.5):
@@ -295,6 +331,8 @@ def eager_fn(op: str, s: dict, hf, inputs):
     if op == "fused_linear_jsd":
         return lambda x, w, xt, wt: _eager_jsd(F.linear(x, w).float().log_softmax(-1),
                                                F.linear(xt, wt).float().log_softmax(-1))
+    if op == "dpo":
+        return _eager_dpo
     raise ValueError(op)
 
 
@@ -330,6 +368,9 @@ def liger_fn(op: str, fn_cls):
         return lambda p, q: fn_cls.apply(p, q)
     if op == "fused_linear_jsd":
         return lambda x, w, xt, wt: fn_cls.apply(x, w, xt, wt)
+    if op == "dpo":
+        m = fn_cls()  # Liger's defaults: compiled, chunk_size 1
+        return lambda x, w, t, rx, rw: m(w, x, t, None, rx, rw, None)[0]
     raise ValueError(op)
 
 
@@ -359,6 +400,9 @@ def tigon_fn(op: str, tt):
         return lambda p, q: tt.TigonTVDLossFunction.apply(p, q)
     if op == "fused_linear_jsd":
         return lambda x, w, xt, wt: tt.TigonFusedLinearJSDFunction.apply(x, w, xt, wt)
+    if op == "dpo":
+        m = tt.TigonFusedLinearDPOLoss()
+        return lambda x, w, t, rx, rw: m(w, x, t, None, rx, rw, None)[0]
     raise ValueError(op)
 
 

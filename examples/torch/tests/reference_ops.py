@@ -271,7 +271,7 @@ def linear_logprob(x, weight, bias, target, logp, lse, entropy, logit_sum, error
     zero = torch.zeros_like(l)
     vals = {"logp": torch.where(valid, lp.gather(1, t[:, None])[:, 0], zero), "lse": torch.where(valid, l, zero),
             "entropy": torch.where(valid, -(lp.exp() * lp).sum(-1), zero),
-            "logit_sum": torch.where(valid, raw.sum(-1), zero)}
+            "logit_sum": raw.sum(-1)}
     for name, out in (("logp", logp), ("lse", lse), ("entropy", entropy), ("logit_sum", logit_sum)):
         if out is not None:
             out.copy_(vals[name])

@@ -28,7 +28,8 @@ def reference(x, w, target, bias=None, ignore_index=-100, temperature=1.0):
     t = torch.where(valid, target, torch.zeros_like(target))
     logp = torch.where(valid, lp.gather(-1, t.unsqueeze(-1)).squeeze(-1), torch.zeros_like(lp[..., 0]))
     ent = torch.where(valid, -(lp.exp() * lp).sum(-1), torch.zeros_like(logp))
-    return logp, ent
+    lsum = logits.float().sum(-1)  # every token's
+    return logp, ent, lsum.detach()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -46,12 +47,14 @@ def test_forward_backward(ext, seed, dtype, bias, temperature, shape):
     x2, w2 = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     b1 = b.clone().requires_grad_(True) if bias else None
     b2 = b.clone().requires_grad_(True) if bias else None
-    lp_ref, ent_ref = reference(x1, w1, target, b1, temperature=temperature)
-    lp, ent = tt.TigonFusedLinearLogProbFunction.apply(x2, w2, target, b2, -100, temperature)
+    lp_ref, ent_ref, sum_ref = reference(x1, w1, target, b1, temperature=temperature)
+    lp, ent, lsum = tt.TigonFusedLinearLogProbFunction.apply(x2, w2, target, b2, -100, temperature)
     assert lp.shape == target.shape and lp.dtype == torch.float32 and ent.shape == target.shape
     factor = 4.0
     assert_rel(lp, lp_ref, dtype, factor, "logp")
     assert_rel(ent, ent_ref, dtype, factor, "entropy")
+    torch.testing.assert_close(lsum, sum_ref, atol=1e-3 * V ** 0.5, rtol=1e-4)
+    assert not lsum.requires_grad
     assert torch.all(lp[:, ::5] == 0) and torch.all(ent[:, ::5] == 0)
     g1 = torch.randn_like(lp_ref)
     g2 = torch.randn_like(ent_ref) * 0.1
@@ -69,8 +72,8 @@ def test_logp_only_and_all_ignored(ext, seed):
     x = torch.randn(8, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(300, 32, device=DEVICE) * 0.2).to(torch.bfloat16).requires_grad_(True)
     target = torch.full((8,), -100, device=DEVICE)
-    lp, ent = tt.TigonFusedLinearLogProbFunction.apply(x, w, target)
-    assert torch.all(lp == 0) and torch.all(ent == 0)
+    lp, ent, lsum = tt.TigonFusedLinearLogProbFunction.apply(x, w, target)
+    assert torch.all(lp == 0) and torch.all(ent == 0) and torch.all(lsum != 0)
     lp.sum().backward()  # the entropy unused: its gradient is None
     assert torch.all(x.grad == 0) and torch.all(w.grad == 0)
 

@@ -51,6 +51,7 @@ from .functions import (
     check_targets,
     count_invalid_targets,
 )
+from .preference import TigonFusedLinearDPOFunction, TigonFusedLinearDPOLoss
 from .modules import (
     TigonCrossEntropyLoss,
     TigonFusedAddRMSNorm,

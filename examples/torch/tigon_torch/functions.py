@@ -1252,8 +1252,9 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
     without the [tokens, vocab] logits (tigon.linear_logprob, docs/linear_logprob.md).
 
     forward(_input [..., H], weight [V, H], target [...], bias=None, ignore_index=-100, temperature=1.0)
-    returns (logp, entropy), both float32 of target's shape; a token whose target is ignore_index gives 0 in
-    both and takes no gradient. The backward takes the gradients of either or both and recomputes the
+    returns (logp, entropy, logit_sum), float32 of target's shape; logit_sum (the sum of the token's logits
+    before the temperature, for every token) takes no gradient. A token whose target is ignore_index gives 0
+    in logp and entropy and takes no gradient. The backward takes the gradients of either or both and recomputes the
     logits chunk by chunk: dx in _input's dtype, dweight and dbias accumulated in fp32 and returned in their
     parameters' dtypes. Targets outside [0, V) other than ignore_index raise TargetOutOfRangeError (eager).
     Every sequence-level loss (DPO, ORPO, CPO, SimPO, KTO, GRPO) is a function of these [tokens] values."""
@@ -1287,18 +1288,21 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
         logp = torch.empty(rows, dtype=torch.float32, device=x2.device)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp)
+        logit_sum = torch.empty_like(logp)
         chunk = _lce_chunk()
         if rows > 0:
-            ops().linear_logprob(x2, w, b, target, logp, lse, entropy, None, None, int(ignore_index),
+            ops().linear_logprob(x2, w, b, target, logp, lse, entropy, logit_sum, None, int(ignore_index),
                                  float(temperature), chunk)
         ctx.save_for_backward(x2, w, b, target, lse, entropy)
         ctx.args = (int(ignore_index), float(temperature), chunk)
         ctx.dtypes = (_input.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.shape = _input.shape
-        return logp.reshape(tshape), entropy.reshape(tshape)
+        logit_sum = logit_sum.reshape(tshape)
+        ctx.mark_non_differentiable(logit_sum)
+        return logp.reshape(tshape), entropy.reshape(tshape), logit_sum
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy, grad_logit_sum):
         x2, w, b, target, lse, entropy = ctx.saved_tensors
         want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_db = b is not None and ctx.needs_input_grad[3]

@@ -9,7 +9,7 @@
 //   logp_n    = z_t - lse_n              log softmax(z)_t
 //   entropy_n = lse_n - sum_v p_v z_v    -sum_v p_v log p_v,   p = softmax(z)
 //   logit_sum_n = sum_v logits_v         (before the temperature: Liger's chosen / rejected logits means)
-// Tokens whose target is ignore_index give 0 everywhere and take no gradient.
+// Tokens whose target is ignore_index give 0 (logit_sum: their sum all the same) and take no gradient.
 //
 // Backward, from the upstream gradients g_n = dL/dlogp_n and h_n = dL/dentropy_n:
 //   dL/dz_v = g (1[v == t] - p_v) - h p_v (z_v - (lse - entropy))
@@ -67,7 +67,7 @@ struct LinearLogProbArgs {
   float* logp = nullptr;
   float* lse = nullptr;
   float* entropy = nullptr;
-  float* logit_sum = nullptr;
+  float* logit_sum = nullptr;  // every token's, ignored ones included
   int* error_count = nullptr;  // incremented once per token whose target is outside [0, vocab) (forward)
   // Backward: upstream gradients [tokens] fp32 (at least one), and the gradients asked for.
   const float* grad_logp = nullptr;
@@ -286,16 +286,14 @@ TIGON_KERNEL void __launch_bounds__(kLlpThreads) llp_forward_kernel(const LlpPar
   const T* row = p.logits + r * p.vocab;
   const std::int64_t t = static_cast<std::int64_t>(p.targets[r]);
   const bool ignored = t == p.ignore_index;
-  if (ignored || t < 0 || t >= p.vocab) {  // uniform over the block
-    if (threadIdx.x == 0) {
-      if (!ignored && p.error_count != nullptr) atomicAdd(p.error_count, 1);
-      if (p.logp) p.logp[r] = 0.0f;
-      if (p.lse) p.lse[r] = 0.0f;
-      if (p.entropy) p.entropy[r] = 0.0f;
-      if (p.logit_sum) p.logit_sum[r] = 0.0f;
-    }
-    return;
+  const bool skip = ignored || t < 0 || t >= p.vocab;  // uniform over the block
+  if (skip && threadIdx.x == 0) {
+    if (!ignored && p.error_count != nullptr) atomicAdd(p.error_count, 1);
+    if (p.logp) p.logp[r] = 0.0f;
+    if (p.lse) p.lse[r] = 0.0f;
+    if (p.entropy) p.entropy[r] = 0.0f;
   }
+  if (skip && p.logit_sum == nullptr) return;  // the logit sum covers every token
   llp_math::RowAcc acc = llp_math::empty();
   const std::int64_t nvec = p.vocab / kN;
   for (std::int64_t i = threadIdx.x; i < nvec; i += kLlpThreads) {
@@ -318,7 +316,8 @@ TIGON_KERNEL void __launch_bounds__(kLlpThreads) llp_forward_kernel(const LlpPar
     acc = {m, fmaf(acc.s, f, s), fmaf(acc.t, f, tz), acc.sum + sum};
   }
   const llp_math::RowAcc total = Reduce(tmp).Reduce(acc, LlpMerge{});
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0 && skip) p.logit_sum[r] = total.sum;
+  if (threadIdx.x == 0 && !skip) {
     const float lse = llp_math::lse_of(total);
     float zt[1];
     llp_raw<1>(row, p.bias, t, zt);

@@ -489,8 +489,11 @@ class TigonGatedMLPFunction(torch.autograd.Function):
             if a.numel() > 0:
                 ops().gated_bwd(dc, a, b, da, db, ctx.act, 1.0, 1.0)
             if need_x:
+                # Two products, each rounded to the dtype, then their sum: the unfused MLP's dx bit for
+                # bit (autograd adds gate_proj's and up_proj's input gradients); one addmm_ would round
+                # once and differ by an ulp wherever the two terms cancel.
                 dx = da.mm(w_gate)
-                dx.addmm_(db, w_up)
+                dx.add_(db.mm(w_up))
                 dx = dx.reshape(ctx.x_shape)
             if need_gate:
                 dw_gate = da.t().mm(x2)

@@ -43,4 +43,27 @@ TIGON_HD float rsqrt_f32(float x) {
 #endif
 }
 
+// 2^x and log2(x) on the special-function unit, subnormal inputs and results flushed to zero
+// (ex2.approx.ftz / lg2.approx.ftz: a single MUFU instruction each; the non-ftz forms add the
+// subnormal range's scaling around it). Exact std::exp2 / std::log2 on the host. Under 2^-126 a
+// probability is zero in the dtypes the kernels write gradients in.
+TIGON_HD float exp2_ftz(float x) {
+#if TIGON_DEVICE_PASS
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return std::exp2(x);
+#endif
+}
+TIGON_HD float log2_ftz(float x) {
+#if TIGON_DEVICE_PASS
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return std::log2(x);
+#endif
+}
+
 TIGON_NAMESPACE_END

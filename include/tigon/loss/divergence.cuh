@@ -132,14 +132,14 @@ inline constexpr float kNegInf = -__builtin_huge_valf();
 template <bool kFast = false>
 TIGON_HD float exp_f32(float x) {
 #if defined(__CUDA_ARCH__)
-  if constexpr (kFast) return __expf(x);
+  if constexpr (kFast) return exp2_ftz(x * 1.4426950408889634f);  // __expf, subnormals flushed
 #endif
   return ::expf(x);
 }
 template <bool kFast = false>
 TIGON_HD float log_f32(float x) {
 #if defined(__CUDA_ARCH__)
-  if constexpr (kFast) return __logf(x);
+  if constexpr (kFast) return log2_ftz(x) * 0.6931471805599453f;  // __logf, subnormals flushed
 #endif
   return ::logf(x);
 }
@@ -260,7 +260,7 @@ struct GeneralizedJSD {
     const float bp = beta * e.y_prob;
     const float bq = (1.0f - beta) * e.x_prob;
     const float m = bp + bq;
-    if (m == 0.0f) return {0.0f, 0.0f};
+    if (!(m >= 1.17549435e-38f)) return {0.0f, 0.0f};  // m under 2^-126 adds nothing (and flushes to 0)
     const float log_m = div_math::log_of<E>(m);
     const float l = (bp != 0.0f ? bp * e.y_log : 0.0f) + (bq != 0.0f ? bq * e.x_log : 0.0f) - m * log_m;
     return {l, bq != 0.0f ? bq * (e.x_log - log_m) : 0.0f};
@@ -284,7 +284,9 @@ struct KLDiv {
   TIGON_HD DivergenceValue operator()(const E& e) const {
     const float t = e.y_prob;
     if constexpr (E::teacher_input == DivergenceInput::probs) {
-      return {t != 0.0f ? t * (div_math::log_of<E>(fmaxf(t, eps)) - e.x_log) : 0.0f, -t};
+      // Under fast math the logarithm flushes a subnormal t to 0: such a t adds nothing.
+      const bool live = E::fast_math ? t >= 1.17549435e-38f : t != 0.0f;
+      return {live ? t * (div_math::log_of<E>(fmaxf(t, eps)) - e.x_log) : 0.0f, -t};
     } else {
       return {t != 0.0f ? t * (e.y_log - e.x_log) : 0.0f, -t};
     }

@@ -80,13 +80,8 @@ TIGON_DEVICE void to_x(const AlignedVec<T, kV>& v, const T* bias, std::int64_t c
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 
-// 2^x on the special-function unit, subnormal results flushed to zero (probabilities under 2^-126
-// of the row's largest are zero in any dtype the gradient is written in).
-TIGON_DEVICE float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+// exp2_ftz (core/math.hpp): probabilities under 2^-126 of the row's largest are zero in any dtype
+// the gradient is written in.
 
 // Fold kN fp32 logits, columns c0 .. c0 + kN - 1, into a thread's running statistics: one rescale
 // per call, exp2 with the log2(e) factor folded into an FMA; the first index wins ties.

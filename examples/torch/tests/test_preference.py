@@ -139,3 +139,55 @@ def test_dpo_against_liger(ext, seed, loss_type):
     got.backward()
     torch.testing.assert_close(x2.grad, x1.grad, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(w2.grad, w1.grad, atol=1e-5, rtol=1e-4)
+
+
+REF_FREE = [
+    ("LigerFusedLinearORPOLoss", "TigonFusedLinearORPOLoss", dict(beta=0.2)),
+    ("LigerFusedLinearORPOLoss", "TigonFusedLinearORPOLoss", dict(beta=0.1, compute_nll_loss=False)),
+    ("LigerFusedLinearCPOLoss", "TigonFusedLinearCPOLoss", dict(beta=0.1, alpha=0.5, label_smoothing=0.1)),
+    ("LigerFusedLinearCPOLoss", "TigonFusedLinearCPOLoss", dict(average_log_prob=True)),
+    ("LigerFusedLinearSimPOLoss", "TigonFusedLinearSimPOLoss", dict(beta=2.0, gamma=0.5, label_smoothing=0.05)),
+    ("LigerFusedLinearSimPOLoss", "TigonFusedLinearSimPOLoss", dict(compute_nll_loss=False)),
+]
+
+
+@pytest.mark.parametrize("liger_name, tigon_name, kw", REF_FREE)
+@pytest.mark.parametrize("bias", [False, True])
+def test_reference_free_against_liger(ext, seed, liger_name, tigon_name, kw, bias):
+    """ORPO, CPO and SimPO against Liger-Kernel's chunked losses (when they import): loss, every metric,
+    gradients of the hidden states, the weight and the bias."""
+    lk = pytest.importorskip("liger_kernel.chunked_loss")
+    B, T, H, V = 2, 11, 32, 257
+    x = torch.randn(2 * B, T, H, device=DEVICE)
+    w = torch.randn(V, H, device=DEVICE) * H ** -0.5
+    b = torch.randn(V, device=DEVICE) * 0.1 if bias else None
+    target = torch.randint(0, V, (2 * B, T), device=DEVICE)
+    target[:, :3] = -100
+    ins = [(x.clone().requires_grad_(True), w.clone().requires_grad_(True),
+            b.clone().requires_grad_(True) if bias else None) for _ in range(2)]
+    want, wm = getattr(lk, liger_name)(compiled=False, **kw)(ins[0][1], ins[0][0], target, ins[0][2])
+    got, gm = getattr(tt, tigon_name)(**kw)(ins[1][1], ins[1][0], target, ins[1][2])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert len(gm) == len(wm)
+    for a, e in zip(gm, wm):
+        torch.testing.assert_close(a.float(), e.float(), atol=1e-5, rtol=1e-4)
+    want.backward()
+    got.backward()
+    for k in range(2 + bias):
+        torch.testing.assert_close(ins[1][k].grad, ins[0][k].grad, atol=1e-5, rtol=1e-4)
+
+
+def test_orpo_nll_target(ext, seed):
+    """ORPO's nll_target: the NLL term on its own targets (here: the targets with more tokens ignored)."""
+    lk = pytest.importorskip("liger_kernel.chunked_loss")
+    x = torch.randn(4, 9, 16, device=DEVICE)
+    w = torch.randn(60, 16, device=DEVICE) * 0.25
+    t = torch.randint(0, 60, (4, 9), device=DEVICE)
+    nt = t.clone()
+    nt[:, :5] = -100
+    want = lk.LigerFusedLinearORPOLoss(compiled=False)(w, x, t, None, nt)
+    got = tt.TigonFusedLinearORPOLoss()(w, x, t, None, nt)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got[1][4], want[1][4], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="nll_target"):
+        tt.TigonFusedLinearORPOLoss()(w, x, t, None, nt[:, :4])

@@ -51,7 +51,16 @@ from .functions import (
     check_targets,
     count_invalid_targets,
 )
-from .preference import TigonFusedLinearDPOFunction, TigonFusedLinearDPOLoss
+from .preference import (
+    TigonFusedLinearCPOFunction,
+    TigonFusedLinearCPOLoss,
+    TigonFusedLinearDPOFunction,
+    TigonFusedLinearDPOLoss,
+    TigonFusedLinearORPOFunction,
+    TigonFusedLinearORPOLoss,
+    TigonFusedLinearSimPOFunction,
+    TigonFusedLinearSimPOLoss,
+)
 from .modules import (
     TigonCrossEntropyLoss,
     TigonFusedAddRMSNorm,

@@ -85,6 +85,36 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps=None, ref_rejected_l
     return losses.sum() / chosen_logps.shape[0], chosen_rewards, rejected_rewards
 
 
+def _preference(_input, weight, target, bias, ignore_index, average_log_prob, compute_nll_loss, nll_target, alpha,
+                loss_fn, ref_logps=None):
+    """The shared body of the preference losses, as Liger's LigerFusedLinearPreferenceBase composes them:
+    (loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss, *aux)) with
+    loss = alpha * nll_loss + loss_fn(chosen_logps, rejected_logps, *ref_logps)[0] and aux the rest of
+    loss_fn's outputs (detached)."""
+    _check_pairs(_input, target)
+    n = target.shape[0] // 2
+    seq, logp, mask, logit_sum = sequence_logps(_input, weight, target, bias, ignore_index, average_log_prob)
+    chosen, rejected = seq[:n], seq[n:]
+    out = loss_fn(chosen, rejected, *(ref_logps or ()))
+    pref, aux = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+    zero = torch.zeros((), device=_input.device)
+    nll = zero
+    if compute_nll_loss:
+        if nll_target is not None:
+            if tuple(nll_target.shape) != tuple(target.shape):
+                raise ValueError(f"tigon_torch: nll_target is {tuple(nll_target.shape)}, target {tuple(target.shape)}")
+            nlp = TigonFusedLinearLogProbFunction.apply(_input[:n], weight, nll_target[:n], bias, ignore_index, 1.0)[0]
+            count = (nll_target[:n] != ignore_index).sum()
+        else:
+            nlp, count = logp[:n], mask[:n].sum()
+        nll = torch.where(count > 0, -nlp.sum() / count.clamp_min(1), zero)
+    loss = alpha * nll + pref
+    denom = n * target.shape[1] * weight.shape[0]
+    metrics = (chosen.detach(), rejected.detach(), logit_sum[:n].sum() / denom, logit_sum[n:].sum() / denom,
+               nll.detach())
+    return loss, (*metrics, *(a.detach() for a in aux))
+
+
 class TigonFusedLinearDPOFunction:
     """Liger's LigerFusedLinearDPOFunction: apply(_input, weight, target, bias=None, ref_input=None,
     ref_weight=None, ref_bias=None, ignore_index=-100, beta=0.1, compute_nll_loss=False, compiled=True,
@@ -106,10 +136,7 @@ class TigonFusedLinearDPOFunction:
         if loss_type not in DPO_LOSS_TYPES:
             raise ValueError(f"tigon_torch: unknown DPO loss_type {loss_type!r}; choose from {DPO_LOSS_TYPES}")
         _check_pairs(_input, target)
-        n = target.shape[0] // 2
-        seq, logp, mask, logit_sum = sequence_logps(_input, weight, target, bias, ignore_index, average_log_prob)
-        chosen, rejected = seq[:n], seq[n:]
-        ref_c = ref_r = None
+        ref = None
         if use_ref_model:
             if ref_input is None:
                 raise ValueError("tigon_torch: use_ref_model needs ref_input")
@@ -121,20 +148,14 @@ class TigonFusedLinearDPOFunction:
                 rb = ref_bias if ref_bias is not None else (bias if ref_weight is None else None)
                 ref_seq = sequence_logps(ref_input, rw.detach(), target, rb.detach() if rb is not None else None,
                                          ignore_index, average_log_prob)[0]
-            ref_c, ref_r = ref_seq[:n], ref_seq[n:]
-        pref, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_c, ref_r, beta, loss_type,
-                                                          label_smoothing, discopop_tau)
-        zero = torch.zeros((), device=_input.device)
-        nll = zero
-        if compute_nll_loss:
-            count = mask[:n].sum()
-            nll = torch.where(count > 0, -logp[:n].sum() / count.clamp_min(1), zero)
-        loss = alpha * nll + pref
-        denom = n * target.shape[1] * weight.shape[0]
-        chosen_logits_mean = logit_sum[:n].sum() / denom
-        rejected_logits_mean = logit_sum[n:].sum() / denom
-        return loss, (chosen.detach(), rejected.detach(), chosen_logits_mean, rejected_logits_mean, nll.detach(),
-                      chosen_rewards.detach(), rejected_rewards.detach())
+            n = target.shape[0] // 2
+            ref = (ref_seq[:n], ref_seq[n:])
+
+        def fn(c, r, rc=None, rr=None):
+            return dpo_loss(c, r, rc, rr, beta, loss_type, label_smoothing, discopop_tau)
+
+        return _preference(_input, weight, target, bias, ignore_index, average_log_prob, compute_nll_loss, None,
+                           alpha, fn, ref)
 
 
 class TigonFusedLinearDPOLoss(nn.Module):
@@ -169,3 +190,117 @@ class TigonFusedLinearDPOLoss(nn.Module):
             _input, lin_weight, target, bias, ref_input, ref_weight, ref_bias, self.ignore_index, self.beta,
             self.compute_nll_loss, self.compiled, self.use_ref_model, self.average_log_prob, self.chunk_size,
             self.loss_type, self.label_smoothing, self.discopop_tau, self.alpha)
+
+
+# ------------------------------------------------------------------------------------------------
+# ORPO, CPO, SimPO: reference-free preference losses (Liger's chunked_loss classes)
+# ------------------------------------------------------------------------------------------------
+
+
+def orpo_loss(chosen_logps, rejected_logps, beta=0.1):
+    """(loss, chosen_rewards, rejected_rewards, log_odds_ratio, log_odds_chosen): ORPO's odds-ratio term,
+    -beta mean log sigmoid(log odds(chosen) - log odds(rejected)), odds(y) = p(y) / (1 - p(y))."""
+    n = chosen_logps.shape[0]
+    log_odds = (chosen_logps - rejected_logps) - (torch.log1p(-torch.exp(chosen_logps))
+                                                  - torch.log1p(-torch.exp(rejected_logps)))
+    ratio = F.logsigmoid(log_odds)
+    return (-beta * ratio.sum() / n, beta * chosen_logps, beta * rejected_logps, ratio.sum() / n, log_odds.sum() / n)
+
+
+def cpo_loss(chosen_logps, rejected_logps, beta=0.1, label_smoothing=0.0, gamma=0.0):
+    """(loss, chosen_rewards, rejected_rewards): the CPO (gamma 0) and SimPO (margin gamma) sigmoid loss of
+    beta (chosen - rejected) - gamma with label smoothing, summed over the pairs and divided by their number."""
+    d = beta * (chosen_logps - rejected_logps) - gamma
+    losses = -F.logsigmoid(d) * (1 - label_smoothing) - F.logsigmoid(-d) * label_smoothing
+    return losses.sum() / chosen_logps.shape[0], beta * chosen_logps, beta * rejected_logps
+
+
+class TigonFusedLinearORPOFunction:
+    """Liger's LigerFusedLinearORPOFunction: apply(_input, weight, target, bias=None, ignore_index=-100,
+    beta=0.1, compute_nll_loss=True, nll_target=None, compiled=True, chunk_size=1) -> (loss, (chosen_logps,
+    rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss, chosen_rewards, rejected_rewards,
+    log_odds_ratio, log_odds_chosen)); the log-probs averaged over each completion's tokens; nll_target
+    (optional, [2B, T]) gives the NLL its own targets."""
+
+    @staticmethod
+    def apply(_input, weight, target, bias=None, ignore_index=-100, beta=0.1, compute_nll_loss=True, nll_target=None,
+              compiled=True, chunk_size=1):
+        return _preference(_input, weight, target, bias, ignore_index, True, compute_nll_loss, nll_target, 1.0,
+                           lambda c, r: orpo_loss(c, r, beta))
+
+
+class TigonFusedLinearCPOFunction:
+    """Liger's LigerFusedLinearCPOFunction: apply(_input, weight, target, bias=None, ignore_index=-100,
+    beta=0.1, alpha=1.0, label_smoothing=0.0, compute_nll_loss=True, compiled=True, average_log_prob=False,
+    chunk_size=1) -> (loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean,
+    nll_loss, chosen_rewards, rejected_rewards))."""
+
+    @staticmethod
+    def apply(_input, weight, target, bias=None, ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0,
+              compute_nll_loss=True, compiled=True, average_log_prob=False, chunk_size=1):
+        return _preference(_input, weight, target, bias, ignore_index, average_log_prob, compute_nll_loss, None,
+                           alpha, lambda c, r: cpo_loss(c, r, beta, label_smoothing))
+
+
+class TigonFusedLinearSimPOFunction:
+    """Liger's LigerFusedLinearSimPOFunction: apply(_input, weight, target, bias=None, ignore_index=-100,
+    beta=0.1, alpha=1.0, label_smoothing=0.0, compute_nll_loss=False, compiled=True, gamma=0.5,
+    chunk_size=1) -> (loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean,
+    nll_loss, chosen_rewards, rejected_rewards)); the log-probs averaged over each completion's tokens."""
+
+    @staticmethod
+    def apply(_input, weight, target, bias=None, ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0,
+              compute_nll_loss=False, compiled=True, gamma=0.5, chunk_size=1):
+        return _preference(_input, weight, target, bias, ignore_index, True, compute_nll_loss, None, alpha,
+                           lambda c, r: cpo_loss(c, r, beta, label_smoothing, gamma))
+
+
+class TigonFusedLinearORPOLoss(nn.Module):
+    """Liger's LigerFusedLinearORPOLoss: __init__(ignore_index=-100, beta=0.1, compute_nll_loss=True,
+    compiled=True, chunk_size=1); forward(lin_weight, _input, target, bias=None, nll_target=None)."""
+
+    def __init__(self, ignore_index: int = -100, beta: float = 0.1, compute_nll_loss: bool = True,
+                 compiled: bool = True, chunk_size: int = 1):
+        super().__init__()
+        self.ignore_index, self.beta, self.compute_nll_loss = ignore_index, beta, compute_nll_loss
+        self.compiled, self.chunk_size = compiled, chunk_size
+
+    def forward(self, lin_weight, _input, target, bias=None, nll_target=None):
+        return TigonFusedLinearORPOFunction.apply(_input, lin_weight, target, bias, self.ignore_index, self.beta,
+                                                  self.compute_nll_loss, nll_target, self.compiled, self.chunk_size)
+
+
+class TigonFusedLinearCPOLoss(nn.Module):
+    """Liger's LigerFusedLinearCPOLoss: __init__(ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0,
+    compute_nll_loss=True, compiled=True, average_log_prob=False, chunk_size=1); forward(lin_weight, _input,
+    target, bias=None)."""
+
+    def __init__(self, ignore_index: int = -100, beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0,
+                 compute_nll_loss: bool = True, compiled: bool = True, average_log_prob: bool = False,
+                 chunk_size: int = 1):
+        super().__init__()
+        self.ignore_index, self.beta, self.alpha, self.label_smoothing = ignore_index, beta, alpha, label_smoothing
+        self.compute_nll_loss, self.compiled = compute_nll_loss, compiled
+        self.average_log_prob, self.chunk_size = average_log_prob, chunk_size
+
+    def forward(self, lin_weight, _input, target, bias=None):
+        return TigonFusedLinearCPOFunction.apply(_input, lin_weight, target, bias, self.ignore_index, self.beta,
+                                                 self.alpha, self.label_smoothing, self.compute_nll_loss,
+                                                 self.compiled, self.average_log_prob, self.chunk_size)
+
+
+class TigonFusedLinearSimPOLoss(nn.Module):
+    """Liger's LigerFusedLinearSimPOLoss: __init__(ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0,
+    compute_nll_loss=True, compiled=True, gamma=0.5, chunk_size=1); forward(lin_weight, _input, target,
+    bias=None)."""
+
+    def __init__(self, ignore_index: int = -100, beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0,
+                 compute_nll_loss: bool = True, compiled: bool = True, gamma: float = 0.5, chunk_size: int = 1):
+        super().__init__()
+        self.ignore_index, self.beta, self.alpha, self.label_smoothing = ignore_index, beta, alpha, label_smoothing
+        self.compute_nll_loss, self.compiled, self.gamma, self.chunk_size = compute_nll_loss, compiled, gamma, chunk_size
+
+    def forward(self, lin_weight, _input, target, bias=None):
+        return TigonFusedLinearSimPOFunction.apply(_input, lin_weight, target, bias, self.ignore_index, self.beta,
+                                                   self.alpha, self.label_smoothing, self.compute_nll_loss,
+                                                   self.compiled, self.gamma, self.chunk_size)

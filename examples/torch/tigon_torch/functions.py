@@ -761,6 +761,20 @@ class TigonCrossEntropyFP32Function(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------------
 
 
+def _head_operands(x, w, b):
+    """An LM head's (x, W, b) in one dtype: cast to the autocast dtype under CUDA autocast (as the unfused
+    head's matmul would be), else required to share x's dtype."""
+    if torch.is_autocast_enabled("cuda"):
+        dt = torch.get_autocast_dtype("cuda")
+        x, w = x.to(dt), w.to(dt)
+        b = b.to(dt) if b is not None else None
+    if w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
+        raise TypeError(
+            f"tigon_torch: _input ({x.dtype}), weight ({w.dtype}) and bias must have one dtype "
+            "(or run under autocast)")
+    return x, w, b
+
+
 def _lce_chunk() -> int:
     import os
 
@@ -813,15 +827,7 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         _check_cuda(_input, weight, target, bias)
         in_dtype, w_dtype = _input.dtype, weight.dtype
         b_dtype = bias.dtype if bias is not None else None
-        x, w, b = _input, weight, bias
-        if torch.is_autocast_enabled("cuda"):
-            dt = torch.get_autocast_dtype("cuda")
-            x, w = x.to(dt), w.to(dt)
-            b = b.to(dt) if b is not None else None
-        if w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
-            raise TypeError(
-                f"tigon_torch: _input ({x.dtype}), weight ({w.dtype}) and bias must have one dtype "
-                "(or run under autocast)")
+        x, w, b = _head_operands(_input, weight, bias)
         hidden = x.shape[-1]
         x2 = as_rows(x.reshape(-1, hidden))
         w = w.contiguous()
@@ -1265,15 +1271,7 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, _input, weight, target, bias=None, ignore_index=-100, temperature=1.0):
         _check_cuda(_input, weight, target, bias)
-        x, w, b = _input, weight, bias
-        if torch.is_autocast_enabled("cuda"):
-            dt = torch.get_autocast_dtype("cuda")
-            x, w = x.to(dt), w.to(dt)
-            b = b.to(dt) if b is not None else None
-        if w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
-            raise TypeError(
-                f"tigon_torch: _input ({x.dtype}), weight ({w.dtype}) and bias must have one dtype "
-                "(or run under autocast)")
+        x, w, b = _head_operands(_input, weight, bias)
         if not float(temperature) > 0.0 or not math.isfinite(float(temperature)):
             raise ValueError(f"tigon_torch: temperature must be finite and > 0, got {temperature}")
         hidden = x.shape[-1]

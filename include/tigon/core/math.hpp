@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 #include "config.hpp"
@@ -31,6 +32,15 @@ TIGON_HD constexpr int pow2_divisor(long long v, int cap) {
   int p = 1;
   while (p < cap && v % (2LL * p) == 0) p *= 2;
   return p;
+}
+
+// Rows per chunk for `budget` bytes of [rows, cols] elements of elem_bytes: a multiple of 128 rows,
+// at least 128, at most `rows` (the chunked LM-head ops' default chunks).
+inline std::int64_t rows_per_chunk(std::int64_t rows, std::int64_t cols, std::size_t elem_bytes, std::size_t budget) {
+  std::int64_t c = static_cast<std::int64_t>(budget / (static_cast<std::size_t>(cols) * elem_bytes));
+  c = c / 128 * 128;
+  if (c < 128) c = 128;
+  return c < rows ? c : rows;
 }
 
 // 1/sqrt(x) in fp32: the fast hardware reciprocal square root on the device, its exact twin on

@@ -21,6 +21,7 @@
 
 #include "../blas/gemm.cuh"
 #include "../core/config.hpp"
+#include "../core/math.hpp"
 #include "../core/status.hpp"
 #include "../core/validate.hpp"
 #include "cross_entropy.cuh"
@@ -51,10 +52,7 @@ struct LinearCrossEntropyArgs {
 // Default chunk: about 1 GiB of logits, a multiple of 128 tokens, at most all of them.
 inline std::int64_t linear_cross_entropy_default_chunk(std::int64_t tokens, std::int64_t vocab,
                                                        std::size_t elem_bytes) {
-  std::int64_t c = static_cast<std::int64_t>((std::size_t{1} << 30) / (static_cast<std::size_t>(vocab) * elem_bytes));
-  c = c / 128 * 128;
-  if (c < 128) c = 128;
-  return c < tokens ? c : tokens;
+  return rows_per_chunk(tokens, vocab, elem_bytes, std::size_t{1} << 30);
 }
 
 namespace detail {

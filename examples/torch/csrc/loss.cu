@@ -125,6 +125,20 @@ tigon::CublasLtGemm& gemm_for(const Tensor& ref, cudaStream_t stream) {
   return *it->second->gemm;
 }
 
+// A chunked head's call: its workspace from the caching allocator (bytes as `query` returns them),
+// then `run(args, gemm, stream)` with the stream's cuBLASLt back end, under the back ends' lock.
+template <class A, class Query, class Run>
+void run_on_gemm(const Tensor& x, A& a, Query&& query, Run&& run) {
+  std::size_t bytes = 0;
+  check_status(query(a, bytes));
+  const Tensor ws = workspace(bytes, x);
+  a.workspace = ws.data_ptr();
+  a.workspace_bytes = bytes;
+  const cudaStream_t stream = current_stream(x);
+  const std::lock_guard<std::mutex> lock(gemm_mutex());
+  check_status(run(a, gemm_for(x, stream), stream));
+}
+
 void linear_cross_entropy(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& target,
                           const OptTensor& class_weights, const OptTensor& grad_output, const OptTensor& dx,
                           const OptTensor& dweight, const OptTensor& dbias, const OptTensor& loss,
@@ -169,14 +183,9 @@ void linear_cross_entropy(const Tensor& x, const Tensor& weight, const OptTensor
       a.dweight = ptr<float>(dweight);
       a.dbias = ptr<float>(dbias);
       a.chunk = chunk;
-      std::size_t bytes = 0;
-      check_status(tigon::linear_cross_entropy_workspace_bytes(a, bytes));
-      const Tensor ws = workspace(bytes, x);
-      a.workspace = ws.data_ptr();
-      a.workspace_bytes = bytes;
-      const cudaStream_t stream = current_stream(x);
-      const std::lock_guard<std::mutex> lock(gemm_mutex());
-      check_status(tigon::linear_cross_entropy(a, gemm_for(x, stream), stream));
+      run_on_gemm(
+          x, a, [](const auto& q, std::size_t& b) { return tigon::linear_cross_entropy_workspace_bytes(q, b); },
+          [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_cross_entropy(q, g, st); });
     });
   });
 }
@@ -230,14 +239,9 @@ void linear_logprob(const Tensor& x, const Tensor& weight, const OptTensor& bias
     a.entropy = row_values(entropy, x, X.rows, op, "entropy");
     a.logit_sum = row_values(logit_sum, x, X.rows, op, "logit_sum");
     if (error_count) a.error_count = static_cast<int*>(vector_of(*error_count, x, at::kInt, 1, op, "error_count"));
-    std::size_t bytes = 0;
-    check_status(tigon::linear_logprob_workspace_bytes(a, false, bytes));
-    const Tensor ws = workspace(bytes, x);
-    a.workspace = ws.data_ptr();
-    a.workspace_bytes = bytes;
-    const cudaStream_t stream = current_stream(x);
-    const std::lock_guard<std::mutex> lock(gemm_mutex());
-    check_status(tigon::linear_logprob_forward(a, gemm_for(x, stream), stream));
+    run_on_gemm(
+        x, a, [](const auto& q, std::size_t& b) { return tigon::linear_logprob_workspace_bytes(q, false, b); },
+        [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_logprob_forward(q, g, st); });
   });
 }
 
@@ -268,14 +272,9 @@ void linear_logprob_bwd(const Tensor& x, const Tensor& weight, const OptTensor& 
     }
     if (dbias) a.dbias = static_cast<float*>(vector_of(*dbias, x, at::kFloat, a.vocab, op, "dbias"));
     a.accumulate = accumulate;
-    std::size_t bytes = 0;
-    check_status(tigon::linear_logprob_workspace_bytes(a, true, bytes));
-    const Tensor ws = workspace(bytes, x);
-    a.workspace = ws.data_ptr();
-    a.workspace_bytes = bytes;
-    const cudaStream_t stream = current_stream(x);
-    const std::lock_guard<std::mutex> lock(gemm_mutex());
-    check_status(tigon::linear_logprob_backward(a, gemm_for(x, stream), stream));
+    run_on_gemm(
+        x, a, [](const auto& q, std::size_t& b) { return tigon::linear_logprob_workspace_bytes(q, true, b); },
+        [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_logprob_backward(q, g, st); });
   });
 }
 

@@ -26,6 +26,10 @@
 #include "../core/dtype.hpp"
 #include "../core/status.hpp"
 #include "../core/validate.hpp"
+#if defined(__CUDACC__)
+#include "../core/launch.cuh"
+#include "../core/math.hpp"
+#endif
 
 TIGON_NAMESPACE_BEGIN
 
@@ -216,5 +220,25 @@ class CublasLtGemm {
   Status status_;
   std::map<Key, Plan> plans_;
 };
+
+#if defined(__CUDACC__)
+namespace detail {
+
+template <class T>
+TIGON_KERNEL void __launch_bounds__(256) fill_ones_kernel(T* p, std::int64_t n) {
+  grid_dependency_sync();
+  for (std::int64_t i = blockIdx.x * 256ll + threadIdx.x; i < n; i += gridDim.x * 256ll) p[i] = from_float<T>(1.0f);
+}
+
+// p[0, n) = 1 in T: the ones vector a GEMM sums rows against (the chunked heads' bias gradient,
+// db += 1^T dlogits).
+template <class T>
+Status fill_ones(T* p, std::int64_t n, cudaStream_t stream, const char* op) {
+  return launch(op, fill_ones_kernel<T>, {dim3(static_cast<unsigned>(ceil_div<std::int64_t>(n, 256))), dim3(256), 0, stream},
+                p, n);
+}
+
+}  // namespace detail
+#endif  // __CUDACC__
 
 TIGON_NAMESPACE_END

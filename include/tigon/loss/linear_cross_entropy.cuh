@@ -104,14 +104,6 @@ Status validate(const LinearCrossEntropyArgs<T, I>& a, const char* op) {
   return Status();
 }
 
-#if defined(__CUDACC__)
-template <class T>
-TIGON_KERNEL void __launch_bounds__(256) lce_fill_ones(T* p, std::int64_t n) {
-  detail::grid_dependency_sync();
-  for (std::int64_t i = blockIdx.x * 256ll + threadIdx.x; i < n; i += gridDim.x * 256ll) p[i] = from_float<T>(1.0f);
-}
-#endif
-
 }  // namespace detail
 
 // Bytes of workspace linear_cross_entropy(args) needs: one logits chunk, the loss's per-token
@@ -150,9 +142,7 @@ template <class Gemm = CublasLtGemm, class T, class I>
                                        scratch.denom, stream, kOp));
   }
   if (args.dbias != nullptr) {
-    TIGON_CHECK(detail::launch(kOp, detail::lce_fill_ones<T>,
-                               {dim3(static_cast<unsigned>(ceil_div<std::int64_t>(l.chunk, 256))), dim3(256), 0, stream},
-                               ones, l.chunk));
+    TIGON_CHECK(detail::fill_ones(ones, l.chunk, stream, kOp));
   }
   for (std::int64_t r0 = 0; r0 < tokens; r0 += l.chunk) {
     const std::int64_t c = tokens - r0 < l.chunk ? tokens - r0 : l.chunk;

@@ -376,12 +376,6 @@ Status llp_launch(const LlpParams<T, I>& p, bool backward, cudaStream_t stream, 
   return launch(op, llp_forward_kernel<T, I, 1>, shape, p);
 }
 
-template <class T>
-TIGON_KERNEL void __launch_bounds__(256) llp_fill_ones(T* q, std::int64_t n) {
-  grid_dependency_sync();
-  for (std::int64_t i = blockIdx.x * 256ll + threadIdx.x; i < n; i += gridDim.x * 256ll) q[i] = from_float<T>(1.0f);
-}
-
 }  // namespace detail
 
 // ------------------------------------------------------------------------------------------------
@@ -428,9 +422,7 @@ template <class Gemm = CublasLtGemm, class T, class I>
   const std::int64_t xs = args.x_stride ? args.x_stride : args.hidden;
   const std::int64_t dxs = args.dx_stride ? args.dx_stride : args.hidden;
   if (args.dbias != nullptr) {
-    TIGON_CHECK(detail::launch(kOp, detail::llp_fill_ones<T>,
-                               {dim3(static_cast<unsigned>(ceil_div<std::int64_t>(l.chunk, 256))), dim3(256), 0, stream},
-                               ones, l.chunk));
+    TIGON_CHECK(detail::fill_ones(ones, l.chunk, stream, kOp));
   }
   for (std::int64_t r0 = 0; r0 < args.tokens; r0 += l.chunk) {
     const std::int64_t c = args.tokens - r0 < l.chunk ? args.tokens - r0 : l.chunk;

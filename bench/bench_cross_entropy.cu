@@ -2,7 +2,7 @@
 // gradient written in place (useful bytes: read the logits once, write the gradient once; against
 // the copy rate) and the loss alone (read once; against the read-only rate measured in the same
 // process), plain and with each option (Gemma 2's softcap at its 256000-column vocabulary, label
-// smoothing, class weights, the argmax, all of them), and the split vocabulary's passes over two
+// smoothing, class weights, the argmax, token scaling, all of them but token scaling), and the split vocabulary's passes over two
 // shards (statistics: read once; finalize: read and write once).
 #include "harness.cuh"
 
@@ -20,6 +20,7 @@ void BM_softcap(benchmark::State& st) { ce_bench::run<tigon::CrossEntropyPolicy>
 void BM_smooth(benchmark::State& st) { ce_bench::run<tigon::CrossEntropyPolicy>(st, true, Opt{.eps = 0.1f}); }
 void BM_weights(benchmark::State& st) { ce_bench::run<tigon::CrossEntropyPolicy>(st, true, Opt{.weights = true}); }
 void BM_argmax(benchmark::State& st) { ce_bench::run<tigon::CrossEntropyPolicy>(st, true, Opt{.argmax = true}); }
+void BM_token(benchmark::State& st) { ce_bench::run<tigon::CrossEntropyPolicy>(st, true, Opt{.token = true}); }
 void BM_all(benchmark::State& st) {
   ce_bench::run<tigon::CrossEntropyPolicy>(st, true, Opt{.eps = 0.1f, .cap = 30.0f, .weights = true, .argmax = true});
 }
@@ -42,6 +43,7 @@ CE_BENCH(BM_softcap)->Args({8192, 256000})->Args({8192, 128256})->Args({8192, 32
 CE_BENCH(BM_smooth)->Args({8192, 128256})->Args({8192, 32000});
 CE_BENCH(BM_weights)->Args({8192, 128256})->Args({8192, 32000});
 CE_BENCH(BM_argmax)->Args({8192, 128256})->Args({8192, 32000});
+CE_BENCH(BM_token)->Args({8192, 128256})->Args({8192, 32000});
 CE_BENCH(BM_all)->Args({8192, 128256})->Args({8192, 32000});
 CE_BENCH(BM_loss_softcap)->Args({8192, 256000});
 // The split vocabulary: two shards of the vocabulary (the statistics pass and the finalize; the

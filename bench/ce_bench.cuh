@@ -19,6 +19,7 @@ struct Opt {
   float cap = 0.0f;
   bool weights = false;
   bool argmax = false;
+  bool token = false;  // token scaling
 };
 
 
@@ -28,6 +29,7 @@ inline std::string describe(const Opt& o) {
   if (o.eps > 0) s += " smoothing";
   if (o.weights) s += " weights";
   if (o.argmax) s += " argmax";
+  if (o.token) s += " token-scaling";
   return s;
 }
 
@@ -72,7 +74,7 @@ struct Inputs {
     tigon::bf16* xi = x[i % sets];
     return {.logits = xi, .targets = t, .rows = rows, .vocab = V, .dlogits = grad ? xi : nullptr,
             .class_weights = o.weights ? w : nullptr, .label_smoothing = o.eps, .softcap = o.cap,
-            .loss = loss, .argmax = o.argmax ? am : nullptr, .workspace = ws, .workspace_bytes = wsb};
+            .token_scaling = o.token, .loss = loss, .argmax = o.argmax ? am : nullptr, .workspace = ws, .workspace_bytes = wsb};
   }
 };
 

@@ -58,6 +58,7 @@ LIGER_NAMES = {
     "tvd": ("liger_kernel.ops.tvd", "LigerTVDLossFunction"),
     "fused_linear_jsd": ("liger_kernel.ops.fused_linear_jsd", "LigerFusedLinearJSDFunction"),
     "dpo": ("liger_kernel.chunked_loss", "LigerFusedLinearDPOLoss"),
+    "medusa": ("liger_kernel.transformers", "LigerFusedLinearCrossEntropyLoss"),
 }
 
 

@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Budget, environment, log, probe_liger, probe_tigon, write_json  # noqa: E402
 
 OPS = ["rms_norm", "layer_norm", "add_rms_norm", "rope", "swiglu", "geglu", "cross_entropy",
-       "linear_cross_entropy", "jsd", "kl_div", "tvd", "fused_linear_jsd", "dpo"]
+       "linear_cross_entropy", "jsd", "kl_div", "tvd", "fused_linear_jsd", "dpo", "medusa"]
+MEDUSA_WEIGHTS = [0.8 ** k for k in range(5)]
 IMPLS = ["eager", "compile", "liger", "tigon"]
 MODES = ["fwd", "fwdbwd"]
 
@@ -64,6 +65,8 @@ def main_shapes() -> list[tuple[str, dict]]:
         rows.append(("fused_linear_jsd", {"N": 8192, "D": HIDDEN, "DT": dt, "V": VOCAB}))
     # DPO on the LM head: 8 pairs of 1024-token sequences, with a reference model.
     rows.append(("dpo", {"B": 8, "T": 1024, "D": HIDDEN, "V": VOCAB}))
+    # Medusa: 5 extra heads over the last hidden states of 4096 tokens.
+    rows.append(("medusa", {"K": 5, "N": 4096, "D": HIDDEN, "V": VOCAB}))
     return rows
 
 
@@ -93,6 +96,8 @@ def shape_str(op: str, s: dict) -> str:
         return f"N{s['N']} D{s['D']} teacher D{s['DT']} V{s['V']}"
     if op == "dpo":
         return f"{s['B']} pairs T{s['T']} D{s['D']} V{s['V']}"
+    if op == "medusa":
+        return f"{s['K']} heads N{s['N']} D{s['D']} V{s['V']}"
     if op in ("cross_entropy", "jsd", "kl_div", "tvd"):
         return f"{s['N']}x{s['V']}"
     return f"{s['N']}x{s.get('D', s.get('I'))}"
@@ -261,7 +266,25 @@ def make_case(op: str, s: dict, device, dtype, seed: int, with_grad: bool) -> Ca
         return Case([x, w, target, rx, rw], [0, 1], 1, True, flops_fwd=4.0 * n * d * v, flops_fwdbwd=8.0 * n * d * v,
                     note="sigmoid DPO, beta 0.1, reference model; eager: both heads' logits in fp32, log_softmax, "
                          "gather; FLOPs: the policy's forward and backward and the reference's forward")
+    if op == "medusa":
+        k, n, d, v = s["K"], s["N"], s["D"], s["V"]
+        x = randn(n, d)
+        ws = [randn(v, d, scale=d ** -0.5) for _ in range(k)]
+        labels = torch.randint(0, v, (1, n), generator=g, device=device)
+        targets = torch.full((k, n), -100, dtype=torch.long, device=device)
+        for i in range(k):
+            targets[i, : n - 2 - i] = labels[0, 2 + i:]
+        return Case([x, targets, *ws], [0] + list(range(2, 2 + k)), 1, True, flops_fwd=2.0 * k * n * d * v,
+                    flops_fwdbwd=6.0 * k * n * d * v,
+                    note="head k predicts token t + k + 2, loss weights 0.8^k; eager: each head's logits in fp32, "
+                         "F.cross_entropy; Liger: LigerFusedLinearCrossEntropyLoss per head (its Medusa example)")
     raise ValueError(op)
+
+
+def _eager_medusa(x, targets, *ws):
+    import torch.nn.functional as F
+
+    return sum(hw * F.cross_entropy(F.linear(x, w).float(), t) for hw, w, t in zip(MEDUSA_WEIGHTS, ws, targets))
 
 
 def _eager_dpo(x, w, target, rx, rw, beta=0.1):
@@ -333,6 +356,8 @@ def eager_fn(op: str, s: dict, hf, inputs):
                                                F.linear(xt, wt).float().log_softmax(-1))
     if op == "dpo":
         return _eager_dpo
+    if op == "medusa":
+        return _eager_medusa
     raise ValueError(op)
 
 
@@ -371,6 +396,9 @@ def liger_fn(op: str, fn_cls):
     if op == "dpo":
         m = fn_cls()  # Liger's defaults: compiled, chunk_size 1
         return lambda x, w, t, rx, rw: m(w, x, t, None, rx, rw, None)[0]
+    if op == "medusa":
+        m = fn_cls()
+        return lambda x, targets, *ws: sum(hw * m(w, x, t) for hw, w, t in zip(MEDUSA_WEIGHTS, ws, targets))
     raise ValueError(op)
 
 
@@ -403,6 +431,9 @@ def tigon_fn(op: str, tt):
     if op == "dpo":
         m = tt.TigonFusedLinearDPOLoss()
         return lambda x, w, t, rx, rw: m(w, x, t, None, rx, rw, None)[0]
+    if op == "medusa":
+        m = tt.TigonFusedLinearMultiHeadCrossEntropyLoss(head_weights=MEDUSA_WEIGHTS)
+        return lambda x, targets, *ws: m(list(ws), x, targets)
     raise ValueError(op)
 
 

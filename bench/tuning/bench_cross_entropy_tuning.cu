@@ -32,12 +32,14 @@ struct OptLossRows : CrossEntropyPolicy {
 };
 
 using Opt256x8x2 = OptShape<256, 8, 2>;
-using Opt128x16x4 = OptShape<128, 16, 4>;
+using Opt256x8x3 = OptShape<256, 8, 3>;
+using Opt512x4x2 = OptShape<512, 4, 2>;
 
 const Opt kCap{.cap = 30.0f};
 const Opt kSmooth{.eps = 0.1f};
 const Opt kW{.weights = true};
 const Opt kArg{.argmax = true};
+const Opt kTok{.token = true};
 const Opt kAll{.eps = 0.1f, .cap = 30.0f, .weights = true, .argmax = true};
 
 }  // namespace
@@ -55,18 +57,30 @@ CE_TUNE(rows_plain_grad, RowsOnly, true, Opt{}) TWO->Args({8192, 8192})->Args({8
 CE_TUNE(default_plain_grad_small, CrossEntropyPolicy, true, Opt{})->Args({8192, 8192})->Args({8192, 16384});
 CE_TUNE(rows_softcap_grad, RowsOnly, true, kCap) TWO;
 CE_TUNE(rows_all_grad, RowsOnly, true, kAll) TWO;
-CE_TUNE(opt_b256_v8_m2_softcap, Opt256x8x2, true, kCap) TWO;
-CE_TUNE(opt_b128_v16_m4_softcap, Opt128x16x4, true, kCap) TWO;
-CE_TUNE(opt_b128_v16_m4_smooth, Opt128x16x4, true, kSmooth) TWO;
-CE_TUNE(opt_b128_v16_m4_weights, Opt128x16x4, true, kW) TWO;
-CE_TUNE(opt_b128_v16_m4_argmax, Opt128x16x4, true, kArg) TWO;
-CE_TUNE(opt_b256_v8_m2_all, Opt256x8x2, true, kAll) TWO;
+CE_TUNE(opt_b256_v8_m4_softcap, CrossEntropyPolicy, true, kCap) TWO;
+CE_TUNE(opt_b256_v8_m4_smooth, CrossEntropyPolicy, true, kSmooth) TWO;
+CE_TUNE(opt_b256_v8_m4_weights, CrossEntropyPolicy, true, kW) TWO;
+CE_TUNE(opt_b256_v8_m4_argmax, CrossEntropyPolicy, true, kArg) TWO;
+CE_TUNE(opt_b256_v8_m4_token, CrossEntropyPolicy, true, kTok) TWO;
+CE_TUNE(opt_b256_v8_m4_all, CrossEntropyPolicy, true, kAll) TWO;
+CE_TUNE(opt_b256_v8_m3_softcap, Opt256x8x3, true, kCap) TWO;
+CE_TUNE(opt_b256_v8_m3_smooth, Opt256x8x3, true, kSmooth) TWO;
+CE_TUNE(opt_b256_v8_m3_weights, Opt256x8x3, true, kW) TWO;
+CE_TUNE(opt_b256_v8_m3_argmax, Opt256x8x3, true, kArg) TWO;
+CE_TUNE(opt_b256_v8_m3_token, Opt256x8x3, true, kTok) TWO;
+CE_TUNE(opt_b256_v8_m3_all, Opt256x8x3, true, kAll) TWO;
+CE_TUNE(opt_b512_v4_m2_softcap, Opt512x4x2, true, kCap) TWO;
+CE_TUNE(opt_b512_v4_m2_smooth, Opt512x4x2, true, kSmooth) TWO;
+CE_TUNE(opt_b512_v4_m2_weights, Opt512x4x2, true, kW) TWO;
+CE_TUNE(opt_b512_v4_m2_argmax, Opt512x4x2, true, kArg) TWO;
+CE_TUNE(opt_b512_v4_m2_token, Opt512x4x2, true, kTok) TWO;
+CE_TUNE(opt_b512_v4_m2_all, Opt512x4x2, true, kAll) TWO;
 CE_TUNE(res_loss_plain, ResLoss, false, Opt{}) TWO;
 CE_TUNE(rows_loss_softcap, OptLossRows, false, kCap) TWO;
 CE_TUNE(default_loss_softcap, CrossEntropyPolicy, false, kCap) TWO;
 CE_TUNE_SPLIT(rows_shard_stats, RowsOnly, false) TWO;
 CE_TUNE_SPLIT(rows_shard_finalize, RowsOnly, true) TWO;
-CE_TUNE_SPLIT(opt_b128_v16_m4_shard_stats, Opt128x16x4, false) TWO;
-CE_TUNE_SPLIT(opt_b128_v16_m4_shard_finalize, Opt128x16x4, true) TWO;
+CE_TUNE_SPLIT(opt_b512_v4_m2_shard_stats, Opt512x4x2, false) TWO;
+CE_TUNE_SPLIT(opt_b512_v4_m2_shard_finalize, Opt512x4x2, true) TWO;
 
 BENCH_MAIN

@@ -30,6 +30,7 @@ struct Case {
   double ignore_frac = 0.1;
   std::int64_t pad = 0;  // row stride = V + pad
   bool argmax = true;    // request the argmax output (without it and the other options: the plain path)
+  bool token = false;    // token scaling
 };
 
 std::string describe(const Case& c) {
@@ -37,7 +38,7 @@ std::string describe(const Case& c) {
          " z " + std::to_string(c.z) + " cap " + std::to_string(c.cap) + (c.weights ? " weights" : "") +
          " red " + std::to_string(int(c.red)) + " scale " + std::to_string(c.grad_scale) +
          (c.grad_output ? " grad_output" : "") + (c.in_place ? " in-place" : " out-of-place") +
-         (c.grad ? "" : " loss-only") + " pad " + std::to_string(c.pad) + (c.argmax ? "" : " no-argmax");
+         (c.grad ? "" : " loss-only") + " pad " + std::to_string(c.pad) + (c.argmax ? "" : " no-argmax") + (c.token ? " token-scaling" : "");
 }
 
 template <class T>
@@ -99,6 +100,7 @@ void run_case(const Case& c) {
   o.cap = c.cap;
   o.reduction = int(c.red);
   o.grad_scale = c.grad_scale;
+  o.token_scaling = c.token;
   std::vector<float> wh, goh;
   if (c.weights) {
     for (std::int64_t i = 0; i < c.V; ++i) wh.push_back(0.25f + float(ud(gpu_test::rng())));
@@ -134,7 +136,8 @@ void run_case(const Case& c) {
                            .dlogits_stride = ld,
                            .class_weights = c.weights ? w.ptr : nullptr,
                            .label_smoothing = float(c.eps), .z_loss_scale = float(c.z),
-                           .softcap = float(c.cap), .reduction = c.red, .grad_scale = c.grad_scale,
+                           .softcap = float(c.cap), .token_scaling = c.token, .reduction = c.red,
+                           .grad_scale = c.grad_scale,
                            .grad_output = c.grad_output ? go.ptr : nullptr,
                            .loss = c.red == Reduction::none ? nullptr : loss.ptr,
                            .loss_rows = rows.ptr,
@@ -199,9 +202,9 @@ void run_case(const Case& c) {
 }
 
 // The policy test cases' options at one shape, in order: defaults; every option with an upstream
-// gradient; out of place with padded rows; every option, loss alone; the plain path (no option:
-// the segmented kernel where the policy has it); with_plain_sep: the plain path out of place,
-// reduction none, an upstream gradient per row; the loss alone on the plain path.
+// gradient; the same with token scaling; out of place with padded rows; every option, loss alone;
+// the plain path (no option); with_plain_sep: the plain path out of place, reduction none, an
+// upstream gradient per row; the loss alone on the plain path.
 std::vector<Case> option_cases(std::int64_t rows, std::int64_t V, bool with_plain_sep) {
   const Case base{.rows = rows, .V = V};
   Case all{.rows = rows, .V = V, .eps = 0.1, .z = 1e-4, .cap = 30, .weights = true, .grad_scale = 0.5f,
@@ -219,7 +222,9 @@ std::vector<Case> option_cases(std::int64_t rows, std::int64_t V, bool with_plai
   plain_sep.grad_output = true;
   Case plain_loss = plain;
   plain_loss.grad = false;
-  std::vector<Case> cases{base, all, sep, loss_only, plain};
+  Case token = all;
+  token.token = true;
+  std::vector<Case> cases{base, all, token, sep, loss_only, plain};
   if (with_plain_sep) cases.push_back(plain_sep);
   cases.push_back(plain_loss);
   return cases;
@@ -243,10 +248,15 @@ TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce
     cases.push_back(Case{base}), cases.back().grad_scale = 0.25f, cases.back().grad_output = true;
     cases.push_back(Case{base}), cases.back().in_place = false, cases.back().pad = 8;
     cases.push_back(Case{base}), cases.back().grad = false;
+    cases.push_back(Case{base}), cases.back().token = true;
     Case all{.rows = rows, .V = V, .eps = 0.1, .z = 1e-4, .cap = 30, .weights = true, .grad_scale = 0.5f,
              .grad_output = true};
     cases.push_back(all);
     all.red = Reduction::none;
+    cases.push_back(all);
+    all.token = true;  // token scaling with every option, reduction none
+    cases.push_back(all);
+    all.red = Reduction::mean;
     cases.push_back(all);
     for (Case c : cases) {
       // At 32000 columns also without the argmax: the cases without other options then take the

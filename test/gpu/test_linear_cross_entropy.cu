@@ -5,6 +5,8 @@
 #include "gpu_test.cuh"
 
 #include <cmath>
+#include <cstring>
+#include <deque>
 
 #include <tigon/loss/linear_cross_entropy.cuh>
 
@@ -28,6 +30,7 @@ struct Case {
   Reduction red = Reduction::mean;
   std::int64_t chunk = 0;
   bool grads = true;
+  bool token = false;  // token scaling
 };
 
 template <class T>
@@ -48,7 +51,7 @@ double rel_l2(const std::vector<double>& got, const std::vector<double>& ref) {
 template <class T>
 void run_case(const Case& c, CublasLtGemm& blas) {
   INFO("N " << c.N << " D " << c.D << " V " << c.V << (c.bias ? " bias" : "") << " eps " << c.eps << " z " << c.z
-            << " cap " << c.cap << " red " << int(c.red) << " chunk " << c.chunk << (c.grads ? "" : " forward-only")
+            << " cap " << c.cap << " red " << int(c.red) << " chunk " << c.chunk << (c.grads ? "" : " forward-only") << (c.token ? " token-scaling" : "")
             << " T=" << dtype_traits<T>::name);
   std::vector<double> xd, wd, bd;
   const auto xh = gpu_test::random_values<T>(c.N * c.D, 0, 1, &xd);
@@ -73,6 +76,7 @@ void run_case(const Case& c, CublasLtGemm& blas) {
   o.z = c.z;
   o.cap = c.cap;
   o.reduction = int(c.red);
+  o.token_scaling = c.token;
   const auto ref = tigon_ref::cross_entropy(logits, t, c.N, c.V, o, true);
   std::vector<double> g(ref.grad.size());
   for (std::size_t i = 0; i < g.size(); ++i) g[i] = tigon_ref_round<T>(ref.grad[i]);
@@ -109,6 +113,7 @@ void run_case(const Case& c, CublasLtGemm& blas) {
   a.loss.label_smoothing = float(c.eps);
   a.loss.z_loss_scale = float(c.z);
   a.loss.softcap = float(c.cap);
+  a.loss.token_scaling = c.token;
   a.loss.reduction = c.red;
   a.loss.loss = c.red == Reduction::none ? nullptr : loss.ptr;
   a.loss.loss_rows = lrows.ptr;
@@ -156,6 +161,8 @@ TEST_CASE("linear_cross_entropy: small shapes against the double reference", "[l
   }
   run_case<bf16>({.bias = true, .eps = 0.1, .z = 1e-4, .cap = 15, .chunk = 20}, blas);
   run_case<bf16>({.red = Reduction::sum, .chunk = 16}, blas);
+  run_case<bf16>({.bias = true, .eps = 0.1, .z = 1e-4, .cap = 15, .chunk = 20, .token = true}, blas);
+  run_case<float>({.bias = true, .red = Reduction::none, .chunk = 16, .token = true}, blas);
   run_case<bf16>({.red = Reduction::none, .chunk = 16}, blas);
   run_case<bf16>({.grads = false}, blas);
   run_case<bf16>({.N = 1024, .D = 1024, .V = 4096, .bias = true, .chunk = 256}, blas);
@@ -227,6 +234,132 @@ TEST_CASE("linear_cross_entropy: equals the unfused composition", "[lce][gpu]") 
     den += w1[i] * w1[i];
   }
   CHECK(std::sqrt(num / den) < 1e-5);
+}
+
+// K heads in one call against K single-head calls: the weighted loss, each head's loss, dx (the sum of
+// the heads' dx) and every head's dW and db.
+template <class T>
+void check_heads(std::int64_t N, std::int64_t D, std::int64_t V, int K, Reduction red, std::int64_t chunk,
+                 CublasLtGemm& blas) {
+  INFO("heads " << K << " N " << N << " D " << D << " V " << V << " red " << int(red) << " chunk " << chunk
+                << " T=" << dtype_traits<T>::name);
+  std::deque<DeviceBuffer<T>> w, b;  // a deque: buffers are neither copied nor moved
+  std::deque<DeviceBuffer<float>> dw1, dw2, db1, db2;
+  std::vector<const T*> wp, bp;
+  std::vector<float*> dwp, dbp;
+  std::vector<float> hw;
+  DeviceBuffer<T> x(N * D), dx1(N * D), dx_sum(N * D), dx2(N * D);
+  x.upload(gpu_test::random_values<T>(N * D, 0, 1, nullptr));
+  std::vector<std::int64_t> t(static_cast<std::size_t>(K * N));
+  for (int k = 0; k < K; ++k) {
+    w.emplace_back(V * D);
+    b.emplace_back(V);
+    w.back().upload(gpu_test::random_values<T>(V * D, 0, 1 / std::sqrt(double(D)), nullptr));
+    b.back().upload(gpu_test::random_values<T>(V, 0, 0.5, nullptr));
+    dw1.emplace_back(V * D), dw2.emplace_back(V * D), db1.emplace_back(V), db2.emplace_back(V);
+    wp.push_back(w.back().ptr);
+    bp.push_back(b.back().ptr);
+    dwp.push_back(dw2.back().ptr);
+    dbp.push_back(k % 2 == 0 ? db2.back().ptr : nullptr);  // every other head without a bias gradient
+    hw.push_back(std::pow(0.8f, float(k)));
+    // Medusa: head k predicts token i + k + 1; the last k + 1 positions have none.
+    for (std::int64_t i = 0; i < N; ++i) t[k * N + i] = i + k + 1 >= N ? -100 : ((i + k + 1) * 7919) % V;
+  }
+  DeviceBuffer<std::int64_t> tb(t.size());
+  tb.upload(t);
+  DeviceBuffer<float> loss1(1), loss2(1), hl(K), rows1(N), rows2(K * N);
+  // Single-head calls: loss_k, dx_k (summed on the host in double), dW_k, db_k.
+  std::vector<double> dx_ref(N * D, 0.0), loss_rows_ref(K * N);
+  double loss_ref = 0;
+  std::vector<float> head_ref(K);
+  for (int k = 0; k < K; ++k) {
+    LinearCrossEntropyArgs<T> a;
+    a.x = x.ptr;
+    a.weight = wp[k];
+    a.bias = bp[k];
+    a.hidden = D;
+    a.loss.targets = tb.ptr + k * N;
+    a.loss.rows = N;
+    a.loss.vocab = V;
+    a.loss.reduction = red;
+    a.loss.grad_scale = hw[k];
+    a.loss.loss = red == Reduction::none ? nullptr : loss1.ptr;
+    a.loss.loss_rows = rows1.ptr;
+    a.dx = dx1.ptr;
+    a.dweight = dw1[k].ptr;
+    a.dbias = k % 2 == 0 ? db1[k].ptr : nullptr;
+    a.chunk = chunk;
+    std::size_t bytes = 0;
+    TIGON_OK(linear_cross_entropy_workspace_bytes(a, bytes));
+    DeviceBuffer<unsigned char> ws(bytes);
+    a.workspace = ws.ptr;
+    a.workspace_bytes = bytes;
+    TIGON_OK(linear_cross_entropy(a, blas, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    if (red != Reduction::none) {
+      head_ref[k] = loss1.download()[0];
+      loss_ref += double(hw[k]) * head_ref[k];
+    }
+    const auto r = rows1.download();
+    for (std::int64_t i = 0; i < N; ++i) loss_rows_ref[k * N + i] = r[i];
+    const auto d = dx1.download();
+    for (std::int64_t i = 0; i < N * D; ++i) dx_ref[i] += to_float(d[i]);
+  }
+  LinearCrossEntropyHeadsArgs<T> h;
+  h.x = x.ptr;
+  h.hidden = D;
+  h.heads = K;
+  h.weights = wp.data();
+  h.biases = bp.data();
+  h.head_weights = hw.data();
+  h.loss.targets = tb.ptr;
+  h.loss.rows = N;
+  h.loss.vocab = V;
+  h.loss.reduction = red;
+  h.loss.loss = red == Reduction::none ? nullptr : loss2.ptr;
+  h.loss.loss_rows = rows2.ptr;
+  h.head_losses = red == Reduction::none ? nullptr : hl.ptr;
+  h.dx = dx2.ptr;
+  h.dweights = dwp.data();
+  h.dbiases = dbp.data();
+  h.chunk = chunk;
+  std::size_t bytes = 0;
+  TIGON_OK(linear_cross_entropy_heads_workspace_bytes(h, bytes));
+  DeviceBuffer<unsigned char> ws(bytes);
+  h.workspace = ws.ptr;
+  h.workspace_bytes = bytes;
+  dx2.poison();
+  TIGON_OK(linear_cross_entropy_heads(h, blas, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  if (red != Reduction::none) {
+    CHECK(std::abs(loss2.download()[0] - loss_ref) <= 1e-5 * (1 + std::abs(loss_ref)));
+    const auto got = hl.download();
+    for (int k = 0; k < K; ++k) CHECK(got[k] == head_ref[k]);  // the same kernels in the same order
+  }
+  const auto r2 = rows2.download();
+  for (int k = 0; k < K; ++k)
+    for (std::int64_t i = 0; i < N; ++i) CHECK(r2[k * N + i] == loss_rows_ref[k * N + i]);
+  std::vector<double> got_dx;
+  for (const auto& e : dx2.download()) got_dx.push_back(to_float(e));
+  CHECK(rel_l2<T>(got_dx, dx_ref) < (std::is_same_v<T, float> ? 1e-5 : 1e-2));  // K roundings of the sum
+  for (int k = 0; k < K; ++k) {
+    const auto a1 = dw1[k].download(), a2 = dw2[k].download();
+    CHECK(std::memcmp(a1.data(), a2.data(), a1.size() * sizeof(float)) == 0);
+    if (k % 2 == 0) {
+      const auto b1 = db1[k].download(), b2 = db2[k].download();
+      CHECK(std::memcmp(b1.data(), b2.data(), b1.size() * sizeof(float)) == 0);
+    }
+  }
+}
+
+TEST_CASE("linear_cross_entropy_heads: K heads equal K single-head calls", "[lce][gpu]") {
+  DeviceBuffer<unsigned char> ws(32u << 20);
+  CublasLtGemm blas(ws.ptr, ws.count);
+  TIGON_OK(blas.status());
+  check_heads<bf16>(300, 64, 1000, 5, Reduction::mean, 128, blas);
+  check_heads<float>(257, 48, 333, 3, Reduction::sum, 0, blas);
+  check_heads<bf16>(200, 64, 512, 2, Reduction::none, 64, blas);
+  check_heads<bf16>(96, 32, 256, 1, Reduction::mean, 0, blas);
 }
 
 TEST_CASE("linear_cross_entropy: bad arguments are rejected by name", "[lce][gpu]") {

@@ -20,6 +20,7 @@ struct Case {
   std::int64_t chunk = 0;
   bool entropy_grad = true;
   bool dbias = false;
+  bool keep = false;  // the backward reads the forward's logits from the workspace
 };
 
 template <class T>
@@ -46,7 +47,7 @@ std::vector<double> as_double(const V& v) {
 template <class T>
 void run_case(const Case& c, CublasLtGemm& blas) {
   INFO("N " << c.N << " D " << c.D << " V " << c.V << (c.bias ? " bias" : "") << " T " << c.temperature << " chunk "
-            << c.chunk << (c.entropy_grad ? " entropy-grad" : "") << " dtype " << dtype_traits<T>::name);
+            << c.chunk << (c.entropy_grad ? " entropy-grad" : "") << (c.keep ? " kept" : "") << " dtype " << dtype_traits<T>::name);
   std::vector<double> xd, wd, bd;
   const auto xh = gpu_test::random_values<T>(c.N * c.D, 0, 1, &xd);
   const auto wh = gpu_test::random_values<T>(c.V * c.D, 0, 2 / std::sqrt(double(c.D)), &wd);
@@ -128,10 +129,11 @@ void run_case(const Case& c, CublasLtGemm& blas) {
                          .temperature = static_cast<float>(c.temperature), .logp = lp.ptr, .lse = ls.ptr,
                          .entropy = en.ptr, .logit_sum = su.ptr, .error_count = errs.ptr, .grad_logp = glb.ptr,
                          .grad_entropy = c.entropy_grad ? geb.ptr : nullptr, .dx = dxb.ptr, .dweight = dwb.ptr,
-                         .dbias = c.dbias ? dbb.ptr : nullptr, .chunk = c.chunk};
+                         .dbias = c.dbias ? dbb.ptr : nullptr, .chunk = c.chunk, .keep_logits = c.keep};
   std::size_t fb = 0, bb = 0;
   TIGON_OK(linear_logprob_workspace_bytes(a, false, fb));
   TIGON_OK(linear_logprob_workspace_bytes(a, true, bb));
+  if (c.keep) CHECK(fb == bb);  // one workspace for both
   DeviceBuffer<unsigned char> ws(std::max(fb, bb));
   a.workspace = ws.ptr;
   a.workspace_bytes = ws.count;
@@ -179,6 +181,10 @@ TEST_CASE("linear_logprob: forward and backward against the double reference", "
   run_case<bf16>({.temperature = 2.0, .entropy_grad = false}, blas);
   run_case<half>({.N = 300, .D = 64, .V = 1000, .chunk = 128}, blas);
   run_case<bf16>({.N = 512, .D = 256, .V = 4096, .bias = true, .temperature = 0.9, .chunk = 200, .dbias = true}, blas);
+  // Kept logits: one chunk of every token, the backward without its GEMM.
+  run_case<bf16>({.bias = true, .temperature = 0.8, .dbias = true, .keep = true}, blas);
+  run_case<float>({.keep = true}, blas);
+  run_case<bf16>({.N = 512, .D = 256, .V = 4096, .entropy_grad = false, .keep = true}, blas);
 }
 
 TEST_CASE("linear_logprob: every target ignored gives zeros and no gradient", "[llp][gpu]") {

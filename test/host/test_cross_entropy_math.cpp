@@ -53,6 +53,28 @@ TEST_CASE("cross_entropy reference: analytic gradient = finite differences, ever
   }
 }
 
+TEST_CASE("cross_entropy reference: token scaling multiplies each row by its constant p_t", "[ce][math]") {
+  std::mt19937 gen(5);
+  std::normal_distribution<double> nd(0, 2);
+  const std::int64_t rows = 3, V = 9;
+  std::vector<double> x(rows * V);
+  for (auto& v : x) v = nd(gen);
+  const std::vector<std::int64_t> t = {2, -100, 8};
+  tigon_ref::CeOptions o;
+  o.eps = 0.1;
+  o.z = 1e-2;
+  o.reduction = 0;
+  const auto plain = tigon_ref::cross_entropy(x, t, rows, V, o, true);
+  o.token_scaling = true;
+  const auto scaled = tigon_ref::cross_entropy(x, t, rows, V, o, true);
+  for (std::int64_t n = 0; n < rows; ++n) {
+    const double f = t[n] < 0 ? 0.0 : std::exp(x[n * V + t[n]] - plain.lse[n]);
+    CHECK(std::abs(scaled.loss_rows[n] - f * plain.loss_rows[n]) < 1e-12);
+    CHECK(std::abs(scaled.z_rows[n] - f * plain.z_rows[n]) < 1e-12);
+    for (std::int64_t i = 0; i < V; ++i) CHECK(std::abs(scaled.grad[n * V + i] - f * plain.grad[n * V + i]) < 1e-12);
+  }
+}
+
 TEST_CASE("cross_entropy math layer matches the reference", "[ce][math]") {
   const double lse = 3.25, xt = 1.5;
   ce_math::RowTerms terms{.w_t = 2.0f, .sum_w = 10.0f, .sum_wx = 4.0f, .x_t = float(xt), .lse = float(lse)};

@@ -112,3 +112,46 @@ TEST_CASE("linear_cross_entropy workspace query rejects bad arguments by name", 
   CHECK(linear_cross_entropy_default_chunk(1000, 128256, 2) == 1000);
 }
 
+TEST_CASE("linear_cross_entropy_heads workspace query rejects bad arguments by name", "[lce][validation]") {
+  const bf16* ws[2] = {logits + 64, logits + 128};
+  float hw[2] = {1.0f, 0.5f};
+  LinearCrossEntropyHeadsArgs<bf16> a;
+  a.x = logits;
+  a.hidden = 8;
+  a.heads = 2;
+  a.weights = ws;
+  a.head_weights = hw;
+  a.loss.targets = targets;
+  a.loss.rows = 8;
+  a.loss.vocab = 8;
+  std::size_t bytes = 0;
+  CHECK(linear_cross_entropy_heads_workspace_bytes(a, bytes).ok());
+  // Each head's per-token scratch, one logits chunk, 8 bytes a head.
+  CHECK(bytes == 2 * detail::ce_workspace_bytes(8) + 256 + 256);
+  auto bad = a;
+  bad.heads = 0;
+  expect(linear_cross_entropy_heads_workspace_bytes(bad, bytes), Errc::invalid_size, "heads");
+  CHECK(bytes == 0);
+  bad.heads = kMaxLceHeads + 1;
+  expect(linear_cross_entropy_heads_workspace_bytes(bad, bytes), Errc::invalid_size, "heads");
+  bad = a;
+  bad.weights = nullptr;
+  expect(linear_cross_entropy_heads_workspace_bytes(bad, bytes), Errc::null_pointer, "weights");
+  const bf16* holes[2] = {logits + 64, nullptr};
+  bad.weights = holes;
+  expect(linear_cross_entropy_heads_workspace_bytes(bad, bytes), Errc::null_pointer, "weights[k]");
+  bad = a;
+  float inf_w[2] = {1.0f, __builtin_huge_valf()};
+  bad.head_weights = inf_w;
+  expect(linear_cross_entropy_heads_workspace_bytes(bad, bytes), Errc::invalid_value, "head_weights");
+  bad = a;
+  bad.targets_stride = 4;  // shorter than a head's targets
+  expect(linear_cross_entropy_heads_workspace_bytes(bad, bytes), Errc::invalid_stride, "targets_stride");
+  bad = a;
+  bad.dx = const_cast<bf16*>(ws[1]);
+  expect(linear_cross_entropy_heads_workspace_bytes(bad, bytes), Errc::aliasing, "dx");
+  bad = a;
+  bad.loss.workspace = loss;
+  expect(linear_cross_entropy_heads_workspace_bytes(bad, bytes), Errc::invalid_value, "loss.logits");
+}
+

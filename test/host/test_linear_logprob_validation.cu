@@ -84,6 +84,16 @@ TEST_CASE("linear_logprob: the good arguments pass validation; the workspace", "
   CHECK(bytes == 1024);
   CHECK(linear_logprob_default_chunk(100000, 128256, 2) == 4096);
   CHECK(linear_logprob_default_chunk(100, 128256, 2) == 100);
+  // Kept logits: all 8 tokens in one chunk and the ones vector, forward and backward alike.
+  auto k = a;
+  k.chunk = 0;
+  k.keep_logits = true;
+  CHECK(linear_logprob_workspace_bytes(k, false, bytes).ok());
+  CHECK(bytes == 1024 + 256);
+  CHECK(linear_logprob_workspace_bytes(k, true, bytes).ok());
+  CHECK(bytes == 1024 + 256);
+  k.chunk = 4;  // fewer tokens a chunk than the call has: not a kept call
+  CHECK(linear_logprob_workspace_bytes(k, false, bytes).code() == Errc::invalid_size);
 }
 
 TEST_CASE("linear_logprob rejects bad arguments by name and runs nothing", "[llp][validation]") {

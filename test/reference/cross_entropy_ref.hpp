@@ -1,7 +1,8 @@
 // Double-precision reference for cross-entropy, as PyTorch defines it (F.cross_entropy with
 // weight, ignore_index, label_smoothing and reduction), plus a z-loss term (scale * lse^2 per row;
 // the mean divides it by the number of non-ignored rows, unweighted, as Liger-Kernel does) and a
-// logit softcap (c * tanh(x / c)). The gradient is the analytic one; the host tests check it
+// logit softcap (c * tanh(x / c)), and token scaling (Liger-Kernel's use_token_scaling: each row
+// times its detached probability of the target). The gradient is the analytic one; the host tests check it
 // against finite differences of this same reference.
 #pragma once
 
@@ -16,6 +17,7 @@ struct CeOptions {
   std::int64_t ignore_index = -100;
   double eps = 0, z = 0, cap = 0;
   int reduction = 2;  // 0 none, 1 sum, 2 mean
+  bool token_scaling = false;  // each row's loss, z term and gradient times its p_t (a constant)
   double grad_scale = 1;
   std::vector<double> grad_output;  // empty: 1; one value (mean / sum) or one per row (none)
   std::vector<double> weights;      // empty: no class weights
@@ -69,12 +71,13 @@ inline CeOut cross_entropy(const std::vector<double>& logits, const std::vector<
       ++r.errors;
       continue;
     }
-    const double zl = o.z * lse * lse;
+    const double f = o.token_scaling ? std::exp(x[t] - lse) : 1.0;
+    const double zl = o.z * lse * lse * f;
     r.z_rows[n] = zl;
-    r.loss_rows[n] = (1 - o.eps) * w(t) * (lse - x[t]) + o.eps / V * (lse * sw - swx) + zl;
+    r.loss_rows[n] = ((1 - o.eps) * w(t) * (lse - x[t]) + o.eps / V * (lse * sw - swx)) * f + zl;
     if (!want_grad) continue;
     double up = o.grad_output.empty() ? 1.0 : o.grad_output[o.reduction == 0 ? n : 0];
-    up *= o.grad_scale;
+    up *= o.grad_scale * f;
     const double up_z = o.reduction == 2 ? up / r.count : up;
     if (o.reduction == 2) up /= r.denom;
     for (std::int64_t i = 0; i < V; ++i) {

@@ -30,13 +30,18 @@ TORCH_LIBRARY(tigon, m) {
         "Tensor? grad_output, Tensor(a!)? dx, Tensor(b!)? dweight, Tensor(c!)? dbias, Tensor(d!)? loss, "
         "Tensor(e!)? loss_rows, Tensor(f!)? z_loss, Tensor(g!)? lse, Tensor(h!)? argmax, int ignore_index, "
         "float label_smoothing, float z_loss_scale, float softcap, int reduction, float grad_scale, "
-        "int chunk) -> ()");
+        "bool token_scaling, int chunk) -> ()");
+  m.def("linear_cross_entropy_heads(Tensor x, Tensor[] weights, Tensor[] biases, Tensor targets, "
+        "Tensor? class_weights, Tensor? grad_output, float[] head_weights, Tensor(a!)? dx, Tensor(b!)[] dweights, "
+        "Tensor(c!)[] dbiases, Tensor(d!)? loss, Tensor(e!)? head_losses, Tensor(f!)? loss_rows, Tensor(g!)? z_loss, "
+        "int ignore_index, float label_smoothing, float z_loss_scale, float softcap, int reduction, "
+        "float grad_scale, int chunk) -> ()");
   m.def("linear_logprob(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor(a!)? logp, "
         "Tensor(b!)? lse, Tensor(c!)? entropy, Tensor(d!)? logit_sum, Tensor(e!)? error_count, int ignore_index, "
-        "float temperature, int chunk) -> ()");
+        "float temperature, int chunk, Tensor(f!)? kept) -> ()");
   m.def("linear_logprob_bwd(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor lse, Tensor? entropy, "
         "Tensor? grad_logp, Tensor? grad_entropy, Tensor(a!)? dx, Tensor(b!)? dweight, Tensor(c!)? dbias, "
-        "int ignore_index, float temperature, int chunk, bool accumulate) -> ()");
+        "int ignore_index, float temperature, int chunk, bool accumulate, Tensor(d!)? kept) -> ()");
   m.def("scale_rows(Tensor(a!) x, Tensor scale) -> ()");
   m.def("divergence(Tensor student, Tensor teacher, Tensor? labels, Tensor? grad_output, Tensor(a!)? dx, "
         "Tensor(b!)? loss, Tensor(c!)? loss_rows, Tensor(d!)? loss_elems, int kind, int student_input, "

@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include <tigon/loss/cross_entropy.cuh>
 #include <tigon/loss/linear_cross_entropy.cuh>
@@ -125,13 +126,24 @@ tigon::CublasLtGemm& gemm_for(const Tensor& ref, cudaStream_t stream) {
   return *it->second->gemm;
 }
 
-// A chunked head's call: its workspace from the caching allocator (bytes as `query` returns them),
-// then `run(args, gemm, stream)` with the stream's cuBLASLt back end, under the back ends' lock.
+// A chunked head's call: its workspace from the caching allocator (bytes as `query` returns them), or
+// the caller's `given` byte tensor, then `run(args, gemm, stream)` with the stream's cuBLASLt back end,
+// under the back ends' lock.
 template <class A, class Query, class Run>
-void run_on_gemm(const Tensor& x, A& a, Query&& query, Run&& run) {
+void run_on_gemm(const Tensor& x, A& a, Query&& query, Run&& run, const OptTensor& given = OptTensor()) {
   std::size_t bytes = 0;
   check_status(query(a, bytes));
-  const Tensor ws = workspace(bytes, x);
+  Tensor ws;
+  if (given) {
+    check_cuda(*given, x, "tigon", "kept");
+    TORCH_CHECK_VALUE(given->scalar_type() == at::kByte && given->is_contiguous() &&
+                          static_cast<std::size_t>(given->numel()) >= bytes,
+                      "tigon: 'kept' must be a contiguous uint8 tensor of at least ", bytes, " bytes, got ",
+                      given->numel(), " (", given->scalar_type(), ")");
+    ws = *given;
+  } else {
+    ws = workspace(bytes, x);
+  }
   a.workspace = ws.data_ptr();
   a.workspace_bytes = bytes;
   const cudaStream_t stream = current_stream(x);
@@ -145,7 +157,7 @@ void linear_cross_entropy(const Tensor& x, const Tensor& weight, const OptTensor
                           const OptTensor& loss_rows, const OptTensor& z_loss, const OptTensor& lse,
                           const OptTensor& argmax, std::int64_t ignore_index, double label_smoothing,
                           double z_loss_scale, double softcap, std::int64_t reduction, double grad_scale,
-                          std::int64_t chunk) {
+                          bool token_scaling, std::int64_t chunk) {
   constexpr const char* op = "tigon.linear_cross_entropy";
   const c10::cuda::CUDAGuard guard(x.device());
   const Rows X = rows_of(x, x, x.scalar_type(), op, "x");
@@ -173,6 +185,7 @@ void linear_cross_entropy(const Tensor& x, const Tensor& weight, const OptTensor
       tigon::LinearCrossEntropyArgs<T, I> a;
       fill_loss(a.loss, x, X.rows, Wm.rows, target, class_weights, grad_output, loss, loss_rows, z_loss, lse,
                 argmax, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, grad_scale, op);
+      a.loss.token_scaling = token_scaling;
       a.x = static_cast<const T*>(X.ptr);
       a.x_stride = X.stride;
       a.weight = static_cast<const T*>(Wm.ptr);
@@ -186,6 +199,106 @@ void linear_cross_entropy(const Tensor& x, const Tensor& weight, const OptTensor
       run_on_gemm(
           x, a, [](const auto& q, std::size_t& b) { return tigon::linear_cross_entropy_workspace_bytes(q, b); },
           [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_cross_entropy(q, g, st); });
+    });
+  });
+}
+
+// K heads over the same x (tigon/loss/linear_cross_entropy.cuh's linear_cross_entropy_heads): weights,
+// biases (empty or one per head), dweights and dbiases (empty or one per head) as lists; targets
+// [K, rows]; loss_rows [K, rows] and grad_output (one value, or [K, rows] for reduction none).
+void linear_cross_entropy_heads(const Tensor& x, at::TensorList weights, at::TensorList biases, const Tensor& targets,
+                                const OptTensor& class_weights, const OptTensor& grad_output,
+                                at::ArrayRef<double> head_weights, const OptTensor& dx, at::TensorList dweights,
+                                at::TensorList dbiases, const OptTensor& loss, const OptTensor& head_losses,
+                                const OptTensor& loss_rows, const OptTensor& z_loss, std::int64_t ignore_index,
+                                double label_smoothing, double z_loss_scale, double softcap, std::int64_t reduction,
+                                double grad_scale, std::int64_t chunk) {
+  constexpr const char* op = "tigon.linear_cross_entropy_heads";
+  const c10::cuda::CUDAGuard guard(x.device());
+  const Rows X = rows_of(x, x, x.scalar_type(), op, "x");
+  const auto heads = static_cast<std::int64_t>(weights.size());
+  TORCH_CHECK_VALUE(heads >= 1 && heads <= tigon::kMaxLceHeads, op, ": 1 to ", tigon::kMaxLceHeads,
+                    " heads, got ", heads);
+  TORCH_CHECK_VALUE(biases.empty() || static_cast<std::int64_t>(biases.size()) == heads, op, ": ", biases.size(),
+                    " biases for ", heads, " heads");
+  TORCH_CHECK_VALUE(dweights.empty() || static_cast<std::int64_t>(dweights.size()) == heads, op, ": ",
+                    dweights.size(), " dweights for ", heads, " heads");
+  TORCH_CHECK_VALUE(dbiases.empty() || static_cast<std::int64_t>(dbiases.size()) == heads, op, ": ", dbiases.size(),
+                    " dbiases for ", heads, " heads");
+  TORCH_CHECK_VALUE(dbiases.empty() || !biases.empty(), op, ": dbiases without biases");
+  TORCH_CHECK_VALUE(static_cast<std::int64_t>(head_weights.size()) == heads, op, ": ", head_weights.size(),
+                    " head_weights for ", heads, " heads");
+  const Rows W0 = rows_of(weights[0], x, x.scalar_type(), op, "weights[0]");
+  const std::int64_t vocab = W0.rows;
+  for (std::int64_t k = 0; k < heads; ++k) {
+    const Rows Wk = rows_of(weights[k], x, x.scalar_type(), op, "weights[k]");
+    TORCH_CHECK_VALUE(Wk.rows == vocab && Wk.cols == X.cols, op, ": weights[", k, "] is [", Wk.rows, ", ", Wk.cols,
+                      "], expected [", vocab, ", ", X.cols, "]");
+    TORCH_CHECK_VALUE(Wk.stride == 0 || Wk.stride == Wk.cols, op, ": weights[", k, "] must be contiguous");
+    if (!biases.empty()) vector_of(biases[k], x, x.scalar_type(), vocab, op, "biases[k]");
+    if (!dweights.empty()) {
+      const Rows DW = rows_of(dweights[k], x, at::kFloat, op, "dweights[k]");
+      same_shape(Wk, DW, op, "weights[k]", "dweights[k]");
+      TORCH_CHECK_VALUE(DW.stride == 0 || DW.stride == DW.cols, op, ": dweights[", k, "] must be contiguous");
+    }
+    if (!dbiases.empty()) vector_of(dbiases[k], x, at::kFloat, vocab, op, "dbiases[k]");
+  }
+  check_cuda(targets, x, op, "targets");
+  TORCH_CHECK_VALUE(targets.dim() == 2 && targets.size(0) == heads && targets.size(1) == X.rows &&
+                        targets.is_contiguous(),
+                    op, ": targets must be a contiguous [", heads, ", ", X.rows, "], got ", targets.sizes());
+  Rows DX;
+  if (dx) {
+    DX = rows_of(*dx, x, x.scalar_type(), op, "dx");
+    same_shape(X, DX, op, "x", "dx");
+  }
+  const bool none = reduction_of(reduction, op) == tigon::Reduction::none;
+  auto per_head_rows = [&](const OptTensor& t, const char* name) -> float* {
+    if (!t) return nullptr;
+    check_cuda(*t, x, op, name);
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, op, ": '", name, "' must be float32");
+    TORCH_CHECK_VALUE(t->is_contiguous() && t->numel() == heads * X.rows, op, ": '", name, "' must be a contiguous [",
+                      heads, ", ", X.rows, "]");
+    return t->data_ptr<float>();
+  };
+  if (head_losses) vector_of(*head_losses, x, at::kFloat, heads, op, "head_losses");
+  TORCH_CHECK_VALUE(chunk >= 0, op, ": chunk must be >= 0");
+  std::vector<float> hw(head_weights.begin(), head_weights.end());
+  dispatch_float(x.scalar_type(), op, "x", [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    dispatch_index(targets.scalar_type(), op, [&](auto ti) {
+      using I = typename decltype(ti)::type;
+      std::vector<const T*> wp, bp;
+      std::vector<float*> dwp, dbp;
+      for (std::int64_t k = 0; k < heads; ++k) {
+        wp.push_back(static_cast<const T*>(weights[k].data_ptr()));
+        if (!biases.empty()) bp.push_back(static_cast<const T*>(biases[k].data_ptr()));
+        if (!dweights.empty()) dwp.push_back(dweights[k].data_ptr<float>());
+        if (!dbiases.empty()) dbp.push_back(dbiases[k].data_ptr<float>());
+      }
+      tigon::LinearCrossEntropyHeadsArgs<T, I> a;
+      fill_loss(a.loss, x, X.rows, vocab, targets[0], class_weights, none ? OptTensor() : grad_output, loss,
+                OptTensor(), z_loss, OptTensor(), OptTensor(), ignore_index, label_smoothing, z_loss_scale, softcap,
+                reduction, grad_scale, op);
+      if (none && grad_output) a.loss.grad_output = per_head_rows(grad_output, "grad_output");
+      a.loss.loss_rows = per_head_rows(loss_rows, "loss_rows");
+      a.targets_stride = X.rows;
+      a.x = static_cast<const T*>(X.ptr);
+      a.x_stride = X.stride;
+      a.hidden = X.cols;
+      a.heads = static_cast<int>(heads);
+      a.weights = wp.data();
+      a.biases = bp.empty() ? nullptr : bp.data();
+      a.head_weights = hw.data();
+      a.head_losses = ptr<float>(head_losses);
+      a.dx = static_cast<T*>(DX.ptr);
+      a.dx_stride = DX.stride;
+      a.dweights = dwp.empty() ? nullptr : dwp.data();
+      a.dbiases = dbp.empty() ? nullptr : dbp.data();
+      a.chunk = chunk;
+      run_on_gemm(
+          x, a, [](const auto& q, std::size_t& b) { return tigon::linear_cross_entropy_heads_workspace_bytes(q, b); },
+          [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_cross_entropy_heads(q, g, st); });
     });
   });
 }
@@ -231,7 +344,8 @@ float* row_values(const OptTensor& t, const Tensor& x, std::int64_t n, const cha
 
 void linear_logprob(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& target,
                     const OptTensor& logp, const OptTensor& lse, const OptTensor& entropy, const OptTensor& logit_sum,
-                    const OptTensor& error_count, std::int64_t ignore_index, double temperature, std::int64_t chunk) {
+                    const OptTensor& error_count, std::int64_t ignore_index, double temperature, std::int64_t chunk,
+                    const OptTensor& kept) {
   constexpr const char* op = "tigon.linear_logprob";
   with_logprob_args(op, x, weight, bias, target, ignore_index, temperature, chunk, [&](auto& a, const Rows& X) {
     a.logp = row_values(logp, x, X.rows, op, "logp");
@@ -239,9 +353,10 @@ void linear_logprob(const Tensor& x, const Tensor& weight, const OptTensor& bias
     a.entropy = row_values(entropy, x, X.rows, op, "entropy");
     a.logit_sum = row_values(logit_sum, x, X.rows, op, "logit_sum");
     if (error_count) a.error_count = static_cast<int*>(vector_of(*error_count, x, at::kInt, 1, op, "error_count"));
+    a.keep_logits = kept.has_value();
     run_on_gemm(
         x, a, [](const auto& q, std::size_t& b) { return tigon::linear_logprob_workspace_bytes(q, false, b); },
-        [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_logprob_forward(q, g, st); });
+        [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_logprob_forward(q, g, st); }, kept);
   });
 }
 
@@ -249,7 +364,7 @@ void linear_logprob_bwd(const Tensor& x, const Tensor& weight, const OptTensor& 
                         const Tensor& lse, const OptTensor& entropy, const OptTensor& grad_logp,
                         const OptTensor& grad_entropy, const OptTensor& dx, const OptTensor& dweight,
                         const OptTensor& dbias, std::int64_t ignore_index, double temperature, std::int64_t chunk,
-                        bool accumulate) {
+                        bool accumulate, const OptTensor& kept) {
   constexpr const char* op = "tigon.linear_logprob_bwd";
   with_logprob_args(op, x, weight, bias, target, ignore_index, temperature, chunk, [&](auto& a, const Rows& X) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(a.x)>>;
@@ -272,9 +387,10 @@ void linear_logprob_bwd(const Tensor& x, const Tensor& weight, const OptTensor& 
     }
     if (dbias) a.dbias = static_cast<float*>(vector_of(*dbias, x, at::kFloat, a.vocab, op, "dbias"));
     a.accumulate = accumulate;
+    a.keep_logits = kept.has_value();
     run_on_gemm(
         x, a, [](const auto& q, std::size_t& b) { return tigon::linear_logprob_workspace_bytes(q, true, b); },
-        [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_logprob_backward(q, g, st); });
+        [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_logprob_backward(q, g, st); }, kept);
   });
 }
 
@@ -283,6 +399,7 @@ void linear_logprob_bwd(const Tensor& x, const Tensor& weight, const OptTensor& 
 TORCH_LIBRARY_IMPL(tigon, CUDA, m) {
   m.impl("cross_entropy", &cross_entropy);
   m.impl("linear_cross_entropy", &linear_cross_entropy);
+  m.impl("linear_cross_entropy_heads", &linear_cross_entropy_heads);
   m.impl("linear_logprob", &linear_logprob);
   m.impl("linear_logprob_bwd", &linear_logprob_bwd);
   m.impl("scale_rows", &scale_rows);

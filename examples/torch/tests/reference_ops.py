@@ -175,9 +175,11 @@ def gated_bwd(dc, a, b, da, db, act, gate_multiplier, down_multiplier):
     db.copy_(gb.to(db.dtype))
 
 
-def _ce(x, target, class_weights, grad_output, ignore_index, smoothing, z, cap, reduction, grad_scale, bias=None):
+def _ce(x, target, class_weights, grad_output, ignore_index, smoothing, z, cap, reduction, grad_scale, bias=None,
+        token_scaling=False):
     """Rows' losses, the reduced loss and z part, lse, argmax and, when grad_scale is given, dloss/dlogits
-    (times grad_scale and grad_output), from logits x [rows, vocab]; tigon's formulas in fp32."""
+    (times grad_scale and grad_output), from logits x [rows, vocab]; tigon's formulas in fp32. Token scaling:
+    each row's loss, z part and gradient times its (constant) probability of the target."""
     x = x.float()
     xb = (x + bias.float()).to(bias.dtype).float() if bias is not None else x  # the sum in the logits' dtype
     xc = cap * torch.tanh(xb / cap) if cap > 0 else xb
@@ -191,8 +193,9 @@ def _ce(x, target, class_weights, grad_output, ignore_index, smoothing, z, cap, 
     sum_w = w.sum()
     smooth = (lse * sum_w - (xc * w).sum(-1)) / vocab
     zero = torch.zeros_like(lse)
-    rows = torch.where(valid, (1 - smoothing) * wt * (lse - xt) + smoothing * smooth + z * lse * lse, zero)
-    zrows = torch.where(valid, z * lse * lse, zero)
+    f = torch.exp(xt - lse) if token_scaling else torch.ones_like(lse)
+    rows = torch.where(valid, ((1 - smoothing) * wt * (lse - xt) + smoothing * smooth + z * lse * lse) * f, zero)
+    zrows = torch.where(valid, z * lse * lse * f, zero)
     if reduction == 2:  # the cross-entropy part over the weight sum, the z part over the token count
         denom = (wt * valid).sum() if class_weights is not None else valid.sum().float()
         denom = torch.where(denom != 0, denom, torch.ones_like(denom))
@@ -212,7 +215,7 @@ def _ce(x, target, class_weights, grad_output, ignore_index, smoothing, z, cap, 
             d = d * (1 - (xc / cap) ** 2)
         go = grad_output.float() if grad_output is not None else torch.ones((), device=x.device)
         go = go.reshape(-1, 1) if reduction == 0 else go.reshape(())
-        grad = d * valid[:, None] * go * grad_scale
+        grad = d * (valid * f)[:, None] * go * grad_scale
     return rows, total, ztotal, lse, xc.argmax(-1), grad
 
 
@@ -230,12 +233,12 @@ def cross_entropy(logits, target, class_weights, grad_output, dlogits, loss, los
 
 def linear_cross_entropy(x, weight, bias, target, class_weights, grad_output, dx, dweight, dbias, loss, loss_rows,
                          z_loss, lse, argmax, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
-                         grad_scale, chunk):
+                         grad_scale, token_scaling, chunk):
     logits = (x.float() @ weight.float().t()).to(x.dtype)  # the GEMM's output in the inputs' dtype
     want_grad = dx is not None or dweight is not None or dbias is not None
     rows, total, ztotal, l, am, grad = _ce(logits, target, class_weights, grad_output, ignore_index, label_smoothing,
                                            z_loss_scale, softcap, reduction, grad_scale if want_grad else None,
-                                           bias=bias)
+                                           bias=bias, token_scaling=token_scaling)
     for out, val in ((loss, total), (loss_rows, rows), (z_loss, ztotal), (lse, l), (argmax, am)):
         if out is not None:
             out.copy_(val.reshape(out.shape))
@@ -249,6 +252,42 @@ def linear_cross_entropy(x, weight, bias, target, class_weights, grad_output, dx
             dbias.copy_(g.sum(0))
 
 
+def linear_cross_entropy_heads(x, weights, biases, targets, class_weights, grad_output, head_weights, dx, dweights,
+                               dbiases, loss, head_losses, loss_rows, z_loss, ignore_index, label_smoothing,
+                               z_loss_scale, softcap, reduction, grad_scale, chunk):
+    heads, rows = targets.shape
+    total = ztot = 0.0
+    dx_sum = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if dx is not None else None
+    for k in range(heads):
+        go = grad_output
+        if go is not None and reduction == 0:
+            go = go.reshape(heads, rows)[k]
+        hk = torch.empty((), dtype=torch.float32, device=x.device)
+        zk = torch.empty((), dtype=torch.float32, device=x.device)
+        rk = torch.empty(rows, dtype=torch.float32, device=x.device) if loss_rows is not None else None
+        dxk = torch.empty_like(x) if dx is not None else None
+        linear_cross_entropy(x, weights[k], biases[k] if biases else None, targets[k], class_weights, go, dxk,
+                             dweights[k] if dweights else None, dbiases[k] if dbiases else None,
+                             hk if reduction != 0 else None, rk, zk if reduction != 0 else None, None, None,
+                             ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
+                             grad_scale * head_weights[k], False, chunk)
+        if dx is not None:
+            dx_sum += dxk.float()
+        if rk is not None:
+            loss_rows.reshape(heads, rows)[k].copy_(rk)
+        if reduction != 0:
+            if head_losses is not None:
+                head_losses[k] = hk
+            total = total + head_weights[k] * hk
+            ztot = ztot + head_weights[k] * zk
+    if dx is not None:
+        dx.copy_(dx_sum.to(dx.dtype))
+    if loss is not None:
+        loss.copy_(torch.as_tensor(total).reshape(loss.shape))
+    if z_loss is not None:
+        z_loss.copy_(torch.as_tensor(ztot).reshape(z_loss.shape))
+
+
 def _llp_logits(x, weight, bias, temperature):
     """The linear log-prob op's logits in fp32: the GEMM's output in the inputs' dtype, plus the bias rounded
     to that dtype again, over the temperature."""
@@ -259,7 +298,7 @@ def _llp_logits(x, weight, bias, temperature):
 
 
 def linear_logprob(x, weight, bias, target, logp, lse, entropy, logit_sum, error_count, ignore_index, temperature,
-                   chunk):
+                   chunk, kept=None):
     raw, z = _llp_logits(x, weight, bias, temperature)
     vocab = z.shape[1]
     valid = (target != ignore_index) & (target >= 0) & (target < vocab)
@@ -278,7 +317,7 @@ def linear_logprob(x, weight, bias, target, logp, lse, entropy, logit_sum, error
 
 
 def linear_logprob_bwd(x, weight, bias, target, lse, entropy, grad_logp, grad_entropy, dx, dweight, dbias,
-                       ignore_index, temperature, chunk, accumulate):
+                       ignore_index, temperature, chunk, accumulate, kept=None):
     _, z = _llp_logits(x, weight, bias, temperature)
     vocab = z.shape[1]
     valid = (target != ignore_index) & (target >= 0) & (target < vocab)
@@ -396,7 +435,7 @@ def divergence(student, teacher, labels, grad_output, dx, loss, loss_rows, loss_
 
 
 OPS = [rms_norm_fwd, rms_norm_bwd, layer_norm_fwd, layer_norm_bwd, add_rms_norm_fwd, add_rms_norm_bwd, rope,
-       gated_fwd, gated_bwd, cross_entropy, linear_cross_entropy, linear_logprob, linear_logprob_bwd, scale_rows,
+       gated_fwd, gated_bwd, cross_entropy, linear_cross_entropy, linear_cross_entropy_heads, linear_logprob, linear_logprob_bwd, scale_rows,
        divergence]
 
 

@@ -1,7 +1,8 @@
 """TigonFusedLinearDPOLoss / TigonFusedLinearDPOFunction against a plain PyTorch reference that materialises
 the logits (Liger-Kernel's formulas): every DPO loss type, with and without the reference model, the NLL
 term, average_log_prob, ignored tokens and a completion whose targets are all ignored (log-prob 0, no
-NaN); the metrics Liger returns; bad input rejected."""
+NaN); the metrics Liger returns; bad input rejected. ORPO, CPO, SimPO and KTO (unpaired, with preference
+labels and the KL term) against Liger-Kernel's chunked losses, KTO also against the plain reference."""
 
 from __future__ import annotations
 
@@ -191,3 +192,228 @@ def test_orpo_nll_target(ext, seed):
     torch.testing.assert_close(got[1][4], want[1][4], atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="nll_target"):
         tt.TigonFusedLinearORPOLoss()(w, x, t, None, nt[:, :4])
+
+
+# ------------------------------------------------------------------------------------------------
+# KTO (unpaired): TigonFusedLinearKTOLoss / TigonFusedLinearKTOFunction
+# ------------------------------------------------------------------------------------------------
+
+KTO_LABELS = [True, False, True, False]
+
+
+def kto_reference(x, w, target, bias, labels, ref_x, ref_w, ref_b, kl, ignore_index, beta, average):
+    """KTO on materialised logits: 1 - sigmoid(beta (r - kl)) for a chosen sequence, 1 - sigmoid(beta (kl - r))
+    for a rejected one, averaged over the batch; Liger's six metric sums."""
+    seq, _, _, logits = ref_seq_logps(x, w, target, bias, ignore_index, average)
+    ratio = seq
+    if ref_x is not None:
+        with torch.no_grad():
+            ref_seq = ref_seq_logps(ref_x, ref_w, target, ref_b, ignore_index, average)[0]
+        ratio = seq - ref_seq
+    z = ratio - kl if kl is not None else ratio
+    losses = torch.where(labels, 1 - torch.sigmoid(beta * z), 1 - torch.sigmoid(-beta * z))
+    rewards = beta * ratio
+    lg = logits.float().sum((1, 2))
+    return losses.mean(), (seq[labels].sum(), seq[~labels].sum(), lg[labels].sum(), lg[~labels].sum(),
+                           rewards[labels].sum(), rewards[~labels].sum())
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("use_ref, average, bias, kl", [(True, False, False, 0.3), (False, True, True, None),
+                                                        (True, True, True, "per_sequence"), (True, False, True, None)])
+def test_kto(ext, seed, dtype, tol, use_ref, average, bias, kl):
+    B, T, H, V = len(KTO_LABELS), 13, 32, 300
+    labels = torch.tensor(KTO_LABELS, device=DEVICE)
+    x = torch.randn(B, T, H, device=DEVICE, dtype=dtype)
+    w = (torch.randn(V, H, device=DEVICE) * H ** -0.5).to(dtype)
+    b = (torch.randn(V, device=DEVICE) * 0.1).to(dtype) if bias else None
+    rx = torch.randn(B, T, H, device=DEVICE, dtype=dtype)
+    rw = (torch.randn(V, H, device=DEVICE) * H ** -0.5).to(dtype)
+    rb = (torch.randn(V, device=DEVICE) * 0.1).to(dtype) if bias else None
+    if kl == "per_sequence":
+        kl = torch.rand(B, device=DEVICE)
+    elif kl is not None:
+        kl = torch.tensor([kl], device=DEVICE)
+    target = torch.randint(0, V, (B, T), device=DEVICE)
+    target[:, :4] = -100  # the prompt
+    target[0, :] = -100   # a chosen completion with every target ignored
+    x1, w1 = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    x2, w2 = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    b1, b2 = (b.clone().requires_grad_(True), b.clone().requires_grad_(True)) if bias else (None, None)
+    want, wm = kto_reference(x1, w1, target, b1, labels, rx if use_ref else None, rw, rb, kl, -100, 0.2, average)
+    mod = tt.TigonFusedLinearKTOLoss(beta=0.2, use_ref_model=use_ref, average_log_prob=average)
+    got, gm = mod(x2, w2, target, b2, labels, rx if use_ref else None, rw if use_ref else None,
+                  rb if use_ref else None, kl)
+    assert torch.isfinite(got) and all(torch.isfinite(m) for m in gm)
+    torch.testing.assert_close(got, want.to(got.dtype), atol=tol, rtol=tol)
+    assert len(gm) == 6
+    for name, a, e in zip(("chosen_logps_sum", "rejected_logps_sum", "chosen_logits_sum", "rejected_logits_sum",
+                           "chosen_rewards_sum", "rejected_rewards_sum"), gm, wm):
+        torch.testing.assert_close(a.float(), e.detach().float(), atol=tol * 10, rtol=tol, msg=name)
+    want.backward()
+    got.backward()
+    assert x2.grad[0].abs().max() == 0  # the all-ignored completion takes no gradient
+    for g2, g1 in ((x2.grad, x1.grad), (w2.grad, w1.grad)) + (((b2.grad, b1.grad),) if bias else ()):
+        scale = g1.float().abs().max().item() + 1e-12
+        torch.testing.assert_close(g2.float() / scale, g1.float() / scale, atol=tol * 3, rtol=0)
+
+
+def test_kto_function_matches_module(ext, seed):
+    x = torch.randn(4, 9, 32, device=DEVICE)
+    w = torch.randn(100, 32, device=DEVICE) * 0.2
+    t = torch.randint(0, 100, (4, 9), device=DEVICE)
+    labels = torch.tensor([1, 0, 0, 1], device=DEVICE)  # integer labels are read as bool
+    a = tt.TigonFusedLinearKTOFunction.apply(x, w, t, labels, None, x.clone(), w, None)
+    m = tt.TigonFusedLinearKTOLoss(use_ref_model=True)(x, w, t, None, labels.bool(), x.clone(), w, None)
+    assert torch.equal(a[0], m[0])
+    assert torch.allclose(a[0], torch.tensor(0.5, device=DEVICE), atol=1e-6)  # policy == reference: 1 - sigmoid(0)
+    assert torch.equal(a[1][4], torch.zeros((), device=DEVICE))
+
+
+def test_kto_bad_input(ext):
+    w = torch.randn(50, 16, device=DEVICE)
+    x = torch.randn(4, 5, 16, device=DEVICE)
+    t = torch.zeros(4, 5, dtype=torch.long, device=DEVICE)
+    labels = torch.tensor([True, False, True, True], device=DEVICE)
+    kto = tt.TigonFusedLinearKTOLoss()
+    with pytest.raises(ValueError, match="preference_labels"):
+        kto(x, w, t)
+    with pytest.raises(ValueError, match="preference_labels"):
+        kto(x, w, t, None, labels[:3])
+    with pytest.raises(ValueError, match="preference_labels"):
+        kto(x, w, t, None, labels.float())
+    with pytest.raises(ValueError, match=r"\[B, T, H\]"):
+        kto(x.reshape(20, 16), w, t, None, labels)
+    with pytest.raises(ValueError, match=r"\[B, T, H\]"):
+        kto(x, w, t[:, :4], None, labels)
+    with pytest.raises(ValueError, match="kl"):
+        kto(x, w, t, None, labels, kl=torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="ref_input"):
+        tt.TigonFusedLinearKTOLoss(use_ref_model=True)(x, w, t, None, labels)
+    with pytest.raises(ValueError, match="ref_input"):
+        tt.TigonFusedLinearKTOLoss(use_ref_model=True)(x, w, t, None, labels, torch.randn(4, 6, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="ref_input"):
+        tt.TigonFusedLinearKTOFunction.apply(x, w, t, labels)  # the function's default: use_ref_model=True
+
+
+KTO_LIGER = [
+    dict(beta=0.1, use_ref_model=True, kl=[0.2]),
+    dict(beta=0.5, use_ref_model=False, average_log_prob=True),
+    dict(beta=0.2, use_ref_model=True, average_log_prob=True, kl=[-0.1]),
+    dict(beta=0.1, use_ref_model=True, ignore_index=7),
+]
+
+
+@pytest.mark.parametrize("kw", KTO_LIGER)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kto_against_liger(ext, seed, kw, bias):
+    """The same call through Liger-Kernel's LigerFusedLinearKTOLoss (when it imports): loss, every metric,
+    gradients of the hidden states, the weight and the bias."""
+    lk = pytest.importorskip("liger_kernel.chunked_loss")
+    kw = dict(kw)
+    kl = torch.tensor(kw.pop("kl"), device=DEVICE) if "kl" in kw else None
+    ignore = kw.get("ignore_index", -100)
+    B, T, H, V = 5, 11, 32, 257
+    labels = torch.tensor([True, False, False, True, False], device=DEVICE)
+    x = torch.randn(B, T, H, device=DEVICE)
+    w = torch.randn(V, H, device=DEVICE) * H ** -0.5
+    b = torch.randn(V, device=DEVICE) * 0.1 if bias else None
+    rx = torch.randn(B, T, H, device=DEVICE)
+    rw = torch.randn(V, H, device=DEVICE) * H ** -0.5
+    rb = torch.randn(V, device=DEVICE) * 0.1 if bias else None
+    target = torch.randint(0, V, (B, T), device=DEVICE)
+    target[:, :3] = ignore
+    ref = (rx, rw, rb) if kw["use_ref_model"] else (None, None, None)
+    ins = [(x.clone().requires_grad_(True), w.clone().requires_grad_(True),
+            b.clone().requires_grad_(True) if bias else None) for _ in range(2)]
+    want, wm = lk.LigerFusedLinearKTOLoss(compiled=False, **kw)(ins[0][0], ins[0][1], target, ins[0][2], labels,
+                                                                 *ref, kl)
+    got, gm = tt.TigonFusedLinearKTOLoss(**kw)(ins[1][0], ins[1][1], target, ins[1][2], labels, *ref, kl)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert len(gm) == len(wm)
+    for a, e in zip(gm, wm):
+        torch.testing.assert_close(a.float(), e.float(), atol=1e-4, rtol=1e-4)
+    want.backward()
+    got.backward()
+    for k in range(2 + bias):
+        torch.testing.assert_close(ins[1][k].grad, ins[0][k].grad, atol=1e-5, rtol=1e-4)
+
+
+def test_kto_function_against_liger(ext, seed):
+    """The autograd functions' positional calls (Liger's order: preference_labels before the bias)."""
+    pytest.importorskip("liger_kernel.chunked_loss")
+    B, T, H, V = 4, 9, 16, 64
+    x = torch.randn(B, T, H, device=DEVICE)
+    w = torch.randn(V, H, device=DEVICE) * 0.25
+    rx, rw = torch.randn(B, T, H, device=DEVICE), torch.randn(V, H, device=DEVICE) * 0.25
+    t = torch.randint(0, V, (B, T), device=DEVICE)
+    labels = torch.tensor([False, True, True, False], device=DEVICE)
+    kl = torch.tensor([0.05], device=DEVICE)
+    from liger_kernel.chunked_loss.kto_loss import LigerFusedLinearKTOFunction
+
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    args = (t, labels, None, rx, rw, None, kl, -100, 0.3, False)
+    e = LigerFusedLinearKTOFunction.apply(x1, w, *args)
+    a = tt.TigonFusedLinearKTOFunction.apply(x2, w, *args)
+    torch.testing.assert_close(a[0], e[0], atol=1e-5, rtol=1e-4)
+    for u, v in zip(a[1], e[1]):
+        torch.testing.assert_close(u, v, atol=1e-4, rtol=1e-4)
+    e[0].backward()
+    a[0].backward()
+    torch.testing.assert_close(x2.grad, x1.grad, atol=1e-5, rtol=1e-4)
+
+
+def _signature(f, drop=("self", "ctx", "cls")):
+    import inspect
+
+    return [(p.name, p.default) for p in inspect.signature(f).parameters.values() if p.name not in drop]
+
+
+def test_kto_signatures_match_liger():
+    pytest.importorskip("liger_kernel.chunked_loss")
+    from liger_kernel.chunked_loss.kto_loss import LigerFusedLinearKTOFunction, LigerFusedLinearKTOLoss
+
+    assert _signature(tt.TigonFusedLinearKTOFunction.apply) == _signature(LigerFusedLinearKTOFunction.forward)
+    assert _signature(tt.TigonFusedLinearKTOLoss.__init__) == _signature(LigerFusedLinearKTOLoss.__init__)
+    assert _signature(tt.TigonFusedLinearKTOLoss.forward) == _signature(LigerFusedLinearKTOLoss.forward)
+
+
+@pytest.mark.parametrize("pair_tokens", [1, 40, 10_000])
+@pytest.mark.parametrize("name, kw", [("dpo", dict(beta=0.2, compute_nll_loss=True, use_ref_model=True)),
+                                      ("orpo", dict(beta=0.1)),
+                                      ("simpo", dict(beta=2.0, gamma=0.5, compute_nll_loss=True))])
+def test_fused_pairs_equal_the_two_pass_path(ext, seed, monkeypatch, pair_tokens, name, kw):
+    """Training calls go through _FusedPairPreference (chunks of pairs, the gradient taken in the forward
+    from kept logits); the same call without a gradient takes the log-prob path. Both give the same loss
+    and metrics; the gradients equal those of the unfused reference. pair_tokens sets the chunks: one pair
+    each (1), two (40 = 2 pairs of 2 x 10 tokens), all (10000)."""
+    from tigon_torch import preference
+
+    monkeypatch.setattr(preference, "_PAIR_CHUNK_TOKENS", pair_tokens)
+    B, T, H, V = 3, 10, 32, 300
+    x = torch.randn(2 * B, T, H, device=DEVICE)
+    w = torch.randn(V, H, device=DEVICE) * H ** -0.5
+    b = torch.randn(V, device=DEVICE) * 0.1
+    target = torch.randint(0, V, (2 * B, T), device=DEVICE)
+    target[:, :2] = -100
+    target[1] = -100  # a chosen completion with no target at all
+    cls = {"dpo": tt.TigonFusedLinearDPOLoss, "orpo": tt.TigonFusedLinearORPOLoss,
+           "simpo": tt.TigonFusedLinearSimPOLoss}[name]
+    extra = (torch.randn(2 * B, T, H, device=DEVICE), w) if name == "dpo" else ()
+    xs, ws, bs = x.clone().requires_grad_(True), w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    loss, metrics = cls(**kw)(ws, xs, target, bs, *extra)
+    with torch.no_grad():
+        loss2, metrics2 = cls(**kw)(w, x, target, b, *extra)
+    torch.testing.assert_close(loss, loss2, atol=1e-5, rtol=1e-5)
+    assert len(metrics) == len(metrics2)
+    for a, e in zip(metrics, metrics2):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    loss.backward()
+    # The gradients against the two-pass path's (TigonFusedLinearLogProbFunction under autograd).
+    monkeypatch.setattr(preference, "_fusable", lambda *a: False)
+    x3, w3, b3 = x.clone().requires_grad_(True), w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    loss3, _ = cls(**kw)(w3, x3, target, b3, *extra)
+    loss3.backward()
+    torch.testing.assert_close(loss, loss3, atol=1e-5, rtol=1e-5)
+    for got, want in ((xs, x3), (ws, w3), (bs, b3)):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-4)

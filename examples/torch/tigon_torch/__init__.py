@@ -1,6 +1,7 @@
 """tigon_torch: PyTorch autograd functions, modules and Hugging Face patches over tigon's fused
 training kernels (RMSNorm, LayerNorm, fused add + RMSNorm, RoPE, SwiGLU / GeGLU, cross-entropy,
-fused linear cross-entropy, the distillation divergences: JSD, KL divergence, TVD, fused linear JSD).
+fused linear cross-entropy, the distillation divergences: JSD, KL divergence, TVD, fused linear JSD;
+the post-training losses on the fused LM head: DPO, ORPO, CPO, SimPO, KTO, GRPO).
 
 The compiled operators load on first use (tigon_torch.load(): the pip-built extension, or a JIT
 build). Importing the package needs neither a GPU nor the extension.
@@ -17,8 +18,14 @@ from .functional import (
     tigon_cross_entropy,
     tigon_fused_add_rms_norm,
     tigon_fused_gate_up,
+    tigon_fused_linear_cpo,
     tigon_fused_linear_cross_entropy,
+    tigon_fused_linear_dpo,
+    tigon_fused_linear_grpo,
     tigon_fused_linear_jsd,
+    tigon_fused_linear_kto,
+    tigon_fused_linear_orpo,
+    tigon_fused_linear_simpo,
     tigon_gated_mlp,
     tigon_geglu,
     tigon_jsd,
@@ -37,6 +44,7 @@ from .functions import (
     TigonFusedLinearCrossEntropyFunction,
     TigonFusedLinearJSDFunction,
     TigonFusedLinearLogProbFunction,
+    TigonFusedLinearMultiHeadCrossEntropyFunction,
     TigonGatedMLPFunction,
     TigonGatedMulFunction,
     TigonGELUMulFunction,
@@ -50,21 +58,26 @@ from .functions import (
     TargetOutOfRangeError,
     check_targets,
     count_invalid_targets,
+    medusa_targets,
 )
 from .preference import (
     TigonFusedLinearCPOFunction,
     TigonFusedLinearCPOLoss,
     TigonFusedLinearDPOFunction,
     TigonFusedLinearDPOLoss,
+    TigonFusedLinearKTOFunction,
+    TigonFusedLinearKTOLoss,
     TigonFusedLinearORPOFunction,
     TigonFusedLinearORPOLoss,
     TigonFusedLinearSimPOFunction,
     TigonFusedLinearSimPOLoss,
 )
+from .rl import TigonFusedLinearGRPOFunction, TigonFusedLinearGRPOLoss
 from .modules import (
     TigonCrossEntropyLoss,
     TigonFusedAddRMSNorm,
     TigonFusedLinearCrossEntropyLoss,
+    TigonFusedLinearMultiHeadCrossEntropyLoss,
     TigonFusedLinearJSD,
     TigonGEGLUMLP,
     TigonJSD,
@@ -98,5 +111,6 @@ from .patch import (
 __version__ = "0.1.0"
 
 __all__ = [name for name in dir() if name.startswith(("Tigon", "tigon_", "apply_tigon_"))] + [
-    "CrossEntropyOutput", "TargetOutOfRangeError", "check_targets", "count_invalid_targets", "load", "unpatch",
+    "CrossEntropyOutput", "TargetOutOfRangeError", "check_targets", "count_invalid_targets", "load", "medusa_targets",
+    "unpatch",
     "_apply_tigon", "_apply_tigon_to_instance"]

@@ -322,3 +322,22 @@ def tigon_fused_linear_jsd(student_input, student_weight, teacher_input, teacher
     return TigonFusedLinearJSDFunction.apply(student_input, _local(student_weight), teacher_input,
                                              _local(teacher_weight), shift_labels, jsd_beta, ignore_index,
                                              temperature, accum_dtype)
+
+
+# Liger's chunked_loss.functional: the post-training losses on the fused LM head, each its function's apply
+# (the arguments of Liger's function of the same name, positional as Liger's apply takes them).
+from .preference import (  # noqa: E402  (after the functional calls above, which they do not use)
+    TigonFusedLinearCPOFunction,
+    TigonFusedLinearDPOFunction,
+    TigonFusedLinearKTOFunction,
+    TigonFusedLinearORPOFunction,
+    TigonFusedLinearSimPOFunction,
+)
+from .rl import TigonFusedLinearGRPOFunction  # noqa: E402
+
+tigon_fused_linear_orpo = TigonFusedLinearORPOFunction.apply
+tigon_fused_linear_dpo = TigonFusedLinearDPOFunction.apply
+tigon_fused_linear_cpo = TigonFusedLinearCPOFunction.apply
+tigon_fused_linear_simpo = TigonFusedLinearSimPOFunction.apply
+tigon_fused_linear_kto = TigonFusedLinearKTOFunction.apply
+tigon_fused_linear_grpo = TigonFusedLinearGRPOFunction.apply

@@ -794,7 +794,8 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     Under autocast (CUDA), _input, weight and bias are cast to the autocast dtype, as the matmul of
     the unfused head would be. accum_dtype is accepted and has no effect: accumulation is always
-    fp32. use_token_scaling=True raises NotImplementedError. The chunk size is tigon's default (about
+    fp32. use_token_scaling=True multiplies each token's loss, z-loss and gradient by its predicted
+    probability of the target, exp(logit_t - lse) in fp32 (softcapped logits), held constant. The chunk size is tigon's default (about
     1 GiB of logits) unless the environment sets TIGON_TORCH_LCE_CHUNK (tokens per chunk). Targets
     are checked as in TigonCrossEntropyFunction (eager: TargetOutOfRangeError before any gradient is
     computed).
@@ -819,10 +820,6 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         return_token_accuracy: bool = False,
         return_predicted_tokens: bool = False,
     ):
-        if use_token_scaling:
-            raise NotImplementedError(
-                "tigon_torch: use_token_scaling (each token's loss scaled by its detached predicted "
-                "probability) has no tigon counterpart; call with use_token_scaling=False")
         _ce_flags(return_z_loss, return_token_accuracy, return_predicted_tokens)
         _check_cuda(_input, weight, target, bias)
         in_dtype, w_dtype = _input.dtype, weight.dtype
@@ -853,7 +850,7 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
             dw = torch.empty(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
             db = torch.empty(vocab, dtype=torch.float32, device=w.device) if want_db else None
         chunk = _lce_chunk()
-        args = (int(ignore_index), float(label_smoothing), z_scale, cap, red, 1.0, chunk)
+        args = (int(ignore_index), float(label_smoothing), z_scale, cap, red, 1.0, bool(use_token_scaling), chunk)
         if rows > 0:
             ops().linear_cross_entropy(x2, w, b, target, cw, None, dx, dw, db, loss, loss_rows, z_loss, lse, argmax,
                                        *args)
@@ -911,6 +908,114 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         if dx is not None:
             dx = dx.view(ctx.shape)
         return (dx, dw, None, db) + nones
+
+
+class TigonFusedLinearMultiHeadCrossEntropyFunction(torch.autograd.Function):
+    """Several LM heads over the same hidden states (Medusa's extra heads) in one tigon call
+    (tigon.linear_cross_entropy_heads): loss = sum_k head_weights[k] * CE(_input @ W_k.T + b_k, targets[k]),
+    each CE_k reduced over its own non-ignored targets, without any [BT, V] logits; per chunk of tokens
+    every head's logits, loss and gradients in turn, dx summed over the heads.
+
+    apply(_input [BT, H], targets [K, BT], head_weights (K floats or None: all 1), ignore_index,
+    lse_square_scale, label_smoothing, reduction ("mean" / "sum"), softcap, K, W_1, ..., W_K, b_1, ..., b_K)
+    with each b_k a [V] tensor or None (all None, or all given). Returns (loss, head_losses [K]) in fp32;
+    head_losses are each head's unweighted loss and take no gradient. The gradients are computed in
+    the forward and scaled by the upstream gradient in the backward, as for the single head. Under
+    autocast the operands are cast to the autocast dtype. medusa_targets() builds the targets from
+    causal-LM labels."""
+
+    @staticmethod
+    def forward(ctx, _input, targets, head_weights, ignore_index, lse_square_scale, label_smoothing, reduction,
+                softcap, heads, *params):
+        heads = int(heads)
+        if heads < 1 or len(params) not in (heads, 2 * heads):
+            raise ValueError(f"tigon_torch: {heads} heads need {heads} weights (and as many biases or Nones), "
+                             f"got {len(params)} tensors")
+        weights = list(params[:heads])
+        biases = list(params[heads:]) if len(params) == 2 * heads else [None] * heads
+        if any(b is not None for b in biases) and any(b is None for b in biases):
+            raise ValueError("tigon_torch: give a bias for every head or for none")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"tigon_torch: reduction must be 'mean' or 'sum' for several heads, got {reduction!r}")
+        _check_cuda(_input, targets, *weights, *[b for b in biases if b is not None])
+        ops_in = [_head_operands(_input, w, b) for w, b in zip(weights, biases)]
+        x = ops_in[0][0]
+        ws = [w.contiguous() for _, w, _ in ops_in]
+        bs = [vector(b) for _, _, b in ops_in] if biases[0] is not None else []
+        hidden = x.shape[-1]
+        x2 = as_rows(x.reshape(-1, hidden))
+        rows = x2.shape[0]
+        vocab = ws[0].shape[0]
+        for k, w in enumerate(ws):
+            if tuple(w.shape) != (vocab, hidden):
+                raise ValueError(f"tigon_torch: head {k}'s weight is {tuple(w.shape)}, expected ({vocab}, {hidden})")
+        if targets.dim() != 2 or tuple(targets.shape) != (heads, rows):
+            raise ValueError(f"tigon_torch: targets must be [heads, tokens] = [{heads}, {rows}], got "
+                             f"{tuple(targets.shape)}")
+        targets = targets.contiguous()
+        check_targets(targets.reshape(-1), vocab, int(ignore_index))
+        hw = [1.0] * heads if head_weights is None else [float(v) for v in head_weights]
+        if len(hw) != heads or not all(math.isfinite(v) for v in hw):
+            raise ValueError(f"tigon_torch: head_weights must be {heads} finite numbers, got {head_weights}")
+        want_dx = ctx.needs_input_grad[0]
+        want_dw = any(ctx.needs_input_grad[9 + k] for k in range(heads))
+        want_db = bool(bs) and any(ctx.needs_input_grad[9 + heads + k] for k in range(heads))
+        dev = x2.device
+        loss = torch.empty((), dtype=torch.float32, device=dev)
+        head_losses = torch.empty(heads, dtype=torch.float32, device=dev)
+        dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
+        dws = [torch.empty(w.shape, dtype=torch.float32, device=dev) for w in ws] if want_dw else []
+        dbs = [torch.empty(vocab, dtype=torch.float32, device=dev) for _ in bs] if want_db else []
+        cap = 0.0 if softcap is None else float(softcap)
+        if rows > 0:
+            ops().linear_cross_entropy_heads(x2, ws, bs, targets, None, None, hw, dx, dws, dbs, loss, head_losses,
+                                             None, None, int(ignore_index), float(label_smoothing),
+                                             float(lse_square_scale), cap, _o.reduction_code(reduction), 1.0,
+                                             _lce_chunk())
+        else:
+            loss.zero_()
+            head_losses.zero_()
+            for t in dws + dbs:
+                t.zero_()
+        ctx.heads = heads
+        ctx.nparams = len(params)
+        ctx.shape = _input.shape
+        ctx.save_for_backward(
+            _cast(dx, _input.dtype),
+            *[_cast(d, w.dtype) for d, w in zip(dws, weights)],
+            *[_cast(d, b.dtype) for d, b in zip(dbs, biases)])
+        ctx.counts = (want_dx, len(dws), len(dbs))
+        ctx.mark_non_differentiable(head_losses)
+        return loss, head_losses
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_heads):
+        heads = ctx.heads
+        want_dx, ndw, ndb = ctx.counts
+        saved = ctx.saved_tensors
+        dx, dws, dbs = saved[0], saved[1:1 + ndw], saved[1 + ndw:1 + ndw + ndb]
+        go = grad_output.reshape(()) if grad_output is not None else None
+        scale = (lambda t: t * go.to(t.dtype)) if go is not None else (lambda t: torch.zeros_like(t))
+        dx = scale(dx).view(ctx.shape) if dx is not None else None
+        dw_out = [scale(d) for d in dws] if ndw else [None] * heads
+        db_out = [scale(d) for d in dbs] if ndb else [None] * heads
+        grads = (*dw_out, *db_out)[: ctx.nparams]
+        return (dx, None, None, None, None, None, None, None, None, *grads)
+
+
+def medusa_targets(labels, heads, ignore_index=-100, offset=2):
+    """[heads, B * T] targets of Medusa's heads from causal-LM labels [B, T]: head k at position t predicts
+    labels[b, t + offset + k] (offset 2: the first extra head looks one token past the LM head, which
+    predicts t + 1), ignore_index where that runs past the sequence."""
+    if labels.dim() == 1:
+        labels = labels[None]
+    B, T = labels.shape
+    out = torch.full((heads, B, T), int(ignore_index), dtype=labels.dtype, device=labels.device)
+    for k in range(heads):
+        s = offset + k
+        if s < T:
+            out[k, :, : T - s] = labels[:, s:]
+    return out.reshape(heads, B * T)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1293,7 +1398,7 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
         chunk = _lce_chunk()
         if rows > 0:
             ops().linear_logprob(x2, w, b, target, logp, lse, entropy, logit_sum, None, int(ignore_index),
-                                 float(temperature), chunk)
+                                 float(temperature), chunk, None)
         ctx.save_for_backward(x2, w, b, target, lse, entropy)
         ctx.args = (int(ignore_index), float(temperature), chunk)
         ctx.dtypes = (_input.dtype, weight.dtype, bias.dtype if bias is not None else None)
@@ -1316,7 +1421,7 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
         dw = torch.empty(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
         db = torch.empty(w.shape[0], dtype=torch.float32, device=w.device) if want_db else None
         if x2.shape[0] > 0:
-            ops().linear_logprob_bwd(x2, w, b, target, lse, entropy, gl, ge, dx, dw, db, *ctx.args, False)
+            ops().linear_logprob_bwd(x2, w, b, target, lse, entropy, gl, ge, dx, dw, db, *ctx.args, False, None)
         else:
             for t in (dw, db):
                 if t is not None:

@@ -14,6 +14,7 @@ from .functions import (
     TigonGatedMulFunction,
     TigonJSDFunction,
     TigonKLDivLossFunction,
+    TigonFusedLinearMultiHeadCrossEntropyFunction,
     TigonLayerNormFunction,
     TigonRMSNormFunction,
     TigonTVDLossFunction,
@@ -276,6 +277,38 @@ class TigonFusedLinearCrossEntropyLoss(nn.Module):
             _input, lin_weight, target, bias, self.ce_weight, self.ignore_index, self.lse_square_scale,
             self.label_smoothing, self.reduction, self.softcap, self.return_z_loss, self.accum_dtype,
             self.use_token_scaling, self.return_token_accuracy, self.return_predicted_tokens)
+
+
+class TigonFusedLinearMultiHeadCrossEntropyLoss(nn.Module):
+    """Medusa's loss over K LM heads on the same hidden states in one call (no [BT, V] logits):
+    forward(lin_weights [K tensors of [V, H]], _input [BT, H] or [B, T, H], targets [K, BT], biases=None)
+    returns sum_k head_weights[k] * CE_k (each head's loss reduced over its own non-ignored targets);
+    with return_head_losses=True, (loss, head_losses [K]). targets: medusa_targets(labels, K) for
+    causal-LM labels. reduction "mean" or "sum"."""
+
+    def __init__(self, head_weights=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
+                 reduction="mean", softcap=None, return_head_losses=False):
+        super().__init__()
+        _check_loss_args(label_smoothing, reduction, softcap)
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"tigon_torch: reduction must be 'mean' or 'sum' for several heads, got {reduction!r}")
+        self.head_weights = None if head_weights is None else [float(w) for w in head_weights]
+        self.ignore_index = ignore_index
+        self.lse_square_scale = lse_square_scale
+        self.label_smoothing = label_smoothing
+        self.reduction = reduction
+        self.softcap = softcap
+        self.return_head_losses = return_head_losses
+
+    def forward(self, lin_weights, _input, targets, biases=None):
+        weights = list(lin_weights)
+        if self.head_weights is not None and len(self.head_weights) != len(weights):
+            raise ValueError(f"tigon_torch: {len(self.head_weights)} head_weights for {len(weights)} heads")
+        bs = list(biases) if biases is not None else []
+        loss, head_losses = TigonFusedLinearMultiHeadCrossEntropyFunction.apply(
+            _input.reshape(-1, _input.shape[-1]), targets, self.head_weights, self.ignore_index,
+            self.lse_square_scale, self.label_smoothing, self.reduction, self.softcap, len(weights), *weights, *bs)
+        return (loss, head_losses) if self.return_head_losses else loss
 
 
 # ------------------------------------------------------------------------------------------------

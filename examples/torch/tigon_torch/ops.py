@@ -47,6 +47,7 @@ def _register_fakes() -> None:
         "gated_bwd",
         "cross_entropy",
         "linear_cross_entropy",
+        "linear_cross_entropy_heads",
         "linear_logprob",
         "linear_logprob_bwd",
         "scale_rows",

@@ -1,9 +1,10 @@
-"""Preference losses on the fused LM head: Liger-Kernel's chunked_loss API (LigerFusedLinearDPOLoss and
-its function), on tigon's per-token log-probabilities (TigonFusedLinearLogProbFunction), so that no
-[tokens, vocab] logits are ever held.
+"""Preference losses on the fused LM head: Liger-Kernel's chunked_loss API (LigerFusedLinearDPOLoss,
+ORPO, CPO, SimPO, KTO and their functions), on tigon's per-token log-probabilities
+(TigonFusedLinearLogProbFunction), so that no [tokens, vocab] logits are ever held.
 
-The batch is [2B, T, H] hidden states with [2B, T] targets: the first B sequences are the chosen
-completions, the last B the rejected ones, as Liger and TRL lay them out. Per sequence, the log-prob is
+The paired losses (DPO, ORPO, CPO, SimPO) take [2B, T, H] hidden states with [2B, T] targets: the first
+B sequences are the chosen completions, the last B the rejected ones, as Liger and TRL lay them out. KTO
+is unpaired: [B, T, H] and [B, T], one preference label per sequence. Per sequence, the log-prob is
 the sum (average_log_prob: the mean) of log p(target) over its tokens whose target is not ignore_index.
 A sequence with every target ignored has log-prob 0 (its mean is defined as 0, never 0 / 0).
 """
@@ -14,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functions import TigonFusedLinearLogProbFunction
+from . import ops as _o
+from .functions import TigonFusedLinearLogProbFunction, _check_cuda, _head_operands, _cast, check_targets
+from .ops import as_rows, ops, vector
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
                   "apo_down", "discopop")
@@ -85,13 +88,149 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps=None, ref_rejected_l
     return losses.sum() / chosen_logps.shape[0], chosen_rewards, rejected_rewards
 
 
+# Tokens per pair-chunk of the fused preference pass: the chunk's logits are kept between its forward and
+# its gradient (2048 tokens of a 128256 vocabulary in bf16: 525 MB).
+_PAIR_CHUNK_TOKENS = 2048
+
+
+def _kept_bytes(tokens, vocab, elem):
+    """The workspace tigon.linear_logprob keeps its logits in (linear_logprob_workspace_bytes with
+    keep_logits: all the tokens' logits and a ones vector, each rounded up to 256 bytes)."""
+    def up(n):
+        return (n + 255) // 256 * 256
+    return up(tokens * vocab * elem) + up(tokens * elem)
+
+
+class _FusedPairPreference(torch.autograd.Function):
+    """The paired preference losses' value and gradients in one pass over chunks of pairs, as Liger's
+    chunked losses compute them: per chunk of pairs (the chosen and the rejected sequences of each) the
+    per-token log-probs (tigon.linear_logprob, the chunk's logits kept in a workspace), the chunk's share
+    of the loss and its gradient with respect to those log-probs (autograd over [tokens] values), then
+    dx, dW and db from the kept logits (tigon.linear_logprob_bwd, no second logits GEMM): 6 N D V FLOPs
+    instead of the 8 of a log-prob forward and a separate backward. The loss functions are sums over the
+    pairs divided by their number (every paired loss here is), so a chunk of P of the B pairs carries
+    P / B of its loss_fn value. Returns (loss, chosen, rejected, chosen_logit_sum, rejected_logit_sum,
+    nll, *aux) with aux loss_fn's further outputs (per-pair ones concatenated, scalars weighted)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, target, ref_c, ref_r, ignore_index, average_log_prob, compute_nll_loss, alpha, loss_fn):
+        n, T = target.shape[0] // 2, target.shape[1]
+        H = x.shape[-1]
+        vocab = w.shape[0]
+        want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_db = b is not None and ctx.needs_input_grad[2]
+        dev = x.device
+        mask = target != ignore_index
+        count = mask[:n].sum()
+        nll_count = count.clamp_min(1).to(torch.float32)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=dev) if want_dx else None
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=dev) if want_dw else None
+        db = torch.zeros(vocab, dtype=torch.float32, device=dev) if want_db else None
+        P = max(1, min(n, _PAIR_CHUNK_TOKENS // max(1, 2 * T)))
+        pieces = {"c": [], "r": [], "csum": [], "rsum": [], "nll": [], "loss": [], "aux": []}
+        kept = None
+        first = True
+        for i0 in range(0, n, P):
+            i1 = min(n, i0 + P)
+            p = i1 - i0
+            xc = torch.cat([x[i0:i1], x[n + i0:n + i1]]).reshape(-1, H).contiguous()
+            tc = torch.cat([target[i0:i1], target[n + i0:n + i1]]).reshape(-1).contiguous()
+            rows = xc.shape[0]
+            need = _kept_bytes(rows, vocab, x.element_size())
+            if kept is None or kept.numel() < need:
+                kept = torch.empty(need, dtype=torch.uint8, device=dev)
+            logp = torch.empty(rows, dtype=torch.float32, device=dev)
+            lse = torch.empty_like(logp)
+            lsum = torch.empty_like(logp)
+            ops().linear_logprob(xc, w, b, tc, logp, lse, None, lsum, None, int(ignore_index), 1.0, 0, kept)
+            lp = logp.view(2 * p, T).detach().requires_grad_(True)
+            m = mask[torch.cat([torch.arange(i0, i1, device=dev), torch.arange(n + i0, n + i1, device=dev)])]
+            with torch.enable_grad():
+                seq = lp.sum(-1)
+                if average_log_prob:
+                    cnt = m.sum(-1)
+                    seq = torch.where(cnt > 0, seq / cnt.clamp_min(1), torch.zeros_like(seq))
+                args = (seq[:p], seq[p:])
+                if ref_c is not None:
+                    args = args + (ref_c[i0:i1], ref_r[i0:i1])
+                out = loss_fn(*args)
+                pref, aux = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+                share = pref * (p / n)
+                total = share
+                if compute_nll_loss:
+                    nll_c = -lp[:p].sum() / nll_count
+                    total = total + alpha * nll_c
+                    pieces["nll"].append(nll_c.detach())
+                (g,) = torch.autograd.grad(total, lp)
+            pieces["c"].append(seq[:p].detach())
+            pieces["r"].append(seq[p:].detach())
+            pieces["csum"].append(lsum.view(2 * p, T)[:p].sum())
+            pieces["rsum"].append(lsum.view(2 * p, T)[p:].sum())
+            pieces["loss"].append(share.detach())
+            pieces["aux"].append([(a.detach(), p) for a in aux])
+            if want_dx or want_dw or want_db:
+                dxc = torch.empty_like(xc) if want_dx else None
+                ops().linear_logprob_bwd(xc, w, b, tc, lse, None, g.reshape(-1).contiguous(), None, dxc, dw, db,
+                                         int(ignore_index), 1.0, 0, not first, kept)
+                first = False
+                if dxc is not None:
+                    d2 = dxc.view(2 * p, T, H)
+                    dx[i0:i1] = d2[:p]
+                    dx[n + i0:n + i1] = d2[p:]
+        zero = torch.zeros((), device=dev)
+        nll = torch.stack(pieces["nll"]).sum() if pieces["nll"] else zero
+        loss = torch.stack(pieces["loss"]).sum() + alpha * nll
+        aux_out = []
+        for k in range(len(pieces["aux"][0])):
+            vals = [(chunk[k][0], chunk[k][1]) for chunk in pieces["aux"]]
+            if vals[0][0].dim() == 0:
+                aux_out.append(sum(v * (q / n) for v, q in vals))
+            else:
+                aux_out.append(torch.cat([v for v, _ in vals]))
+        denom = n * T * vocab
+        ctx.save_for_backward(dx, _cast(dw, w.dtype), _cast(db, b.dtype) if b is not None else None)
+        outs = (loss, torch.cat(pieces["c"]), torch.cat(pieces["r"]), torch.stack(pieces["csum"]).sum() / denom,
+                torch.stack(pieces["rsum"]).sum() / denom, nll, *aux_out)
+        for t in outs[1:]:
+            ctx.mark_non_differentiable(t)
+        return outs
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        dx, dw, db = ctx.saved_tensors
+        go = grad_loss.reshape(())
+        scale = (lambda t: t * go.to(t.dtype) if t is not None else None)
+        return scale(dx), scale(dw), scale(db), None, None, None, None, None, None, None, None
+
+
+def _fused_pairs_apply(_input, weight, target, bias, ignore_index, average_log_prob, compute_nll_loss, alpha, loss_fn,
+                       ref_logps):
+    """_preference through _FusedPairPreference: (loss, metrics) in the layout _preference returns."""
+    x, w, b = _head_operands(_input, weight, bias)
+    check_targets(target.reshape(-1), weight.shape[0], int(ignore_index))
+    ref_c, ref_r = ref_logps if ref_logps else (None, None)
+    out = _FusedPairPreference.apply(x.contiguous(), w.contiguous(), vector(b), target.contiguous(), ref_c, ref_r,
+                                     int(ignore_index), bool(average_log_prob), bool(compute_nll_loss), float(alpha),
+                                     loss_fn)
+    return out[0], tuple(out[1:])
+
+
+def _fusable(_input, weight, bias, nll_target):
+    """Whether the fused pass applies: a training call (some gradient wanted), no separate NLL targets."""
+    wants = _input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    return nll_target is None and torch.is_grad_enabled() and wants and _o.on_device(_input)
+
+
 def _preference(_input, weight, target, bias, ignore_index, average_log_prob, compute_nll_loss, nll_target, alpha,
                 loss_fn, ref_logps=None):
     """The shared body of the preference losses, as Liger's LigerFusedLinearPreferenceBase composes them:
     (loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss, *aux)) with
     loss = alpha * nll_loss + loss_fn(chosen_logps, rejected_logps, *ref_logps)[0] and aux the rest of
-    loss_fn's outputs (detached)."""
+    loss_fn's outputs (detached). In training (a gradient wanted, no nll_target) through _FusedPairPreference."""
     _check_pairs(_input, target)
+    if _fusable(_input, weight, bias, nll_target):
+        return _fused_pairs_apply(_input, weight, target, bias, ignore_index, average_log_prob, compute_nll_loss,
+                                  alpha, loss_fn, ref_logps)
     n = target.shape[0] // 2
     seq, logp, mask, logit_sum = sequence_logps(_input, weight, target, bias, ignore_index, average_log_prob)
     chosen, rejected = seq[:n], seq[n:]
@@ -304,3 +443,122 @@ class TigonFusedLinearSimPOLoss(nn.Module):
         return TigonFusedLinearSimPOFunction.apply(_input, lin_weight, target, bias, self.ignore_index, self.beta,
                                                    self.alpha, self.label_smoothing, self.compute_nll_loss,
                                                    self.compiled, self.gamma, self.chunk_size)
+
+
+# ------------------------------------------------------------------------------------------------
+# KTO: an unpaired preference loss (Liger's LigerFusedLinearKTOFunction / LigerFusedLinearKTOLoss)
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_unpaired(_input, target, name="_input"):
+    if target.dim() != 2 or _input.dim() != 3 or tuple(_input.shape[:2]) != tuple(target.shape):
+        raise ValueError(f"tigon_torch: {name} must be [B, T, H] and target [B, T]; got {tuple(_input.shape)} "
+                         f"and {tuple(target.shape)}")
+
+
+def _preference_labels(preference_labels, n):
+    """preference_labels [B] as a bool tensor (True: a chosen / desirable completion)."""
+    if preference_labels is None:
+        raise ValueError("tigon_torch: KTO needs preference_labels, a bool tensor [B] (True: chosen)")
+    if not isinstance(preference_labels, torch.Tensor) or tuple(preference_labels.shape) != (n,):
+        shape = tuple(preference_labels.shape) if isinstance(preference_labels, torch.Tensor) else preference_labels
+        raise ValueError(f"tigon_torch: preference_labels must be [B] = [{n}], one per sequence; got {shape}")
+    if preference_labels.dtype == torch.bool:
+        return preference_labels
+    if preference_labels.is_floating_point() or preference_labels.is_complex():
+        raise ValueError(f"tigon_torch: preference_labels must be bool (or integer 0 / 1), got "
+                         f"{preference_labels.dtype}")
+    return preference_labels != 0
+
+
+def kto_loss(logps, preference_labels, ref_logps=None, beta=0.1, kl=None):
+    """(loss, chosen_rewards_sum, rejected_rewards_sum) of KTO (Liger's LigerFusedLinearKTOFunction
+    .preference_loss_fn): with r = logps - ref_logps (logps without a reference) and s = +1 for a chosen
+    sequence, -1 for a rejected one, loss = sum(1 - sigmoid(beta (r - kl) s)) / B; rewards = beta r."""
+    ratio = logps - ref_logps if ref_logps is not None else logps
+    sign = torch.where(preference_labels, 1.0, -1.0)
+    z = ratio - kl if kl is not None else ratio
+    losses = 1 - torch.sigmoid(beta * z * sign)
+    rewards = beta * ratio
+    zero = torch.zeros_like(rewards)
+    return (losses.sum() / logps.shape[0], torch.where(preference_labels, rewards, zero).sum(),
+            torch.where(preference_labels, zero, rewards).sum())
+
+
+class TigonFusedLinearKTOFunction:
+    """Liger's LigerFusedLinearKTOFunction: apply(_input, weight, target, preference_labels, bias=None,
+    ref_input=None, ref_weight=None, ref_bias=None, kl=None, ignore_index=-100, beta=0.1, compiled=True,
+    use_ref_model=True, average_log_prob=False, chunk_size=1) -> (loss, (chosen_logps_sum,
+    rejected_logps_sum, chosen_logits_sum, rejected_logits_sum, chosen_rewards_sum, rejected_rewards_sum)).
+
+    _input [B, T, H] and target [B, T] hold B completions, each labelled by preference_labels [B] (bool,
+    True: desirable; integer 0 / 1 labels are read as bool); the batch is unpaired, in any order. Each
+    sequence's log-prob is the sum (average_log_prob: the mean) of log p(target) over its tokens whose
+    target is not ignore_index (0 when they are all ignored). With r its log-ratio to the reference model
+    (the log-prob itself without use_ref_model), loss = sum over the sequences of
+    1 - sigmoid(beta (r - kl)) for a chosen one and 1 - sigmoid(beta (kl - r)) for a rejected one, divided
+    by B. kl (optional, no gradient) is the estimate of KL(policy || reference) that TRL passes: one value
+    (a 0-d or one-element tensor) for the whole batch, or one per sequence ([B]). The metrics are sums
+    over the chosen (rejected) sequences: of their log-probs, of all their logits (every token, ignored
+    ones included, over the vocabulary), of their rewards beta r. With use_ref_model, ref_input [B, T, H']
+    (and ref_weight, ref_bias; the policy's weight and bias where ref_weight is not given) give the
+    reference log-probs, without gradient. compiled and chunk_size are Liger's placeholders here: the op
+    is chunked inside tigon."""
+
+    @staticmethod
+    def apply(_input, weight, target, preference_labels, bias=None, ref_input=None, ref_weight=None, ref_bias=None,
+              kl=None, ignore_index=-100, beta=0.1, compiled=True, use_ref_model=True, average_log_prob=False,
+              chunk_size=1):
+        del compiled, chunk_size
+        _check_unpaired(_input, target)
+        n = target.shape[0]
+        labels = _preference_labels(preference_labels, n)
+        if kl is not None:
+            if not isinstance(kl, torch.Tensor):
+                kl = torch.tensor(float(kl), device=_input.device)
+            if kl.numel() == 1:
+                kl = kl.detach().reshape(())
+            elif tuple(kl.shape) == (n,):
+                kl = kl.detach()
+            else:
+                raise ValueError(f"tigon_torch: kl must hold one value or one per sequence ([{n}]); got "
+                                 f"{tuple(kl.shape)}")
+        ref_seq = None
+        if use_ref_model:
+            if ref_input is None:
+                raise ValueError("tigon_torch: use_ref_model needs ref_input")
+            _check_unpaired(ref_input, target, "ref_input")
+            with torch.no_grad():
+                rw = ref_weight if ref_weight is not None else weight
+                rb = ref_bias if ref_bias is not None else (bias if ref_weight is None else None)
+                ref_seq = sequence_logps(ref_input, rw.detach(), target, rb.detach() if rb is not None else None,
+                                         ignore_index, average_log_prob)[0]
+        seq, _, _, logit_sum = sequence_logps(_input, weight, target, bias, ignore_index, average_log_prob)
+        loss, chosen_rewards, rejected_rewards = kto_loss(seq, labels, ref_seq, beta, kl)
+        seq_d = seq.detach()
+        zero = torch.zeros_like(seq_d)
+        logits = logit_sum.sum(-1)
+        metrics = (torch.where(labels, seq_d, zero).sum(), torch.where(labels, zero, seq_d).sum(),
+                   torch.where(labels, logits, zero).sum(), torch.where(labels, zero, logits).sum(),
+                   chosen_rewards.detach(), rejected_rewards.detach())
+        return loss, metrics
+
+
+class TigonFusedLinearKTOLoss(nn.Module):
+    """Liger's LigerFusedLinearKTOLoss: __init__(ignore_index=-100, beta=0.1, compiled=True,
+    use_ref_model=False, average_log_prob=False, chunk_size=1); forward(_input, lin_weight, target,
+    bias=None, preference_labels=None, ref_input=None, ref_weight=None, ref_bias=None, kl=None) -> (loss,
+    metrics) as TigonFusedLinearKTOFunction.apply returns them. As in Liger, forward takes _input before
+    the weight (the DPO family's modules take the weight first), and preference_labels is required."""
+
+    def __init__(self, ignore_index: int = -100, beta: float = 0.1, compiled: bool = True,
+                 use_ref_model: bool = False, average_log_prob: bool = False, chunk_size: int = 1):
+        super().__init__()
+        self.ignore_index, self.beta, self.compiled = ignore_index, beta, compiled
+        self.use_ref_model, self.average_log_prob, self.chunk_size = use_ref_model, average_log_prob, chunk_size
+
+    def forward(self, _input, lin_weight, target, bias=None, preference_labels=None, ref_input=None, ref_weight=None,
+                ref_bias=None, kl=None):
+        return TigonFusedLinearKTOFunction.apply(
+            _input, lin_weight, target, preference_labels, bias, ref_input, ref_weight, ref_bias, kl,
+            self.ignore_index, self.beta, self.compiled, self.use_ref_model, self.average_log_prob, self.chunk_size)

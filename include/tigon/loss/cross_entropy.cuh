@@ -9,7 +9,8 @@
 //   dloss/dx_i = (1 - eps) * w_t * (p_i - [i == t]) + eps / V * (p_i * sum_j w_j - w_i)
 //                + 2 z lse p_i,       p_i = exp(x_i - lse)
 // times (1 - (x_i / c)^2) through the softcap, times the upstream gradient, divided by the mean's
-// denominator. w are the class weights (1 without), eps the label smoothing, z the z-loss scale.
+// denominator; with token scaling the row's loss and gradient are further multiplied by p_t, held
+// constant. w are the class weights (1 without), eps the label smoothing, z the z-loss scale.
 // Rows whose target is ignore_index contribute nothing; the mean divides by the sum of w_t over
 // the other rows, counted on the device (no host synchronisation anywhere).
 //
@@ -62,6 +63,9 @@ struct CrossEntropyArgs {
   float label_smoothing = 0.0f;
   float z_loss_scale = 0.0f;  // adds z_loss_scale * lse^2 per (non-ignored) row
   float softcap = 0.0f;       // > 0: logits pass through softcap * tanh(x / softcap)
+  // Token scaling: each row's loss, z term and gradient times p_t = exp(x_t - lse), the row's
+  // predicted probability of its target, taken as a constant (no gradient flows through it).
+  bool token_scaling = false;
   Reduction reduction = Reduction::mean;
   // Upstream gradient: grad_scale (a host scalar folded into the gradient) times, when given,
   // grad_output on the device: one value for mean / sum, [rows] values for reduction none.
@@ -257,10 +261,10 @@ constexpr bool whole_warps(int threads, int lo, int hi) { return threads % 32 ==
 // Which kernel takes a call (detail/cross_entropy_dispatch.cuh): on sm_90+ with 16-byte aligned
 // rows, a resident kernel (one row per thread-block cluster, the row held in registers, so the
 // logits are read once and the gradient written from registers): the plain one for the common case
-// (no class weights, smoothing, softcap, bias, argmax or split statistics), the optioned one for
-// any of those and for the split finalize; otherwise (the loss alone without options, rows that fit
-// one block or need over 16), the row kernel (one row per block, a statistics pass and a gradient pass
-// that re-reads the row, from L2 where it stayed).
+// (no class weights, smoothing, softcap, bias, argmax, token scaling or split statistics), the
+// optioned one for any of those and for the split finalize; otherwise (the loss alone without
+// options, rows that fit one block or need over 16), the row kernel (one row per block, a
+// statistics pass and a gradient pass that re-reads the row, from L2 where it stayed).
 struct CrossEntropyPolicy {
   // Row kernel: block size, and the block size with a gradient on rows over 65536 columns.
   static constexpr int kRowThreads = 256;

@@ -37,6 +37,7 @@
 #include "../core/validate.hpp"
 
 #if defined(__CUDACC__)
+#include "../core/async_copy.cuh"
 #include "../core/launch.cuh"
 #include "../core/reduce.cuh"
 #include "../core/vector.cuh"
@@ -257,13 +258,16 @@ struct GeneralizedJSD {
   TIGON_HD DivergenceValue operator()(const E& e) const {
     if (beta == 0.0f) return ForwardKL{}(e);
     if (beta == 1.0f) return ReverseKL{}(e);
+    // l = bp log p + bq log q - m log m = bp (log p - log m) + bq (log q - log m), m = bp + bq: no
+    // cancellation, and no branches: m is floored at 2^-126 (a smaller m adds nothing and its
+    // log would be -inf), each log-probability at -2^126 (so that a side whose probability is 0,
+    // log -inf, gives 0 * finite = 0).
+    constexpr float kLogFloor = -8.50705917e37f;
     const float bp = beta * e.y_prob;
     const float bq = (1.0f - beta) * e.x_prob;
-    const float m = bp + bq;
-    if (!(m >= 1.17549435e-38f)) return {0.0f, 0.0f};  // m under 2^-126 adds nothing (and flushes to 0)
-    const float log_m = div_math::log_of<E>(m);
-    const float l = (bp != 0.0f ? bp * e.y_log : 0.0f) + (bq != 0.0f ? bq * e.x_log : 0.0f) - m * log_m;
-    return {l, bq != 0.0f ? bq * (e.x_log - log_m) : 0.0f};
+    const float log_m = div_math::log_of<E>(fmaxf(bp + bq, 1.17549435e-38f));
+    const float gq = bq * (fmaxf(e.x_log, kLogFloor) - log_m);
+    return {fmaf(bp, fmaxf(e.y_log, kLogFloor) - log_m, gq), gq};
   }
 };
 
@@ -571,6 +575,10 @@ struct DivergencePolicy {
   // Streaming kernel: block size, and 16-byte vectors of each input each thread has in flight.
   static constexpr int kStreamThreads = 256;
   static constexpr int kStreamUnroll = 2;
+  // Streaming kernel: each block asks the L2 for the chunk of the block this many blocks on (one
+  // bulk prefetch per input; 0: none), so that DRAM has those bytes in flight while the block
+  // computes, with no registers holding them.
+  static constexpr int kStreamAhead = 256;
   // Row kernel: block size, and vectors of each input in flight per thread in each pass.
   static constexpr int kRowThreads = 512;
   static constexpr int kRowUnroll = 2;
@@ -586,6 +594,7 @@ constexpr bool check_divergence_policy() {
                 "row kernel: a whole number of warps, at most 1024 threads");
   static_assert(P::kStreamUnroll >= 1 && P::kStreamUnroll <= 8 && P::kRowUnroll >= 1 && P::kRowUnroll <= 8,
                 "1 to 8 vectors of each input in flight per thread");
+  static_assert(P::kStreamAhead >= 0, "kStreamAhead: 0 (off) or more blocks");
   return true;
 }
 }  // namespace detail
@@ -718,7 +727,8 @@ TIGON_DEVICE void div_zero(const DivParams<T, TT, I>& p, std::int64_t row, int v
 // (read with the evict-first L2 priority: used once), computes each element's loss and gradient,
 // writes the gradient (and the element losses) from registers, and adds the losses in a fixed
 // order; one CUB block reduction gives the chunk's partial sum.
-template <class D, DivergenceInput kS, DivergenceInput kT, class T, class TT, class I, int kN, int kThreads, int kU>
+template <class D, DivergenceInput kS, DivergenceInput kT, class T, class TT, class I, int kN, int kThreads, int kU,
+          int kAhead>
 TIGON_KERNEL void __launch_bounds__(kThreads) div_stream_kernel(const DivParams<T, TT, I> p, const D div) {
   detail::grid_dependency_sync();
   using Reduce = cub::BlockReduce<float, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
@@ -732,6 +742,21 @@ TIGON_KERNEL void __launch_bounds__(kThreads) div_stream_kernel(const DivParams<
     const std::int64_t row = b / p.chunks;
     const int v0 = static_cast<int>(b - row * p.chunks) * kChunkVecs;
     const int v1 = min(v0 + kChunkVecs, nvec);
+    // The chunk kAhead blocks on, asked of the L2 (16-byte vectors only: their rows are aligned).
+    if constexpr (kAhead > 0 && kN > 1) {
+      const std::int64_t nb = b + kAhead;
+      if (tid == 0 && nb < blocks) {
+        const std::int64_t nrow = nb / p.chunks;
+        const int n0 = static_cast<int>(nb - nrow * p.chunks) * kChunkVecs;
+        const int n1 = min(n0 + kChunkVecs, nvec);
+        if (n1 > n0 && !div_ignored(p, nrow)) {
+          prefetch_l2_bulk(p.x + nrow * p.xs + static_cast<std::int64_t>(n0) * kN,
+                           static_cast<unsigned>((n1 - n0) * kN * sizeof(T)));
+          prefetch_l2_bulk(p.y + nrow * p.ys + static_cast<std::int64_t>(n0) * kN,
+                           static_cast<unsigned>((n1 - n0) * kN * sizeof(TT)));
+        }
+      }
+    }
     if (div_ignored(p, row)) {
       div_zero<kN, kThreads>(p, row, v0, v1, drop);
       if (tid == 0 && p.partials != nullptr) p.partials[b] = 0.0f;
@@ -1026,8 +1051,11 @@ Status div_launch(const DivParams<T, TT, I>& p, const D& div, cudaStream_t strea
   } else {
     constexpr int kThreads = P::kStreamThreads;
     const LaunchShape shape{dim3(grid), dim3(kThreads), 0, stream};
-    if (vec) return launch(op, div_stream_kernel<D, kS, kT, T, TT, I, kN, kThreads, P::kStreamUnroll>, shape, p, div);
-    return launch(op, div_stream_kernel<D, kS, kT, T, TT, I, 1, kThreads, P::kStreamUnroll>, shape, p, div);
+    if (vec) {
+      return launch(op, div_stream_kernel<D, kS, kT, T, TT, I, kN, kThreads, P::kStreamUnroll, P::kStreamAhead>, shape,
+                    p, div);
+    }
+    return launch(op, div_stream_kernel<D, kS, kT, T, TT, I, 1, kThreads, P::kStreamUnroll, 0>, shape, p, div);
   }
 }
 

@@ -14,10 +14,17 @@
 // is a template parameter (CublasLtGemm by default). Extra device memory: one logits chunk
 // (chunk x vocab x sizeof(T)), a ones vector, and 8 bytes per token — what
 // linear_cross_entropy_workspace_bytes() returns.
+//
+// linear_cross_entropy_heads(): K heads W_k (Medusa's extra LM heads, each predicting a token further
+// ahead) over the same x in one call: per chunk of tokens every head's logits, loss and gradients in
+// turn (the chunk of x read by each head's GEMMs while it is in L2), dx accumulated over the heads.
+// loss = sum_k head_weight_k * CE_k, each CE_k reduced over its own targets.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "../blas/gemm.cuh"
 #include "../core/config.hpp"
@@ -45,6 +52,37 @@ struct LinearCrossEntropyArgs {
   float* dbias = nullptr;    // [vocab] fp32
   bool accumulate = false;   // dweight / dbias += the gradient instead of =
   std::int64_t chunk = 0;    // tokens per chunk; 0: linear_cross_entropy_default_chunk()
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+};
+
+// K heads over the same x (linear_cross_entropy_heads). The pointer arrays are host arrays of `heads`
+// device pointers, read at the call (so a captured graph keeps the pointers of its capture).
+inline constexpr int kMaxLceHeads = 32;
+template <class T, class I = std::int64_t>
+struct LinearCrossEntropyHeadsArgs {
+  const T* x = nullptr;  // [tokens, hidden], row stride x_stride (0: hidden)
+  std::int64_t x_stride = 0;
+  std::int64_t hidden = 0;
+  int heads = 0;                         // 1 to kMaxLceHeads
+  const T* const* weights = nullptr;     // [heads] -> [vocab, hidden], contiguous
+  const T* const* biases = nullptr;      // [heads] -> [vocab] or null; the array itself may be null
+  const float* head_weights = nullptr;   // host [heads]: each head's factor in the loss (null: 1)
+  // The options and outputs of every head's loss. loss.targets is [heads][rows] (head k's targets at
+  // loss.targets + k * targets_stride); loss.loss and loss.z_loss are the weighted sums over the
+  // heads; loss.loss_rows (reduction none or not) is [heads][rows]; loss.lse and loss.argmax are
+  // [heads][rows]; grad_output is one value (mean / sum) or [heads][rows] (none); error_count counts
+  // every head's bad targets. Its logits, dlogits and workspace stay null.
+  CrossEntropyArgs<T, I> loss;
+  std::int64_t targets_stride = 0;       // 0: rows
+  float* head_losses = nullptr;          // device [heads], each head's reduced loss (unweighted), or null
+  // Gradients, each optional.
+  T* dx = nullptr;                       // [tokens, hidden], the sum over the heads
+  std::int64_t dx_stride = 0;
+  float* const* dweights = nullptr;      // [heads] -> [vocab, hidden] fp32 (entries may be null)
+  float* const* dbiases = nullptr;       // [heads] -> [vocab] fp32 (entries may be null)
+  bool accumulate = false;               // dweights / dbiases += instead of =
+  std::int64_t chunk = 0;                // tokens per chunk; 0: linear_cross_entropy_default_chunk()
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
 };
@@ -104,6 +142,86 @@ Status validate(const LinearCrossEntropyArgs<T, I>& a, const char* op) {
   return Status();
 }
 
+// The heads' layout: every head's cross-entropy scratch, one logits chunk, the ones vector, and
+// each head's reduced loss and z part.
+struct LceHeadsLayout {
+  std::int64_t chunk;
+  std::size_t ce_bytes, logits_offset, ones_offset, heads_offset, total;
+};
+
+template <class T, class I>
+LceHeadsLayout lce_heads_layout(const LinearCrossEntropyHeadsArgs<T, I>& a) {
+  LceHeadsLayout l{};
+  const std::int64_t tokens = a.loss.rows, vocab = a.loss.vocab;
+  l.chunk = a.chunk > 0 ? (a.chunk < tokens ? a.chunk : tokens)
+                        : linear_cross_entropy_default_chunk(tokens, vocab, sizeof(T));
+  l.ce_bytes = ce_workspace_bytes(tokens);
+  l.logits_offset = l.ce_bytes * static_cast<std::size_t>(a.heads);
+  l.ones_offset = l.logits_offset + round_up<std::size_t>(static_cast<std::size_t>(l.chunk * vocab) * sizeof(T), 256);
+  bool any_bias = false;
+  for (int k = 0; a.dbiases != nullptr && k < a.heads; ++k) any_bias = any_bias || a.dbiases[k] != nullptr;
+  l.heads_offset = l.ones_offset + (any_bias ? round_up<std::size_t>(l.chunk * sizeof(T), 256) : 0);
+  l.total = l.heads_offset + round_up<std::size_t>(2 * static_cast<std::size_t>(a.heads) * sizeof(float), 256);
+  return l;
+}
+
+template <class T, class I>
+Status validate(const LinearCrossEntropyHeadsArgs<T, I>& a, const char* op) {
+  using namespace check;
+  TIGON_CHECK(not_null(a.x, op, "x"));
+  TIGON_CHECK(positive(a.hidden, op, "hidden"));
+  if (a.heads < 1 || a.heads > kMaxLceHeads) {
+    return Status::error(Errc::invalid_size, op, "heads", "must be in [1, " + std::to_string(kMaxLceHeads) + "]");
+  }
+  TIGON_CHECK(not_null(a.weights, op, "weights"));
+  TIGON_CHECK(validate_options(a.loss, op));
+  TIGON_CHECK(row_stride(a.x_stride, a.hidden, op, "x_stride"));
+  TIGON_CHECK(row_stride(a.dx_stride, a.hidden, op, "dx_stride"));
+  TIGON_CHECK(row_stride(a.targets_stride, a.loss.rows, op, "targets_stride"));
+  if (a.loss.logits != nullptr || a.loss.dlogits != nullptr || a.loss.workspace != nullptr) {
+    return Status::error(Errc::invalid_value, op, "loss.logits",
+                         "the loss's logits, dlogits and workspace belong to the op: leave them null");
+  }
+  if (a.chunk < 0) return Status::error(Errc::invalid_size, op, "chunk", "must be >= 0");
+  const MatrixView x = MatrixView::of(a.x, a.loss.rows, a.hidden, a.x_stride);
+  for (int k = 0; k < a.heads; ++k) {
+    TIGON_CHECK(not_null(a.weights[k], op, "weights[k]"));
+    if (a.head_weights != nullptr && !(std::fabs(a.head_weights[k]) < __builtin_huge_valf())) {
+      return Status::error(Errc::invalid_value, op, "head_weights", "must be finite");
+    }
+    const MatrixView w = MatrixView::of(a.weights[k], a.loss.vocab, a.hidden, 0);
+    if (a.dx != nullptr) {
+      const MatrixView dx = MatrixView::of(a.dx, a.loss.rows, a.hidden, a.dx_stride);
+      TIGON_CHECK(disjoint(dx, x, op, "dx", "x"));
+      TIGON_CHECK(disjoint(dx, w, op, "dx", "weights[k]"));
+    }
+    if (a.dweights != nullptr && a.dweights[k] != nullptr) {
+      const MatrixView dw = MatrixView::of(a.dweights[k], a.loss.vocab, a.hidden, 0);
+      TIGON_CHECK(disjoint(dw, x, op, "dweights[k]", "x"));
+      TIGON_CHECK(disjoint(dw, w, op, "dweights[k]", "weights[k]"));
+    }
+  }
+  return Status();
+}
+
+// The heads' weighted sums of their reduced losses (and z parts): one thread, head order.
+struct LceHeadFactors {
+  float w[kMaxLceHeads];
+};
+template <int kDummy = 0>  // a template: a header's kernel needs one definition per program
+TIGON_KERNEL void lce_heads_combine_kernel(const float* head_loss, const float* head_z, int heads,
+                                           LceHeadFactors f, float* loss, float* z_loss) {
+  grid_dependency_sync();
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  float l = 0.0f, z = 0.0f;
+  for (int k = 0; k < heads; ++k) {
+    l = fmaf(f.w[k], head_loss[k], l);
+    z = fmaf(f.w[k], head_z[k], z);
+  }
+  if (loss != nullptr) loss[0] = l;
+  if (z_loss != nullptr) z_loss[0] = z;
+}
+
 }  // namespace detail
 
 // Bytes of workspace linear_cross_entropy(args) needs: one logits chunk, the loss's per-token
@@ -117,7 +235,53 @@ template <class T, class I>
   return Status();
 }
 
+// Bytes of workspace linear_cross_entropy_heads(args) needs: every head's per-token scratch (8 bytes a
+// token), one logits chunk, a ones vector (with a bias gradient) and 8 bytes a head.
+template <class T, class I>
+[[nodiscard]] Status linear_cross_entropy_heads_workspace_bytes(const LinearCrossEntropyHeadsArgs<T, I>& args,
+                                                                std::size_t& bytes) {
+  bytes = 0;
+  TIGON_CHECK(detail::validate(args, "linear_cross_entropy_heads_workspace_bytes"));
+  bytes = detail::lce_heads_layout(args).total;
+  return Status();
+}
+
 #if defined(__CUDACC__)
+
+namespace detail {
+
+// One head on one chunk of tokens [r0, r0 + c): logits = x_c W^T into `logits`, the loss (gradient in
+// place) against the denominator in `scratch`, then dx_c (beta dx_beta), dW and db (beta `beta`).
+template <class Gemm, class T, class I>
+Status lce_chunk(Gemm& gemm, const CrossEntropyArgs<T, I>& ce, const T* xc, std::int64_t xs, const T* weight,
+                 const T* bias, std::int64_t hidden, std::int64_t r0, std::int64_t c, T* logits, const T* ones,
+                 const CeScratch& scratch, bool want_grad, T* dxc, std::int64_t dxs, float dx_beta, float* dweight,
+                 float* dbias, float beta, cudaStream_t stream, const char* op) {
+  const std::int64_t vocab = ce.vocab;
+  TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = xc, .b = weight, .d = logits, .m = c, .n = vocab, .k = hidden, .lda = xs,
+                                    .op_b = Op::t},
+                        stream));
+  TIGON_CHECK(cross_entropy_chunk(ce, logits, bias, r0, c, want_grad, scratch, stream, op));
+  if (!want_grad) return Status();
+  if (dxc != nullptr) {
+    TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = logits, .b = weight, .c = dx_beta != 0.0f ? dxc : nullptr, .d = dxc,
+                                      .m = c, .n = hidden, .k = vocab, .ldc = dxs, .ldd = dxs, .beta = dx_beta},
+                          stream));
+  }
+  if (dweight != nullptr) {
+    TIGON_CHECK(gemm.gemm(GemmArgs<T, float>{.a = logits, .b = xc, .c = dweight, .d = dweight, .m = vocab,
+                                             .n = hidden, .k = c, .ldb = xs, .op_a = Op::t, .beta = beta},
+                          stream));
+  }
+  if (dbias != nullptr) {
+    TIGON_CHECK(gemm.gemm(GemmArgs<T, float>{.a = ones, .b = logits, .c = dbias, .d = dbias, .m = 1, .n = vocab,
+                                             .k = c, .beta = beta},
+                          stream));
+  }
+  return Status();
+}
+
+}  // namespace detail
 
 // The loss over all tokens, with the gradients asked for, one chunk of tokens at a time.
 template <class Gemm = CublasLtGemm, class T, class I>
@@ -146,30 +310,10 @@ template <class Gemm = CublasLtGemm, class T, class I>
   }
   for (std::int64_t r0 = 0; r0 < tokens; r0 += l.chunk) {
     const std::int64_t c = tokens - r0 < l.chunk ? tokens - r0 : l.chunk;
-    const T* xc = args.x + r0 * xs;
-    TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = xc, .b = args.weight, .d = logits, .m = c, .n = vocab,
-                                      .k = hidden, .lda = xs, .op_b = Op::t},
-                          stream));
-    // The loss over this chunk (gradient in place), against the denominator of all tokens.
-    TIGON_CHECK(detail::cross_entropy_chunk(ce, logits, args.bias, r0, c, want_grad, scratch, stream, kOp));
-    if (!want_grad) continue;
     const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
-    if (args.dx != nullptr) {
-      TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = logits, .b = args.weight, .d = args.dx + r0 * dxs, .m = c,
-                                        .n = hidden, .k = vocab, .ldd = dxs},
-                            stream));
-    }
-    if (args.dweight != nullptr) {
-      TIGON_CHECK(gemm.gemm(GemmArgs<T, float>{.a = logits, .b = xc, .c = args.dweight, .d = args.dweight,
-                                               .m = vocab, .n = hidden, .k = c, .ldb = xs,
-                                               .op_a = Op::t, .beta = beta},
-                            stream));
-    }
-    if (args.dbias != nullptr) {
-      TIGON_CHECK(gemm.gemm(GemmArgs<T, float>{.a = ones, .b = logits, .c = args.dbias, .d = args.dbias,
-                                               .m = 1, .n = vocab, .k = c, .beta = beta},
-                            stream));
-    }
+    TIGON_CHECK(detail::lce_chunk(gemm, ce, args.x + r0 * xs, xs, args.weight, args.bias, hidden, r0, c, logits, ones,
+                                  scratch, want_grad, args.dx != nullptr ? args.dx + r0 * dxs : nullptr, dxs, 0.0f,
+                                  args.dweight, args.dbias, beta, stream, kOp));
   }
   if (ce.reduction != Reduction::none) {
     TIGON_CHECK(detail::ce_reduce(ce.loss_rows != nullptr ? ce.loss_rows : scratch.loss_rows, scratch.z_rows,
@@ -177,6 +321,78 @@ template <class Gemm = CublasLtGemm, class T, class I>
                                   stream, kOp));
   }
   return Status();
+}
+
+// K heads over the same x: per chunk of tokens, each head in turn (logits, loss, dx accumulated over the
+// heads, dW_k, db_k); then each head's reduction and the weighted sums.
+template <class Gemm = CublasLtGemm, class T, class I>
+[[nodiscard]] Status linear_cross_entropy_heads(const LinearCrossEntropyHeadsArgs<T, I>& args, Gemm& gemm,
+                                                cudaStream_t stream) {
+  constexpr const char* kOp = "linear_cross_entropy_heads";
+  TIGON_CHECK(detail::validate(args, kOp));
+  const detail::LceHeadsLayout l = detail::lce_heads_layout(args);
+  TIGON_CHECK(check::workspace(args.workspace, args.workspace_bytes, l.total, kOp));
+  const CrossEntropyArgs<T, I>& ce = args.loss;
+  const std::int64_t tokens = ce.rows, vocab = ce.vocab, hidden = args.hidden;
+  const std::int64_t xs = args.x_stride ? args.x_stride : hidden;
+  const std::int64_t dxs = args.dx_stride ? args.dx_stride : hidden;
+  const std::int64_t ts = args.targets_stride ? args.targets_stride : tokens;
+  const int heads = args.heads;
+  auto* base = static_cast<unsigned char*>(args.workspace);
+  T* logits = reinterpret_cast<T*>(base + l.logits_offset);
+  T* ones = reinterpret_cast<T*>(base + l.ones_offset);
+  float* head_loss = args.head_losses != nullptr ? args.head_losses : reinterpret_cast<float*>(base + l.heads_offset);
+  float* head_z = reinterpret_cast<float*>(base + l.heads_offset) + heads;
+  bool want_grad = args.dx != nullptr;
+  bool any_bias = false;
+  for (int k = 0; k < heads; ++k) {
+    want_grad = want_grad || (args.dweights != nullptr && args.dweights[k] != nullptr) ||
+                (args.dbiases != nullptr && args.dbiases[k] != nullptr);
+    any_bias = any_bias || (args.dbiases != nullptr && args.dbiases[k] != nullptr);
+  }
+  // Head k's loss: its targets, its per-row outputs, its upstream gradient times its factor.
+  auto head = [&](int k) {
+    CrossEntropyArgs<T, I> h = ce;
+    const std::int64_t off = static_cast<std::int64_t>(k) * tokens;
+    h.targets = ce.targets + static_cast<std::int64_t>(k) * ts;
+    h.grad_scale = ce.grad_scale * (args.head_weights != nullptr ? args.head_weights[k] : 1.0f);
+    if (ce.loss_rows != nullptr) h.loss_rows = ce.loss_rows + off;
+    if (ce.lse != nullptr) h.lse = ce.lse + off;
+    if (ce.argmax != nullptr) h.argmax = ce.argmax + off;
+    if (ce.grad_output != nullptr && ce.reduction == Reduction::none) h.grad_output = ce.grad_output + off;
+    return h;
+  };
+  auto scratch = [&](int k) { return detail::ce_scratch(base + l.ce_bytes * static_cast<std::size_t>(k), tokens); };
+  for (int k = 0; k < heads; ++k) {
+    if (ce.reduction != Reduction::mean) break;
+    const CrossEntropyArgs<T, I> h = head(k);
+    TIGON_CHECK(detail::ce_denominator(h.targets, tokens, ce.ignore_index, ce.class_weights, vocab, scratch(k).denom,
+                                       stream, kOp));
+  }
+  if (any_bias) TIGON_CHECK(detail::fill_ones(ones, l.chunk, stream, kOp));
+  for (std::int64_t r0 = 0; r0 < tokens; r0 += l.chunk) {
+    const std::int64_t c = tokens - r0 < l.chunk ? tokens - r0 : l.chunk;
+    const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
+    for (int k = 0; k < heads; ++k) {
+      TIGON_CHECK(detail::lce_chunk(gemm, head(k), args.x + r0 * xs, xs, args.weights[k],
+                                    args.biases != nullptr ? args.biases[k] : nullptr, hidden, r0, c, logits, ones,
+                                    scratch(k), want_grad, args.dx != nullptr ? args.dx + r0 * dxs : nullptr, dxs,
+                                    k > 0 ? 1.0f : 0.0f, args.dweights != nullptr ? args.dweights[k] : nullptr,
+                                    args.dbiases != nullptr ? args.dbiases[k] : nullptr, beta, stream, kOp));
+    }
+  }
+  if (ce.reduction == Reduction::none) return Status();
+  for (int k = 0; k < heads; ++k) {
+    const detail::CeScratch sk = scratch(k);
+    const CrossEntropyArgs<T, I> h = head(k);
+    TIGON_CHECK(detail::ce_reduce(h.loss_rows != nullptr ? h.loss_rows : sk.loss_rows, sk.z_rows, tokens, sk.denom,
+                                  ce.reduction == Reduction::mean, head_loss + k, head_z + k, stream, kOp));
+  }
+  if (ce.loss == nullptr && ce.z_loss == nullptr) return Status();
+  detail::LceHeadFactors f{};
+  for (int k = 0; k < heads; ++k) f.w[k] = args.head_weights != nullptr ? args.head_weights[k] : 1.0f;
+  return detail::launch(kOp, detail::lce_heads_combine_kernel<0>, {dim3(1), dim3(32), 0, stream}, head_loss, head_z,
+                        heads, f, ce.loss, ce.z_loss);
 }
 
 #endif  // __CUDACC__

@@ -29,6 +29,7 @@ CeParams<T, I> ce_params(const CrossEntropyArgs<T, I>& a) {
   p.z = a.z_loss_scale;
   p.cap = a.softcap;
   p.grad_scale = a.grad_scale;
+  p.token_scaling = a.token_scaling;
   p.grad_output = a.grad_output;
   p.reduction = a.reduction;
   p.lse = a.lse;

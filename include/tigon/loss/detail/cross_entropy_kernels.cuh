@@ -20,6 +20,7 @@ struct CeParams {
   const float* weights;
   std::int64_t ignore_index;
   float eps, z, cap, grad_scale;
+  bool token_scaling;  // row factor p_t = exp(x_t - lse) on the loss and the gradient
   const float* grad_output;
   Reduction reduction;
   float* loss_rows;   // caller's or workspace scratch
@@ -152,6 +153,12 @@ TIGON_DEVICE ce_math::RowTerms ce_row_terms(const CeParams<T, I>& p, std::int64_
   return terms;
 }
 
+// The row's token-scaling factor: its probability of the target, p_t = exp(x_t - lse), or 1.
+template <class T, class I>
+TIGON_DEVICE float ce_token_factor(const CeParams<T, I>& p, float lse, float x_t) {
+  return p.token_scaling ? expf(x_t - lse) : 1.0f;
+}
+
 // The row's outputs (loss, z term, lse, argmax; a bad target counted once), by one thread.
 template <class T, class I>
 TIGON_DEVICE void ce_write_row(const CeParams<T, I>& p, std::int64_t row, const ce_math::RowTerms& terms,
@@ -161,8 +168,9 @@ TIGON_DEVICE void ce_write_row(const CeParams<T, I>& p, std::int64_t row, const 
     l = __int_as_float(0x7fc00000);
     if (p.error_count != nullptr) atomicAdd(p.error_count, 1);
   } else if (!ignored) {
-    zl = p.z * terms.lse * terms.lse;
-    l = ce_math::row_loss(terms, p.eps, p.total_vocab) + zl;
+    const float f = ce_token_factor(p, terms.lse, terms.x_t);
+    zl = p.z * terms.lse * terms.lse * f;
+    l = ce_math::row_loss(terms, p.eps, p.total_vocab) * f + zl;
   }
   p.loss_rows[row] = l;
   if (p.z_rows != nullptr) p.z_rows[row] = zl;
@@ -318,7 +326,7 @@ TIGON_DEVICE void ce_grad_range(const CeParams<T, I>& p, const T* xr, T* dr, int
 template <class T, class I>
 TIGON_HD bool ce_plain(const CeParams<T, I>& p) {
   return p.weights == nullptr && p.eps == 0.0f && p.cap == 0.0f && p.bias == nullptr && p.argmax == nullptr &&
-         p.stats == nullptr && p.stats_out == nullptr;
+         !p.token_scaling && p.stats == nullptr && p.stats_out == nullptr;
 }
 
 template <bool kPlain, class T, class I>
@@ -329,6 +337,7 @@ TIGON_DEVICE CeParams<T, I> ce_specialise(CeParams<T, I> p) {
     p.cap = 0.0f;
     p.bias = nullptr;
     p.argmax = nullptr;
+    p.token_scaling = false;
     p.stats = nullptr;
     p.stats_out = nullptr;
   }
@@ -400,8 +409,9 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
     const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, sh.x_t, t_raw, ignored || bad);
     if (threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
     if (p.dx != nullptr) {
-      ce_grad_range<T, I, kV, kThreads, kU, kPlain>(p, xr, p.dx + row * p.dxs, 0, nvec, t, terms,
-                                            ce_grad_scale(p, row, ignored || bad), wcol, drop);
+      ce_grad_range<T, I, kV, kThreads, kU, kPlain>(
+          p, xr, p.dx + row * p.dxs, 0, nvec, t, terms,
+          ce_grad_scale(p, row, ignored || bad) * ce_token_factor(p, lse, sh.x_t), wcol, drop);
     }
     __syncthreads();  // sh is reused by the next row
   }
@@ -646,6 +656,19 @@ TIGON_DEVICE void ce_argmax_lanes(int lane, int n, float& v, unsigned& c) {
   }
 }
 
+// A half's bits as a 16-bit T, and back (the optioned kernel keeps tanh values as half in its
+// registers of T).
+template <class T>
+TIGON_DEVICE T ce_half_bits(__half h) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return h;
+  } else {
+    return __ushort_as_bfloat16(__half_as_ushort(h));
+  }
+}
+TIGON_DEVICE __half ce_bits_half(__half h) { return h; }
+TIGON_DEVICE __half ce_bits_half(__nv_bfloat16 b) { return __ushort_as_half(__bfloat16_as_ushort(b)); }
+
 // The softcap's tanh(u), u = x / cap: kCap 1 the rational tanh (ce_math::tanh_rational, accurate to
 // fp32), kCap 2 the special-function unit's tanh.approx.f32 (relative error under 2^-10.9, a
 // quarter of a bfloat16 rounding; one instruction instead of a dozen FMAs and a divide).
@@ -660,9 +683,9 @@ TIGON_DEVICE float ce_tanh(float u) {
   }
 }
 
-// The resident kernel for every option (class weights, label smoothing, softcap, bias, argmax, the
-// split-vocabulary statistics and finalize passes; the default for them on sm_90+ with 16-byte
-// rows): the plain kernel's structure and registers, the raw 16-byte vectors held, and the logits
+// The resident kernel for every option (class weights, label smoothing, softcap, bias, argmax, token
+// scaling, the split-vocabulary statistics and finalize passes; the default for them on sm_90+ with
+// 16-byte rows): the plain kernel's structure and registers, the raw 16-byte vectors held, and the logits
 // formed from them (bias added, softcap applied) each time a pass needs them, in fp32. kCap (0:
 // none, 1: rational tanh for fp32 logits, 2: hardware tanh for 16-bit ones) and kBias are
 // compile-time, so that a call without them pays nothing; smoothing, weights and argmax are
@@ -726,6 +749,34 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     if constexpr (kCap != 0) {
 #pragma unroll
       for (int k = 0; k < kV; ++k) x[k] = cap * ce_tanh<kCap>(x[k] * inv_cap);
+    }
+  };
+  // 16-bit logits with the softcap: once the statistics are taken, raw[j] holds the vector's tanh
+  // values x / cap as half (keep), and the gradient pass forms the capped logits and the softcap's
+  // derivative from them (kept): one tanh per element instead of two, the special-function unit
+  // being the kernel's limit with the softcap. The half rounding (2^-12 relative) perturbs a capped
+  // logit by at most cap * 2^-12; the loss and the statistics use the fp32 values.
+  constexpr bool kKeepTanh = kCap == 2 && sizeof(T) == 2 && kV % 2 == 0;
+  // With a bias they replace the raw values in raw[j]; without, they go to tk and raw dies: the two
+  // layouts under which ptxas fits each instance in 64 registers without spills.
+  __half2 tk[(kKeepTanh && !kBias) ? kVecs : 1][kV / 2];
+  auto keep = [&](int j, const float (&x)[kV]) {
+    if constexpr (kKeepTanh && kBias) {
+#pragma unroll
+      for (int k = 0; k < kV; ++k) raw[j].v[k] = ce_half_bits<T>(__float2half_rn(x[k] * inv_cap));
+    } else if constexpr (kKeepTanh) {
+#pragma unroll
+      for (int k = 0; k < kV; k += 2) tk[j][k / 2] = __floats2half2_rn(x[k] * inv_cap, x[k + 1] * inv_cap);
+    }
+  };
+  // Element k of vector j's kept tanh values.
+  auto kept = [&](int j, int k) -> float {
+    if constexpr (kKeepTanh && kBias) {
+      return __half2float(ce_bits_half(raw[j].v[k]));
+    } else if constexpr (kKeepTanh) {
+      return (k & 1) ? __high2float(tk[j][k / 2]) : __low2float(tk[j][k / 2]);
+    } else {
+      return 0.0f;
     }
   };
   const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
@@ -820,6 +871,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
           logits(j, x);
 #pragma unroll
           for (int k = 0; k < kV; ++k) s[0] += exp2_ftz(fmaf(x[k], kLog2e, -mb));
+          if constexpr (kKeepTanh) keep(j, x);
           if constexpr (kSmooth) {
             if (wcol != nullptr) {
               const int c0 = (first + j * kThreads) * kV;
@@ -940,9 +992,19 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
       ce_write_row(p, row, ce_row_terms(p, row, total, lse, x_t, t_raw, ignored || bad), total, ignored, bad);
     }
     if (p.dx == nullptr) return;
+    if constexpr (kKeepTanh) {
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        if (j * kThreads < mine) {
+          float x[kV];
+          logits(j, x);
+          keep(j, x);
+        }
+      }
+    }
   }
   const bool skip = t_raw == p.ignore_index || t_raw < 0 || t_raw >= p.total_vocab;
-  const float scale = ce_grad_scale(p, row, skip);
+  const float scale = ce_grad_scale(p, row, skip) * ce_token_factor(p, lse, x_t);
   const float zg = ce_z_grad(p);
   const CeAcc total{0.0f, 0.0f, sum_wx, sum_w, 0.0f, 0};
   const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, x_t, t_raw, skip);
@@ -964,18 +1026,29 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     for (int j = 0; j < kVecs; ++j) {
       if (j * kThreads < mine) {
         const int c0 = (first + j * kThreads) * kV;
-        float x[kV];
-        logits(j, x);
         float g[kV];
+        if constexpr (kKeepTanh) {
+          // The logits as cap * tanh from the kept values, element by element (no second array).
 #pragma unroll
-        for (int k = 0; k < kV; ++k) {
-          float v = exp2_ftz(fmaf(x[k], kLog2e, e0)) * a1;
-          if constexpr (kSmooth) v -= b * (wcol != nullptr ? wcol[c0 + k] : 1.0f);
-          if constexpr (kCap != 0) {
-            const float u = x[k] * inv_cap;
-            v *= fmaf(-u, u, 1.0f);
+          for (int k = 0; k < kV; ++k) {
+            const float u = kept(j, k);
+            float v = exp2_ftz(fmaf(cap * u, kLog2e, e0)) * a1;
+            if constexpr (kSmooth) v -= b * (wcol != nullptr ? wcol[c0 + k] : 1.0f);
+            g[k] = v * fmaf(-u, u, 1.0f);
           }
-          g[k] = v;
+        } else {
+          float x[kV];
+          logits(j, x);
+#pragma unroll
+          for (int k = 0; k < kV; ++k) {
+            float v = exp2_ftz(fmaf(x[k], kLog2e, e0)) * a1;
+            if constexpr (kSmooth) v -= b * (wcol != nullptr ? wcol[c0 + k] : 1.0f);
+            if constexpr (kCap != 0) {
+              const float u = x[k] * inv_cap;
+              v *= fmaf(-u, u, 1.0f);
+            }
+            g[k] = v;
+          }
         }
         store_vec_policy(dv + j * kThreads * kV, from_floats<T>(g), drop);
       }

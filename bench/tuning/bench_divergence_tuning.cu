@@ -18,6 +18,9 @@ struct Stream : tigon::DivergencePolicy {
   static constexpr int kStreamUnroll = kUnroll;
 };
 
+using Ahead256Unroll1 = Stream<256, 1>;
+using Ahead0Unroll4 = Stream<0, 4>;
+
 }  // namespace
 
 #define DIV_TUNE(label, P, opt)                                                                     \
@@ -29,8 +32,8 @@ DIV_TUNE(jsd_ahead128, Stream<128>, Opt{.which = Which::jsd});
 DIV_TUNE(jsd_ahead256, Stream<256>, Opt{.which = Which::jsd});
 DIV_TUNE(jsd_ahead512, Stream<512>, Opt{.which = Which::jsd});
 DIV_TUNE(jsd_ahead1024, Stream<1024>, Opt{.which = Which::jsd});
-DIV_TUNE(jsd_ahead256_u1, Stream<256, 1>, Opt{.which = Which::jsd});
-DIV_TUNE(jsd_ahead0_u4, Stream<0, 4>, Opt{.which = Which::jsd});
+DIV_TUNE(jsd_ahead256_u1, Ahead256Unroll1, Opt{.which = Which::jsd});
+DIV_TUNE(jsd_ahead0_u4, Ahead0Unroll4, Opt{.which = Which::jsd});
 DIV_TUNE(fkl_ahead0, Stream<0>, Opt{.which = Which::forward_kl});
 DIV_TUNE(fkl_ahead256, Stream<256>, Opt{.which = Which::forward_kl});
 DIV_TUNE(tvd_ahead0, Stream<0>, (Opt{.which = Which::tvd, .student = tigon::DivergenceInput::probs, .teacher = tigon::DivergenceInput::probs}));

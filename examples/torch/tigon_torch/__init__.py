@@ -93,18 +93,34 @@ from .modules import (
     TigonTVDLoss,
 )
 from .patch import (
+    AutoTigonForCausalLM,
     _apply_tigon,
     _apply_tigon_to_instance,
+    apply_tigon_to_falcon_h1,
     apply_tigon_to_gemma,
     apply_tigon_to_gemma2,
     apply_tigon_to_gemma3,
     apply_tigon_to_gemma3_text,
+    apply_tigon_to_glm4,
+    apply_tigon_to_gpt_oss,
+    apply_tigon_to_granite,
     apply_tigon_to_llama,
+    apply_tigon_to_llama4,
     apply_tigon_to_mistral,
+    apply_tigon_to_mixtral,
     apply_tigon_to_model,
+    apply_tigon_to_nemotron,
+    apply_tigon_to_olmo2,
+    apply_tigon_to_olmo3,
+    apply_tigon_to_phi,
     apply_tigon_to_phi3,
     apply_tigon_to_qwen2,
+    apply_tigon_to_qwen2_5_vl,
+    apply_tigon_to_qwen2_vl,
     apply_tigon_to_qwen3,
+    apply_tigon_to_qwen3_moe,
+    apply_tigon_to_qwen3_vl,
+    apply_tigon_to_smollm3,
     unpatch,
 )
 
@@ -112,5 +128,5 @@ __version__ = "0.1.0"
 
 __all__ = [name for name in dir() if name.startswith(("Tigon", "tigon_", "apply_tigon_"))] + [
     "CrossEntropyOutput", "TargetOutOfRangeError", "check_targets", "count_invalid_targets", "load", "medusa_targets",
-    "unpatch",
+    "unpatch", "AutoTigonForCausalLM",
     "_apply_tigon", "_apply_tigon_to_instance"]

@@ -6,18 +6,32 @@
 
     apply_tigon_to_llama(model=model)          # or an instantiated model, in place
 
+    model = AutoTigonForCausalLM.from_pretrained(path)   # any supported family, by config.model_type
+    apply_tigon_to_model(model)                          # any supported family, an instantiated model
+
 Each apply_tigon_to_<family> takes the parameters of Liger-Kernel's apply_liger_kernel_to_<family>, in
-its order, with its defaults: (rope=True, cross_entropy=False, fused_linear_cross_entropy=True,
-rms_norm=True, swiglu=True, model=None), geglu= instead of swiglu= for the Gemma families, and
-layer_norm=True before rms_norm for Gemma 3; then tigon's fused_mlp=True, keyword-only.
+its order, with its defaults (most families: rope=True, cross_entropy=False,
+fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, model=None; geglu= for the Gemma
+families, layer_norm= where Liger has it, other defaults where Liger's differ: Granite, GLM-4,
+GPT-OSS, Qwen3-VL, Nemotron), then tigon-only switches, keyword-only: fused_mlp=True where the
+family has a gated MLP; rope / layer_norm for Nemotron, whose Liger function has neither. Phi,
+which Liger does not patch, takes (rope, cross_entropy, fused_linear_cross_entropy, layer_norm,
+model). The per-family table _FAMILIES says what each family's switches replace; docs/models.md
+lists it for users.
 
 What each switch replaces:
   rope                        the modeling module's apply_rotary_pos_emb (a module-level function, so
-                              this applies to every model of the family, built or not)
-  rms_norm                    the family's RMSNorm (Llama casting; Gemma: offset 1, Gemma casting)
-  swiglu / geglu              the MLP's act(gate) * up (SwiGLU, or GeGLU for the Gemma family; Phi-3's
-                              fused gate_up projection is read in place)
-  layer_norm                  (Gemma 3) the torch.nn.LayerNorm modules of the SigLIP vision tower
+                              this applies to every model of the family, built or not); partial
+                              rotary tables rotate their first channels and pass the rest through
+  rms_norm                    the family's RMSNorm, with the family's casting and offset (Llama
+                              casting; Gemma: offset 1, Gemma casting; OLMo 2 / 3, GPT-OSS: offset 0,
+                              Gemma casting, as their weight multiplies in fp32)
+  swiglu / geglu              the MLP's act(gate) * up (SwiGLU, or GeGLU for the Gemma family; a fused
+                              gate_up projection, Phi-3's and GLM-4's, is read in place; Falcon-H1's
+                              gate multiplier goes into the kernel), and the routed experts'
+                              act(gate) * up (Mixtral, Qwen3-MoE, Llama 4): the router is left alone
+  layer_norm                  torch.nn.LayerNorm modules (Gemma 3's SigLIP tower, Llama 4's vision
+                              tower, Phi's every norm) and Nemotron's LayerNorm1P (weight + 1)
   fused_mlp                   with swiglu / geglu, a gate / up / down MLP of plain bias-free nn.Linear
                               modules (no PEFT adapter, no hook, no autocast) runs as one autograd
                               function (TigonGatedMLPFunction) that does not keep the down projection's
@@ -27,16 +41,25 @@ What each switch replaces:
   cross_entropy               the causal-LM loss on materialised logits
   fused_linear_cross_entropy  in training with labels, the causal-LM forward skips the logits and
                               computes the loss from the last hidden states and the LM head
-                              (honouring num_items_in_batch, shift_labels, ignore_index and Gemma's
-                              final logit softcap); outputs.logits is then None
+                              (honouring num_items_in_batch, shift_labels, ignore_index, Gemma's final
+                              logit softcap, Granite's logits_scaling and Falcon-H1's
+                              lm_head_multiplier, and adding the MoE router's auxiliary loss as
+                              Hugging Face does); outputs.logits is then None
 
-Class patching (model=None) replaces the modeling module's RMSNorm / MLP classes by subclasses (same
-__init__, same parameters, so checkpoints load unchanged) and the causal-LM class's forward; models
-built before the call keep their modules, but share the new causal-LM forward and the RoPE function.
+A module whose Hugging Face code computes something tigon's kernels do not (Llama 4's complex RoPE,
+GLM-4's interleaved RoPE, GPT-OSS's clamped expert gate, Nemotron's squared ReLU, Phi's plain GELU
+MLP) stays on Hugging Face's code: its switch is accepted and logs what stays (_Family.keeps).
+
+Class patching (model=None) replaces the modeling module's RMSNorm / MLP / experts classes by
+subclasses (same __init__, same parameters, so checkpoints load unchanged) and the causal-LM class's
+forward; models built before the call keep their modules, but share the new causal-LM forward and
+the RoPE function. For the vision-language families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) only the text
+decoder is patched: class patching makes each text model patch its own modules when it is built,
+so the vision tower keeps Hugging Face's code even where it shares a class with the text model.
 With model=..., that model's modules are patched in place (their forward methods rebound); only the
-RoPE function, a module-level function the attention calls, is replaced for the whole family. Tensors that
-are not on a CUDA device, and dtype combinations tigon does not cover, go through the original
-Hugging Face code. unpatch() undoes every patch made through this module.
+RoPE function, a module-level function the attention calls, is replaced for the whole family.
+Tensors that are not on a CUDA device, and dtype combinations tigon does not cover, go through the
+original Hugging Face code. unpatch() undoes every patch made through this module.
 """
 
 from __future__ import annotations
@@ -45,7 +68,7 @@ import importlib
 import inspect
 import logging
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -129,10 +152,16 @@ def _activation_kind(act) -> str | None:
     return None
 
 
+def _act(self):
+    """The module's activation (act_fn, or activation_fn: Phi-3, GLM-4, Llama 4)."""
+    act = getattr(self, "act_fn", None)
+    return act if act is not None else getattr(self, "activation_fn", None)
+
+
 def _mlp_kind(self) -> str | None:
     kind = self.__dict__.get("_tigon_act_kind", _MISSING)
     if kind is _MISSING:
-        act = getattr(self, "act_fn", None) or getattr(self, "activation_fn", None)
+        act = _act(self)
         kind = _activation_kind(act) if act is not None else None
         self.__dict__["_tigon_act_kind"] = kind
     return kind
@@ -146,8 +175,24 @@ def _gated_mlp_forward(self, x):
         return F.tigon_gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, kind)
     a, b = self.gate_proj(x), self.up_proj(x)
     if a.dtype not in _FLOAT_TYPES or a.dtype != b.dtype:
-        return self.down_proj(self.act_fn(a) * b)
+        return self.down_proj(_act(self)(a) * b)
     return self.down_proj(TigonGatedMulFunction.apply(a, b, kind, 1.0, 1.0))
+
+
+def _scaled_gated_mlp_forward(self, x):
+    """Falcon-H1's MLP: down_proj(up_proj(x) * act(gate_proj(x) * gate_multiplier)) * down_multiplier,
+    the gate multiplier inside the gated kernel, the down multiplier where Hugging Face applies it."""
+    kind = _mlp_kind(self)
+    if kind is None or not _ops.on_device(x):
+        return self._tigon_fallback(x)
+    gate_multiplier = float(self.gate_multiplier)
+    if self._tigon_fused_mlp and gate_multiplier == 1.0 and F.gated_mlp_fusable(self, x):
+        y = F.tigon_gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, kind)
+        return y * self.down_multiplier
+    a, b = self.gate_proj(x), self.up_proj(x)
+    if a.dtype not in _FLOAT_TYPES or a.dtype != b.dtype:
+        return self.down_proj(b * _act(self)(a * self.gate_multiplier)) * self.down_multiplier
+    return self.down_proj(TigonGatedMulFunction.apply(a, b, kind, gate_multiplier, 1.0)) * self.down_multiplier
 
 
 def _fused_gate_up_mlp_forward(self, hidden_states):
@@ -157,80 +202,60 @@ def _fused_gate_up_mlp_forward(self, hidden_states):
     gate_up = self.gate_up_proj(hidden_states)
     if gate_up.dtype not in _FLOAT_TYPES:
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(up * self.activation_fn(gate))
+        return self.down_proj(up * _act(self)(gate))
     return self.down_proj(TigonFusedGateUpMulFunction.apply(gate_up, kind))
 
 
-def _causal_lm_forward(
-    self,
-    input_ids=None,
-    attention_mask=None,
-    position_ids=None,
-    past_key_values=None,
-    inputs_embeds=None,
-    labels=None,
-    use_cache=None,
-    logits_to_keep=0,
-    **kwargs,
-):
-    """The causal-LM forward of Hugging Face 5.x with the loss through tigon: in training with labels
-    (and fused_linear_cross_entropy on), the loss comes from the hidden states and the LM head
-    without the logits (outputs.logits is None); otherwise the logits are computed as usual and the
-    loss, if any, by tigon's cross-entropy (cross_entropy on) or the model's loss function."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    outputs = self.model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-        **kwargs,
-    )
-    hidden_states = outputs.last_hidden_state
-    slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    kept = hidden_states[:, slice_indices, :]
-    softcap = getattr(self.config, "final_logit_softcapping", None)
-    shift_labels = kwargs.get("shift_labels")
-    has_labels = labels is not None or shift_labels is not None
-    loss, logits = None, None
-    if has_labels and self.training and self._tigon_flce and _ops.on_device(kept):
-        loss = F.tigon_causal_lm_loss(
-            kept,
-            self.lm_head.weight,
-            labels,
-            lm_head_bias=self.lm_head.bias,
-            shift_labels=shift_labels,
-            num_items_in_batch=kwargs.get("num_items_in_batch"),
-            ignore_index=kwargs.get("ignore_index", -100),
-            final_logit_softcapping=softcap,
-        )
-    else:
-        logits = self.lm_head(kept)
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        if has_labels:
-            if self._tigon_ce and _ops.on_device(logits):
-                extra = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
-                loss = F.tigon_causal_lm_loss_from_logits(logits, labels, self.config.vocab_size, **extra)
-            else:
-                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-    return CausalLMOutputWithPast(
-        loss=loss,
-        logits=logits,
-        past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
-    )
+def _experts_gate_supported(self, gate_up) -> bool:
+    return (_mlp_kind(self) is not None and _ops.on_device(gate_up) and gate_up.dtype in _FLOAT_TYPES
+            and getattr(self, "has_gate", True) and getattr(self, "is_concatenated", True))
 
 
-def _wrap_causal_lm_forward():
-    try:
-        from transformers.utils import can_return_tuple
-    except ImportError:  # pragma: no cover
-        return _causal_lm_forward
-    return can_return_tuple(_causal_lm_forward)
+def _experts_apply_gate(self, gate_up):
+    """act(gate) * up of the experts' [tokens, 2 * I] gate_up projection (the first half the gate), the
+    step Hugging Face's batched_mm and grouped_mm experts implementations call."""
+    if not _experts_gate_supported(self, gate_up):
+        return self._tigon_gate_fallback(gate_up)
+    return TigonFusedGateUpMulFunction.apply(gate_up, _mlp_kind(self))
+
+
+def _routed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Routed experts stored as 3-D weights (gate_up_proj [E, 2 * I, H], down_proj [E, H, I]: Mixtral,
+    Qwen3-MoE). With the eager experts implementation, the per-expert loop of Hugging Face's own
+    forward with act(gate) * up through tigon; any other implementation (grouped_mm, batched_mm, ...)
+    runs Hugging Face's dispatching forward, which calls the patched _apply_gate."""
+    impl = getattr(getattr(self, "config", None), "_experts_implementation", None)
+    if (impl not in (None, "eager") or getattr(self, "has_bias", False) or getattr(self, "is_transposed", False)
+            or not _experts_gate_supported(self, hidden_states)):
+        return self._tigon_fallback(hidden_states, top_k_index, top_k_weights)
+    final = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit:
+        e = e[0]
+        if e == self.num_experts:  # an expert-parallel sentinel
+            continue
+        top_k_pos, token_idx = torch.where(mask[e])
+        gate_up = nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[e])
+        h = nn.functional.linear(self._apply_gate(gate_up), self.down_proj[e])
+        h = h * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, h.to(final.dtype))
+    return final
+
+
+def _bmm_experts_forward(self, hidden_states):
+    """Llama 4's experts (gate_up_proj [E, H, 2 * I], every expert over its share of the routed rows,
+    one batched matmul each way) with act(gate) * up through tigon."""
+    kind = _mlp_kind(self)
+    if kind is None or not _ops.on_device(hidden_states) or hidden_states.dtype not in _FLOAT_TYPES:
+        return self._tigon_fallback(hidden_states)
+    x = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+    gate_up = torch.bmm(x, self.gate_up_proj)
+    if gate_up.dtype not in _FLOAT_TYPES:
+        return self._tigon_fallback(hidden_states)
+    out = torch.bmm(TigonFusedGateUpMulFunction.apply(gate_up, kind), self.down_proj)
+    return out.view(-1, self.hidden_size)
 
 
 def _layer_norm_supported(m: nn.LayerNorm, x: torch.Tensor) -> bool:
@@ -242,17 +267,22 @@ def _layer_norm_supported(m: nn.LayerNorm, x: torch.Tensor) -> bool:
 
 
 def _layer_norm_forward(self, x):
-    if not _layer_norm_supported(self, x):
+    """torch.nn.LayerNorm's forward through tigon; _tigon_ln_offset (Nemotron's LayerNorm1P: 1) is
+    added to the weight first, as the module itself does."""
+    offset = getattr(self, "_tigon_ln_offset", 0.0)
+    if not _layer_norm_supported(self, x) or (offset and self.weight is None):
         return self._tigon_fallback(x)
-    return F.tigon_layer_norm(x, self.weight, self.bias, self.eps)
+    weight = self.weight + offset if offset else self.weight
+    return F.tigon_layer_norm(x, weight, self.bias, self.eps)
 
 
-def _layer_norm_subclass() -> type:
+def _layer_norm_subclass(base: type = nn.LayerNorm, offset: float = 0.0) -> type:
     def fallback(self, x):
-        return nn.LayerNorm.forward(self, x)
+        return base.forward(self, x)
 
-    return type("TigonNNLayerNorm", (nn.LayerNorm,), {"forward": _layer_norm_forward, "_tigon_fallback": fallback,
-                                                     "__module__": __name__})
+    name = "TigonNNLayerNorm" if base is nn.LayerNorm else f"Tigon{base.__name__}"
+    return type(name, (base,), {"forward": _layer_norm_forward, "_tigon_fallback": fallback,
+                                "_tigon_ln_offset": offset, "__module__": __name__})
 
 
 class _TorchNNView(types.ModuleType):
@@ -267,93 +297,338 @@ class _TorchNNView(types.ModuleType):
         return getattr(nn, name)
 
 
-def _multimodal_forward(original):
-    """Gemma3ForConditionalGeneration's forward (transformers 5.x) with the loss through tigon, as
-    _causal_lm_forward for the text model: in training with labels (fused_linear_cross_entropy on) the
-    loss comes from the language model's hidden states and the LM head without the logits
-    (outputs.logits is None); with cross_entropy on, from the logits by tigon's cross-entropy;
-    otherwise, and for tensors not on a CUDA device, Hugging Face's forward runs."""
+# ------------------------------------------------------------------------------------------------
+# RoPE
+# ------------------------------------------------------------------------------------------------
 
-    def forward(self, input_ids=None, pixel_values=None, attention_mask=None, position_ids=None,
-                past_key_values=None, token_type_ids=None, inputs_embeds=None, labels=None, use_cache=None,
-                logits_to_keep=0, **kwargs):
-        inputs = dict(input_ids=input_ids, pixel_values=pixel_values, attention_mask=attention_mask,
-                      position_ids=position_ids, past_key_values=past_key_values, token_type_ids=token_type_ids,
-                      inputs_embeds=inputs_embeds, use_cache=use_cache)
-        shift_labels = kwargs.get("shift_labels")
+
+def _rope_full_table(original):
+    """GPT-OSS's apply_rotary_pos_emb: cos / sin of head_dim / 2, x1 * cos - x2 * sin and
+    x2 * cos + x1 * sin over the two halves of each head, which is the rotate_half rotation with the
+    table repeated once (both halves of Hugging Face's usual table are equal): tigon's rope on
+    [cos, cos] and [sin, sin]."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if not _ops.on_device(q) or 2 * cos.shape[-1] != q.shape[-1]:
+            return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return F.tigon_rotary_pos_emb(q, k, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1),
+                                      unsqueeze_dim=unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
+# ------------------------------------------------------------------------------------------------
+# The causal-LM loss
+# ------------------------------------------------------------------------------------------------
+
+
+class _HeadCapture:
+    """While active, the LM head's forward returns an empty [..., 0] tensor and keeps its input, so
+    the model's own forward runs up to (and past) the head without computing the logits; whatever it
+    does to them afterwards (softcap, scaling) touches no data."""
+
+    def __init__(self, head: nn.Module):
+        self.head, self.hidden = head, None
+
+    def _capture(self, x):
+        self.hidden = x
+        return x.new_empty((*x.shape[:-1], 0))
+
+    def __enter__(self):
+        self.head.__dict__["forward"] = self._capture
+        return self
+
+    def __exit__(self, *exc):
+        self.head.__dict__.pop("forward", None)
+        return False
+
+
+def _logit_transform(model, rule: str):
+    """(scale, softcap) that Hugging Face's forward applies to the LM head's output: logits * scale,
+    then softcap * tanh(logits / softcap)."""
+    if rule == "softcap":
+        return None, getattr(model.config, "final_logit_softcapping", None)
+    if rule == "granite":  # logits / config.logits_scaling
+        return 1.0 / model.config.logits_scaling, None
+    if rule == "falcon_h1":  # logits * model.lm_head_multiplier
+        return model.model.lm_head_multiplier, None
+    return None, None
+
+
+def _plain_head(head) -> bool:
+    return (isinstance(head, nn.Linear) and "forward" not in head.__dict__ and not hasattr(head, "_hf_hook")
+            and _ops.on_device(head.weight))
+
+
+def _loss_forward(original, rule: str):
+    """The causal-LM forward `original` (Hugging Face's, of any family, text or multimodal) with its loss
+    through tigon. In training with labels (and fused_linear_cross_entropy on) `original` runs with
+    labels=None while the LM head only passes its input on (_HeadCapture): the loss comes from those
+    hidden states and the head's weight (scaled and softcapped as `rule` says Hugging Face's forward
+    does), and outputs.logits is None. With cross_entropy on, the logits are computed and the loss
+    comes from tigon's cross-entropy. An auxiliary router loss in the outputs (MoE families with
+    output_router_logits) is added with the model's router_aux_loss_coef, as Hugging Face adds it.
+    Otherwise, and for an LM head that is not a plain nn.Linear on a CUDA device, `original` runs."""
+    sig = inspect.signature(original)
+    names = list(sig.parameters)
+
+    def forward(self, *args, **kwargs):
+        use_flce = self._tigon_flce and self.training
+        use_ce = self._tigon_ce
+        try:
+            bound = sig.bind(self, *args, **kwargs)
+        except TypeError:
+            return original(self, *args, **kwargs, return_dict=True)
+        call = {}
+        for name, value in list(bound.arguments.items())[1:]:
+            kind = sig.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                call.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                return original(self, *args, **kwargs, return_dict=True)
+            else:
+                call[name] = value
+        labels, shift_labels = call.get("labels"), call.get("shift_labels")
         has_labels = labels is not None or shift_labels is not None
-        on_device = _ops.on_device(self.lm_head.weight)
-        if has_labels and on_device and self.training and self._tigon_flce:
-            outputs = self.model(**inputs, labels=labels, return_dict=True, **kwargs)
-            hidden = outputs.last_hidden_state
-            slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-            loss = F.tigon_causal_lm_loss(
-                hidden[:, slice_indices, :],
-                self.lm_head.weight,
-                labels,
-                lm_head_bias=self.lm_head.bias,
-                shift_labels=shift_labels,
-                num_items_in_batch=kwargs.get("num_items_in_batch"),
-                ignore_index=kwargs.get("ignore_index", -100),
-            )  # no final logit softcap: Hugging Face's multimodal forward applies none
-            out_cls = importlib.import_module(type(self).__module__).Gemma3CausalLMOutputWithPast
-            return out_cls(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                           hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-                           image_hidden_states=outputs.image_hidden_states)
-        if has_labels and on_device and self._tigon_ce:
-            out = original(self, **inputs, labels=None, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
-            extra = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
-            loss = F.tigon_causal_lm_loss_from_logits(out.logits, labels, self.config.text_config.vocab_size, **extra)
-            return type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
-        return original(self, **inputs, labels=labels, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
+        head = self.get_output_embeddings() if "labels" in names else None
+        if not (has_labels and (use_flce or use_ce)) or head is None or not _plain_head(head):
+            return original(self, *args, **kwargs, return_dict=True)
 
+        call["labels"] = None
+        call["return_dict"] = True
+        extra = {k: call[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in call}
+        if use_flce:
+            with _HeadCapture(head) as capture:
+                out = original(self, **call)
+            hidden = capture.hidden
+            if hidden is None:
+                raise RuntimeError(f"tigon_torch: {type(self).__name__}.forward did not call its LM head")
+            scale, softcap = _logit_transform(self, rule)
+            bias = head.bias
+            if scale is not None:
+                hidden = hidden * scale
+                bias = bias * scale if bias is not None else None
+            loss = F.tigon_causal_lm_loss(
+                hidden, head.weight, labels, lm_head_bias=bias, shift_labels=shift_labels,
+                num_items_in_batch=extra.get("num_items_in_batch"), ignore_index=extra.get("ignore_index", -100),
+                final_logit_softcapping=softcap)
+            fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+        else:
+            out = original(self, **call)
+            loss = F.tigon_causal_lm_loss_from_logits(out.logits, labels, **extra)
+            fields = {k: v for k, v in out.items() if k != "loss"}
+        aux = fields.get("aux_loss")
+        coef = getattr(self, "router_aux_loss_coef", None)
+        if aux is not None and coef is not None:
+            loss = loss + coef * aux.to(loss.device)
+        return type(out)(loss=loss, **fields)
+
+    forward.__signature__ = sig  # what inspect (Trainer's column filter, generate) reads: Hugging Face's
+    forward.__name__ = getattr(original, "__name__", "forward")
+    forward.__qualname__ = getattr(original, "__qualname__", "forward")
+    forward.__doc__ = original.__doc__
     try:
         from transformers.utils import can_return_tuple
     except ImportError:  # pragma: no cover
-        return forward
-    return can_return_tuple(forward)
+        wrapped = forward
+    else:
+        wrapped = can_return_tuple(forward)
+    wrapped._tigon_original = original
+    return wrapped
+
+
+def _pre_tigon(fn):
+    """A forward with any tigon loss wrapper removed."""
+    while getattr(fn, "_tigon_original", None) is not None:
+        fn = fn._tigon_original
+    return fn
 
 
 # ------------------------------------------------------------------------------------------------
 # Families
 # ------------------------------------------------------------------------------------------------
 
+# Liger's parameters of apply_liger_kernel_to_<family>, in order, with defaults.
+_P = (("rope", True), ("cross_entropy", False), ("fused_linear_cross_entropy", True), ("rms_norm", True))
+_LIGER_SWIGLU = _P + (("swiglu", True), ("model", None))
+_LIGER_GEGLU = _P + (("geglu", True), ("model", None))
+_FUSED_MLP = (("fused_mlp", True),)
+
+
+def _defaults(params, **changed):
+    return tuple((n, changed.get(n, d)) for n, d in params)
+
 
 @dataclass(frozen=True)
 class _Family:
+    """What one family's patch replaces.
+
+    module: the modeling module. norm: its RMSNorm class (offset, casting, norm_in_place: whether the
+    backward may write dX over dY; not where the norm's output feeds a residual add). mlp: its dense
+    gated MLP class (fused_gate_up: one gate_up projection; mlp_multipliers: Falcon-H1's gate / down
+    multipliers). experts: its routed-experts class ("routed": Hugging Face's 3-D expert weights with
+    the experts-implementation dispatch; "bmm": Llama 4's). rope: how apply_rotary_pos_emb is
+    replaced ("rotate_half": tigon_rotary_pos_emb; "full_table": GPT-OSS's half-width tables), None:
+    left alone. layer_norm: "nn" (torch.nn.LayerNorm modules; the class patch gives the modules named
+    in layer_norm_modules a torch.nn whose LayerNorm is tigon's) or a LayerNorm subclass of the module
+    (with layer_norm_offset added to its weight). heads: (causal-LM class, logit rule) pairs whose
+    loss goes through tigon (_logit_transform). scope: patch only modules inside instances of this
+    class (a vision-language model's text model). unfused: (parent class, attribute) naming MLPs whose
+    output Hugging Face modifies in place (Llama 4's shared expert: out.add_(...)), which the fused
+    MLP's output, a view made inside an autograd function, does not allow: they keep their
+    projections as modules (only the activation fused). params / extras / var_kw: the apply function's
+    signature (Liger's parameters, tigon's keyword-only ones, a **kwargs). keeps: (switch or None for
+    always, what stays on Hugging Face's code and why), logged when that switch is on."""
+
     name: str
     module: str
-    norm: str
-    mlp: str
-    causal_lm: tuple[str, ...]
+    norm: str | None
+    mlp: str | None
+    heads: tuple[tuple[str, str], ...]
     offset: float = 0.0
     casting: str = "llama"
     norm_in_place: bool = True
     fused_gate_up: bool = False
-    extra_norm_names: tuple[str, ...] = field(default=())
+    mlp_multipliers: bool = False
+    experts: str | None = None
+    experts_kind: str = "routed"
+    rope: str | None = "rotate_half"
+    layer_norm: str | None = None
+    layer_norm_modules: tuple[str, ...] = ()
+    layer_norm_offset: float = 0.0
+    scope: str | None = None
+    unfused: tuple[tuple[str, str], ...] = ()
+    params: tuple[tuple[str, object], ...] = _LIGER_SWIGLU
+    extras: tuple[tuple[str, object], ...] = _FUSED_MLP
+    var_kw: bool = False
+    keeps: tuple[tuple[str | None, str], ...] = ()
 
+    @property
+    def causal_lm(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.heads)
+
+    @property
+    def mlp_switch(self) -> str | None:
+        names = [n for n, _ in self.params + self.extras]
+        return next((n for n in ("swiglu", "geglu") if n in names), None)
+
+
+def _f(name, module, norm, mlp, heads, **kw) -> _Family:
+    if isinstance(heads, str):
+        heads = ((heads, "plain"),)
+    return _Family(name, f"transformers.models.{module}.modeling_{module}", norm, mlp, heads, **kw)
+
+
+_GEMMA = dict(offset=1.0, casting="gemma", params=_LIGER_GEGLU)
+_VISION_KEPT = "the vision tower stays on Hugging Face's code; only the text decoder is patched"
 
 _FAMILIES = {
-    "llama": _Family("llama", "transformers.models.llama.modeling_llama", "LlamaRMSNorm", "LlamaMLP",
-                     ("LlamaForCausalLM",)),
-    "mistral": _Family("mistral", "transformers.models.mistral.modeling_mistral", "MistralRMSNorm", "MistralMLP",
-                       ("MistralForCausalLM",)),
-    "qwen2": _Family("qwen2", "transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm", "Qwen2MLP",
-                     ("Qwen2ForCausalLM",)),
-    "qwen3": _Family("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm", "Qwen3MLP",
-                     ("Qwen3ForCausalLM",)),
-    "gemma": _Family("gemma", "transformers.models.gemma.modeling_gemma", "GemmaRMSNorm", "GemmaMLP",
-                     ("GemmaForCausalLM",), offset=1.0, casting="gemma"),
+    "llama": _f("llama", "llama", "LlamaRMSNorm", "LlamaMLP", "LlamaForCausalLM"),
+    "mistral": _f("mistral", "mistral", "MistralRMSNorm", "MistralMLP", "MistralForCausalLM"),
+    "qwen2": _f("qwen2", "qwen2", "Qwen2RMSNorm", "Qwen2MLP", "Qwen2ForCausalLM"),
+    "qwen3": _f("qwen3", "qwen3", "Qwen3RMSNorm", "Qwen3MLP", "Qwen3ForCausalLM"),
+    "gemma": _f("gemma", "gemma", "GemmaRMSNorm", "GemmaMLP", "GemmaForCausalLM", **_GEMMA),
     # Gemma 2 and 3 add a norm's output to the residual stream, so the norm's dY is also the
-    # residual's gradient: their backward must not overwrite it (in_place=False).
-    "gemma2": _Family("gemma2", "transformers.models.gemma2.modeling_gemma2", "Gemma2RMSNorm", "Gemma2MLP",
-                      ("Gemma2ForCausalLM",), offset=1.0, casting="gemma", norm_in_place=False),
-    "gemma3_text": _Family("gemma3_text", "transformers.models.gemma3.modeling_gemma3", "Gemma3RMSNorm",
-                           "Gemma3MLP", ("Gemma3ForCausalLM",), offset=1.0, casting="gemma",
-                           norm_in_place=False),
-    "phi3": _Family("phi3", "transformers.models.phi3.modeling_phi3", "Phi3RMSNorm", "Phi3MLP",
-                    ("Phi3ForCausalLM",), fused_gate_up=True),
+    # residual's gradient: their backward must not overwrite it (norm_in_place=False).
+    "gemma2": _f("gemma2", "gemma2", "Gemma2RMSNorm", "Gemma2MLP", (("Gemma2ForCausalLM", "softcap"),),
+                 norm_in_place=False, **_GEMMA),
+    "gemma3_text": _f("gemma3_text", "gemma3", "Gemma3RMSNorm", "Gemma3MLP", (("Gemma3ForCausalLM", "softcap"),),
+                      norm_in_place=False, **_GEMMA),
+    # Gemma3ForConditionalGeneration applies no final logit softcap: neither does its patched loss.
+    "gemma3": _f("gemma3", "gemma3", "Gemma3RMSNorm", "Gemma3MLP",
+                 (("Gemma3ForCausalLM", "softcap"), ("Gemma3ForConditionalGeneration", "plain")),
+                 norm_in_place=False, offset=1.0, casting="gemma", layer_norm="nn",
+                 layer_norm_modules=("transformers.models.siglip.modeling_siglip",),
+                 params=_P[:3] + (("layer_norm", True), ("rms_norm", True), ("geglu", True), ("model", None))),
+    "phi3": _f("phi3", "phi3", "Phi3RMSNorm", "Phi3MLP", "Phi3ForCausalLM", fused_gate_up=True),
+    "mixtral": _f("mixtral", "mixtral", "MixtralRMSNorm", None, "MixtralForCausalLM", experts="MixtralExperts"),
+    "qwen3_moe": _f("qwen3_moe", "qwen3_moe", "Qwen3MoeRMSNorm", "Qwen3MoeMLP", "Qwen3MoeForCausalLM",
+                    experts="Qwen3MoeExperts"),
+    # OLMo 2 / 3 multiply by the weight in fp32 ((weight * x).to(dtype)): Gemma casting, offset 0;
+    # their norms sit after attention / MLP, before the residual add: out of place.
+    "olmo2": _f("olmo2", "olmo2", "Olmo2RMSNorm", "Olmo2MLP", "Olmo2ForCausalLM", casting="gemma",
+                norm_in_place=False),
+    "olmo3": _f("olmo3", "olmo3", "Olmo3RMSNorm", "Olmo3MLP", "Olmo3ForCausalLM", casting="gemma",
+                norm_in_place=False),
+    # Granite's embedding, residual and attention multipliers are in modules tigon leaves alone; its
+    # logits_scaling divides the logits, so the fused loss scales the hidden states by 1 / scaling.
+    "granite": _f("granite", "granite", "GraniteRMSNorm", "GraniteMLP", (("GraniteForCausalLM", "granite"),),
+                  params=_defaults(_LIGER_SWIGLU, cross_entropy=True, fused_linear_cross_entropy=False)),
+    "glm4": _f("glm4", "glm4", "Glm4RMSNorm", "Glm4MLP", "Glm4ForCausalLM", fused_gate_up=True,
+               norm_in_place=False, rope=None, params=_defaults(_LIGER_SWIGLU, rope=False),
+               keeps=(("rope", "GLM-4 rotates interleaved pairs (x[0::2], x[1::2]) of a partial rotary slice, "
+                               "a layout tigon's rope does not compute; apply_rotary_pos_emb stays Hugging Face's"),)),
+    "gpt_oss": _f("gpt_oss", "gpt_oss", "GptOssRMSNorm", None, "GptOssForCausalLM", casting="gemma",
+                  rope="full_table", params=_defaults(_LIGER_SWIGLU, swiglu=False),
+                  keeps=(("swiglu", "GPT-OSS's experts clamp gate and up and compute (up + 1) * gate * "
+                                    "sigmoid(alpha * gate) on interleaved columns, not SiLU(gate) * up; "
+                                    "they stay Hugging Face's"),)),
+    "smollm3": _f("smollm3", "smollm3", "SmolLM3RMSNorm", "SmolLM3MLP", "SmolLM3ForCausalLM"),
+    # Falcon-H1: the MLP's gate multiplier goes into the gated kernel, its down multiplier and the
+    # model's lm_head_multiplier stay where Hugging Face applies them (the fused loss scales the
+    # hidden states); the Mamba mixer and its gated RMSNorm stay Hugging Face's.
+    "falcon_h1": _f("falcon_h1", "falcon_h1", "FalconH1RMSNorm", "FalconH1MLP", (("FalconH1ForCausalLM", "falcon_h1"),),
+                    mlp_multipliers=True,
+                    keeps=(("rms_norm", "the Mamba mixer's gated norm (FalconH1RMSNormGated) stays Hugging Face's"),)),
+    # Llama 4: the text model (its Llama4ForCausalLM also inside Llama4ForConditionalGeneration, whose
+    # own loss on the language model's logits stays Hugging Face's).
+    "llama4": _f("llama4", "llama4", "Llama4TextRMSNorm", "Llama4TextMLP", "Llama4ForCausalLM",
+                 experts="Llama4TextExperts", experts_kind="bmm", rope=None, layer_norm="nn",
+                 unfused=(("Llama4TextMoe", "shared_expert"),),
+                 layer_norm_modules=("transformers.models.llama4.modeling_llama4",),
+                 params=_LIGER_SWIGLU + (("layer_norm", True),),
+                 keeps=(("rope", "Llama 4 rotates complex pairs (x[2i], x[2i + 1]) by a complex table "
+                                 "(view_as_complex), a layout tigon's rope does not compute; its "
+                                 "apply_rotary_emb stays Hugging Face's"),
+                        ("rms_norm", "the weightless L2 norm of q and k (Llama4TextL2Norm) stays Hugging Face's"),
+                        ("fused_linear_cross_entropy", "Llama4ForConditionalGeneration's loss, on its language "
+                                                       "model's logits, stays Hugging Face's"))),
+    "qwen2_vl": _f("qwen2_vl", "qwen2_vl", "Qwen2VLRMSNorm", "Qwen2MLP", "Qwen2VLForConditionalGeneration",
+                   scope="Qwen2VLTextModel",
+                   params=_P + (("layer_norm", True), ("swiglu", True), ("model", None)),
+                   keeps=(("layer_norm", _VISION_KEPT),)),
+    "qwen2_5_vl": _f("qwen2_5_vl", "qwen2_5_vl", "Qwen2_5_VLRMSNorm", "Qwen2MLP",
+                     "Qwen2_5_VLForConditionalGeneration", scope="Qwen2_5_VLTextModel"),
+    "qwen3_vl": _f("qwen3_vl", "qwen3_vl", "Qwen3VLTextRMSNorm", "Qwen3VLTextMLP", "Qwen3VLForConditionalGeneration",
+                   scope="Qwen3VLTextModel", params=_defaults(_LIGER_SWIGLU, swiglu=False)),
+    # Phi (no Liger function): partial rotary (the attention rotates its first rotary_ndims channels
+    # itself), torch.nn.LayerNorm with bias everywhere, an LM head with bias.
+    "phi": _f("phi", "phi", None, None, "PhiForCausalLM", layer_norm="nn",
+              layer_norm_modules=("transformers.models.phi.modeling_phi",),
+              params=_P[:3] + (("layer_norm", True), ("model", None)), extras=(),
+              keeps=((None, "the MLP (fc1, GELU, fc2: not gated) stays Hugging Face's"),)),
+    # Nemotron: Liger's function takes relu_squared (the MLP's squared ReLU, not gated: it stays
+    # Hugging Face's); tigon adds rope (partial rotary) and layer_norm (LayerNorm1P), keyword-only.
+    "nemotron": _f("nemotron", "nemotron", None, None, "NemotronForCausalLM", layer_norm="NemotronLayerNorm1P",
+                   layer_norm_offset=1.0,
+                   params=(("relu_squared", True), ("cross_entropy", False), ("fused_linear_cross_entropy", True),
+                           ("model", None)),
+                   extras=(("rope", True), ("layer_norm", True)), var_kw=True,
+                   keeps=(("relu_squared", "the MLP's squared ReLU (up, relu^2, down: not gated) stays "
+                                           "Hugging Face's"),)),
 }
+
+
+# ------------------------------------------------------------------------------------------------
+# Patching
+# ------------------------------------------------------------------------------------------------
+
+
+def _import(fam: _Family):
+    try:
+        return importlib.import_module(fam.module)
+    except ImportError as e:
+        raise ImportError(f"tigon_torch: the installed transformers has no {fam.module} ({fam.name}): {e}") from e
+
+
+def _class(mod, name: str | None):
+    return _original(mod, name) if name and hasattr(mod, name) else None
+
+
+def _mlp_forward(fam: _Family):
+    if fam.fused_gate_up:
+        return _fused_gate_up_mlp_forward
+    return _scaled_gated_mlp_forward if fam.mlp_multipliers else _gated_mlp_forward
 
 
 def _patch_norm_instance(m: nn.Module, fam: _Family, original_forward) -> None:
@@ -365,11 +640,27 @@ def _patch_norm_instance(m: nn.Module, fam: _Family, original_forward) -> None:
 
 
 def _patch_mlp_instance(m: nn.Module, fam: _Family, original_forward, fused_mlp: bool) -> None:
-    fwd = _fused_gate_up_mlp_forward if fam.fused_gate_up else _gated_mlp_forward
     m.__dict__.pop("_tigon_act_kind", None)
     _set(m, "_tigon_fused_mlp", bool(fused_mlp))
     _set(m, "_tigon_fallback", types.MethodType(original_forward, m))
-    _set(m, "forward", types.MethodType(fwd, m))
+    _set(m, "forward", types.MethodType(_mlp_forward(fam), m))
+
+
+def _patch_experts_instance(m: nn.Module, fam: _Family, cls: type) -> None:
+    m.__dict__.pop("_tigon_act_kind", None)
+    _set(m, "_tigon_fallback", types.MethodType(cls.forward, m))
+    if fam.experts_kind == "bmm":
+        _set(m, "forward", types.MethodType(_bmm_experts_forward, m))
+        return
+    _set(m, "_tigon_gate_fallback", types.MethodType(cls._apply_gate, m))
+    _set(m, "_apply_gate", types.MethodType(_experts_apply_gate, m))
+    _set(m, "forward", types.MethodType(_routed_experts_forward, m))
+
+
+def _patch_layer_norm_instance(m: nn.Module, cls: type, offset: float) -> None:
+    _set(m, "_tigon_ln_offset", offset)
+    _set(m, "_tigon_fallback", types.MethodType(cls.forward, m))
+    _set(m, "forward", types.MethodType(_layer_norm_forward, m))
 
 
 def _norm_subclass(base: type, fam: _Family) -> type:
@@ -390,76 +681,204 @@ def _mlp_subclass(base: type, fam: _Family, fused_mlp: bool) -> type:
     def fallback(self, x):
         return base.forward(self, x)
 
-    fwd = _fused_gate_up_mlp_forward if fam.fused_gate_up else _gated_mlp_forward
-    return type(f"Tigon{base.__name__}", (base,), {"forward": fwd, "_tigon_fallback": fallback,
+    return type(f"Tigon{base.__name__}", (base,), {"forward": _mlp_forward(fam), "_tigon_fallback": fallback,
                                                    "_tigon_fused_mlp": bool(fused_mlp), "__module__": __name__})
 
 
-def _apply(fam: _Family, rope: bool, rms_norm: bool, swiglu: bool, cross_entropy: bool,
-           fused_linear_cross_entropy: bool, fused_mlp: bool, model) -> None:
-    if cross_entropy and fused_linear_cross_entropy:
+def _experts_subclass(base: type, fam: _Family) -> type:
+    def fallback(self, *args, **kwargs):
+        return base.forward(self, *args, **kwargs)
+
+    attrs = {"_tigon_fallback": fallback, "__module__": __name__}
+    if fam.experts_kind == "bmm":
+        attrs["forward"] = _bmm_experts_forward
+    else:
+        def gate_fallback(self, gate_up):
+            return base._apply_gate(self, gate_up)
+
+        attrs.update(forward=_routed_experts_forward, _apply_gate=_experts_apply_gate,
+                     _tigon_gate_fallback=gate_fallback)
+    return type(f"Tigon{base.__name__}", (base,), attrs)
+
+
+def _patch_modules(root: nn.Module, fam: _Family, mod, sw: dict) -> None:
+    """Patches, in place, the RMSNorm / MLP / experts / LayerNorm modules under root that sw turns on."""
+    norm_cls, mlp_cls, experts_cls = _class(mod, fam.norm), _class(mod, fam.mlp), _class(mod, fam.experts)
+    ln_cls = nn.LayerNorm if fam.layer_norm == "nn" else _class(mod, fam.layer_norm)
+    unfused = set()
+    for parent, attr in fam.unfused:
+        parent_cls = _class(mod, parent)
+        if parent_cls is not None:
+            unfused.update(id(getattr(p, attr)) for p in root.modules() if isinstance(p, parent_cls))
+    for m in root.modules():
+        if sw["rms_norm"] and norm_cls is not None and isinstance(m, norm_cls):
+            _patch_norm_instance(m, fam, norm_cls.forward)
+        elif sw["mlp"] and mlp_cls is not None and isinstance(m, mlp_cls):
+            _patch_mlp_instance(m, fam, mlp_cls.forward, sw["fused_mlp"] and id(m) not in unfused)
+        elif sw["mlp"] and experts_cls is not None and isinstance(m, experts_cls):
+            _patch_experts_instance(m, fam, experts_cls)
+        elif sw["layer_norm"] and ln_cls is not None and (type(m) is nn.LayerNorm if fam.layer_norm == "nn"
+                                                         else isinstance(m, ln_cls)):
+            _patch_layer_norm_instance(m, ln_cls, fam.layer_norm_offset)
+
+
+def _unfuse_init(init, attr: str):
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _set(getattr(self, attr), "_tigon_fused_mlp", False)
+
+    __init__.__wrapped__ = init
+    return __init__
+
+
+def _scoped_init(init, fam: _Family, mod, sw: dict):
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _patch_modules(self, fam, mod, sw)
+
+    __init__.__wrapped__ = init
+    return __init__
+
+
+def _patch_classes(fam: _Family, mod, sw: dict) -> None:
+    if fam.scope is not None:  # the text model patches its own modules when it is built
+        scope = _class(mod, fam.scope)
+        if scope is not None and any(sw[k] for k in ("rms_norm", "mlp", "layer_norm")):
+            _set(scope, "__init__", _scoped_init(_original(mod, f"{fam.scope}.__init__", scope.__init__), fam, mod,
+                                                 sw))
+        return
+    norm_cls, mlp_cls, experts_cls = _class(mod, fam.norm), _class(mod, fam.mlp), _class(mod, fam.experts)
+    if sw["rms_norm"] and norm_cls is not None:
+        _set(mod, fam.norm, _norm_subclass(norm_cls, fam))
+    if sw["mlp"] and mlp_cls is not None:
+        _set(mod, fam.mlp, _mlp_subclass(mlp_cls, fam, sw["fused_mlp"]))
+        for parent, attr in fam.unfused if sw["fused_mlp"] else ():
+            parent_cls = _class(mod, parent)
+            if parent_cls is not None:
+                _set(parent_cls, "__init__", _unfuse_init(_original(mod, f"{parent}.__init__", parent_cls.__init__),
+                                                          attr))
+    if sw["mlp"] and experts_cls is not None:
+        _set(mod, fam.experts, _experts_subclass(experts_cls, fam))
+    if sw["layer_norm"] and fam.layer_norm == "nn":
+        view = _TorchNNView(LayerNorm=_layer_norm_subclass())
+        for name in fam.layer_norm_modules:
+            _set(importlib.import_module(name), "nn", view)
+    elif sw["layer_norm"] and fam.layer_norm is not None:
+        ln_cls = _class(mod, fam.layer_norm)
+        if ln_cls is not None:
+            _set(mod, fam.layer_norm, _layer_norm_subclass(ln_cls, fam.layer_norm_offset))
+
+
+# The switches _apply reads, and the one each parameter name sets (swiglu / geglu: the MLP; any other
+# name, e.g. relu_squared, only its own, which nothing tigon computes reads).
+_SWITCHES = ("rope", "rms_norm", "mlp", "layer_norm", "fused_mlp", "cross_entropy", "fused_linear_cross_entropy")
+_SWITCH = {"swiglu": "mlp", "geglu": "mlp"}
+
+
+def _apply(fam: _Family, sw: dict, model) -> None:
+    """Patches fam with the switches sw: rope, rms_norm, mlp (swiglu / geglu), layer_norm, fused_mlp,
+    cross_entropy, fused_linear_cross_entropy (missing ones are off)."""
+    sw = dict.fromkeys(_SWITCHES, False) | {k: bool(v) for k, v in sw.items()}
+    if sw["cross_entropy"] and sw["fused_linear_cross_entropy"]:
         raise ValueError("cross_entropy and fused_linear_cross_entropy cannot both be True")
-    mod = importlib.import_module(fam.module)
-    norm_cls = _original(mod, fam.norm)
-    mlp_cls = _original(mod, fam.mlp)
+    mod = _import(fam)
+    for switch, why in fam.keeps:
+        if switch is None or sw.get(_SWITCH.get(switch, switch)):
+            logger.info("tigon_torch %s: %s", fam.name, why)
 
-    if rope:
-        _original(mod, "apply_rotary_pos_emb")
-        _set(mod, "apply_rotary_pos_emb", F.tigon_rotary_pos_emb)
+    if sw["rope"] and fam.rope is not None and hasattr(mod, "apply_rotary_pos_emb"):
+        hf_rope = _original(mod, "apply_rotary_pos_emb")
+        _set(mod, "apply_rotary_pos_emb",
+             F.tigon_rotary_pos_emb if fam.rope == "rotate_half" else _rope_full_table(hf_rope))
 
-    lm_classes = tuple(getattr(mod, n) for n in fam.causal_lm if hasattr(mod, n))
-    use_loss = cross_entropy or fused_linear_cross_entropy
+    heads = [(getattr(mod, n), rule) for n, rule in fam.heads if hasattr(mod, n)]
+    use_loss = sw["cross_entropy"] or sw["fused_linear_cross_entropy"]
     if model is None:
         if use_loss:
-            forward = _wrap_causal_lm_forward()
-            for cls in lm_classes:
-                _set(cls, "forward", forward)
-                _set(cls, "_tigon_flce", bool(fused_linear_cross_entropy))
-                _set(cls, "_tigon_ce", bool(cross_entropy))
-        if rms_norm:
-            _set(mod, fam.norm, _norm_subclass(norm_cls, fam))
-        if swiglu:
-            _set(mod, fam.mlp, _mlp_subclass(mlp_cls, fam, fused_mlp))
+            for cls, rule in heads:
+                original = _pre_tigon(_original(mod, f"{cls.__name__}.forward", cls.forward))
+                _set(cls, "forward", _loss_forward(original, rule))
+                _set(cls, "_tigon_flce", sw["fused_linear_cross_entropy"])
+                _set(cls, "_tigon_ce", sw["cross_entropy"])
+        _patch_classes(fam, mod, sw)
         return
 
-    for m in model.modules():
-        if rms_norm and isinstance(m, norm_cls):
-            _patch_norm_instance(m, fam, norm_cls.forward)
-        elif swiglu and isinstance(m, mlp_cls):
-            _patch_mlp_instance(m, fam, mlp_cls.forward, fused_mlp)
-        elif use_loss and lm_classes and isinstance(m, lm_classes):
-            _set(m, "_tigon_flce", bool(fused_linear_cross_entropy))
-            _set(m, "_tigon_ce", bool(cross_entropy))
-            _set(m, "forward", types.MethodType(_wrap_causal_lm_forward(), m))
+    scope = _class(mod, fam.scope)
+    if scope is None:
+        roots = [model]
+    else:
+        roots = [m for m in model.modules() if isinstance(m, scope)]
+    for root in roots:
+        _patch_modules(root, fam, mod, sw)
+    if use_loss and heads:
+        classes = tuple(cls for cls, _ in heads)
+        for m in model.modules():
+            if isinstance(m, classes):
+                rule = next(r for cls, r in heads if isinstance(m, cls))
+                _set(m, "_tigon_flce", sw["fused_linear_cross_entropy"])
+                _set(m, "_tigon_ce", sw["cross_entropy"])
+                _set(m, "forward", types.MethodType(_loss_forward(_pre_tigon(type(m).forward), rule), m))
+
+
 
 
 def _make(family: str):
     fam = _FAMILIES[family]
-    gemma = fam.casting == "gemma"
+    POS, KW = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter(n, POS, default=d) for n, d in fam.params]
+    params += [inspect.Parameter(n, KW, default=d) for n, d in fam.extras]
+    if fam.var_kw:
+        params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))
+    sig = inspect.Signature(params, return_annotation=None)
 
-    # Liger's parameters in Liger's order (the MLP switch is geglu for the Gemma families), then
-    # tigon's fused_mlp, keyword-only.
-    if gemma:
-        def apply(rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-                  rms_norm: bool = True, geglu: bool = True, model=None, *, fused_mlp: bool = True) -> None:
-            _apply(fam, rope, rms_norm, geglu, cross_entropy, fused_linear_cross_entropy, fused_mlp, model)
-    else:
-        def apply(rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-                  rms_norm: bool = True, swiglu: bool = True, model=None, *, fused_mlp: bool = True) -> None:
-            _apply(fam, rope, rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy, fused_mlp, model)
+    def apply(*args, **kwargs) -> None:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        ignored = values.pop("kwargs", {}) if fam.var_kw else {}
+        if ignored:
+            logger.info("tigon_torch %s: ignoring %s", fam.name, ", ".join(sorted(ignored)))
+        model = values.pop("model")
+        sw = {_SWITCH.get(k, k): v for k, v in values.items()}
+        _apply(fam, sw, model)
 
-    act, switch = ("GeGLU", "geglu") if gemma else ("SwiGLU", "swiglu")
+    apply.__signature__ = sig
     apply.__name__ = f"apply_tigon_to_{family}"
     apply.__qualname__ = apply.__name__
-    apply.__doc__ = (
-        f"Patches {fam.module} with tigon's kernels: RoPE, {fam.norm} (offset {fam.offset}, casting "
-        f"'{fam.casting}'), {fam.mlp} ({act}, switch {switch}), and the loss of {', '.join(fam.causal_lm)}.\n\n"
-        f"Liger's apply_liger_kernel_to_{family} parameters, order and defaults. model=None patches the\n"
-        "classes (models built afterwards); a model is patched in place. cross_entropy and\n"
-        f"fused_linear_cross_entropy are exclusive. fused_mlp (keyword-only, with {switch}): the MLP's three\n"
-        "projections and its activation as one autograd function that keeps only the two input\n"
-        "projections for the backward and recomputes the gated product there.")
+    apply.__doc__ = _doc(fam)
     return apply
+
+
+def _doc(fam: _Family) -> str:
+    parts = []
+    if fam.rope:
+        parts.append("RoPE" + (" (GPT-OSS's half-width tables)" if fam.rope == "full_table" else ""))
+    if fam.norm:
+        parts.append(f"{fam.norm} (offset {fam.offset}, casting '{fam.casting}')")
+    if fam.mlp:
+        act = "GeGLU" if fam.mlp_switch == "geglu" else "SwiGLU"
+        parts.append(f"{fam.mlp} ({act}, switch {fam.mlp_switch})")
+    if fam.experts and fam.mlp_switch:
+        parts.append(f"{fam.experts} (each expert's act(gate) * up, switch {fam.mlp_switch})")
+    if fam.layer_norm:
+        parts.append("torch.nn.LayerNorm modules" if fam.layer_norm == "nn" else fam.layer_norm)
+    parts.append(f"the loss of {', '.join(fam.causal_lm)}")
+    text = f"Patches {fam.module} with tigon's kernels: {'; '.join(parts)}."
+    if fam.scope:
+        text += f" Only modules inside {fam.scope} are patched: {_VISION_KEPT}."
+    for _, why in fam.keeps:
+        text += f" Note: {why}."
+    signature = ", ".join(f"{n}={d!r}" for n, d in fam.params)
+    liger = "Liger-Kernel has no patch for this family" if fam.name == "phi" else (
+        f"Liger's apply_liger_kernel_to_{fam.name} parameters, order and defaults")
+    text += (f"\n\n({signature}): {liger}. model=None patches the classes (models built afterwards); a model is "
+             "patched in place. cross_entropy and fused_linear_cross_entropy are exclusive.")
+    if fam.extras:
+        text += " Keyword-only (tigon): " + ", ".join(f"{n}={d!r}" for n, d in fam.extras) + "."
+    if any(n == "fused_mlp" for n, _ in fam.extras):
+        text += (" fused_mlp: the MLP's three projections and its activation as one autograd function that keeps "
+                 "only the two input projections for the backward and recomputes the gated product there.")
+    return text
 
 
 apply_tigon_to_llama = _make("llama")
@@ -469,48 +888,27 @@ apply_tigon_to_qwen3 = _make("qwen3")
 apply_tigon_to_gemma = _make("gemma")
 apply_tigon_to_gemma2 = _make("gemma2")
 apply_tigon_to_gemma3_text = _make("gemma3_text")
+apply_tigon_to_gemma3 = _make("gemma3")
 apply_tigon_to_phi3 = _make("phi3")
+apply_tigon_to_mixtral = _make("mixtral")
+apply_tigon_to_qwen3_moe = _make("qwen3_moe")
+apply_tigon_to_olmo2 = _make("olmo2")
+apply_tigon_to_olmo3 = _make("olmo3")
+apply_tigon_to_granite = _make("granite")
+apply_tigon_to_glm4 = _make("glm4")
+apply_tigon_to_gpt_oss = _make("gpt_oss")
+apply_tigon_to_smollm3 = _make("smollm3")
+apply_tigon_to_falcon_h1 = _make("falcon_h1")
+apply_tigon_to_llama4 = _make("llama4")
+apply_tigon_to_qwen2_vl = _make("qwen2_vl")
+apply_tigon_to_qwen2_5_vl = _make("qwen2_5_vl")
+apply_tigon_to_qwen3_vl = _make("qwen3_vl")
+apply_tigon_to_phi = _make("phi")
+apply_tigon_to_nemotron = _make("nemotron")
 
 
-def apply_tigon_to_gemma3(rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-                          layer_norm: bool = True, rms_norm: bool = True, geglu: bool = True, model=None, *,
-                          fused_mlp: bool = True) -> None:
-    """Patches Gemma 3, text and multimodal (Gemma3ForCausalLM and Gemma3ForConditionalGeneration), with
-    tigon's kernels; Liger's apply_liger_kernel_to_gemma3 parameters, order and defaults.
-
-    rope, rms_norm, geglu and fused_mlp as apply_tigon_to_gemma3_text (the language model's modules and
-    the multimodal projector's RMSNorm); layer_norm: the SigLIP vision tower's torch.nn.LayerNorm
-    modules (model=None: those that transformers' SigLIP module builds afterwards; torch.nn itself is
-    left alone); cross_entropy / fused_linear_cross_entropy: the loss of both causal-LM classes
-    (exclusive)."""
-    fam = _FAMILIES["gemma3_text"]
-    _apply(fam, rope, rms_norm, geglu, cross_entropy, fused_linear_cross_entropy, fused_mlp, model)
-    mod = importlib.import_module(fam.module)
-    mm_cls = getattr(mod, "Gemma3ForConditionalGeneration", None)
-    use_loss = cross_entropy or fused_linear_cross_entropy
-    forward = None
-    if use_loss and mm_cls is not None:
-        forward = _multimodal_forward(_original(mod, "Gemma3ForConditionalGeneration.forward", mm_cls.forward))
-    if model is None:
-        if layer_norm:
-            siglip = importlib.import_module("transformers.models.siglip.modeling_siglip")
-            _set(siglip, "nn", _TorchNNView(LayerNorm=_layer_norm_subclass()))
-        if forward is not None:
-            _set(mm_cls, "forward", forward)
-            _set(mm_cls, "_tigon_flce", bool(fused_linear_cross_entropy))
-            _set(mm_cls, "_tigon_ce", bool(cross_entropy))
-        return
-    if layer_norm:
-        for m in model.modules():
-            if type(m) is nn.LayerNorm:
-                _set(m, "_tigon_fallback", types.MethodType(nn.LayerNorm.forward, m))
-                _set(m, "forward", types.MethodType(_layer_norm_forward, m))
-    if forward is not None and isinstance(model, mm_cls):
-        _set(model, "_tigon_flce", bool(fused_linear_cross_entropy))
-        _set(model, "_tigon_ce", bool(cross_entropy))
-        _set(model, "forward", types.MethodType(forward, model))
-
-
+# config.model_type -> apply function (the model types of transformers' auto classes; a text model's
+# own type, e.g. qwen2_vl_text, maps to its family).
 MODEL_TYPE_TO_APPLY_FN = {
     "llama": apply_tigon_to_llama,
     "mistral": apply_tigon_to_mistral,
@@ -521,18 +919,42 @@ MODEL_TYPE_TO_APPLY_FN = {
     "gemma3_text": apply_tigon_to_gemma3_text,
     "gemma3": apply_tigon_to_gemma3,
     "phi3": apply_tigon_to_phi3,
+    "mixtral": apply_tigon_to_mixtral,
+    "qwen3_moe": apply_tigon_to_qwen3_moe,
+    "olmo2": apply_tigon_to_olmo2,
+    "olmo3": apply_tigon_to_olmo3,
+    "granite": apply_tigon_to_granite,
+    "glm4": apply_tigon_to_glm4,
+    "gpt_oss": apply_tigon_to_gpt_oss,
+    "smollm3": apply_tigon_to_smollm3,
+    "falcon_h1": apply_tigon_to_falcon_h1,
+    "llama4": apply_tigon_to_llama4,
+    "llama4_text": apply_tigon_to_llama4,
+    "qwen2_vl": apply_tigon_to_qwen2_vl,
+    "qwen2_vl_text": apply_tigon_to_qwen2_vl,
+    "qwen2_5_vl": apply_tigon_to_qwen2_5_vl,
+    "qwen2_5_vl_text": apply_tigon_to_qwen2_5_vl,
+    "qwen3_vl": apply_tigon_to_qwen3_vl,
+    "qwen3_vl_text": apply_tigon_to_qwen3_vl,
+    "phi": apply_tigon_to_phi,
+    "nemotron": apply_tigon_to_nemotron,
 }
+
+
+def _unsupported(model_type) -> NotImplementedError:
+    return NotImplementedError(
+        f"tigon_torch has no patch for model_type {model_type!r}; "
+        f"supported: {', '.join(sorted(MODEL_TYPE_TO_APPLY_FN))}")
 
 
 def apply_tigon_to_model(model, **kwargs) -> None:
     """Patches an instantiated model in place, the family read from model.config.model_type. Unlike
-    _apply_tigon_to_instance, an unsupported model type raises NotImplementedError and a keyword the
-    family's apply function does not take raises TypeError."""
+    _apply_tigon_to_instance, an unsupported model type raises NotImplementedError (naming the
+    supported ones) and a keyword the family's apply function does not take raises TypeError."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     fn = MODEL_TYPE_TO_APPLY_FN.get(model_type)
     if fn is None:
-        raise NotImplementedError(
-            f"tigon_torch has no patch for model_type {model_type!r}; supported: {sorted(MODEL_TYPE_TO_APPLY_FN)}")
+        raise _unsupported(model_type)
     fn(model=model, **kwargs)
 
 
@@ -565,3 +987,58 @@ def _apply_tigon_to_instance(model, **kwargs) -> None:
         logger.info("tigon_torch has no patch for model_type %r; nothing patched", model_type)
         return
     fn(model=model, **_applicable(fn, kwargs))
+
+
+def _patch_switch_names() -> frozenset:
+    names = set()
+    for fn in set(MODEL_TYPE_TO_APPLY_FN.values()):
+        names.update(p.name for p in inspect.signature(fn).parameters.values()
+                     if p.kind is not inspect.Parameter.VAR_KEYWORD and p.name != "model")
+    return frozenset(names)
+
+
+class AutoTigonForCausalLM:
+    """Liger's AutoLigerKernelForCausalLM: transformers' AutoModelForCausalLM with tigon's patch for the
+    config's model_type applied (to the classes, before the model is built).
+
+        model = AutoTigonForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16, fused_mlp=False)
+
+    Keywords of the patch functions (rope, rms_norm, swiglu, geglu, layer_norm, cross_entropy,
+    fused_linear_cross_entropy, fused_mlp, relu_squared) go to the family's apply function (those it
+    does not take are dropped, logged); the others go to transformers. A model type without a patch
+    raises NotImplementedError naming the supported ones."""
+
+    @staticmethod
+    def _split(kwargs: dict) -> tuple[dict, dict]:
+        names = _patch_switch_names()
+        return ({k: v for k, v in kwargs.items() if k in names}, {k: v for k, v in kwargs.items() if k not in names})
+
+    @staticmethod
+    def _patch(config, tigon_kwargs: dict) -> None:
+        model_type = getattr(config, "model_type", None)
+        fn = MODEL_TYPE_TO_APPLY_FN.get(model_type)
+        if fn is None:
+            raise _unsupported(model_type)
+        fn(**_applicable(fn, tigon_kwargs))
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        tigon_kwargs, hf_kwargs = cls._split(kwargs)
+        config = hf_kwargs.get("config")
+        if config is None:
+            config_kwargs = {k: v for k, v in hf_kwargs.items()
+                             if k in ("revision", "trust_remote_code", "cache_dir", "token", "local_files_only",
+                                      "subfolder", "code_revision", "force_download", "proxies")}
+            config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **config_kwargs)
+        cls._patch(config, tigon_kwargs)
+        return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **hf_kwargs)
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        from transformers import AutoModelForCausalLM
+
+        tigon_kwargs, hf_kwargs = cls._split(kwargs)
+        cls._patch(config, tigon_kwargs)
+        return AutoModelForCausalLM.from_config(config, **hf_kwargs)

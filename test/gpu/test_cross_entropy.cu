@@ -168,9 +168,15 @@ void run_case(const Case& c) {
     const auto gh = (c.in_place ? x : dx).download();
     double scale = 0;
     for (double v : ref.grad) scale = std::max(scale, std::abs(v));
+    // Token scaling multiplies a row's gradient by its p_t (about 1 / V on random logits): in half the
+    // entries fall among the subnormals, so the reference is rounded to half as the stored gradient is.
+    std::vector<double> want = ref.grad;
+    if (c.token && std::is_same_v<T, half>) {
+      for (double& v : want) v = to_float(from_float<T>(float(v)));
+    }
     const auto cg = gpu_test::compare(
-        ref.grad.size(),
-        [&](std::size_t i) { return double(to_float(gh[(i / c.V) * ld + i % c.V])); }, ref.grad,
+        want.size(),
+        [&](std::size_t i) { return double(to_float(gh[(i / c.V) * ld + i % c.V])); }, want,
         1e-3 * scale + 1e-7, tol<T>());
     INFO("grad: " << cg.bad << " of " << cg.n << " bad, worst #" << cg.worst << " score " << cg.worst_err
                   << " rel L2 " << cg.rel_l2);

@@ -578,7 +578,7 @@ struct DivergencePolicy {
   // Streaming kernel: each block asks the L2 for the chunk of the block this many blocks on (one
   // bulk prefetch per input; 0: none), so that DRAM has those bytes in flight while the block
   // computes, with no registers holding them.
-  static constexpr int kStreamAhead = 256;
+  static constexpr int kStreamAhead = 0;
   // Row kernel: block size, and vectors of each input in flight per thread in each pass.
   static constexpr int kRowThreads = 512;
   static constexpr int kRowUnroll = 2;

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops as _o
-from .functions import TigonFusedLinearLogProbFunction, _check_cuda, _head_operands, _cast, check_targets
-from .ops import as_rows, ops, vector
+from .functions import TigonFusedLinearLogProbFunction, _cast, _head_operands, check_targets
+from .ops import ops, vector
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
                   "apo_down", "discopop")

@@ -204,24 +204,6 @@ Status validate(const LinearCrossEntropyHeadsArgs<T, I>& a, const char* op) {
   return Status();
 }
 
-// The heads' weighted sums of their reduced losses (and z parts): one thread, head order.
-struct LceHeadFactors {
-  float w[kMaxLceHeads];
-};
-template <int kDummy = 0>  // a template: a header's kernel needs one definition per program
-TIGON_KERNEL void lce_heads_combine_kernel(const float* head_loss, const float* head_z, int heads,
-                                           LceHeadFactors f, float* loss, float* z_loss) {
-  grid_dependency_sync();
-  if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  float l = 0.0f, z = 0.0f;
-  for (int k = 0; k < heads; ++k) {
-    l = fmaf(f.w[k], head_loss[k], l);
-    z = fmaf(f.w[k], head_z[k], z);
-  }
-  if (loss != nullptr) loss[0] = l;
-  if (z_loss != nullptr) z_loss[0] = z;
-}
-
 }  // namespace detail
 
 // Bytes of workspace linear_cross_entropy(args) needs: one logits chunk, the loss's per-token
@@ -249,6 +231,24 @@ template <class T, class I>
 #if defined(__CUDACC__)
 
 namespace detail {
+
+// The heads' weighted sums of their reduced losses (and z parts): one thread, head order.
+struct LceHeadFactors {
+  float w[kMaxLceHeads];
+};
+template <int kDummy = 0>  // a template: a header's kernel needs one definition per program
+TIGON_KERNEL void lce_heads_combine_kernel(const float* head_loss, const float* head_z, int heads,
+                                           LceHeadFactors f, float* loss, float* z_loss) {
+  grid_dependency_sync();
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  float l = 0.0f, z = 0.0f;
+  for (int k = 0; k < heads; ++k) {
+    l = fmaf(f.w[k], head_loss[k], l);
+    z = fmaf(f.w[k], head_z[k], z);
+  }
+  if (loss != nullptr) loss[0] = l;
+  if (z_loss != nullptr) z_loss[0] = z;
+}
 
 // One head on one chunk of tokens [r0, r0 + c): logits = x_c W^T into `logits`, the loss (gradient in
 // place) against the denominator in `scratch`, then dx_c (beta dx_beta), dW and db (beta `beta`).
@@ -343,13 +343,9 @@ template <class Gemm = CublasLtGemm, class T, class I>
   T* ones = reinterpret_cast<T*>(base + l.ones_offset);
   float* head_loss = args.head_losses != nullptr ? args.head_losses : reinterpret_cast<float*>(base + l.heads_offset);
   float* head_z = reinterpret_cast<float*>(base + l.heads_offset) + heads;
-  bool want_grad = args.dx != nullptr;
-  bool any_bias = false;
-  for (int k = 0; k < heads; ++k) {
-    want_grad = want_grad || (args.dweights != nullptr && args.dweights[k] != nullptr) ||
-                (args.dbiases != nullptr && args.dbiases[k] != nullptr);
-    any_bias = any_bias || (args.dbiases != nullptr && args.dbiases[k] != nullptr);
-  }
+  const bool any_bias = l.heads_offset > l.ones_offset;  // the layout holds a ones vector
+  bool want_grad = args.dx != nullptr || any_bias;
+  for (int k = 0; k < heads; ++k) want_grad = want_grad || (args.dweights != nullptr && args.dweights[k] != nullptr);
   // Head k's loss: its targets, its per-row outputs, its upstream gradient times its factor.
   auto head = [&](int k) {
     CrossEntropyArgs<T, I> h = ce;

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # tigon's two entry points:
-#   ./tigon.sh test    configure, build and run every test (GPU tests report "skipped" without a GPU)
+#   ./tigon.sh test    configure, build and run every test, C++ and Python (GPU tests report
+#                      "skipped" without a GPU; the Python tests without torch, transformers and
+#                      pytest in the active Python)
 #   ./tigon.sh bench   configure, build and run the benchmarks against the copy ceiling of this GPU
 # Prerequisites: the CUDA toolkit (12.x or 13.x), CMake >= 3.25, Ninja, Catch2 2.x, Google
 # Benchmark. On Debian / Ubuntu the missing packages are installed (as root, or through sudo);
-# elsewhere the exact line to run is printed.
+# elsewhere the exact line to run is printed. Python packages are never installed here (.ci/run
+# sets up a virtual environment for CI).
 set -euo pipefail
 cd "$(dirname "$0")"
 what=${1:-}

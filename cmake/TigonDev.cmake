@@ -1,12 +1,10 @@
-# Settings for tigon's own targets (tests, benchmarks, examples). Never applied to tigon::tigon:
-# consumers choose their own standard flags and architectures.
-
-# CMake 3.25 cannot ask nvcc for C++20 through CUDA_STANDARD, so pass the flag directly.
+# Settings for tigon's own targets (tests, benchmarks, examples): warnings and strict C++20 (no GNU
+# extensions). Never applied to tigon::tigon, whose usage requirements are C++20 alone.
 function(tigon_dev_target target)
-  # (CXX_STANDARD would be copied to CUDA_STANDARD, which CMake 3.25 cannot map for nvcc.)
+  set_target_properties(${target} PROPERTIES CXX_EXTENSIONS OFF CUDA_EXTENSIONS OFF)
   target_compile_options(${target} PRIVATE
-    $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20 -Xcompiler=-Wall,-Wextra>
-    $<$<COMPILE_LANGUAGE:CXX>:-std=c++20 -Wall -Wextra -Wpedantic>)
+    $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>
+    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic>)
   target_link_libraries(${target} PRIVATE tigon::tigon)
 endfunction()
 

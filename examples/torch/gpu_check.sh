@@ -3,7 +3,8 @@
 #
 #   examples/torch/gpu_check.sh OUTDIR [pip|jit] [all|build|fast|convergence]
 #
-#   pip  (default)  pip install --no-build-isolation --no-deps examples/torch (falls back to the JIT
+#   pip  (default)  pip install --no-build-isolation --no-deps examples/torch, compiled operators
+#                   required (TIGON_TORCH_BUILD_EXT=1; falls back to the JIT
 #                   build, and says so, if the pip build fails)
 #   jit             torch.utils.cpp_extension.load into examples/torch/build/jit
 #   all  (default)  build, then the fast tests (every op, the patches), then the convergence tests
@@ -48,7 +49,7 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 build() {
   local start=$(date +%s) rc
   if [ "$MODE" = pip ]; then
-    "$PY" -m pip install --no-build-isolation --no-deps --no-index -v "$HERE" > "$OUT/build.log" 2>&1
+    TIGON_TORCH_BUILD_EXT=1 "$PY" -m pip install --no-build-isolation --no-deps --no-index -v "$HERE" > "$OUT/build.log" 2>&1
     rc=$?
     if [ $rc -ne 0 ]; then
       note "build: pip install failed (rc $rc, see build.log); trying the JIT build"

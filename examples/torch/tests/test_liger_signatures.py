@@ -54,6 +54,28 @@ LIGER = {
     "apply_tigon_to_gemma2": (f"{_MP}:apply_liger_kernel_to_gemma2", _patch("geglu")),
     "apply_tigon_to_gemma3_text": (f"{_MP}:apply_liger_kernel_to_gemma3_text", _patch("geglu")),
     "apply_tigon_to_gemma3": (f"{_MP}:apply_liger_kernel_to_gemma3", _patch("geglu", layer_norm=True)),
+    "apply_tigon_to_mixtral": (f"{_MP}:apply_liger_kernel_to_mixtral", _patch("swiglu")),
+    "apply_tigon_to_qwen3_moe": (f"{_MP}:apply_liger_kernel_to_qwen3_moe", _patch("swiglu")),
+    "apply_tigon_to_olmo2": (f"{_MP}:apply_liger_kernel_to_olmo2", _patch("swiglu")),
+    "apply_tigon_to_olmo3": (f"{_MP}:apply_liger_kernel_to_olmo3", _patch("swiglu")),
+    "apply_tigon_to_smollm3": (f"{_MP}:apply_liger_kernel_to_smollm3", _patch("swiglu")),
+    "apply_tigon_to_falcon_h1": (f"{_MP}:apply_liger_kernel_to_falcon_h1", _patch("swiglu")),
+    "apply_tigon_to_qwen2_5_vl": (f"{_MP}:apply_liger_kernel_to_qwen2_5_vl", _patch("swiglu")),
+    "apply_tigon_to_glm4": (f"{_MP}:apply_liger_kernel_to_glm4",
+                            [("rope", False)] + _patch("swiglu")[1:]),
+    "apply_tigon_to_gpt_oss": (f"{_MP}:apply_liger_kernel_to_gpt_oss",
+                               _patch("swiglu")[:4] + [("swiglu", False), ("model", None)]),
+    "apply_tigon_to_qwen3_vl": (f"{_MP}:apply_liger_kernel_to_qwen3_vl",
+                                _patch("swiglu")[:4] + [("swiglu", False), ("model", None)]),
+    "apply_tigon_to_granite": (f"{_MP}:apply_liger_kernel_to_granite",
+                               [("rope", True), ("cross_entropy", True), ("fused_linear_cross_entropy", False),
+                                ("rms_norm", True), ("swiglu", True), ("model", None)]),
+    "apply_tigon_to_llama4": (f"{_MP}:apply_liger_kernel_to_llama4", _patch("swiglu") + [("layer_norm", True)]),
+    "apply_tigon_to_qwen2_vl": (f"{_MP}:apply_liger_kernel_to_qwen2_vl",
+                                _patch("swiglu")[:4] + [("layer_norm", True), ("swiglu", True), ("model", None)]),
+    "apply_tigon_to_nemotron": (f"{_MP}:apply_liger_kernel_to_nemotron",
+                                [("relu_squared", True), ("cross_entropy", False), ("fused_linear_cross_entropy", True),
+                                 ("model", None), ("kwargs", VAR_KW)]),
     "_apply_tigon": (f"{_MP}:_apply_liger_kernel", [("model_type", R), ("kwargs", VAR_KW)]),
     "_apply_tigon_to_instance": (f"{_MP}:_apply_liger_kernel_to_instance", [("model", R), ("kwargs", VAR_KW)]),
     # Modules
@@ -171,6 +193,8 @@ LIGER = {
 _FUSED_MLP = [("fused_mlp", True, KW)]
 EXTRA = {name: _FUSED_MLP for name in LIGER if name.startswith("apply_tigon_to_")}
 EXTRA.update({
+    # Nemotron's attention is Llama's and its norm a LayerNorm: tigon patches both (Liger does not)
+    "apply_tigon_to_nemotron": [("rope", True, KW), ("layer_norm", True, KW)],
     "TigonCrossEntropyLoss.__init__": [("in_place", False, KW)],
     "tigon_cross_entropy": [("in_place", False, KW)],
     "TigonCrossEntropyFunction.forward": [("in_place", False, POS)],
@@ -183,6 +207,12 @@ DEFAULTED = {
     "tigon_rms_norm": {"eps": 1e-6},
     "tigon_layer_norm": {"eps": 1e-5},
     "tigon_fused_add_rms_norm": {"eps": 1e-6},
+}
+
+# Patch functions for families Liger 0.8.2 has none for: tigon's own signature, written out.
+TIGON_ONLY = {
+    "apply_tigon_to_phi": [("rope", True, POS), ("cross_entropy", False, POS),
+                           ("fused_linear_cross_entropy", True, POS), ("layer_norm", True, POS), ("model", None, POS)],
 }
 
 CROSS_ENTROPY_OUTPUT = [("loss", R), ("z_loss", None), ("token_accuracy", None), ("predicted_tokens", None)]
@@ -215,6 +245,10 @@ def _same_default(got, want) -> bool:
 
 def _check(name: str, liger: list[tuple]) -> None:
     got = _params(_resolve(tt, name))
+    if liger and liger[-1][1] == VAR_KW:  # **kwargs stays last: tigon-only parameters go before it
+        assert got and got[-1].kind is inspect.Parameter.VAR_KEYWORD, f"{name}: must end in **{liger[-1][0]}"
+        assert got[-1].name == liger[-1][0], f"{name}: **{got[-1].name}, Liger's is **{liger[-1][0]}"
+        liger, got = liger[:-1], got[:-1]
     n = len(liger)
     assert [p.name for p in got[:n]] == [p for p, _ in liger], f"{name}: parameters {[p.name for p in got]}"
     for p, (pname, want) in zip(got, liger):
@@ -239,10 +273,18 @@ def test_signature_matches_liger(name):
 
 def test_every_patch_function_is_checked():
     patches = {n for n in dir(tt) if n.startswith("apply_tigon_to_")} - {"apply_tigon_to_model"}
-    assert patches <= set(LIGER), f"not compared with Liger: {sorted(patches - set(LIGER))}"
+    checked = set(LIGER) | set(TIGON_ONLY)
+    assert patches <= checked, f"not compared with Liger: {sorted(patches - checked)}"
     from tigon_torch import patch
 
-    assert {f"apply_tigon_to_{t}" for t in patch.MODEL_TYPE_TO_APPLY_FN} <= set(LIGER)
+    for model_type, fn in patch.MODEL_TYPE_TO_APPLY_FN.items():
+        assert fn.__name__ in checked and getattr(tt, fn.__name__) is fn, f"{model_type}: {fn.__name__}"
+
+
+@pytest.mark.parametrize("name", sorted(TIGON_ONLY))
+def test_tigon_only_patch_signature(name):
+    got = [(p.name, p.default, p.kind) for p in _params(_resolve(tt, name))]
+    assert got == TIGON_ONLY[name] + _FUSED_MLP * ("fused_mlp" in {p for p, *_ in got})
 
 
 def test_cross_entropy_output_fields():

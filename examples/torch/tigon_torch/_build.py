@@ -1,9 +1,13 @@
 """How the tigon_torch extension is compiled: sources, include paths and flags, shared by setup.py
 (``pip install --no-build-isolation examples/torch``) and the JIT build (``tigon_torch.load()``).
 
+An installed package carries tigon's headers (tigon_torch/include/tigon) and the extension's sources
+(tigon_torch/csrc), so that it builds the operators on first use wherever it is installed; a checkout
+uses the repository's include/ and examples/torch/csrc.
+
 Environment:
-  TIGON_INCLUDE_DIR         tigon's include/ (default: the repository's, two levels above this package's
-                            parent directory).
+  TIGON_INCLUDE_DIR         tigon's include/ (default: the installed package's copy, else the
+                            repository's, two levels above this package's parent directory).
   TIGON_TORCH_HIDDEN_SIZES  compiled hidden sizes of the norm launchers, e.g. "2048,4096"; "none" compiles
                             only the general kernels (fast builds); unset keeps tigon's default list.
   TORCH_CUDA_ARCH_LIST      CUDA architectures (default here: "9.0", tigon's tested target).
@@ -12,11 +16,15 @@ Environment:
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-PROJECT_DIR = PACKAGE_DIR.parent  # examples/torch
-CSRC_DIR = PROJECT_DIR / "csrc"
+PROJECT_DIR = PACKAGE_DIR.parent  # examples/torch in a checkout
+SHIPPED_INCLUDE_DIR = PACKAGE_DIR / "include"  # the installed package's copy of tigon's include/
+SHIPPED_CSRC_DIR = PACKAGE_DIR / "csrc"  # the installed package's copy of csrc/
+CHECKOUT_INCLUDE_DIR = PROJECT_DIR.parent.parent / "include"
+CSRC_DIR = SHIPPED_CSRC_DIR if (SHIPPED_CSRC_DIR / "bind.cpp").is_file() else PROJECT_DIR / "csrc"
 SOURCES = [
     "bind.cpp",
     "rms_norm.cu",
@@ -32,13 +40,30 @@ DEFAULT_ARCH = "9.0"
 
 def include_dir() -> Path:
     env = os.environ.get("TIGON_INCLUDE_DIR")
-    path = Path(env) if env else PROJECT_DIR.parent.parent / "include"
+    if env:
+        path = Path(env)
+    elif (SHIPPED_INCLUDE_DIR / "tigon" / "tigon.cuh").is_file():
+        path = SHIPPED_INCLUDE_DIR
+    else:
+        path = CHECKOUT_INCLUDE_DIR
     if not (path / "tigon" / "tigon.cuh").is_file():
         raise FileNotFoundError(
             f"tigon's headers were not found at {path} (expected tigon/tigon.cuh there); "
             "set TIGON_INCLUDE_DIR to tigon's include/ directory"
         )
     return path
+
+
+def version() -> str:
+    """tigon's version, the package's too: the TIGON_VERSION_* macros of tigon/core/config.hpp."""
+    text = (include_dir() / "tigon" / "core" / "config.hpp").read_text()
+    parts = []
+    for part in ("MAJOR", "MINOR", "PATCH"):
+        m = re.search(rf"^#define TIGON_VERSION_{part} (\d+)$", text, re.MULTILINE)
+        if m is None:
+            raise ValueError(f"tigon/core/config.hpp lacks #define TIGON_VERSION_{part}")
+        parts.append(m.group(1))
+    return ".".join(parts)
 
 
 def source_paths() -> list[Path]:

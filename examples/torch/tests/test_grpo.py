@@ -93,10 +93,16 @@ def batch(dtype=torch.float32, bias=False, temperature=1.0, pad_ids=True, level=
     if pad_ids:
         ids[3, 9:] = -100  # padding ids outside the vocabulary, where the mask is 0
         ids[0, 10:] = V
-    adv = torch.randn(B, device=DEVICE)
+    # Advantages of both signs on the unmasked rows 0 (+), 2 (+) and 3 (-), whatever the draw.
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0] + [1.0] * (B - 4), device=DEVICE)[:B]
+    adv = (torch.rand(B, device=DEVICE) + 0.1) * sign
     shape = (B, T) if level == "token" else (B, 1)
     shift = torch.where(torch.rand(shape, device=DEVICE) < 0.5, 0.03, 0.7)
     shift = shift * torch.where(torch.rand(shape, device=DEVICE) < 0.5, -1.0, 1.0)
+    # One ratio exp(0.7) on row 0 (above every upper bound, positive advantage) and one exp(-0.7) on
+    # row 3 (below the lower bound, negative advantage): the clipping metric is never 0 by chance.
+    shift[0, 0] = -0.7
+    shift[3, shape[1] // T] = 0.7
     old = (token_logps(x.float(), w.float(), b.float() if bias else None, ids, temperature) + shift).detach()
     return x, w, b, rx, rw, ids, mask, adv, old
 

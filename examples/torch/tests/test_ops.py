@@ -343,6 +343,22 @@ def test_gated_mlp_matches_reference(ext, seed, dtype, act, shape):
         assert_rel(g, w, dtype, factor=2.0, what=name)
 
 
+def test_gated_mlp_output_takes_in_place_ops(ext, seed):
+    """The output is a tensor of its own, not a view made inside the autograd function: an in-place op on
+    it (Llama 4 adds the routed experts into the shared expert's output) is allowed, and the gradients
+    are those of the output without it."""
+    x = torch.randn(3, 5, 64, device=DEV, requires_grad=True)
+    ws = [(torch.randn(o, i, device=DEV) / i ** 0.5).requires_grad_() for o, i in ((96, 64), (96, 64), (64, 96))]
+    y = tt.tigon_gated_mlp(x, *ws)
+    assert y.shape == x.shape and y._base is None
+    y.add_(torch.randn_like(y))
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, *ws), dy)
+    want = torch.autograd.grad(tt.tigon_gated_mlp(x, *ws), (x, *ws), dy)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
 def test_gated_mlp_backward_twice_and_frozen_weights(ext, seed):
     """The backward writes over no saved tensor: a retained graph gives the same gradients again; frozen
     weights get none, and x alone still gets its gradient."""

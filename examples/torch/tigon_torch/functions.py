@@ -462,10 +462,13 @@ class TigonGatedMLPFunction(torch.autograd.Function):
         c = torch.empty_like(a)
         if a.numel() > 0:
             ops().gated_fwd(a, b, c, act, 1.0, 1.0)
-        y = torch.nn.functional.linear(c, w_down)
+        # The output in x's shape as a tensor of its own, not a view made inside the function: callers
+        # may modify it in place (Llama 4 adds the routed experts into the shared expert's output).
+        y = torch.empty(*x.shape[:-1], hidden, dtype=x.dtype, device=x.device)
+        torch.mm(c, w_down.t(), out=y.view(-1, hidden))
         ctx.save_for_backward(x2, w_gate, w_up, w_down, a, b)
         ctx.act, ctx.x_shape = act, x.shape
-        return y.reshape(*x.shape[:-1], hidden)
+        return y
 
     @staticmethod
     @once_differentiable

@@ -473,10 +473,7 @@ class _Family:
     in layer_norm_modules a torch.nn whose LayerNorm is tigon's) or a LayerNorm subclass of the module
     (with layer_norm_offset added to its weight). heads: (causal-LM class, logit rule) pairs whose
     loss goes through tigon (_logit_transform). scope: patch only modules inside instances of this
-    class (a vision-language model's text model). unfused: (parent class, attribute) naming MLPs whose
-    output Hugging Face modifies in place (Llama 4's shared expert: out.add_(...)), which the fused
-    MLP's output, a view made inside an autograd function, does not allow: they keep their
-    projections as modules (only the activation fused). params / extras / var_kw: the apply function's
+    class (a vision-language model's text model). params / extras / var_kw: the apply function's
     signature (Liger's parameters, tigon's keyword-only ones, a **kwargs). keeps: (switch or None for
     always, what stays on Hugging Face's code and why), logged when that switch is on."""
 
@@ -497,7 +494,6 @@ class _Family:
     layer_norm_modules: tuple[str, ...] = ()
     layer_norm_offset: float = 0.0
     scope: str | None = None
-    unfused: tuple[tuple[str, str], ...] = ()
     params: tuple[tuple[str, object], ...] = _LIGER_SWIGLU
     extras: tuple[tuple[str, object], ...] = _FUSED_MLP
     var_kw: bool = False
@@ -574,7 +570,6 @@ _FAMILIES = {
     # own loss on the language model's logits stays Hugging Face's).
     "llama4": _f("llama4", "llama4", "Llama4TextRMSNorm", "Llama4TextMLP", "Llama4ForCausalLM",
                  experts="Llama4TextExperts", experts_kind="bmm", rope=None, layer_norm="nn",
-                 unfused=(("Llama4TextMoe", "shared_expert"),),
                  layer_norm_modules=("transformers.models.llama4.modeling_llama4",),
                  params=_LIGER_SWIGLU + (("layer_norm", True),),
                  keeps=(("rope", "Llama 4 rotates complex pairs (x[2i], x[2i + 1]) by a complex table "
@@ -705,30 +700,16 @@ def _patch_modules(root: nn.Module, fam: _Family, mod, sw: dict) -> None:
     """Patches, in place, the RMSNorm / MLP / experts / LayerNorm modules under root that sw turns on."""
     norm_cls, mlp_cls, experts_cls = _class(mod, fam.norm), _class(mod, fam.mlp), _class(mod, fam.experts)
     ln_cls = nn.LayerNorm if fam.layer_norm == "nn" else _class(mod, fam.layer_norm)
-    unfused = set()
-    for parent, attr in fam.unfused:
-        parent_cls = _class(mod, parent)
-        if parent_cls is not None:
-            unfused.update(id(getattr(p, attr)) for p in root.modules() if isinstance(p, parent_cls))
     for m in root.modules():
         if sw["rms_norm"] and norm_cls is not None and isinstance(m, norm_cls):
             _patch_norm_instance(m, fam, norm_cls.forward)
         elif sw["mlp"] and mlp_cls is not None and isinstance(m, mlp_cls):
-            _patch_mlp_instance(m, fam, mlp_cls.forward, sw["fused_mlp"] and id(m) not in unfused)
+            _patch_mlp_instance(m, fam, mlp_cls.forward, sw["fused_mlp"])
         elif sw["mlp"] and experts_cls is not None and isinstance(m, experts_cls):
             _patch_experts_instance(m, fam, experts_cls)
         elif sw["layer_norm"] and ln_cls is not None and (type(m) is nn.LayerNorm if fam.layer_norm == "nn"
                                                          else isinstance(m, ln_cls)):
             _patch_layer_norm_instance(m, ln_cls, fam.layer_norm_offset)
-
-
-def _unfuse_init(init, attr: str):
-    def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        _set(getattr(self, attr), "_tigon_fused_mlp", False)
-
-    __init__.__wrapped__ = init
-    return __init__
 
 
 def _scoped_init(init, fam: _Family, mod, sw: dict):
@@ -752,11 +733,6 @@ def _patch_classes(fam: _Family, mod, sw: dict) -> None:
         _set(mod, fam.norm, _norm_subclass(norm_cls, fam))
     if sw["mlp"] and mlp_cls is not None:
         _set(mod, fam.mlp, _mlp_subclass(mlp_cls, fam, sw["fused_mlp"]))
-        for parent, attr in fam.unfused if sw["fused_mlp"] else ():
-            parent_cls = _class(mod, parent)
-            if parent_cls is not None:
-                _set(parent_cls, "__init__", _unfuse_init(_original(mod, f"{parent}.__init__", parent_cls.__init__),
-                                                          attr))
     if sw["mlp"] and experts_cls is not None:
         _set(mod, fam.experts, _experts_subclass(experts_cls, fam))
     if sw["layer_norm"] and fam.layer_norm == "nn":

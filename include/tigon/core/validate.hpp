@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "config.hpp"
@@ -107,9 +108,22 @@ inline Status disjoint(const MatrixView& out, const MatrixView& in, const char* 
                        std::string("must not overlap '") + in_name + "'");
 }
 
+// Whether v is finite, from its bits: -ffast-math lets a compiler assume no NaN or infinity and fold
+// tests such as v - v == 0 or !(v >= 0) away; a test of the exponent bits holds under it.
+inline bool finite_bits(float v) {
+  std::uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  return (u & 0x7f800000u) != 0x7f800000u;
+}
+
 inline Status finite(float v, const char* op, const char* arg) {
-  if (v - v == 0.0f) return Status();  // false for NaN and +-inf
+  if (finite_bits(v)) return Status();
   return Status::error(Errc::invalid_value, op, arg, "must be finite");
+}
+
+// v finite and at least lo (strict: above lo), and at most hi.
+inline bool finite_in(float v, float lo, float hi = __builtin_huge_valf(), bool strict = false) {
+  return finite_bits(v) && (strict ? v > lo : v >= lo) && v <= hi;
 }
 
 inline Status workspace(const void* ws, std::size_t have, std::size_t need, const char* op) {

@@ -183,13 +183,14 @@ Status validate_options(const CrossEntropyArgs<T, I>& a, const char* op) {
   TIGON_CHECK(positive(a.rows, op, "rows"));
   TIGON_CHECK(positive(a.vocab, op, "vocab"));
   TIGON_CHECK(at_most(a.vocab, std::int64_t{1} << 31, op, "vocab"));
-  if (!(a.label_smoothing >= 0.0f && a.label_smoothing <= 1.0f)) {
+  TIGON_CHECK(finite(a.grad_scale, op, "grad_scale"));
+  if (!finite_in(a.label_smoothing, 0.0f, 1.0f)) {
     return Status::error(Errc::invalid_value, op, "label_smoothing", "must be in [0, 1]");
   }
-  if (!(a.z_loss_scale >= 0.0f) || a.z_loss_scale == __builtin_inff()) {
+  if (!finite_in(a.z_loss_scale, 0.0f)) {
     return Status::error(Errc::invalid_value, op, "z_loss_scale", "must be finite and >= 0");
   }
-  if (!(a.softcap >= 0.0f) || a.softcap == __builtin_inff()) {
+  if (!finite_in(a.softcap, 0.0f)) {
     return Status::error(Errc::invalid_value, op, "softcap", "must be finite and >= 0 (0: off)");
   }
   if (a.reduction != Reduction::none && a.reduction != Reduction::sum && a.reduction != Reduction::mean) {

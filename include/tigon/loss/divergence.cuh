@@ -404,7 +404,7 @@ inline constexpr std::int64_t kDivMaxVocab = std::int64_t{1} << 30;
 // reduction, the reduced loss's absence under none, grad_scale.
 inline Status validate_divergence_options(float temperature, DivergenceReduction reduction, const float* loss,
                                           float grad_scale, const char* op) {
-  if (!(temperature > 0.0f) || temperature == __builtin_huge_valf()) {
+  if (!check::finite_in(temperature, 0.0f, __builtin_huge_valf(), true)) {
     return Status::error(Errc::invalid_value, op, "temperature", "must be finite and > 0, got " + std::to_string(temperature));
   }
   if (reduction != DivergenceReduction::none && reduction != DivergenceReduction::sum &&

@@ -174,7 +174,7 @@ Status llp_validate(const LinearLogProbArgs<T, I>& a, bool backward, const char*
   TIGON_CHECK(at_most(a.vocab, std::int64_t{1} << 30, op, "vocab"));
   TIGON_CHECK(row_stride(a.x_stride, a.hidden, op, "x_stride"));
   TIGON_CHECK(row_stride(a.dx_stride, a.hidden, op, "dx_stride"));
-  if (!(a.temperature > 0.0f) || a.temperature == __builtin_huge_valf()) {
+  if (!check::finite_in(a.temperature, 0.0f, __builtin_huge_valf(), true)) {
     return Status::error(Errc::invalid_value, op, "temperature",
                          "must be finite and > 0, got " + std::to_string(a.temperature));
   }

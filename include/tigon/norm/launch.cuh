@@ -137,7 +137,7 @@ inline Status check_rows(std::int64_t rows, std::int64_t cols,
 }
 
 inline Status check_eps(float eps, const char* op) {
-  if (eps >= 0.0f && eps != __builtin_inff()) return Status();
+  if (check::finite_in(eps, 0.0f)) return Status();
   return Status::error(Errc::invalid_value, op, "eps", "must be finite and >= 0");
 }
 

@@ -1,0 +1,42 @@
+// tigon's scalar argument checks compiled with -ffast-math (test/CMakeLists.txt sets it for this
+// file): the compiler may assume no NaN or infinity, so a check written as !(v >= 0) or v - v == 0
+// folds away; the checks test the bits and must still reject NaN and infinities.
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstring>
+
+#include <tigon/core/validate.hpp>
+
+namespace {
+float from_bits(std::uint32_t u) {  // NaN and infinity made from bits the compiler cannot see through
+  volatile std::uint32_t v = u;
+  const std::uint32_t w = v;
+  float f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+}  // namespace
+
+TEST_CASE("scalar checks hold under -ffast-math", "[validate][fast-math]") {
+#if !defined(__FAST_MATH__)
+  WARN("this file is meant to be compiled with -ffast-math");
+#endif
+  using namespace tigon::check;
+  const float nan = from_bits(0x7fc00000u), neg_nan = from_bits(0xffc00001u);
+  const float inf = from_bits(0x7f800000u), neg_inf = from_bits(0xff800000u);
+  for (float bad : {nan, neg_nan, inf, neg_inf}) {
+    CHECK_FALSE(finite_bits(bad));
+    CHECK_FALSE(finite(bad, "op", "eps").ok());
+    CHECK_FALSE(finite_in(bad, 0.0f));
+    CHECK_FALSE(finite_in(bad, 0.0f, 1.0f));
+    CHECK_FALSE(finite_in(bad, 0.0f, __builtin_huge_valf(), true));
+  }
+  CHECK(finite_in(0.0f, 0.0f));
+  CHECK_FALSE(finite_in(0.0f, 0.0f, __builtin_huge_valf(), true));
+  CHECK(finite_in(1.0f, 0.0f, 1.0f));
+  CHECK_FALSE(finite_in(from_bits(0x3f800001u), 0.0f, 1.0f));  // the float after 1
+  CHECK_FALSE(finite_in(-from_bits(0x00000001u), 0.0f));       // the negative subnormal nearest 0
+  CHECK(finite_bits(from_bits(0x7f7fffffu)));                   // the largest finite float
+  CHECK(finite(-3.5f, "op", "grad_scale").ok());
+}

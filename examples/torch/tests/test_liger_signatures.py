@@ -45,28 +45,17 @@ _FLJSD = [("student_input", R), ("student_weight", R), ("teacher_input", R), ("t
 # tigon's name -> (Liger's object, "module:qualified name"; Liger's parameters without self / ctx).
 LIGER = {
     # Patch functions (liger_kernel/transformers/monkey_patch.py)
-    "apply_tigon_to_llama": (f"{_MP}:apply_liger_kernel_to_llama", _patch("swiglu")),
-    "apply_tigon_to_mistral": (f"{_MP}:apply_liger_kernel_to_mistral", _patch("swiglu")),
-    "apply_tigon_to_qwen2": (f"{_MP}:apply_liger_kernel_to_qwen2", _patch("swiglu")),
-    "apply_tigon_to_qwen3": (f"{_MP}:apply_liger_kernel_to_qwen3", _patch("swiglu")),
-    "apply_tigon_to_phi3": (f"{_MP}:apply_liger_kernel_to_phi3", _patch("swiglu")),
-    "apply_tigon_to_gemma": (f"{_MP}:apply_liger_kernel_to_gemma", _patch("geglu")),
-    "apply_tigon_to_gemma2": (f"{_MP}:apply_liger_kernel_to_gemma2", _patch("geglu")),
-    "apply_tigon_to_gemma3_text": (f"{_MP}:apply_liger_kernel_to_gemma3_text", _patch("geglu")),
+    **{f"apply_tigon_to_{t}": (f"{_MP}:apply_liger_kernel_to_{t}", _patch("swiglu"))
+       for t in ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "olmo2", "olmo3", "smollm3",
+                 "falcon_h1", "qwen2_5_vl")},
+    **{f"apply_tigon_to_{t}": (f"{_MP}:apply_liger_kernel_to_{t}", _patch("geglu"))
+       for t in ("gemma", "gemma2", "gemma3_text")},
     "apply_tigon_to_gemma3": (f"{_MP}:apply_liger_kernel_to_gemma3", _patch("geglu", layer_norm=True)),
-    "apply_tigon_to_mixtral": (f"{_MP}:apply_liger_kernel_to_mixtral", _patch("swiglu")),
-    "apply_tigon_to_qwen3_moe": (f"{_MP}:apply_liger_kernel_to_qwen3_moe", _patch("swiglu")),
-    "apply_tigon_to_olmo2": (f"{_MP}:apply_liger_kernel_to_olmo2", _patch("swiglu")),
-    "apply_tigon_to_olmo3": (f"{_MP}:apply_liger_kernel_to_olmo3", _patch("swiglu")),
-    "apply_tigon_to_smollm3": (f"{_MP}:apply_liger_kernel_to_smollm3", _patch("swiglu")),
-    "apply_tigon_to_falcon_h1": (f"{_MP}:apply_liger_kernel_to_falcon_h1", _patch("swiglu")),
-    "apply_tigon_to_qwen2_5_vl": (f"{_MP}:apply_liger_kernel_to_qwen2_5_vl", _patch("swiglu")),
     "apply_tigon_to_glm4": (f"{_MP}:apply_liger_kernel_to_glm4",
                             [("rope", False)] + _patch("swiglu")[1:]),
-    "apply_tigon_to_gpt_oss": (f"{_MP}:apply_liger_kernel_to_gpt_oss",
-                               _patch("swiglu")[:4] + [("swiglu", False), ("model", None)]),
-    "apply_tigon_to_qwen3_vl": (f"{_MP}:apply_liger_kernel_to_qwen3_vl",
-                                _patch("swiglu")[:4] + [("swiglu", False), ("model", None)]),
+    **{f"apply_tigon_to_{t}": (f"{_MP}:apply_liger_kernel_to_{t}",
+                               _patch("swiglu")[:4] + [("swiglu", False), ("model", None)])
+       for t in ("gpt_oss", "qwen3_vl")},  # their MLP patch off by default
     "apply_tigon_to_granite": (f"{_MP}:apply_liger_kernel_to_granite",
                                [("rope", True), ("cross_entropy", True), ("fused_linear_cross_entropy", False),
                                 ("rms_norm", True), ("swiglu", True), ("model", None)]),

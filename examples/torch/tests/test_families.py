@@ -177,11 +177,11 @@ EXPECTED = {
     "olmo2": dict(norm=True, gated=True, rope=True),
     "olmo3": dict(norm=True, gated=True, rope=True),
     "granite": dict(norm=True, gated=True, rope=True),
-    "glm4": dict(norm=True, gate_up=True),  # interleaved RoPE: Hugging Face's
+    "glm4": dict(norm=True, gate_up=True),  # rope=False by default, as in Liger
     "gpt_oss": dict(norm=True, rope=True),  # clamped expert gate: Hugging Face's
     "smollm3": dict(norm=True, gated=True, rope=True),
     "falcon_h1": dict(norm=True, gated=True, rope=True),
-    "llama4": dict(norm=True, gated=True, experts=True),  # complex RoPE: Hugging Face's
+    "llama4": dict(norm=True, gated=True, experts=True, rope=True),
     "qwen2_vl": dict(norm=True, gated=True, rope=True),
     "qwen2_5_vl": dict(norm=True, gated=True, rope=True),
     "qwen3_vl": dict(norm=True, rope=True),  # swiglu=False by default, as in Liger
@@ -200,6 +200,12 @@ def _check_patched(family, model, switches=None):
     assert bool(_forwards(model, *_LN)) == want.get("ln", False)
 
 
+def _rope_name(spec):
+    """The modeling module's function the family's rope patch replaces (apply_rotary_pos_emb for the
+    families without one, whose function must stay Hugging Face's)."""
+    return patch.rope_function_name(spec) or "apply_rotary_pos_emb"
+
+
 def _apply(family):
     return getattr(tt, f"apply_tigon_to_{family}", None) or getattr(patch, f"apply_tigon_to_{family}")
 
@@ -214,10 +220,10 @@ def test_instance_patch(family, monkeypatch):
     monkeypatch.setattr(ops, "on_device", lambda t: t.is_cuda)  # CPU tensors: Hugging Face's code
     spec, mod = _mod(family)
     ref, model = pair(family)
-    hf_rope = getattr(mod, "apply_rotary_pos_emb", None)
+    hf_rope = getattr(mod, _rope_name(spec), None)
     _apply(family)(model=model)
     _check_patched(family, model)
-    rope = getattr(mod, "apply_rotary_pos_emb", None)
+    rope = getattr(mod, _rope_name(spec), None)
     assert (rope is not hf_rope) == EXPECTED[family].get("rope", False)
     if spec.rope == "rotate_half":
         assert rope is tt.tigon_rotary_pos_emb
@@ -236,7 +242,7 @@ def test_instance_patch(family, monkeypatch):
     assert isinstance(model(**inputs, labels=labels, return_dict=False), tuple)
 
     tt.unpatch()
-    assert getattr(mod, "apply_rotary_pos_emb", None) is hf_rope
+    assert getattr(mod, _rope_name(spec), None) is hf_rope
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
@@ -330,19 +336,19 @@ def test_llama4_vision_layer_norm():
 @pytest.mark.parametrize("family,switches,changed", [
     ("gpt_oss", dict(swiglu=True), {}),  # nothing tigon computes: the experts stay Hugging Face's
     ("qwen3_vl", dict(swiglu=True), dict(gated=True)),
-    ("glm4", dict(rope=True), {}),  # GLM-4's interleaved RoPE stays Hugging Face's
+    ("glm4", dict(rope=True), dict(rope=True)),  # GLM-4's interleaved pairs
     ("nemotron", dict(relu_squared=False, rope=False, layer_norm=False), dict(ln=False, rope=False)),
     ("phi", dict(layer_norm=False), dict(ln=False)),
     ("falcon_h1", dict(rms_norm=False, swiglu=False), dict(norm=False, gated=False)),
 ])
 def test_switches(family, switches, changed):
-    _, mod = _mod(family)
-    hf_rope = getattr(mod, "apply_rotary_pos_emb", None)
+    spec, mod = _mod(family)
+    hf_rope = getattr(mod, _rope_name(spec), None)
     model = build(family)
     _apply(family)(model=model, **switches)
     _check_patched(family, model, changed)
     want_rope = dict(EXPECTED[family], **changed).get("rope", False)
-    assert (getattr(mod, "apply_rotary_pos_emb", None) is not hf_rope) == want_rope
+    assert (getattr(mod, _rope_name(spec), None) is not hf_rope) == want_rope
 
 
 def test_nemotron_ignores_unknown_switches_as_liger():
@@ -535,6 +541,7 @@ _COUNTED = {
     "rms_norm": functions.TigonRMSNormFunction,
     "layer_norm": functions.TigonLayerNormFunction,
     "rope": functions.TigonRopeFunction,
+    "rope_interleaved": functions.TigonInterleavedRopeFunction,
     "gated_mul": functions.TigonGatedMulFunction,
     "gate_up": functions.TigonFusedGateUpMulFunction,
     "gated_mlp": functions.TigonGatedMLPFunction,
@@ -566,6 +573,7 @@ RUNS = [(f, {}, None) for f in FAMILIES] + [
     ("gpt_oss", dict(swiglu=True), None),
     ("qwen3_vl", dict(swiglu=True), None),
     ("falcon_h1", dict(cross_entropy=True, fused_linear_cross_entropy=False), None),
+    ("glm4", dict(rope=True), None),  # interleaved pairs of a partial rotary slice
 ]
 
 
@@ -617,7 +625,8 @@ def test_patched_model_matches_hf(ext, seed, calls, run, dtype):
     else:
         assert got.get("gate_up", 0) == expected["gate_up"], got
     rope_on = switches.get("rope", dict(patch._FAMILIES[family].params + patch._FAMILIES[family].extras).get("rope"))
-    assert (got.get("rope", 0) > 0) == bool(rope_on and patch._FAMILIES[family].rope), got
+    ropes = got.get("rope", 0) + got.get("rope_interleaved", 0)
+    assert (ropes > 0) == bool(rope_on and patch._FAMILIES[family].rope), got
 
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.loss.float(), want.loss.float(), atol=tol, rtol=tol)

@@ -253,6 +253,72 @@ def test_rope_odd_head_dim(ext, seed, dtype, shape, width):
     assert_rel(got[1], want[1], dtype, what="dk")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary", ["full", "partial"])
+def test_interleaved_rope_matches_glm4(ext, seed, dtype, rotary):
+    """GLM-4's apply_rotary_pos_emb (interleaved pairs of the first rotary_dim channels, the table's
+    first half repeated per pair), as the patch calls it, against Hugging Face's, fp32 reference math."""
+    from transformers.models.glm4 import modeling_glm4
+
+    from tigon_torch import patch
+
+    batch, seq, hq, hk, dim = 2, 19, 4, 2, 64
+    rd = dim if rotary == "full" else dim // 2
+    q = torch.randn(batch, seq, hq, dim, device=DEV, dtype=dtype).transpose(1, 2).requires_grad_(True)
+    k = torch.randn(batch, seq, hk, dim, device=DEV, dtype=dtype).transpose(1, 2).requires_grad_(True)
+    cos, sin = _tables(batch, seq, rd, dtype, per_batch=True)
+    hf = modeling_glm4.apply_rotary_pos_emb
+    q_ref, k_ref = hf(q.float(), k.float(), cos.float(), sin.float())
+    q_out, k_out = patch._rope_glm(hf)(q, k, cos, sin)
+    assert q_out.dtype == dtype and q_out.stride() == q.stride()
+    assert_elem(q_out, q_ref.to(dtype), dtype)
+    assert_elem(k_out, k_ref.to(dtype), dtype)
+    assert torch.equal(q_out[..., rd:], q[..., rd:])
+    gq, gk = torch.randn_like(q_out), torch.randn_like(k_out)
+    want = _grads((q_ref, k_ref), (q, k), (gq.float(), gk.float()))
+    got = _grads((q_out, k_out), (q, k), (gq, gk))
+    assert_rel(got[0], want[0], dtype, what="dq")
+    assert_rel(got[1], want[1], dtype, what="dk")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_interleaved_rope_matches_llama4(ext, seed, dtype):
+    """Llama 4's apply_rotary_emb (each pair a complex number times freqs_cis, in fp32, one rounding)
+    and vision_apply_rotary_emb, as the patch calls them, against Hugging Face's."""
+    from transformers.models.llama4 import modeling_llama4
+
+    from tigon_torch import patch
+
+    batch, seq, hq, hk, dim = 2, 23, 4, 2, 64
+    inv = 1.0 / (500000.0 ** (torch.arange(0, dim, 2, device=DEV, dtype=torch.float32) / dim))
+    pos = torch.arange(seq, device=DEV, dtype=torch.float32)[None, :] + torch.arange(batch, device=DEV)[:, None]
+    freqs = torch.polar(torch.ones(batch, seq, dim // 2, device=DEV), pos[..., None] * inv)  # [B, S, D / 2]
+    q = torch.randn(batch, seq, hq, dim, device=DEV, dtype=dtype, requires_grad=True)  # [B, S, H, D]
+    k = torch.randn(batch, seq, hk, dim, device=DEV, dtype=dtype, requires_grad=True)
+    for hf_fn, make, table in ((modeling_llama4.apply_rotary_emb, patch._rope_complex, freqs),
+                               (modeling_llama4.vision_apply_rotary_emb, patch._rope_complex_vision,
+                                freqs[:1].reshape(seq, 1, dim // 2))):
+        qq, kk = (q, k) if table is freqs else (q[:1], k[:1])
+        q_ref, k_ref = hf_fn(qq, kk, table)
+        q_out, k_out = make(hf_fn)(qq, kk, table)
+        assert q_out.dtype == dtype
+        assert_elem(q_out, q_ref, dtype)
+        assert_elem(k_out, k_ref, dtype)
+        gq, gk = torch.randn_like(q_out), torch.randn_like(k_out)
+        want = _grads((q_ref, k_ref), (q, k), (gq, gk))
+        got = _grads((q_out, k_out), (q, k), (gq, gk))
+        assert_rel(got[0], want[0], dtype, what="dq")
+        assert_rel(got[1], want[1], dtype, what="dk")
+
+
+def test_interleaved_rope_width_checked(ext):
+    q = torch.randn(1, 2, 3, 64, device=DEV)
+    cos, sin = _tables(1, 3, 62, torch.float32)
+    cos, sin = cos[..., :31], sin[..., :31]  # odd: not whole pairs
+    with pytest.raises((ValueError, RuntimeError), match="width"):
+        tt.TigonInterleavedRopeFunction.apply(q, q, cos, sin, None, 1)
+
+
 def test_rope_table_width_checked(ext):
     q = torch.randn(1, 2, 3, 64, device=DEV)
     cos, sin = _tables(1, 3, 66, torch.float32)  # wider than head_dim
@@ -624,9 +690,9 @@ def test_tigon_status_becomes_python_exception(ext):
         tt.TigonCrossEntropyFunction.apply(x, target, None, -100, 0.0, 1.5)
     with pytest.raises(ValueError, match=r"tigon::rms_norm_forward.*eps"):
         tt.TigonRMSNormFunction.apply(x, None, -1.0)
-    with pytest.raises(NotImplementedError, match="use_token_scaling"):
+    with pytest.raises(ValueError, match="label_smoothing"):
         tt.TigonFusedLinearCrossEntropyFunction.apply(x, torch.randn(64, 64, device=DEV), target, None, None,
-                                                      -100, 0.0, 0.0, "mean", None, False, None, True)
+                                                      -100, 0.0, 1.5, "mean", None, False, None, True)
     with pytest.raises(ValueError, match="CUDA"):
         tt.TigonRMSNormFunction.apply(torch.randn(4, 64), None, 1e-6)
     with pytest.raises(TypeError):

@@ -18,6 +18,7 @@ from .functions import (
     TigonFusedLinearJSDFunction,
     TigonGatedMLPFunction,
     TigonGELUMulFunction,
+    TigonInterleavedRopeFunction,
     TigonJSDFunction,
     TigonKLDivLossFunction,
     TigonLayerNormFunction,
@@ -98,6 +99,32 @@ def tigon_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     if not _ops.on_device(q):
         return _reference_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
     return TigonRopeFunction.apply(q, k, cos, sin, position_ids, unsqueeze_dim)
+
+
+def tigon_interleaved_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Rotary embedding of interleaved pairs (x[2i], x[2i + 1]) (GPT-J, GLM-4, Llama 4's complex form),
+    with tables whose entries repeat per pair (TigonInterleavedRopeFunction); the first cos.shape[-1]
+    channels rotate, the rest pass through. CUDA tensors go through tigon; anything else through the
+    same math in PyTorch (fp32, one rounding)."""
+    if not _ops.on_device(q):
+        return _reference_interleaved_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
+    return TigonInterleavedRopeFunction.apply(q, k, cos, sin, position_ids, unsqueeze_dim)
+
+
+def _reference_interleaved_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    seq = q.shape[2] if unsqueeze_dim == 1 else q.shape[1]
+    if position_ids is not None and cos.shape[-2] != seq:
+        cos, sin = _gather_table(cos, position_ids), _gather_table(sin, position_ids)
+    cos = cos.unsqueeze(unsqueeze_dim).float()
+    sin = sin.unsqueeze(unsqueeze_dim).float()
+    rd = cos.shape[-1]
+
+    def rot(x):
+        x_rot, x_pass = x[..., :rd].float(), x[..., rd:]
+        rotated = torch.stack((-x_rot[..., 1::2], x_rot[..., 0::2]), dim=-1).flatten(-2)
+        return torch.cat(((x_rot * cos + rotated * sin).to(x.dtype), x_pass), dim=-1)
+
+    return rot(q), (rot(k) if k is not None else None)
 
 
 def _gather_table(t, position_ids):

@@ -260,12 +260,16 @@ def _rope_call(q, k, cos, sin, position_ids, backward, interleaved, unsqueeze_di
     return q_out, k_out
 
 
-def _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim):
+def _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved=False):
     _check_cuda(q, k, cos, sin)
     if k is not None and k.dtype != q.dtype:
         raise TypeError(f"tigon_torch: q ({q.dtype}) and k ({k.dtype}) must have one dtype")
     head_dim, width = q.shape[-1], cos.shape[-1]
-    if not (2 <= width <= head_dim or (width == head_dim + 1 and head_dim % 2 == 1)):
+    if interleaved:
+        if width % 2 or not 2 <= width <= head_dim:
+            raise ValueError(f"tigon_torch: interleaved cos / sin width {width} must be even and in [2, head_dim] "
+                             f"(head_dim {head_dim})")
+    elif not (2 <= width <= head_dim or (width == head_dim + 1 and head_dim % 2 == 1)):
         raise ValueError(f"tigon_torch: cos / sin width {width} must be in [2, head_dim] (head_dim {head_dim}), "
                          "or head_dim + 1 for an odd head_dim")
     cos = _table(cos, q.dtype)
@@ -280,6 +284,32 @@ def _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim):
     else:
         position_ids = None  # the tables are already gathered per position (Hugging Face's)
     return cos, sin, position_ids
+
+
+def _rope_forward(ctx, q, k, cos, sin, position_ids, unsqueeze_dim, interleaved):
+    cos, sin, pos = _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved)
+    q_out, k_out = _rope_call(q, k, cos, sin, pos, False, interleaved, unsqueeze_dim)
+    ctx.save_for_backward(cos, sin, pos)
+    ctx.unsqueeze_dim = unsqueeze_dim
+    ctx.interleaved = interleaved
+    return q_out, k_out
+
+
+def _rope_backward(ctx, dq, dk):
+    cos, sin, pos = ctx.saved_tensors
+    u, il = ctx.unsqueeze_dim, ctx.interleaved
+    if dq is None and dk is None:
+        return None, None, None, None, None, None
+    if dq is None:
+        dk_in, _ = _rope_call(dk, None, cos, sin, pos, True, il, u)
+        return None, dk_in, None, None, None, None
+    if dk is None:
+        dq_in, _ = _rope_call(dq, None, cos, sin, pos, True, il, u)
+        return dq_in, None, None, None, None, None
+    if dk.dtype != dq.dtype:
+        dk = dk.to(dq.dtype)
+    dq_in, dk_in = _rope_call(dq, dk, cos, sin, pos, True, il, u)
+    return dq_in, dk_in, None, None, None, None
 
 
 class TigonRopeFunction(torch.autograd.Function):
@@ -297,28 +327,27 @@ class TigonRopeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-        cos, sin, pos = _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim)
-        q_out, k_out = _rope_call(q, k, cos, sin, pos, False, False, unsqueeze_dim)
-        ctx.save_for_backward(cos, sin, pos)
-        ctx.unsqueeze_dim = unsqueeze_dim
-        return q_out, k_out
+        return _rope_forward(ctx, q, k, cos, sin, position_ids, unsqueeze_dim, False)
 
     @staticmethod
     def backward(ctx, dq, dk):
-        cos, sin, pos = ctx.saved_tensors
-        u = ctx.unsqueeze_dim
-        if dq is None and dk is None:
-            return None, None, None, None, None, None
-        if dq is None:
-            dk_in, _ = _rope_call(dk, None, cos, sin, pos, True, False, u)
-            return None, dk_in, None, None, None, None
-        if dk is None:
-            dq_in, _ = _rope_call(dq, None, cos, sin, pos, True, False, u)
-            return dq_in, None, None, None, None, None
-        if dk.dtype != dq.dtype:
-            dk = dk.to(dq.dtype)
-        dq_in, dk_in = _rope_call(dq, dk, cos, sin, pos, True, False, u)
-        return dq_in, dk_in, None, None, None, None
+        return _rope_backward(ctx, dq, dk)
+
+
+class TigonInterleavedRopeFunction(torch.autograd.Function):
+    """Rotary embedding of interleaved pairs (x[2i], x[2i + 1]) (GPT-J, GLM-4, Llama 4's complex
+    form): y[2i] = x[2i] cos[2i] - x[2i + 1] sin[2i], y[2i + 1] = x[2i + 1] cos[2i + 1] + x[2i] sin[2i + 1],
+    in fp32 with one rounding. cos / sin: [1 or batch, seq, rotary_dim] with rotary_dim even (each
+    pair's entries repeated, as GLM-4's repeat_interleave builds them); channels from rotary_dim on pass
+    through. Layouts, position_ids and outputs as TigonRopeFunction."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        return _rope_forward(ctx, q, k, cos, sin, position_ids, unsqueeze_dim, True)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        return _rope_backward(ctx, dq, dk)
 
 
 # ------------------------------------------------------------------------------------------------

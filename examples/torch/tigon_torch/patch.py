@@ -22,7 +22,9 @@ lists it for users.
 What each switch replaces:
   rope                        the modeling module's apply_rotary_pos_emb (a module-level function, so
                               this applies to every model of the family, built or not); partial
-                              rotary tables rotate their first channels and pass the rest through
+                              rotary tables rotate their first channels and pass the rest through;
+                              GLM-4's interleaved pairs; Llama 4's apply_rotary_emb and
+                              vision_apply_rotary_emb (complex pairs)
   rms_norm                    the family's RMSNorm, with the family's casting and offset (Llama
                               casting; Gemma: offset 1, Gemma casting; OLMo 2 / 3, GPT-OSS: offset 0,
                               Gemma casting, as their weight multiplies in fp32)
@@ -46,9 +48,8 @@ What each switch replaces:
                               lm_head_multiplier, and adding the MoE router's auxiliary loss as
                               Hugging Face does); outputs.logits is then None
 
-A module whose Hugging Face code computes something tigon's kernels do not (Llama 4's complex RoPE,
-GLM-4's interleaved RoPE, GPT-OSS's clamped expert gate, Nemotron's squared ReLU, Phi's plain GELU
-MLP) stays on Hugging Face's code: its switch is accepted and logs what stays (_Family.keeps).
+A module whose Hugging Face code computes something tigon's kernels do not (GPT-OSS's clamped expert
+gate, Nemotron's squared ReLU, Phi's plain GELU MLP) stays on Hugging Face's code: its switch is accepted and logs what stays (_Family.keeps).
 
 Class patching (model=None) replaces the modeling module's RMSNorm / MLP / experts classes by
 subclasses (same __init__, same parameters, so checkpoints load unchanged) and the causal-LM class's
@@ -317,6 +318,68 @@ def _rope_full_table(original):
     return apply_rotary_pos_emb
 
 
+def _rope_glm(original):
+    """GLM-4's apply_rotary_pos_emb: the first half of each table row repeated per pair
+    (repeat_interleave), interleaved pairs (x[2i], x[2i + 1]) of the first rotary_dim channels
+    rotated, the rest passed through: tigon's interleaved rope on those tables."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        half = cos.shape[-1] // 2
+        if not _ops.on_device(q) or half == 0 or 2 * half > q.shape[-1]:
+            return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return F.tigon_interleaved_rotary_pos_emb(q, k, cos[..., :half].repeat_interleave(2, dim=-1),
+                                                  sin[..., :half].repeat_interleave(2, dim=-1),
+                                                  unsqueeze_dim=unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
+def _rope_complex(original):
+    """Llama 4's apply_rotary_emb(xq, xk, freqs_cis): each pair (x[2i], x[2i + 1]) multiplied as a
+    complex number by freqs_cis[..., i] in fp32, q and k [batch, seq, heads, head_dim]: tigon's
+    interleaved rope on the tables of the real and imaginary parts, each repeated per pair."""
+
+    def apply_rotary_emb(xq, xk, freqs_cis):
+        if not _ops.on_device(xq) or not freqs_cis.is_complex() or 2 * freqs_cis.shape[-1] != xq.shape[-1]:
+            return original(xq, xk, freqs_cis)
+        cos = freqs_cis.real.repeat_interleave(2, dim=-1)
+        sin = freqs_cis.imag.repeat_interleave(2, dim=-1)
+        return F.tigon_interleaved_rotary_pos_emb(xq, xk, cos, sin, unsqueeze_dim=2)
+
+    return apply_rotary_emb
+
+
+def _rope_complex_vision(original):
+    """Llama 4's vision_apply_rotary_emb(query, key, freqs_ci): the same complex rotation with one
+    table row per position (freqs_ci broadcast over the batch and the heads)."""
+
+    def vision_apply_rotary_emb(query, key, freqs_ci):
+        seq, half = query.shape[1], query.shape[-1] // 2
+        if (not _ops.on_device(query) or not freqs_ci.is_complex() or 2 * half != query.shape[-1]
+                or freqs_ci.numel() != seq * half):
+            return original(query, key, freqs_ci)
+        f = freqs_ci.to(query.device).reshape(1, seq, half)
+        return F.tigon_interleaved_rotary_pos_emb(query, key, f.real.repeat_interleave(2, dim=-1),
+                                                  f.imag.repeat_interleave(2, dim=-1), unsqueeze_dim=2)
+
+    return vision_apply_rotary_emb
+
+
+# The module-level functions each rope style replaces (the text model's first), and their
+# replacements (given the original).
+_ROPES = {
+    "rotate_half": (("apply_rotary_pos_emb", lambda original: F.tigon_rotary_pos_emb),),
+    "full_table": (("apply_rotary_pos_emb", _rope_full_table),),
+    "glm": (("apply_rotary_pos_emb", _rope_glm),),
+    "complex": (("apply_rotary_emb", _rope_complex), ("vision_apply_rotary_emb", _rope_complex_vision)),
+}
+
+
+def rope_function_name(fam) -> str | None:
+    """The modeling module's text-model function a family's rope patch replaces (None: none)."""
+    return _ROPES[fam.rope][0][0] if fam.rope else None
+
+
 # ------------------------------------------------------------------------------------------------
 # The causal-LM loss
 # ------------------------------------------------------------------------------------------------
@@ -468,8 +531,8 @@ class _Family:
     gated MLP class (fused_gate_up: one gate_up projection; mlp_multipliers: Falcon-H1's gate / down
     multipliers). experts: its routed-experts class ("routed": Hugging Face's 3-D expert weights with
     the experts-implementation dispatch; "bmm": Llama 4's). rope: how apply_rotary_pos_emb is
-    replaced ("rotate_half": tigon_rotary_pos_emb; "full_table": GPT-OSS's half-width tables), None:
-    left alone. layer_norm: "nn" (torch.nn.LayerNorm modules; the class patch gives the modules named
+    replaced ("rotate_half": tigon_rotary_pos_emb; "full_table": GPT-OSS's half-width tables; "glm":
+    GLM-4's interleaved pairs; "complex": Llama 4's apply_rotary_emb), None: left alone. layer_norm: "nn" (torch.nn.LayerNorm modules; the class patch gives the modules named
     in layer_norm_modules a torch.nn whose LayerNorm is tigon's) or a LayerNorm subclass of the module
     (with layer_norm_offset added to its weight). heads: (causal-LM class, logit rule) pairs whose
     loss goes through tigon (_logit_transform). scope: patch only modules inside instances of this
@@ -550,10 +613,9 @@ _FAMILIES = {
     # logits_scaling divides the logits, so the fused loss scales the hidden states by 1 / scaling.
     "granite": _f("granite", "granite", "GraniteRMSNorm", "GraniteMLP", (("GraniteForCausalLM", "granite"),),
                   params=_defaults(_LIGER_SWIGLU, cross_entropy=True, fused_linear_cross_entropy=False)),
+    # GLM-4: interleaved pairs of a partial rotary slice; off by default, as in Liger.
     "glm4": _f("glm4", "glm4", "Glm4RMSNorm", "Glm4MLP", "Glm4ForCausalLM", fused_gate_up=True,
-               norm_in_place=False, rope=None, params=_defaults(_LIGER_SWIGLU, rope=False),
-               keeps=(("rope", "GLM-4 rotates interleaved pairs (x[0::2], x[1::2]) of a partial rotary slice, "
-                               "a layout tigon's rope does not compute; apply_rotary_pos_emb stays Hugging Face's"),)),
+               norm_in_place=False, rope="glm", params=_defaults(_LIGER_SWIGLU, rope=False)),
     "gpt_oss": _f("gpt_oss", "gpt_oss", "GptOssRMSNorm", None, "GptOssForCausalLM", casting="gemma",
                   rope="full_table", params=_defaults(_LIGER_SWIGLU, swiglu=False),
                   keeps=(("swiglu", "GPT-OSS's experts clamp gate and up and compute (up + 1) * gate * "
@@ -569,13 +631,10 @@ _FAMILIES = {
     # Llama 4: the text model (its Llama4ForCausalLM also inside Llama4ForConditionalGeneration, whose
     # own loss on the language model's logits stays Hugging Face's).
     "llama4": _f("llama4", "llama4", "Llama4TextRMSNorm", "Llama4TextMLP", "Llama4ForCausalLM",
-                 experts="Llama4TextExperts", experts_kind="bmm", rope=None, layer_norm="nn",
+                 experts="Llama4TextExperts", experts_kind="bmm", rope="complex", layer_norm="nn",
                  layer_norm_modules=("transformers.models.llama4.modeling_llama4",),
                  params=_LIGER_SWIGLU + (("layer_norm", True),),
-                 keeps=(("rope", "Llama 4 rotates complex pairs (x[2i], x[2i + 1]) by a complex table "
-                                 "(view_as_complex), a layout tigon's rope does not compute; its "
-                                 "apply_rotary_emb stays Hugging Face's"),
-                        ("rms_norm", "the weightless L2 norm of q and k (Llama4TextL2Norm) stays Hugging Face's"),
+                 keeps=(("rms_norm", "the weightless L2 norm of q and k (Llama4TextL2Norm) stays Hugging Face's"),
                         ("fused_linear_cross_entropy", "Llama4ForConditionalGeneration's loss, on its language "
                                                        "model's logits, stays Hugging Face's"))),
     "qwen2_vl": _f("qwen2_vl", "qwen2_vl", "Qwen2VLRMSNorm", "Qwen2MLP", "Qwen2VLForConditionalGeneration",
@@ -762,10 +821,10 @@ def _apply(fam: _Family, sw: dict, model) -> None:
         if switch is None or sw.get(_SWITCH.get(switch, switch)):
             logger.info("tigon_torch %s: %s", fam.name, why)
 
-    if sw["rope"] and fam.rope is not None and hasattr(mod, "apply_rotary_pos_emb"):
-        hf_rope = _original(mod, "apply_rotary_pos_emb")
-        _set(mod, "apply_rotary_pos_emb",
-             F.tigon_rotary_pos_emb if fam.rope == "rotate_half" else _rope_full_table(hf_rope))
+    if sw["rope"] and fam.rope is not None:
+        for name, make in _ROPES[fam.rope]:
+            if hasattr(mod, name):
+                _set(mod, name, make(_original(mod, name)))
 
     heads = [(getattr(mod, n), rule) for n, rule in fam.heads if hasattr(mod, n)]
     use_loss = sw["cross_entropy"] or sw["fused_linear_cross_entropy"]
@@ -828,7 +887,8 @@ def _make(family: str):
 def _doc(fam: _Family) -> str:
     parts = []
     if fam.rope:
-        parts.append("RoPE" + (" (GPT-OSS's half-width tables)" if fam.rope == "full_table" else ""))
+        parts.append("RoPE" + {"full_table": " (GPT-OSS's half-width tables)", "glm": " (interleaved pairs)",
+                               "complex": " (apply_rotary_emb, complex pairs)"}.get(fam.rope, ""))
     if fam.norm:
         parts.append(f"{fam.norm} (offset {fam.offset}, casting '{fam.casting}')")
     if fam.mlp:

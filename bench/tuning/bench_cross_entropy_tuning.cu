@@ -16,13 +16,6 @@ using tigon::CrossEntropyPolicy;
 struct RowsOnly : CrossEntropyPolicy {
   static constexpr std::int64_t kResMinCols = std::int64_t{1} << 40;
 };
-// The optioned resident kernel: block size, 16-byte vectors per thread, blocks per SM.
-template <int kThreads, int kVecs, int kMinBlocks>
-struct OptShape : CrossEntropyPolicy {
-  static constexpr int kOptThreads = kThreads;
-  static constexpr int kOptVecs = kVecs;
-  static constexpr int kOptMinBlocks = kMinBlocks;
-};
 // The loss alone on the plain resident kernel; the loss alone with options on the row kernel.
 struct ResLoss : CrossEntropyPolicy {
   static constexpr bool kResLoss = true;
@@ -31,9 +24,11 @@ struct OptLossRows : CrossEntropyPolicy {
   static constexpr bool kOptLoss = false;
 };
 
-using Opt256x8x2 = OptShape<256, 8, 2>;
-using Opt256x8x3 = OptShape<256, 8, 3>;
-using Opt512x4x2 = OptShape<512, 4, 2>;
+// The row kernel on the loss alone and the split statistics, with 3 blocks per SM for options.
+struct RowLossM3 : CrossEntropyPolicy {
+  static constexpr bool kOptLoss = false;
+  static constexpr int kRowLossMinBlocks = 3;
+};
 
 const Opt kCap{.cap = 30.0f};
 const Opt kSmooth{.eps = 0.1f};
@@ -63,24 +58,13 @@ CE_TUNE(opt_b256_v8_m4_weights, CrossEntropyPolicy, true, kW) TWO;
 CE_TUNE(opt_b256_v8_m4_argmax, CrossEntropyPolicy, true, kArg) TWO;
 CE_TUNE(opt_b256_v8_m4_token, CrossEntropyPolicy, true, kTok) TWO;
 CE_TUNE(opt_b256_v8_m4_all, CrossEntropyPolicy, true, kAll) TWO;
-CE_TUNE(opt_b256_v8_m3_softcap, Opt256x8x3, true, kCap) TWO;
-CE_TUNE(opt_b256_v8_m3_smooth, Opt256x8x3, true, kSmooth) TWO;
-CE_TUNE(opt_b256_v8_m3_weights, Opt256x8x3, true, kW) TWO;
-CE_TUNE(opt_b256_v8_m3_argmax, Opt256x8x3, true, kArg) TWO;
-CE_TUNE(opt_b256_v8_m3_token, Opt256x8x3, true, kTok) TWO;
-CE_TUNE(opt_b256_v8_m3_all, Opt256x8x3, true, kAll) TWO;
-CE_TUNE(opt_b512_v4_m2_softcap, Opt512x4x2, true, kCap) TWO;
-CE_TUNE(opt_b512_v4_m2_smooth, Opt512x4x2, true, kSmooth) TWO;
-CE_TUNE(opt_b512_v4_m2_weights, Opt512x4x2, true, kW) TWO;
-CE_TUNE(opt_b512_v4_m2_argmax, Opt512x4x2, true, kArg) TWO;
-CE_TUNE(opt_b512_v4_m2_token, Opt512x4x2, true, kTok) TWO;
-CE_TUNE(opt_b512_v4_m2_all, Opt512x4x2, true, kAll) TWO;
 CE_TUNE(res_loss_plain, ResLoss, false, Opt{}) TWO;
 CE_TUNE(rows_loss_softcap, OptLossRows, false, kCap) TWO;
 CE_TUNE(default_loss_softcap, CrossEntropyPolicy, false, kCap) TWO;
+CE_TUNE(rows_loss_softcap_m3, RowLossM3, false, kCap) TWO;
 CE_TUNE_SPLIT(rows_shard_stats, RowsOnly, false) TWO;
+CE_TUNE_SPLIT(rows_shard_stats_m3, RowLossM3, false) TWO;
+CE_TUNE_SPLIT(default_shard_stats, CrossEntropyPolicy, false) TWO;
 CE_TUNE_SPLIT(rows_shard_finalize, RowsOnly, true) TWO;
-CE_TUNE_SPLIT(opt_b512_v4_m2_shard_stats, Opt512x4x2, false) TWO;
-CE_TUNE_SPLIT(opt_b512_v4_m2_shard_finalize, Opt512x4x2, true) TWO;
 
 BENCH_MAIN

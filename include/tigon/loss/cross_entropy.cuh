@@ -270,8 +270,10 @@ struct CrossEntropyPolicy {
   // Row kernel: block size, and the block size with a gradient on rows over 65536 columns.
   static constexpr int kRowThreads = 256;
   static constexpr int kRowGradThreads = 512;
-  // Row kernel: 16-byte vectors each thread has in flight per trip of either pass.
+  // Row kernel: 16-byte vectors each thread has in flight per trip of either pass, and the blocks
+  // per SM its registers must allow for the loss alone with options (__launch_bounds__).
   static constexpr int kRowUnroll = 4;
+  static constexpr int kRowLossMinBlocks = 4;
   // Plain resident kernel: block size, 16-byte vectors per thread, the blocks per SM its registers
   // must allow (__launch_bounds__), and how many rows ahead each block asks the L2 for its slice
   // (one bulk prefetch; 0: none).
@@ -286,7 +288,8 @@ struct CrossEntropyPolicy {
   static constexpr int kOptVecs = 8;
   static constexpr int kOptMinBlocks = 4;
   static constexpr int kOptAhead = 32;
-  // Whether the loss alone with options takes the optioned resident kernel (else the row kernel).
+  // Whether the loss alone with options, and the split statistics pass, take the optioned
+  // resident kernel (else the row kernel).
   static constexpr bool kOptLoss = true;
   // Rows shorter than this take the row kernel (columns).
   static constexpr std::int64_t kResMinCols = 0;
@@ -301,6 +304,7 @@ constexpr bool check_ce_policy() {
   static_assert(whole_warps(P::kRowThreads, 32, 1024) && whole_warps(P::kRowGradThreads, 32, 1024),
                 "row kernel: a whole number of warps, at most 1024 threads");
   static_assert(P::kRowUnroll >= 1 && P::kRowUnroll <= 8, "row kernel: 1 to 8 vectors in flight per thread");
+  static_assert(P::kRowLossMinBlocks >= 1 && P::kRowLossMinBlocks <= 32, "row kernel: 1 to 32 blocks per SM");
   static_assert(whole_warps(P::kResThreads, 64, 1024) && whole_warps(P::kOptThreads, 64, 1024),
                 "resident kernels: a whole number of warps, 64 to 1024 threads");
   static_assert(P::kResVecs >= 1 && P::kResVecs <= 32 && P::kOptVecs >= 1 && P::kOptVecs <= 16,

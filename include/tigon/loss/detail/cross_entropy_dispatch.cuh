@@ -51,9 +51,10 @@ bool ce_vectorizable(const CeParams<T, I>& p) {
 
 // The row kernel: one row per resident block at a time (a gradient pass re-reads its row, from L2
 // where it stayed), kThreads threads, kV elements per vector.
-template <class T, class I, int kV, int kThreads, class P, bool kPlain>
+template <class T, class I, int kV, int kThreads, class P, bool kPlain, bool kGrad>
 Status launch_ce_rows_as(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
-  constexpr auto kernel = ce_row_kernel<T, I, kV, kThreads, P::kRowUnroll, kPlain>;
+  constexpr auto kernel =
+      ce_row_kernel<T, I, kV, kThreads, P::kRowUnroll, kPlain, kGrad, P::kRowLossMinBlocks>;
   DeviceInfo dev;
   TIGON_CHECK(current_device_info(dev));
   int occ = 0;
@@ -66,12 +67,21 @@ Status launch_ce_rows_as(const CeParams<T, I>& p, cudaStream_t stream, const cha
 template <class T, class I, int kThreads, class P>
 Status launch_ce_rows(const CeParams<T, I>& p, bool vec, cudaStream_t stream, const char* op) {
   const bool plain = ce_plain(p);
-  if (vec) {
-    return plain ? launch_ce_rows_as<T, I, kVecElems<T>, kThreads, P, true>(p, stream, op)
-                 : launch_ce_rows_as<T, I, kVecElems<T>, kThreads, P, false>(p, stream, op);
+  const bool grad = p.dx != nullptr;
+  auto as = [&](auto v_c, auto plain_c, auto grad_c) {
+    return launch_ce_rows_as<T, I, decltype(v_c)::value, kThreads, P, decltype(plain_c)::value,
+                             decltype(grad_c)::value>(p, stream, op);
+  };
+  auto by_grad = [&](auto v_c, auto plain_c) {
+    return grad ? as(v_c, plain_c, std::true_type{}) : as(v_c, plain_c, std::false_type{});
+  };
+  auto by_plain = [&](auto v_c) {
+    return plain ? by_grad(v_c, std::true_type{}) : by_grad(v_c, std::false_type{});
+  };
+  if constexpr (kVecElems<T> > 1) {
+    if (vec) return by_plain(std::integral_constant<int, kVecElems<T>>{});
   }
-  return plain ? launch_ce_rows_as<T, I, 1, kThreads, P, true>(p, stream, op)
-               : launch_ce_rows_as<T, I, 1, kThreads, P, false>(p, stream, op);
+  return by_plain(std::integral_constant<int, 1>{});
 }
 
 // A resident kernel (plain or optioned), when the row fits kCeResMaxCluster blocks and such a
@@ -135,8 +145,7 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
   const bool vec = ce_vectorizable(p);
   if constexpr (kV > 1) {
     const bool plain = ce_plain(p);
-    const bool writes = p.dx != nullptr || p.stats_out != nullptr;
-    const bool wanted = plain ? (p.dx != nullptr || P::kResLoss) : (writes || P::kOptLoss);
+    const bool wanted = p.dx != nullptr || (plain ? P::kResLoss : P::kOptLoss);
     if (vec && wanted && p.vocab >= P::kResMinCols) {
       DeviceInfo dev;
       TIGON_CHECK(current_device_info(dev));

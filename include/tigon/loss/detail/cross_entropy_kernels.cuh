@@ -135,22 +135,30 @@ TIGON_DEVICE float ce_target_logit(const CeParams<T, I>& p, const T* xr, std::in
 
 // The row's terms from its merged statistics. Merged split-vocabulary statistics carry the target's
 // weight from the shard that holds it.
+// The target's class weight (0 when skipped, 1 without weights).
 template <class T, class I>
-TIGON_DEVICE ce_math::RowTerms ce_row_terms(const CeParams<T, I>& p, std::int64_t row, const CeAcc& total,
-                                            float lse, float x_t, std::int64_t t_raw, bool skip) {
+TIGON_DEVICE float ce_target_weight(const CeParams<T, I>& p, std::int64_t row, std::int64_t t_raw, bool skip) {
+  if (skip) return 0.0f;
+  if (p.weights == nullptr) return 1.0f;
+  return p.stats != nullptr ? p.stats[row].target_weight : p.weights[t_raw];
+}
+
+template <class T, class I>
+TIGON_DEVICE ce_math::RowTerms ce_row_terms_w(const CeParams<T, I>& p, const CeAcc& total, float lse, float x_t,
+                                              float w_t) {
   ce_math::RowTerms terms{};
   terms.lse = lse;
   terms.x_t = x_t;
-  if (skip) {
-    terms.w_t = 0.0f;
-  } else if (p.weights == nullptr) {
-    terms.w_t = 1.0f;
-  } else {
-    terms.w_t = p.stats != nullptr ? p.stats[row].target_weight : p.weights[t_raw];
-  }
+  terms.w_t = w_t;
   terms.sum_w = p.weights != nullptr ? total.sum_w : static_cast<float>(p.total_vocab);
   terms.sum_wx = total.sum_wx;
   return terms;
+}
+
+template <class T, class I>
+TIGON_DEVICE ce_math::RowTerms ce_row_terms(const CeParams<T, I>& p, std::int64_t row, const CeAcc& total,
+                                            float lse, float x_t, std::int64_t t_raw, bool skip) {
+  return ce_row_terms_w(p, total, lse, x_t, ce_target_weight(p, row, t_raw, skip));
 }
 
 // The row's token-scaling factor: its probability of the target, p_t = exp(x_t - lse), or 1.
@@ -350,9 +358,14 @@ TIGON_DEVICE CeParams<T, I> ce_specialise(CeParams<T, I> p) {
 // sum of exp, smoothing sums and argmax over the row, kU vectors in flight per thread, read
 // with the evict-last L2 priority. Then the row's loss, and pass 2 (with a gradient): the row
 // again, newest lines first (the likeliest still in L2; at 8 rows of 128K logits per SM most of a
-// row comes from DRAM again), and the gradient written in place or to dx.
-template <class T, class I, int kV, int kThreads, int kU, bool kPlain>
-TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I> params) {
+// row comes from DRAM again), and the gradient written in place or to dx. kGrad false: the loss
+// and statistics alone (p.dx null), an instance without the gradient pass's registers, which
+// with options keeps kLossMinBlocks blocks per SM.
+template <class T, class I, int kV, int kThreads, int kU, bool kPlain, bool kGrad, int kLossMinBlocks>
+TIGON_KERNEL void __launch_bounds__(kThreads, (kGrad || kPlain)           ? 0
+                                              : kLossMinBlocks * kThreads > 2048 ? 2048 / kThreads
+                                                                                 : kLossMinBlocks)
+    ce_row_kernel(const CeParams<T, I> params) {
   detail::grid_dependency_sync();
   const CeParams<T, I> p = ce_specialise<kPlain>(params);
   using Reduce = cub::BlockReduce<CeAcc, kThreads, cub::BLOCK_REDUCE_WARP_REDUCTIONS>;
@@ -408,7 +421,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads) ce_row_kernel(const CeParams<T, I>
     const float lse = total.m + logf(total.s);
     const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, sh.x_t, t_raw, ignored || bad);
     if (threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
-    if (p.dx != nullptr) {
+    if (kGrad && p.dx != nullptr) {
       ce_grad_range<T, I, kV, kThreads, kU, kPlain>(
           p, xr, p.dx + row * p.dxs, 0, nvec, t, terms,
           ce_grad_scale(p, row, ignored || bad) * ce_token_factor(p, lse, sh.x_t), wcol, drop);
@@ -491,6 +504,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   __shared__ float4 slots[kCeResMaxCluster];
   __shared__ float2 part[kWarps];
   __shared__ float row_lse, row_xt;
+  __shared__ float row_mem[2];  // upstream gradient, the mean's denominator
   const unsigned csize = cluster_blocks();
   const unsigned rank = cluster_rank();
   const bool solo = csize == 1;  // a row in one block: no messages
@@ -522,6 +536,22 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
   const std::int64_t t = t_raw - p.col0;
   const bool in_row = t >= 0 && t < p.vocab;
+  // The gradient's factors held in memory, copied to shared memory by thread 0 while the logits
+  // are in flight (as in the optioned kernel); thread 0 waits for them before the barrier after
+  // the exchange.
+  if (tid == 0) {
+    if (p.dx != nullptr && p.grad_output != nullptr) {
+      __pipeline_memcpy_async(&row_mem[0], p.grad_output + (p.reduction == Reduction::none ? row : 0), 4);
+    } else {
+      row_mem[0] = 1.0f;
+    }
+    if (p.dx != nullptr && p.reduction == Reduction::mean) {
+      __pipeline_memcpy_async(&row_mem[1], p.denom, 4);
+    } else {
+      row_mem[1] = 1.0f;
+    }
+    __pipeline_commit();
+  }
   // The target's logit, read by one thread of the first block before its message leaves, so
   // before any block of the cluster (all wait for that message) writes its gradient over it.
   float xt = 0.0f;
@@ -552,6 +582,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   if (!solo) cluster_wait();  // every block's barrier is ready (pairs cluster_arrive_relaxed above)
   if (tid < 32) {  // warp 0: the block's statistics, the messages, the row's
     const int lane = tid;
+    if (lane == 0) __pipeline_wait_prior(0);  // row_mem
     float bm, bs;
     const float2 mine_part = lane < kWarps ? part[lane] : make_float2(0.0f, 0.0f);
     ce_merge_lanes(lane, mine_part.x, mine_part.y, kWarps, bm, bs);
@@ -587,7 +618,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   const float lse = row_lse;
   const bool ignored = t_raw == p.ignore_index;
   const bool skip = ignored || t_raw < 0 || t_raw >= p.total_vocab;
-  const float scale = ce_grad_scale(p, row, skip);
+  const float scale = skip ? 0.0f : p.grad_scale * row_mem[0] / row_mem[1];  // ce_grad_scale
   // d loss / d x_i = p_i * factor off the target, factor = scale (1 + 2 z lse); for factor > 0
   // its log2 joins the exponent: p_i * factor = 2^(x_i log2(e) + log2(factor) - lse log2(e)).
   const float factor = scale == 0.0f ? 0.0f : scale * (1.0f + 2.0f * p.z * lse);
@@ -706,6 +737,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   __shared__ float2 part[kWarps];                 // per warp: max, sum of exp
   __shared__ float4 part_w[kWarps];               // per warp: sum of w_i x_i, sum of w_i, largest logit, its column
   __shared__ float row_lse, row_xt, row_swx, row_sw;
+  __shared__ float row_mem[4];  // upstream gradient, denominators [0] and [1], the target's weight
   const bool exchange = p.stats == nullptr;  // finalize: the merged statistics are given
   const unsigned csize = cluster_blocks();
   const unsigned rank = cluster_rank();
@@ -738,8 +770,12 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
   const float cap = kCap ? p.cap : 0.0f;
   const float inv_cap = kCap ? 1.0f / p.cap : 0.0f;
-  // Vector j's logits: bias added (the sum rounded to T), softcap applied.
-  auto logits = [&](int j, float (&x)[kV]) {
+  // Vector j's logits over xs: bias added (the sum rounded to T), and with the softcap the tanh
+  // values u = tanh(x / cap), the capped logit being cap * u; the passes fold xs into their
+  // constants (l2s = log2(e) * xs) instead of multiplying each element by it.
+  const float xs = kCap ? cap : 1.0f;
+  const float l2s = kLog2e * xs;
+  auto pre = [&](int j, float (&x)[kV]) {
     to_floats(raw[j], x);
     if constexpr (kBias) {
       const AlignedVec<T, kV> b = load_vec<kV>(p.bias + static_cast<std::int64_t>(first + j * kThreads) * kV);
@@ -748,7 +784,15 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     }
     if constexpr (kCap != 0) {
 #pragma unroll
-      for (int k = 0; k < kV; ++k) x[k] = cap * ce_tanh<kCap>(x[k] * inv_cap);
+      for (int k = 0; k < kV; ++k) x[k] = ce_tanh<kCap>(x[k] * inv_cap);
+    }
+  };
+  // Vector j's logits (bias added, softcap applied).
+  auto logits = [&](int j, float (&x)[kV]) {
+    pre(j, x);
+    if constexpr (kCap != 0) {
+#pragma unroll
+      for (int k = 0; k < kV; ++k) x[k] *= cap;
     }
   };
   // 16-bit logits with the softcap: once the statistics are taken, raw[j] holds the vector's tanh
@@ -757,16 +801,20 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   // being the kernel's limit with the softcap. The half rounding (2^-12 relative) perturbs a capped
   // logit by at most cap * 2^-12; the loss and the statistics use the fp32 values.
   constexpr bool kKeepTanh = kCap == 2 && sizeof(T) == 2 && kV % 2 == 0;
+  // Whether the argmax is found per warp by ballot on the raw values (16-bit, no bias; with the
+  // softcap its registers spill the tanh values kept across the exchange, so there the lanes
+  // holding the warp's max find their columns).
+  constexpr bool kWarpArg = !kBias && kCap == 0 && CePackedMax<T>::kPacked && kV % 2 == 0;
   // With a bias they replace the raw values in raw[j]; without, they go to tk and raw dies: the two
   // layouts under which ptxas fits each instance in 64 registers without spills.
   __half2 tk[(kKeepTanh && !kBias) ? kVecs : 1][kV / 2];
-  auto keep = [&](int j, const float (&x)[kV]) {
+  auto keep = [&](int j, const float (&u)[kV]) {  // u: pre's values
     if constexpr (kKeepTanh && kBias) {
 #pragma unroll
-      for (int k = 0; k < kV; ++k) raw[j].v[k] = ce_half_bits<T>(__float2half_rn(x[k] * inv_cap));
+      for (int k = 0; k < kV; ++k) raw[j].v[k] = ce_half_bits<T>(__float2half_rn(u[k]));
     } else if constexpr (kKeepTanh) {
 #pragma unroll
-      for (int k = 0; k < kV; k += 2) tk[j][k / 2] = __floats2half2_rn(x[k] * inv_cap, x[k + 1] * inv_cap);
+      for (int k = 0; k < kV; k += 2) tk[j][k / 2] = __floats2half2_rn(u[k], u[k + 1]);
     }
   };
   // Element k of vector j's kept tanh values.
@@ -782,7 +830,32 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
   const std::int64_t t = t_raw - p.col0;
   const bool in_row = t >= 0 && t < p.vocab;
-  float lse, x_t, sum_wx, sum_w;
+  const bool skip = t_raw == p.ignore_index || t_raw < 0 || t_raw >= p.total_vocab;
+  // The row's scalars held in memory (the upstream gradient, the mean's denominators, the target's
+  // class weight) copied to shared memory by thread 0 while the logits are in flight (no registers
+  // held across the pass, no round trip after the exchange); thread 0 waits for them before the
+  // barrier that follows the exchange.
+  if (exchange && tid == 0) {
+    const bool grads = p.dx != nullptr && p.stats_out == nullptr;  // the statistics pass has no denominators
+    if (grads && p.grad_output != nullptr) {
+      __pipeline_memcpy_async(&row_mem[0], p.grad_output + (p.reduction == Reduction::none ? row : 0), 4);
+    } else {
+      row_mem[0] = 1.0f;
+    }
+    if (grads && p.reduction == Reduction::mean) {
+      __pipeline_memcpy_async(&row_mem[1], p.denom, 4);
+      __pipeline_memcpy_async(&row_mem[2], p.denom + 1, 4);
+    } else {
+      row_mem[1] = row_mem[2] = 1.0f;
+    }
+    if (p.weights != nullptr && !skip && p.stats_out == nullptr) {
+      __pipeline_memcpy_async(&row_mem[3], p.weights + t_raw, 4);
+    } else {
+      row_mem[3] = skip ? 0.0f : 1.0f;
+    }
+    __pipeline_commit();
+  }
+  float lse, x_t, sum_wx, sum_w, w_t;
   if (exchange) {
     float xt = 0.0f;
     if (rank == 0 && tid == 0 && in_row) {
@@ -793,6 +866,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     // The thread's largest logit (and, for argmax, its first column). Without a bias the raw
     // values order the logits (the softcap is monotonic), so the max is taken on them, packed.
     float tmax;
+    float wm_all = kNegInf;  // with the argmax and no bias: the warp's largest raw value
     float av = kNegInf;
     unsigned ac = kNoCol;
     if constexpr (!kBias) {
@@ -802,42 +876,99 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
         if (j * kThreads < mine) mx.add(raw[j]);
       }
       const float rmax = mx.value();
-      // The warp's largest raw value; the lanes holding it find their first column holding it
-      // (bfloat16 / half: two elements per packed compare).
+      // The warp's largest raw value, and for the argmax its first column.
       float wm[1] = {rmax};
       if (want_arg) warp_allreduce<32>(wm, MaxOp{});
-      if (want_arg && rmax == wm[0] && rmax != kNegInf) {
+      wm_all = wm[0];
+      tmax = kCap != 0 && rmax != kNegInf ? cap * ce_tanh<kCap>(rmax * inv_cap) : rmax;
+      if constexpr (kWarpArg) {
+        // bfloat16 / half: the first vector index j holding the warp's max, by ballot (a warp's
+        // columns run j-major, lane-minor), each lane testing a vector with three packed max and
+        // one packed compare; the first lane of that ballot finds the element; every lane ends
+        // with the warp's (value, column).
+        if (want_arg && wm[0] != kNegInf) {
+          using Pair = typename CePackedMax<T>::Pair;
+          const T r1 = from_float<T>(wm[0]);  // exact: the max is one of the T values
+          const Pair r2(r1, r1);
+          auto pair = [&](int j, int k) {
+            Pair q;
+            __builtin_memcpy(&q, &raw[j].v[k], sizeof(q));
+            return q;
+          };
+          int wj = 0;
+          unsigned wb = 0;
 #pragma unroll
-        for (int j = kVecs - 1; j >= 0; --j) {
-          if (j * kThreads < mine) {
-            const unsigned col0 = static_cast<unsigned>((first + j * kThreads) * kV);
-            if constexpr (CePackedMax<T>::kPacked && kV % 2 == 0) {
-              using Pair = typename CePackedMax<T>::Pair;
-              const T r1 = from_float<T>(rmax);  // exact: rmax is one of the T values
-              const Pair r2(r1, r1);
-              int hit = kV;
+          for (int j = kVecs - 1; j >= 0; --j) {
+            bool has = false;
+            if (j * kThreads < mine) {
+              Pair q = pair(j, 0);
 #pragma unroll
-              for (int k = kV - 2; k >= 0; k -= 2) {
-                Pair q;
-                __builtin_memcpy(&q, &raw[j].v[k], sizeof(q));
-                const unsigned e = __heq2_mask(q, r2);
-                if (e & 0xffff0000u) hit = k + 1;
-                if (e & 0x0000ffffu) hit = k;
+              for (int k = 2; k < kV; k += 2) q = __hmax2(q, pair(j, k));
+              has = __heq2_mask(q, r2) != 0u;
+            }
+            const unsigned bj = __ballot_sync(0xffffffffu, has);
+            if (bj != 0u) {
+              wj = j;
+              wb = bj;
+            }
+          }
+          if (wb != 0u) {
+            const int winner = __ffs(static_cast<int>(wb)) - 1;
+            unsigned col = kNoCol;
+            if (lane_id == winner) {
+#pragma unroll
+              for (int j = 0; j < kVecs; ++j) {
+                if (j == wj) {
+                  int hit = kV;
+#pragma unroll
+                  for (int k = kV - 2; k >= 0; k -= 2) {
+                    const unsigned e = __heq2_mask(pair(j, k), r2);
+                    if (e & 0xffff0000u) hit = k + 1;
+                    if (e & 0x0000ffffu) hit = k;
+                  }
+                  if (hit < kV) col = static_cast<unsigned>((first + j * kThreads) * kV + hit);
+                }
               }
-              if (hit < kV) ac = col0 + static_cast<unsigned>(hit);
-            } else {
-              float x[kV];
-              to_floats(raw[j], x);
+            }
+            ac = __shfl_sync(0xffffffffu, col, winner);
+          }
+        }
+        av = ac == kNoCol ? kNegInf : (kCap != 0 ? cap * ce_tanh<kCap>(wm[0] * inv_cap) : wm[0]);
+      } else {
+        // The lanes holding the warp's max find their first column holding it (bfloat16 / half:
+        // two elements per packed compare).
+        if (want_arg && rmax == wm[0] && rmax != kNegInf) {
 #pragma unroll
-              for (int k = kV - 1; k >= 0; --k) {
-                if (x[k] == rmax) ac = col0 + static_cast<unsigned>(k);
+          for (int j = kVecs - 1; j >= 0; --j) {
+            if (j * kThreads < mine) {
+              const unsigned col0 = static_cast<unsigned>((first + j * kThreads) * kV);
+              if constexpr (CePackedMax<T>::kPacked && kV % 2 == 0) {
+                using Pair = typename CePackedMax<T>::Pair;
+                const T r1 = from_float<T>(rmax);  // exact: rmax is one of the T values
+                const Pair r2(r1, r1);
+                int hit = kV;
+#pragma unroll
+                for (int k = kV - 2; k >= 0; k -= 2) {
+                  Pair q;
+                  __builtin_memcpy(&q, &raw[j].v[k], sizeof(q));
+                  const unsigned e = __heq2_mask(q, r2);
+                  if (e & 0xffff0000u) hit = k + 1;
+                  if (e & 0x0000ffffu) hit = k;
+                }
+                if (hit < kV) ac = col0 + static_cast<unsigned>(hit);
+              } else {
+                float x[kV];
+                to_floats(raw[j], x);
+#pragma unroll
+                for (int k = kV - 1; k >= 0; --k) {
+                  if (x[k] == rmax) ac = col0 + static_cast<unsigned>(k);
+                }
               }
             }
           }
         }
+        av = ac == kNoCol ? kNegInf : tmax;
       }
-      tmax = kCap != 0 && rmax != kNegInf ? cap * ce_tanh<kCap>(rmax * inv_cap) : rmax;
-      av = ac == kNoCol ? kNegInf : tmax;
     } else {
       tmax = kNegInf;
 #pragma unroll
@@ -857,7 +988,11 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
       av = tmax;
     }
     float m[1] = {tmax};
-    warp_allreduce<32>(m, MaxOp{});
+    if (kBias || kCap != 0 || !want_arg) {
+      warp_allreduce<32>(m, MaxOp{});
+    } else {
+      m[0] = wm_all;  // the argmax's warp max of the raw values, which are the logits here
+    }
     const float mb = m[0] == kNegInf ? 0.0f : m[0] * kLog2e;
     // The sum of exp relative to the warp's max, and the smoothing sums, in one walk of the logits.
     float s[1] = {0.0f};
@@ -868,9 +1003,9 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
       for (int j = 0; j < kVecs; ++j) {
         if (j * kThreads < mine) {
           float x[kV];
-          logits(j, x);
+          pre(j, x);
 #pragma unroll
-          for (int k = 0; k < kV; ++k) s[0] += exp2_ftz(fmaf(x[k], kLog2e, -mb));
+          for (int k = 0; k < kV; ++k) s[0] += exp2_ftz(fmaf(x[k], l2s, -mb));
           if constexpr (kKeepTanh) keep(j, x);
           if constexpr (kSmooth) {
             if (wcol != nullptr) {
@@ -892,13 +1027,14 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     };
     if (smooth) {
       walk(std::true_type{});
+      sw2[0] *= xs;  // the sums were of pre's values
     } else {
       walk(std::false_type{});
     }
     warp_allreduce_sum<32>(s);
     const bool second = smooth || want_arg;  // the second message
     if (smooth) warp_allreduce_sum<32>(sw2);
-    if (want_arg) ce_argmax_lanes(lane_id, 32, av, ac);
+    if (want_arg && !kWarpArg) ce_argmax_lanes(lane_id, 32, av, ac);
     if (lane_id == 0) {
       part[tid >> 5] = make_float2(m[0], s[0]);
       part_w[tid >> 5] = make_float4(sw2[0], sw2[1], av, __uint_as_float(ac));
@@ -907,6 +1043,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     if (!solo) cluster_wait();
     if (tid < 32) {  // warp 0: the block's statistics, the messages, the row's
       const int lane = tid;
+      if (lane == 0) __pipeline_wait_prior(0);  // row_mem
       const float2 pm = lane < kWarps ? part[lane] : make_float2(0.0f, 0.0f);
       float bm, bs;
       ce_merge_lanes(lane, pm.x, pm.y, kWarps, bm, bs);
@@ -967,7 +1104,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
           } else {
             const bool ignored = t_raw == p.ignore_index;
             const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
-            ce_write_row(p, row, ce_row_terms(p, row, total, row_lse, row_x, t_raw, ignored || bad), total,
+            ce_write_row(p, row, ce_row_terms_w(p, total, row_lse, row_x, row_mem[3]), total,
                          ignored, bad);
           }
         }
@@ -979,12 +1116,14 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     x_t = row_xt;
     sum_wx = row_swx;
     sum_w = row_sw;
+    w_t = row_mem[3];
   } else {  // finalize: the row's statistics from the merged ones; block 0 writes the row's outputs
     const CrossEntropyStats& st = p.stats[row];
     lse = st.max + logf(st.sumexp);
     x_t = st.target_logit;
     sum_wx = st.sum_wx;
     sum_w = st.sum_w;
+    w_t = ce_target_weight(p, row, t_raw, skip);
     if (rank == 0 && tid == 0) {
       const bool ignored = t_raw == p.ignore_index;
       const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
@@ -997,17 +1136,28 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
       for (int j = 0; j < kVecs; ++j) {
         if (j * kThreads < mine) {
           float x[kV];
-          logits(j, x);
+          pre(j, x);
           keep(j, x);
         }
       }
     }
   }
-  const bool skip = t_raw == p.ignore_index || t_raw < 0 || t_raw >= p.total_vocab;
-  const float scale = ce_grad_scale(p, row, skip) * ce_token_factor(p, lse, x_t);
-  const float zg = ce_z_grad(p);
+  // The gradient's factor and the z-loss scale (ce_grad_scale, ce_z_grad) from row_mem, or from
+  // memory in the finalize.
+  float up, den0, den1;
+  if (exchange) {
+    up = row_mem[0];
+    den0 = row_mem[1];
+    den1 = row_mem[2];
+  } else {
+    up = p.grad_output == nullptr ? 1.0f : p.grad_output[p.reduction == Reduction::none ? row : 0];
+    den0 = p.reduction == Reduction::mean ? p.denom[0] : 1.0f;
+    den1 = p.reduction == Reduction::mean ? p.denom[1] : 1.0f;
+  }
+  const float scale = skip ? 0.0f : p.grad_scale * up / den0 * ce_token_factor(p, lse, x_t);
+  const float zg = (p.z == 0.0f || p.weights == nullptr || p.reduction != Reduction::mean) ? p.z : p.z * (den0 / den1);
   const CeAcc total{0.0f, 0.0f, sum_wx, sum_w, 0.0f, 0};
-  const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, x_t, t_raw, skip);
+  const ce_math::RowTerms terms = ce_row_terms_w(p, total, lse, x_t, w_t);
   // d loss / d x_i = (p_i * a - b * w_i) * softcap'(x_i) off the target (ce_math::grad regrouped):
   // a = scale ((1 - eps) w_t + eps / V * sum_w + 2 z lse), b = scale * eps / V.
   const float inv_v = 1.0f / static_cast<float>(p.total_vocab);
@@ -1015,38 +1165,42 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   const float b = scale * p.eps * inv_v;
   const float neg_lse2 = -lse * kLog2e;
   T* dv = p.dx + row * p.dxs + static_cast<std::int64_t>(first) * kV;
-  // The element loop, with smoothing a compile-time switch; without it and for a > 0, log2(a)
-  // joins the exponent.
-  auto write = [&](auto smooth_c) {
+  // The element loop, with smoothing a compile-time switch; without it and for a > 0 (kFold),
+  // log2(a) joins the exponent; with it the element's gradient is one FMA from p_i.
+  const float nb = -b;
+  auto write = [&](auto smooth_c, auto fold_c) {
     constexpr bool kSmooth = decltype(smooth_c)::value;
-    const bool fold = !kSmooth && a > 0.0f;
-    const float e0 = fold ? neg_lse2 + __log2f(a) : neg_lse2;
-    const float a1 = fold ? 1.0f : a;
+    constexpr bool kFold = decltype(fold_c)::value;
+    const float e0 = kFold ? neg_lse2 + __log2f(a) : neg_lse2;
+    // p_i (times a when folded) to the element's gradient before the softcap's derivative.
+    auto term = [&](float v, int c) {
+      if constexpr (kFold) {
+        return v;
+      } else if constexpr (kSmooth) {
+        return fmaf(v, a, wcol != nullptr ? nb * wcol[c] : nb);
+      } else {
+        return v * a;
+      }
+    };
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       if (j * kThreads < mine) {
         const int c0 = (first + j * kThreads) * kV;
         float g[kV];
         if constexpr (kKeepTanh) {
-          // The logits as cap * tanh from the kept values, element by element (no second array).
+          // The logits as cap * u from the kept values, element by element (no second array).
 #pragma unroll
           for (int k = 0; k < kV; ++k) {
             const float u = kept(j, k);
-            float v = exp2_ftz(fmaf(cap * u, kLog2e, e0)) * a1;
-            if constexpr (kSmooth) v -= b * (wcol != nullptr ? wcol[c0 + k] : 1.0f);
-            g[k] = v * fmaf(-u, u, 1.0f);
+            g[k] = term(exp2_ftz(fmaf(u, l2s, e0)), c0 + k) * fmaf(-u, u, 1.0f);
           }
         } else {
           float x[kV];
-          logits(j, x);
+          pre(j, x);
 #pragma unroll
           for (int k = 0; k < kV; ++k) {
-            float v = exp2_ftz(fmaf(x[k], kLog2e, e0)) * a1;
-            if constexpr (kSmooth) v -= b * (wcol != nullptr ? wcol[c0 + k] : 1.0f);
-            if constexpr (kCap != 0) {
-              const float u = x[k] * inv_cap;
-              v *= fmaf(-u, u, 1.0f);
-            }
+            float v = term(exp2_ftz(fmaf(x[k], l2s, e0)), c0 + k);
+            if constexpr (kCap != 0) v *= fmaf(-x[k], x[k], 1.0f);
             g[k] = v;
           }
         }
@@ -1067,9 +1221,11 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     return;
   }
   if (smooth) {
-    write(std::true_type{});
+    write(std::true_type{}, std::false_type{});
+  } else if (a > 0.0f) {
+    write(std::false_type{}, std::true_type{});
   } else {
-    write(std::false_type{});
+    write(std::false_type{}, std::false_type{});
   }
   // The target's gradient in fp32 from p - 1, over the value this thread just stored.
   if (in_row) {
@@ -1101,11 +1257,31 @@ TIGON_KERNEL void __launch_bounds__(1024)
   using Reduce = BlockAllReduce<1024, 2>;
   __shared__ typename Reduce::TempStorage tmp;
   float s[2] = {0.0f, 0.0f};
-  for (std::int64_t r = threadIdx.x; r < rows; r += 1024) {
-    const std::int64_t t = static_cast<std::int64_t>(targets[r]);
-    if (t == ignore_index) continue;
-    s[0] += (weights != nullptr && t >= 0 && t < vocab) ? weights[t] : 1.0f;
+  // kU rows per thread per trip, their targets and then their weights loaded together (two
+  // round trips to memory per trip instead of two per row), summed in row order.
+  constexpr int kU = 8;
+  auto add = [&](std::int64_t t, float w) {
+    if (t == ignore_index) return;
+    s[0] += w;
     s[1] += 1.0f;
+  };
+  auto weight = [&](std::int64_t t) {
+    return (weights != nullptr && t != ignore_index && t >= 0 && t < vocab) ? weights[t] : 1.0f;
+  };
+  std::int64_t r = threadIdx.x;
+  for (; r + (kU - 1) * 1024 < rows; r += kU * 1024) {
+    std::int64_t t[kU];
+    float w[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) t[u] = static_cast<std::int64_t>(targets[r + u * 1024]);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) w[u] = weight(t[u]);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) add(t[u], w[u]);
+  }
+  for (; r < rows; r += 1024) {
+    const std::int64_t t = static_cast<std::int64_t>(targets[r]);
+    add(t, weight(t));
   }
   Reduce::sum(s, tmp);
   if (threadIdx.x == 0) {

@@ -309,8 +309,11 @@ void run_case(const D& div, const Case& c) {
     const double quantum = std::is_same_v<T, half> ? 0x1p-24 : 0.0;
     const auto cg = gpu_test::compare(want.size(), gpu_test::strided(gh, c.offset, V, dld), want,
                                       grad_atol_frac<T>() * scale + quantum + 1e-30, grad_rtol<T>());
+    const auto got = gpu_test::strided(gh, c.offset, V, dld);
     INFO("grad: " << cg.bad << " of " << cg.n << " out of tolerance (" << allowed << " near ties allowed), worst #"
-                  << cg.worst << " score " << cg.worst_err << ", rel L2 " << cg.rel_l2);
+                  << cg.worst << " score " << cg.worst_err << " (got " << got(cg.worst) << ", want "
+                  << want[cg.worst] << ", q-p gap " << (o.div == Div::tvd ? ref.tie_gap[cg.worst] : 0.0)
+                  << "), rel L2 " << cg.rel_l2);
     CHECK(cg.bad <= allowed);
     CHECK((allowed > 0 || cg.l2_within(2 * gpu_test::tol_l2<T>() + 1e-6, quantum)));
     // Ignored rows: exactly zero.
@@ -485,6 +488,42 @@ TEST_CASE("divergence: other policies compute the same function", "[div][gpu]") 
           run_case<GeneralizedJSD, bf16, bf16, std::int64_t, SmallBlocks>(GeneralizedJSD{0.5f}, c);
           run_case<GeneralizedJSD, bf16, bf16, std::int64_t, WideBlocks>(GeneralizedJSD{0.5f}, c);
         }
+      }
+    }
+  }
+}
+
+// Logits rows of 4096 to 131072 columns (the row kernel: three passes over each row): logits on
+// either side or both, masked teacher logits, per-element losses and upstream gradients (KLDiv and
+// TVD under none), ignored rows and all-ignored batches, the loss alone, fp32, half and mixed dtypes.
+TEST_CASE("divergence: logits rows of LM-head widths", "[div][gpu]") {
+  for (std::int64_t V : {std::int64_t{4096}, std::int64_t{16384}, std::int64_t{20008}, std::int64_t{131072}}) {
+    const std::int64_t rows = V > 65536 ? 5 : 9;
+    for (const auto& [s, t] : std::vector<std::pair<Form, Form>>{
+             {Form::logits, Form::logits}, {Form::logits, Form::log_probs}, {Form::log_probs, Form::logits}}) {
+      const Case base{.rows = rows, .V = V, .s = s, .t = t, .temperature = 1.5, .labels = 1, .grad_output = true};
+      std::vector<Case> cases{base};
+      cases.push_back(base), cases.back().masked = true;  // teacher probabilities of 0
+      cases.push_back(base), cases.back().grad = false;
+      cases.push_back(base), cases.back().labels = 2;
+      cases.push_back(base), cases.back().loss = false, cases.back().loss_rows = false;
+      cases.push_back(base), cases.back().red = Red::none;
+      for (const Case& c : cases) {
+        run_case<GeneralizedJSD, bf16, bf16>(GeneralizedJSD{0.5f}, c);
+        if (V > 20008) continue;
+        run_case<GeneralizedJSD, float, float>(GeneralizedJSD{0.25f}, c);
+        run_case<GeneralizedJSD, bf16, float, std::int32_t>(GeneralizedJSD{0.75f}, c);
+        run_case<ForwardKL, half, half>(ForwardKL{}, c);
+        if (!c.masked) run_case<ReverseKL, bf16, bf16>(ReverseKL{}, c);  // KL(q || p) is infinite where p is 0
+      }
+      if (s == Form::logits) {
+        Case k = base;
+        k.red = Red::none;
+        k.t = Form::probs;
+        run_case<KLDiv, bf16, bf16>(KLDiv{}, k);
+        run_case<TVD, bf16, bf16>(TVD{}, k);
+        k.t = t;
+        run_case<KLDiv, float, float>(KLDiv{}, k);
       }
     }
   }

@@ -1,4 +1,4 @@
-// Linear log-probs on the GPU: the forward's per-token logp, lse, entropy and logit sums, and the
+// Linear log-probs on the GPU: the forward's per-token logp, lse, entropy, logit sums and is_top1, and the
 // backward's dx, dW, db from upstream gradients of logp and entropy, against a double-precision
 // reference on the logits rounded as the GEMM rounds them (bf16 and fp32, bias, temperature,
 // ignored and out-of-range targets, several chunk sizes, vectorised and single-element rows).
@@ -64,7 +64,6 @@ void run_case(const Case& c, CublasLtGemm& blas) {
   const double inv_t = 1 / c.temperature;
   std::vector<double> logits(c.N * c.V), dlog(c.N * c.V, 0.0);
   std::vector<double> rlogp(c.N, 0), rlse(c.N, 0), rent(c.N, 0), rsum(c.N, 0);
-  int bad_targets = 0;
   for (std::int64_t n = 0; n < c.N; ++n) {
     for (std::int64_t v = 0; v < c.V; ++v) {
       double r = 0;
@@ -73,6 +72,32 @@ void run_case(const Case& c, CublasLtGemm& blas) {
       if (c.bias) r = to_float(from_float<T>(float(r + bd[v])));
       logits[n * c.V + v] = r;
     }
+  }
+  // is_top1: every fourth valid token's target is its row's first argmax, every eighth the second
+  // largest column; a token counts only where the target's logit and the best other column's differ
+  // by more than the GEMM's and the reference's roundings may (4 roundings of T).
+  std::vector<int> rtop(c.N, 0), top_checked(c.N, 1);
+  for (std::int64_t n = 0; n < c.N; ++n) {
+    const double* row = &logits[n * c.V];
+    std::int64_t best = 0, second = -1;
+    for (std::int64_t v = 1; v < c.V; ++v) {
+      if (row[v] > row[best]) second = best, best = v;
+      else if (second < 0 || row[v] > row[second]) second = v;
+    }
+    const bool valid = t[n] >= 0 && t[n] < c.V;
+    if (valid && n % 4 == 1) t[n] = best;
+    if (valid && n % 8 == 3 && second >= 0) t[n] = second;
+    if (!(t[n] >= 0 && t[n] < c.V)) continue;
+    double other = -INFINITY;
+    for (std::int64_t v = 0; v < c.V; ++v) {
+      if (v != t[n]) other = std::max(other, row[v]);
+    }
+    rtop[n] = best == t[n];
+    const double ulp = std::is_same_v<T, float> ? 0x1p-20 : std::is_same_v<T, bf16> ? 0x1p-7 : 0x1p-10;
+    top_checked[n] = std::abs(row[t[n]] - other) > 4 * ulp * (1 + std::abs(row[t[n]]));
+  }
+  int bad_targets = 0;
+  for (std::int64_t n = 0; n < c.N; ++n) {
     const bool valid = t[n] >= 0 && t[n] < c.V;
     for (std::int64_t v = 0; v < c.V; ++v) rsum[n] += logits[n * c.V + v];  // every token's
     if (!valid) {
@@ -115,6 +140,7 @@ void run_case(const Case& c, CublasLtGemm& blas) {
   DeviceBuffer<std::int64_t> tb(c.N);
   DeviceBuffer<float> lp(c.N), ls(c.N), en(c.N), su(c.N), glb(c.N), geb(c.N), dwb(c.V * c.D), dbb(c.V);
   DeviceBuffer<int> errs(1);
+  DeviceBuffer<std::uint8_t> top(c.N);
   x.upload(xh);
   w.upload(wh);
   b.upload(bh);
@@ -123,11 +149,13 @@ void run_case(const Case& c, CublasLtGemm& blas) {
   geb.upload(ge);
   for (auto* p : {&lp, &ls, &en, &su, &dwb, &dbb}) p->poison();
   dxb.poison();
+  CUDA_OK(cudaMemset(top.ptr, 0xff, c.N));
   CUDA_OK(cudaMemset(errs.ptr, 0, sizeof(int)));
   LinearLogProbArgs<T> a{.x = x.ptr, .weight = w.ptr, .bias = c.bias ? b.ptr : nullptr, .hidden = c.D,
                          .targets = tb.ptr, .tokens = c.N, .vocab = c.V,
                          .temperature = static_cast<float>(c.temperature), .logp = lp.ptr, .lse = ls.ptr,
-                         .entropy = en.ptr, .logit_sum = su.ptr, .error_count = errs.ptr, .grad_logp = glb.ptr,
+                         .entropy = en.ptr, .logit_sum = su.ptr, .is_top1 = top.ptr, .error_count = errs.ptr,
+                         .grad_logp = glb.ptr,
                          .grad_entropy = c.entropy_grad ? geb.ptr : nullptr, .dx = dxb.ptr, .dweight = dwb.ptr,
                          .dbias = c.dbias ? dbb.ptr : nullptr, .chunk = c.chunk, .keep_logits = c.keep};
   std::size_t fb = 0, bb = 0;
@@ -156,6 +184,22 @@ void run_case(const Case& c, CublasLtGemm& blas) {
     if (!(t[n] >= 0 && t[n] < c.V)) bad += glp[n] != 0 || gls[n] != 0 || gen[n] != 0;
   }
   CHECK(bad == 0);
+  const auto gtop = top.download();
+  int top_bad = 0, top_ones = 0, top_seen = 0;
+  for (std::int64_t n = 0; n < c.N; ++n) {
+    if (!(t[n] >= 0 && t[n] < c.V)) {
+      top_bad += gtop[n] != 0;
+      continue;
+    }
+    top_bad += gtop[n] > 1;
+    if (!top_checked[n]) continue;
+    ++top_seen;
+    top_ones += rtop[n];
+    top_bad += gtop[n] != rtop[n];
+  }
+  CHECK(top_bad == 0);
+  if (c.N >= 8) CHECK(top_ones > 0);  // the check saw targets that are the argmax
+  CHECK(top_seen > c.N / 2);
   CHECK(rel_l2(as_double(dxb.download()), rdx) < tol<T>());
   CHECK(rel_l2(as_double(dwb.download()), rdw) < tol<T>());
   if (c.dbias) CHECK(rel_l2(as_double(dbb.download()), rdb) < tol<T>());

@@ -43,6 +43,7 @@ struct DivOut {
   // may cancel), and each row's sum of them.
   std::vector<double> elem_scale, scale_rows;
   std::vector<char> near_tie;     // tvd: elements whose q and p agree to 1e-5 (their sign is ambiguous in fp32)
+  std::vector<double> tie_gap;    // tvd: |q - p| / (|q| + |p|) of each element
 };
 
 struct ElemValue {
@@ -110,6 +111,7 @@ inline DivOut divergence(const std::vector<double>& x, const std::vector<double>
   r.elem_scale.assign(static_cast<std::size_t>(rows * V), 0);
   r.loss_elems.assign(static_cast<std::size_t>(rows * V), 0);
   r.near_tie.assign(static_cast<std::size_t>(rows * V), 0);
+  r.tie_gap.assign(static_cast<std::size_t>(rows * V), 1.0);
   if (want_grad) r.grad.assign(static_cast<std::size_t>(rows * V), 0);
   auto ignored = [&](std::int64_t n) { return !o.labels.empty() && o.labels[n] == o.ignore_index; };
   double count = 0;
@@ -131,7 +133,8 @@ inline DivOut divergence(const std::vector<double>& x, const std::vector<double>
       ElemValue e = element(o, xl[i], xp[i], yl[i], yp[i]);
       if (o.div == Div::tvd) {
         if (o.student != Form::probs) e.grad *= xp[i];  // d / d log q
-        r.near_tie[n * V + i] = std::abs(xp[i] - yp[i]) <= 1e-5 * (std::abs(xp[i]) + std::abs(yp[i]));
+        r.tie_gap[n * V + i] = std::abs(xp[i] - yp[i]) / std::max(std::abs(xp[i]) + std::abs(yp[i]), 1e-300);
+        r.near_tie[n * V + i] = r.tie_gap[n * V + i] <= 1e-5;
       }
       r.loss_elems[n * V + i] = e.loss;
       row += e.loss;

@@ -38,7 +38,7 @@ TORCH_LIBRARY(tigon, m) {
         "float grad_scale, int chunk) -> ()");
   m.def("linear_logprob(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor(a!)? logp, "
         "Tensor(b!)? lse, Tensor(c!)? entropy, Tensor(d!)? logit_sum, Tensor(e!)? error_count, int ignore_index, "
-        "float temperature, int chunk, Tensor(f!)? kept) -> ()");
+        "float temperature, int chunk, Tensor(f!)? kept, Tensor(g!)? is_top1=None) -> ()");
   m.def("linear_logprob_bwd(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor lse, Tensor? entropy, "
         "Tensor? grad_logp, Tensor? grad_entropy, Tensor(a!)? dx, Tensor(b!)? dweight, Tensor(c!)? dbias, "
         "int ignore_index, float temperature, int chunk, bool accumulate, Tensor(d!)? kept) -> ()");

@@ -345,7 +345,7 @@ float* row_values(const OptTensor& t, const Tensor& x, std::int64_t n, const cha
 void linear_logprob(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& target,
                     const OptTensor& logp, const OptTensor& lse, const OptTensor& entropy, const OptTensor& logit_sum,
                     const OptTensor& error_count, std::int64_t ignore_index, double temperature, std::int64_t chunk,
-                    const OptTensor& kept) {
+                    const OptTensor& kept, const OptTensor& is_top1) {
   constexpr const char* op = "tigon.linear_logprob";
   with_logprob_args(op, x, weight, bias, target, ignore_index, temperature, chunk, [&](auto& a, const Rows& X) {
     a.logp = row_values(logp, x, X.rows, op, "logp");
@@ -353,6 +353,7 @@ void linear_logprob(const Tensor& x, const Tensor& weight, const OptTensor& bias
     a.entropy = row_values(entropy, x, X.rows, op, "entropy");
     a.logit_sum = row_values(logit_sum, x, X.rows, op, "logit_sum");
     if (error_count) a.error_count = static_cast<int*>(vector_of(*error_count, x, at::kInt, 1, op, "error_count"));
+    if (is_top1) a.is_top1 = static_cast<std::uint8_t*>(vector_of(*is_top1, x, at::kBool, X.rows, op, "is_top1"));
     a.keep_logits = kept.has_value();
     run_on_gemm(
         x, a, [](const auto& q, std::size_t& b) { return tigon::linear_logprob_workspace_bytes(q, false, b); },

@@ -298,7 +298,7 @@ def _llp_logits(x, weight, bias, temperature):
 
 
 def linear_logprob(x, weight, bias, target, logp, lse, entropy, logit_sum, error_count, ignore_index, temperature,
-                   chunk, kept=None):
+                   chunk, kept=None, is_top1=None):
     raw, z = _llp_logits(x, weight, bias, temperature)
     vocab = z.shape[1]
     valid = (target != ignore_index) & (target >= 0) & (target < vocab)
@@ -314,6 +314,8 @@ def linear_logprob(x, weight, bias, target, logp, lse, entropy, logit_sum, error
     for name, out in (("logp", logp), ("lse", lse), ("entropy", entropy), ("logit_sum", logit_sum)):
         if out is not None:
             out.copy_(vals[name])
+    if is_top1 is not None:  # the first argmax (torch.argmax takes the first maximum) is the target
+        is_top1.copy_(valid & (raw.argmax(-1) == t))
 
 
 def linear_logprob_bwd(x, weight, bias, target, lse, entropy, grad_logp, grad_entropy, dx, dweight, dbias,

@@ -78,6 +78,37 @@ def test_logp_only_and_all_ignored(ext, seed):
     assert torch.all(x.grad == 0) and torch.all(w.grad == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_is_top1(ext, seed, dtype):
+    """is_top1: the target is the first argmax of the token's logits (ignored tokens: False); the other
+    outputs and the gradients are those of the call without it."""
+    N, H, V = 96, 64, 1000
+    x = torch.randn(N, H, device=DEVICE, dtype=dtype)
+    w = (torch.randn(V, H, device=DEVICE) * H ** -0.5).to(dtype)
+    logits = F.linear(x, w).float()
+    target = torch.randint(0, V, (N,), device=DEVICE)
+    target[::3] = logits.argmax(-1)[::3]  # a third are the argmax
+    target[5::7] = -100
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    lp, ent, lsum, top1 = tt.TigonFusedLinearLogProbFunction.apply(xs[0], w, target, None, -100, 1.3, True)
+    lp2, ent2, lsum2 = tt.TigonFusedLinearLogProbFunction.apply(xs[1], w, target, None, -100, 1.3)
+    assert top1.dtype == torch.bool and top1.shape == target.shape and not top1.requires_grad
+    # Rows where the target's logit and the best other column's are within two of the GEMM's roundings
+    # may go either way.
+    other = logits.scatter(1, target.clamp(min=0)[:, None], -float("inf")).amax(-1)
+    tl = logits.gather(1, target.clamp(min=0)[:, None])[:, 0]
+    sure = (tl - other).abs() > 2 * (2.0 ** -7 if dtype == torch.bfloat16 else 1e-5) * (1 + tl.abs())
+    expect = (target != -100) & (logits.argmax(-1) == target)
+    assert torch.equal(top1[sure], expect[sure]) and int(expect.sum()) > 10
+    assert not top1[target == -100].any()
+    for a, b in ((lp, lp2), (ent, ent2), (lsum, lsum2)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    g = torch.randn_like(lp)
+    (lp * g).sum().backward()
+    (lp2 * g).sum().backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=0, atol=0)
+
+
 def test_bad_input(ext):
     x = torch.randn(4, 16, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(50, 16, device=DEVICE, dtype=torch.bfloat16)

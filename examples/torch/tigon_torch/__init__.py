@@ -75,6 +75,7 @@ from .preference import (
     TigonFusedLinearSimPOLoss,
 )
 from .rl import TigonFusedLinearGRPOFunction, TigonFusedLinearGRPOLoss
+from .integrations import patch_trl
 from .modules import (
     TigonCrossEntropyLoss,
     TigonFusedAddRMSNorm,
@@ -130,5 +131,5 @@ __version__ = "0.1.0"
 
 __all__ = [name for name in dir() if name.startswith(("Tigon", "tigon_", "apply_tigon_"))] + [
     "CrossEntropyOutput", "TargetOutOfRangeError", "check_targets", "count_invalid_targets", "load", "medusa_targets",
-    "unpatch", "AutoTigonForCausalLM",
+    "unpatch", "patch_trl", "AutoTigonForCausalLM",
     "_apply_tigon", "_apply_tigon_to_instance"]

@@ -1397,16 +1397,18 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
     """Per-token log p(target) and entropy of the LM head softmax((_input @ weight.T + bias) / temperature),
     without the [tokens, vocab] logits (tigon.linear_logprob, docs/linear_logprob.md).
 
-    forward(_input [..., H], weight [V, H], target [...], bias=None, ignore_index=-100, temperature=1.0)
-    returns (logp, entropy, logit_sum), float32 of target's shape; logit_sum (the sum of the token's logits
-    before the temperature, for every token) takes no gradient. A token whose target is ignore_index gives 0
+    forward(_input [..., H], weight [V, H], target [...], bias=None, ignore_index=-100, temperature=1.0,
+    is_top1=False) returns (logp, entropy, logit_sum), float32 of target's shape, and with is_top1=True a
+    fourth value, bool of target's shape: whether the target is the first column holding the token's largest
+    logit (token accuracy; False for ignored tokens). logit_sum (the sum of the token's logits before the
+    temperature, for every token) and is_top1 take no gradient. A token whose target is ignore_index gives 0
     in logp and entropy and takes no gradient. The backward takes the gradients of either or both and recomputes the
     logits chunk by chunk: dx in _input's dtype, dweight and dbias accumulated in fp32 and returned in their
     parameters' dtypes. Targets outside [0, V) other than ignore_index raise TargetOutOfRangeError (eager).
     Every sequence-level loss (DPO, ORPO, CPO, SimPO, KTO, GRPO) is a function of these [tokens] values."""
 
     @staticmethod
-    def forward(ctx, _input, weight, target, bias=None, ignore_index=-100, temperature=1.0):
+    def forward(ctx, _input, weight, target, bias=None, ignore_index=-100, temperature=1.0, is_top1=False):
         _check_cuda(_input, weight, target, bias)
         x, w, b = _head_operands(_input, weight, bias)
         if not float(temperature) > 0.0 or not math.isfinite(float(temperature)):
@@ -1427,25 +1429,30 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp)
         logit_sum = torch.empty_like(logp)
+        top1 = torch.empty(rows, dtype=torch.bool, device=x2.device) if is_top1 else None
         chunk = _lce_chunk()
         if rows > 0:
             ops().linear_logprob(x2, w, b, target, logp, lse, entropy, logit_sum, None, int(ignore_index),
-                                 float(temperature), chunk, None)
+                                 float(temperature), chunk, None, top1)
         ctx.save_for_backward(x2, w, b, target, lse, entropy)
         ctx.args = (int(ignore_index), float(temperature), chunk)
         ctx.dtypes = (_input.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.shape = _input.shape
         logit_sum = logit_sum.reshape(tshape)
         ctx.mark_non_differentiable(logit_sum)
-        return logp.reshape(tshape), entropy.reshape(tshape), logit_sum
+        if top1 is None:
+            return logp.reshape(tshape), entropy.reshape(tshape), logit_sum
+        top1 = top1.reshape(tshape)
+        ctx.mark_non_differentiable(top1)
+        return logp.reshape(tshape), entropy.reshape(tshape), logit_sum, top1
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy, grad_logit_sum):
+    def backward(ctx, grad_logp, grad_entropy, *_):
         x2, w, b, target, lse, entropy = ctx.saved_tensors
         want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_db = b is not None and ctx.needs_input_grad[3]
         if (grad_logp is None and grad_entropy is None) or not (want_dx or want_dw or want_db):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         in_dtype, w_dtype, b_dtype = ctx.dtypes
         gl = grad_logp.reshape(-1).to(torch.float32).contiguous() if grad_logp is not None else None
         ge = grad_entropy.reshape(-1).to(torch.float32).contiguous() if grad_entropy is not None else None
@@ -1459,4 +1466,4 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
                 if t is not None:
                     t.zero_()
         dx = _cast(dx, in_dtype).reshape(ctx.shape) if dx is not None else None
-        return dx, _cast(dw, w_dtype), None, _cast(db, b_dtype), None, None
+        return dx, _cast(dw, w_dtype), None, _cast(db, b_dtype), None, None, None

@@ -154,6 +154,39 @@ template <class... Params, class... Args>
   return check_launch(op);
 }
 
+// Whether one cluster of `one.cluster` blocks of `kKernel`, launched with `one`'s block and shared
+// memory, fits the current device (the row-per-cluster kernels of cross-entropy and the
+// divergences take their row kernels where it does not). Asked of cudaOccupancyMaxActiveClusters
+// once per kernel, device and cluster size (1 to kMaxCluster), so that a call costs no occupancy
+// query; clusters beyond the portable 8 blocks are allowed on the kernel first.
+template <auto kKernel, int kMaxCluster>
+[[nodiscard]] inline Status cluster_fits(const LaunchShape& one, const char* op, bool& fits) {
+  fits = false;
+  static std::atomic<int> known[kMaxDevices][kMaxCluster + 1] = {};  // 0: not asked, 1: fits, -1: does not
+  const int csize = static_cast<int>(one.cluster);
+  if (csize < 1 || csize > kMaxCluster) return Status();
+  DeviceInfo dev;
+  TIGON_CHECK(current_device_info(dev));
+  if (dev.device < 0 || dev.device >= kMaxDevices) return Status();
+  std::atomic<int>& k = known[dev.device][csize];
+  int f = k.load(std::memory_order_relaxed);
+  if (f == 0) {
+    if (csize > 8) {
+      TIGON_CHECK(Status::from_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+                                    op, "cudaFuncSetAttribute"));
+    }
+    cudaLaunchAttribute attrs[kMaxLaunchAttrs];
+    const cudaLaunchConfig_t query = launch_config(one, false, attrs);
+    int resident = 0;
+    TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kKernel, &query), op,
+                                  "cudaOccupancyMaxActiveClusters"));
+    f = resident >= 1 ? 1 : -1;
+    k.store(f, std::memory_order_relaxed);
+  }
+  fits = f > 0;
+  return Status();
+}
+
 }  // namespace detail
 
 TIGON_NAMESPACE_END

@@ -34,6 +34,24 @@ TIGON_HD constexpr int pow2_divisor(long long v, int cap) {
   return p;
 }
 
+// The shape of a row-per-cluster kernel for a row of nvec vectors: csize blocks of `threads`
+// threads, each thread holding up to `vecs` vectors, `slice` vectors per block (a row that fits one
+// block takes one, with no messages); csize 0 (the op then takes its row kernel) when the row needs
+// more than max_cluster blocks, or has fewer vectors than a block has threads.
+struct RowClusterShape {
+  int csize = 0;
+  int slice = 0;
+};
+constexpr RowClusterShape row_cluster_shape(std::int64_t nvec, int threads, int vecs, int max_cluster) {
+  RowClusterShape s;
+  if (nvec <= 0) return s;
+  const std::int64_t c = ceil_div<std::int64_t>(nvec, static_cast<std::int64_t>(threads) * vecs);
+  if (nvec < threads || c > max_cluster) return s;
+  s.csize = static_cast<int>(c);
+  s.slice = static_cast<int>(ceil_div<std::int64_t>(nvec, c));
+  return s;
+}
+
 // Rows per chunk for `budget` bytes of [rows, cols] elements of elem_bytes: a multiple of 128 rows,
 // at least 128, at most `rows` (the chunked LM-head ops' default chunks).
 inline std::int64_t rows_per_chunk(std::int64_t rows, std::int64_t cols, std::size_t elem_bytes, std::size_t budget) {

@@ -232,22 +232,10 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
 inline constexpr std::int64_t kCeGradWideCols = 65536;
 // The resident kernels' largest cluster (beyond the portable 8: allowed per kernel on sm_90).
 inline constexpr int kCeResMaxCluster = 16;
-// A resident kernel's shape for a row of nvec 16-byte vectors: csize blocks of `threads` threads,
-// each thread holding up to `vecs` vectors, slice vectors per block (a row that fits one block takes
-// one, with no messages); csize 0 (the row then takes the row kernel) when the row needs more than
-// kCeResMaxCluster blocks, or has fewer vectors than a block has threads.
-struct CeResShape {
-  int csize = 0;
-  int slice = 0;
-};
-constexpr CeResShape ce_res_shape(std::int64_t nvec, int threads, int vecs) {
-  CeResShape s;
-  if (nvec <= 0) return s;
-  const std::int64_t c = ceil_div<std::int64_t>(nvec, static_cast<std::int64_t>(threads) * vecs);
-  if (nvec < threads || c > kCeResMaxCluster) return s;
-  s.csize = static_cast<int>(c);
-  s.slice = static_cast<int>(ceil_div<std::int64_t>(nvec, c));
-  return s;
+// A resident kernel's shape for a row of nvec 16-byte vectors (row_cluster_shape, at most
+// kCeResMaxCluster blocks a row).
+constexpr RowClusterShape ce_res_shape(std::int64_t nvec, int threads, int vecs) {
+  return row_cluster_shape(nvec, threads, vecs, kCeResMaxCluster);
 }
 // A block size of a policy: a whole number of warps in [lo, hi].
 constexpr bool whole_warps(int threads, int lo, int hi) { return threads % 32 == 0 && threads >= lo && threads <= hi; }

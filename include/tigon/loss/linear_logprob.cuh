@@ -9,6 +9,7 @@
 //   logp_n    = z_t - lse_n              log softmax(z)_t
 //   entropy_n = lse_n - sum_v p_v z_v    -sum_v p_v log p_v,   p = softmax(z)
 //   logit_sum_n = sum_v logits_v         (before the temperature: Liger's chosen / rejected logits means)
+//   is_top1_n = [t is the first column holding the largest logit]   (token accuracy; no gradient)
 // Tokens whose target is ignore_index give 0 (logit_sum: their sum all the same) and take no gradient.
 //
 // Backward, from the upstream gradients g_n = dL/dlogp_n and h_n = dL/dentropy_n:
@@ -68,6 +69,9 @@ struct LinearLogProbArgs {
   float* lse = nullptr;
   float* entropy = nullptr;
   float* logit_sum = nullptr;  // every token's, ignored ones included
+  // 1 where the target holds the token's largest logit and no earlier column holds as large a one
+  // (the first argmax is the target: the token-accuracy statistic), else 0 (ignored tokens: 0).
+  std::uint8_t* is_top1 = nullptr;
   int* error_count = nullptr;  // incremented once per token whose target is outside [0, vocab) (forward)
   // Backward: upstream gradients [tokens] fp32 (at least one), and the gradients asked for.
   const float* grad_logp = nullptr;
@@ -186,13 +190,15 @@ Status llp_validate(const LinearLogProbArgs<T, I>& a, bool backward, const char*
   const MatrixView w = MatrixView::of(a.weight, a.vocab, a.hidden, 0);
   const MatrixView row_outs[] = {MatrixView::of(a.logp, 1, a.tokens, 0), MatrixView::of(a.lse, 1, a.tokens, 0),
                                  MatrixView::of(a.entropy, 1, a.tokens, 0),
-                                 MatrixView::of(a.logit_sum, 1, a.tokens, 0)};
-  const char* row_names[] = {"logp", "lse", "entropy", "logit_sum"};
+                                 MatrixView::of(a.logit_sum, 1, a.tokens, 0),
+                                 MatrixView::of(a.is_top1, 1, a.tokens, 0)};
+  const char* row_names[] = {"logp", "lse", "entropy", "logit_sum", "is_top1"};
   if (!backward) {
-    if (a.logp == nullptr && a.lse == nullptr && a.entropy == nullptr && a.logit_sum == nullptr) {
-      return Status::error(Errc::null_pointer, op, "logp", "no output: set logp, lse, entropy or logit_sum");
+    if (a.logp == nullptr && a.lse == nullptr && a.entropy == nullptr && a.logit_sum == nullptr &&
+        a.is_top1 == nullptr) {
+      return Status::error(Errc::null_pointer, op, "logp", "no output: set logp, lse, entropy, logit_sum or is_top1");
     }
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 5; ++i) {
       if (row_outs[i].ptr == nullptr) continue;
       TIGON_CHECK(disjoint(row_outs[i], x, op, row_names[i], "x"));
       TIGON_CHECK(disjoint(row_outs[i], w, op, row_names[i], "weight"));
@@ -257,6 +263,7 @@ struct LlpParams {
   float inv_temp;
   // Forward outputs (the chunk's first token), or null.
   float *logp, *lse, *entropy, *logit_sum;
+  std::uint8_t* is_top1;
   int* error_count;
   // Backward inputs.
   const float *lse_in, *entropy_in, *grad_logp, *grad_entropy;
@@ -301,13 +308,28 @@ TIGON_KERNEL void __launch_bounds__(kLlpThreads) llp_forward_kernel(const LlpPar
     if (p.logp) p.logp[r] = 0.0f;
     if (p.lse) p.lse[r] = 0.0f;
     if (p.entropy) p.entropy[r] = 0.0f;
+    if (p.is_top1) p.is_top1[r] = 0;
   }
   if (skip && p.logit_sum == nullptr) return;  // the logit sum covers every token
+  // is_top1: whether a column beats the target's raw logit (larger, or as large and earlier); the
+  // raw logits order the logits (the temperature is positive).
+  const bool top1 = p.is_top1 != nullptr && !skip;  // uniform over the block
+  float xt = 0.0f;
+  if (top1) {
+    float v1[1];
+    llp_raw<1>(row, p.bias, t, v1);
+    xt = v1[0];
+  }
+  bool beaten = false;
   llp_math::RowAcc acc = llp_math::empty();
   const std::int64_t nvec = p.vocab / kN;
   for (std::int64_t i = threadIdx.x; i < nvec; i += kLlpThreads) {
     float v[kN];
     llp_raw<kN>(row, p.bias, i * kN, v);
+    if (top1) {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) beaten = beaten || v[k] > xt || (v[k] == xt && i * kN + k < t);
+    }
     float vm = v[0] * p.inv_temp;
 #pragma unroll
     for (int k = 1; k < kN; ++k) vm = fmaxf(vm, v[k] * p.inv_temp);
@@ -325,6 +347,10 @@ TIGON_KERNEL void __launch_bounds__(kLlpThreads) llp_forward_kernel(const LlpPar
     acc = {m, fmaf(acc.s, f, s), fmaf(acc.t, f, tz), acc.sum + sum};
   }
   const llp_math::RowAcc total = Reduce(tmp).Reduce(acc, LlpMerge{});
+  if (top1) {
+    const bool any = __syncthreads_or(beaten ? 1 : 0) != 0;
+    if (threadIdx.x == 0) p.is_top1[r] = any ? 0 : 1;
+  }
   if (threadIdx.x == 0 && skip) p.logit_sum[r] = total.sum;
   if (threadIdx.x == 0 && !skip) {
     const float lse = llp_math::lse_of(total);
@@ -394,7 +420,7 @@ Status llp_launch(const LlpParams<T, I>& p, bool backward, cudaStream_t stream, 
 // 5. Launchers
 // ------------------------------------------------------------------------------------------------
 
-// Per-token logp, lse, entropy and logit sums (those asked for), one chunk of tokens at a time.
+// Per-token logp, lse, entropy, logit sums and is_top1 (those asked for), one chunk of tokens at a time.
 template <class Gemm = CublasLtGemm, class T, class I>
 [[nodiscard]] Status linear_logprob_forward(const LinearLogProbArgs<T, I>& args, Gemm& gemm, cudaStream_t stream) {
   constexpr const char* kOp = "linear_logprob_forward";
@@ -413,7 +439,9 @@ template <class Gemm = CublasLtGemm, class T, class I>
                                     .targets = args.targets + r0, .rows = c, .vocab = args.vocab,
                                     .ignore_index = args.ignore_index, .inv_temp = 1.0f / args.temperature,
                                     .logp = at(args.logp), .lse = at(args.lse), .entropy = at(args.entropy),
-                                    .logit_sum = at(args.logit_sum), .error_count = args.error_count,
+                                    .logit_sum = at(args.logit_sum),
+                                    .is_top1 = args.is_top1 != nullptr ? args.is_top1 + r0 : nullptr,
+                                    .error_count = args.error_count,
                                     .lse_in = nullptr, .entropy_in = nullptr, .grad_logp = nullptr,
                                     .grad_entropy = nullptr};
     TIGON_CHECK(detail::llp_launch(p, false, stream, kOp));
@@ -450,7 +478,7 @@ template <class Gemm = CublasLtGemm, class T, class I>
                                     .targets = args.targets + r0, .rows = c, .vocab = args.vocab,
                                     .ignore_index = args.ignore_index, .inv_temp = 1.0f / args.temperature,
                                     .logp = nullptr, .lse = nullptr, .entropy = nullptr, .logit_sum = nullptr,
-                                    .error_count = nullptr, .lse_in = at(args.lse),
+                                    .is_top1 = nullptr, .error_count = nullptr, .lse_in = at(args.lse),
                                     .entropy_in = at(args.entropy), .grad_logp = at(args.grad_logp),
                                     .grad_entropy = at(args.grad_entropy)};
     TIGON_CHECK(detail::llp_launch(p, true, stream, kOp));

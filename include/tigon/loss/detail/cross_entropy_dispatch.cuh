@@ -7,8 +7,6 @@
 #error "include <tigon/loss/cross_entropy.cuh>"
 #endif
 
-#include <atomic>
-
 TIGON_NAMESPACE_BEGIN
 
 namespace detail {
@@ -90,33 +88,13 @@ template <auto kKernel, int kThreads, int kVecs, int kAhead, class T, class I>
 Status launch_ce_resident(const CeParams<T, I>& p, cudaStream_t stream, const char* op, bool& launched) {
   constexpr int kV = kVecElems<T>;
   launched = false;
-  const CeResShape shape = ce_res_shape(p.vocab / kV, kThreads, kVecs);
+  const RowClusterShape shape = ce_res_shape(p.vocab / kV, kThreads, kVecs);
   if (shape.csize == 0) return Status();
   const auto c = static_cast<unsigned>(shape.csize);
   LaunchShape one{dim3(c), dim3(kThreads), 0, stream, c};
-  // Whether a cluster of csize blocks fits the device: asked once per device and cluster size
-  // (0: not asked yet, 1: fits, -1: does not), so that a call costs no occupancy query.
-  static std::atomic<int> fits[kMaxDevices][kCeResMaxCluster + 1] = {};
-  DeviceInfo dev;
-  TIGON_CHECK(current_device_info(dev));
-  if (dev.device < 0 || dev.device >= kMaxDevices) return Status();
-  std::atomic<int>& known = fits[dev.device][shape.csize];
-  int f = known.load(std::memory_order_relaxed);
-  if (f == 0) {
-    if (shape.csize > 8) {  // beyond the portable cluster size
-      TIGON_CHECK(Status::from_cuda(
-          cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), op,
-          "cudaFuncSetAttribute"));
-    }
-    cudaLaunchAttribute attrs[kMaxLaunchAttrs];
-    const cudaLaunchConfig_t query = launch_config(one, false, attrs);
-    int resident = 0;
-    TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kKernel, &query), op,
-                                  "cudaOccupancyMaxActiveClusters"));
-    f = resident >= 1 ? 1 : -1;
-    known.store(f, std::memory_order_relaxed);
-  }
-  if (f < 0) return Status();
+  bool fits = false;
+  TIGON_CHECK((cluster_fits<kKernel, kCeResMaxCluster>(one, op, fits)));
+  if (!fits) return Status();
   // One cluster per row; grids over 2^31 - 1 blocks go in several launches.
   const std::int64_t max_rows = (std::int64_t{1} << 31) / shape.csize - 1;
   for (std::int64_t r0 = 0; r0 < p.rows; r0 += max_rows) {

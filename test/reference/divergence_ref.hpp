@@ -44,6 +44,10 @@ struct DivOut {
   std::vector<double> elem_scale, scale_rows;
   std::vector<char> near_tie;     // tvd: elements whose q and p agree to 1e-5 (their sign is ambiguous in fp32)
   std::vector<double> tie_gap;    // tvd: |q - p| / (|q| + |p|) of each element
+  // tvd, student logits: how far each gradient element may move when the near ties of its row take
+  // the other sign: a tie i flips g_i = q_i s_i by q_i, so the row sum S moves by up to the ties'
+  // mass A, and element j by |f| / T (q_j A, plus q_j itself where j is a tie).
+  std::vector<double> tie_slack;
 };
 
 struct ElemValue {
@@ -112,6 +116,7 @@ inline DivOut divergence(const std::vector<double>& x, const std::vector<double>
   r.loss_elems.assign(static_cast<std::size_t>(rows * V), 0);
   r.near_tie.assign(static_cast<std::size_t>(rows * V), 0);
   r.tie_gap.assign(static_cast<std::size_t>(rows * V), 1.0);
+  r.tie_slack.assign(static_cast<std::size_t>(rows * V), 0.0);
   if (want_grad) r.grad.assign(static_cast<std::size_t>(rows * V), 0);
   auto ignored = [&](std::int64_t n) { return !o.labels.empty() && o.labels[n] == o.ignore_index; };
   double count = 0;
@@ -154,6 +159,14 @@ inline DivOut divergence(const std::vector<double>& x, const std::vector<double>
       double s = 0;
       for (std::int64_t i = 0; i < V; ++i) s += w(i) * g[i];
       for (std::int64_t i = 0; i < V; ++i) r.grad[n * V + i] = f / o.temperature * (w(i) * g[i] - xp[i] * s);
+      if (o.div == Div::tvd) {
+        double tied = 0;
+        for (std::int64_t i = 0; i < V; ++i) tied += r.near_tie[n * V + i] ? w(i) * xp[i] : 0.0;
+        for (std::int64_t i = 0; i < V; ++i) {
+          const double own = r.near_tie[n * V + i] ? w(i) * xp[i] : 0.0;
+          r.tie_slack[n * V + i] = std::abs(f) / o.temperature * (xp[i] * tied + own);
+        }
+      }
     } else {
       for (std::int64_t i = 0; i < V; ++i) r.grad[n * V + i] = f * w(i) * g[i];
     }

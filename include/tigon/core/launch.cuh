@@ -155,8 +155,8 @@ template <class... Params, class... Args>
 }
 
 // Whether one cluster of `one.cluster` blocks of `kKernel`, launched with `one`'s block and shared
-// memory, fits the current device (the row-per-cluster kernels of cross-entropy and the
-// divergences take their row kernels where it does not). Asked of cudaOccupancyMaxActiveClusters
+// memory, fits the current device (cross-entropy's row-per-cluster kernels take its row kernel
+// where it does not). Asked of cudaOccupancyMaxActiveClusters
 // once per kernel, device and cluster size (1 to kMaxCluster), so that a call costs no occupancy
 // query; clusters beyond the portable 8 blocks are allowed on the kernel first.
 template <auto kKernel, int kMaxCluster>

@@ -434,13 +434,12 @@ template <class Gemm = CublasLtGemm, class T, class I>
     TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = args.x + r0 * xs, .b = args.weight, .d = logits, .m = c, .n = args.vocab,
                                       .k = args.hidden, .lda = xs, .op_b = Op::t},
                           stream));
-    auto at = [&](float* q) { return q != nullptr ? q + r0 : nullptr; };
+    auto at = [&](auto* q) { return q != nullptr ? q + r0 : nullptr; };
     const detail::LlpParams<T, I> p{.logits = logits, .dlogits = nullptr, .bias = args.bias,
                                     .targets = args.targets + r0, .rows = c, .vocab = args.vocab,
                                     .ignore_index = args.ignore_index, .inv_temp = 1.0f / args.temperature,
                                     .logp = at(args.logp), .lse = at(args.lse), .entropy = at(args.entropy),
-                                    .logit_sum = at(args.logit_sum),
-                                    .is_top1 = args.is_top1 != nullptr ? args.is_top1 + r0 : nullptr,
+                                    .logit_sum = at(args.logit_sum), .is_top1 = at(args.is_top1),
                                     .error_count = args.error_count,
                                     .lse_in = nullptr, .entropy_in = nullptr, .grad_logp = nullptr,
                                     .grad_entropy = nullptr};

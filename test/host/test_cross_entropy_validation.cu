@@ -14,7 +14,7 @@ namespace {
 alignas(256) bf16 logits[8 * 64];
 alignas(256) std::int64_t targets[8];
 alignas(256) float loss[1];
-alignas(256) unsigned char ws[4096];
+alignas(256) unsigned char ws[8192];
 
 CrossEntropyArgs<bf16> good() {
   return {.logits = logits, .targets = targets, .rows = 8, .vocab = 64, .dlogits = logits,
@@ -74,6 +74,18 @@ TEST_CASE("cross_entropy rejects bad arguments by name", "[ce][validation]") {
   CrossEntropyStats st[8];
   expect(cross_entropy_shard_stats(a, 10, 70, st, nullptr), Errc::invalid_size, "vocab_offset");
   expect(cross_entropy_merge_stats(st, 0, 8, st, nullptr), Errc::invalid_size, "nshards");
+  // Without a gradient (the loss alone, the statistics pass) the workspace holds the per-block
+  // statistics too: 512 bytes a row more.
+  a = good();
+  a.dlogits = nullptr;
+  CHECK(cross_entropy_workspace_bytes(a, need).ok());
+  CHECK(need == detail::ce_workspace_bytes(8) + 8 * 512);
+  a.workspace_bytes = detail::ce_workspace_bytes(8);
+  expect(cross_entropy(a, nullptr), Errc::workspace_too_small, "workspace_bytes");
+  expect(cross_entropy_shard_stats(a, 0, 64, st, nullptr), Errc::workspace_too_small, "workspace_bytes");
+  a.workspace_bytes = need;
+  a.workspace = nullptr;
+  expect(cross_entropy_shard_stats(a, 0, 64, st, nullptr), Errc::null_pointer, "workspace");
 }
 
 TEST_CASE("linear_cross_entropy workspace query rejects bad arguments by name", "[lce][validation]") {

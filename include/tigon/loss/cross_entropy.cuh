@@ -167,9 +167,14 @@ TIGON_HD float grad(float p, bool is_target, float w_i, const RowTerms& r, float
 
 namespace detail {
 
-// Workspace: the mean's denominator, the reduced sums, and per-row loss / z scratch.
-inline std::size_t ce_workspace_bytes(std::int64_t rows) {
-  return round_up<std::size_t>(16 + static_cast<std::size_t>(rows) * 8u, 256u);
+inline constexpr int kCeResMaxCluster = 16;
+
+// Workspace: the mean's denominator, the reduced sums, and per-row loss / z scratch; without a
+// gradient (`partials`: the loss alone, the statistics pass) also the optioned resident kernel's
+// per-block statistics, two float4 for each of up to kCeResMaxCluster blocks a row.
+inline std::size_t ce_workspace_bytes(std::int64_t rows, bool partials = false) {
+  const std::size_t base = round_up<std::size_t>(16 + static_cast<std::size_t>(rows) * 8u, 256u);
+  return partials ? base + static_cast<std::size_t>(rows) * kCeResMaxCluster * 32u : base;
 }
 
 // The loss options and sizes (everything but the logits and their gradient): shared with the ops
@@ -231,7 +236,6 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
 // Rows longer than this with a gradient take the row kernel's kRowGradThreads (CrossEntropyPolicy).
 inline constexpr std::int64_t kCeGradWideCols = 65536;
 // The resident kernels' largest cluster (beyond the portable 8: allowed per kernel on sm_90).
-inline constexpr int kCeResMaxCluster = 16;
 // A resident kernel's shape for a row of nvec 16-byte vectors (row_cluster_shape, at most
 // kCeResMaxCluster blocks a row).
 constexpr RowClusterShape ce_res_shape(std::int64_t nvec, int threads, int vecs) {
@@ -291,7 +295,7 @@ template <class P>
 constexpr bool check_ce_policy() {
   static_assert(whole_warps(P::kRowThreads, 32, 1024) && whole_warps(P::kRowGradThreads, 32, 1024),
                 "row kernel: a whole number of warps, at most 1024 threads");
-  static_assert(P::kRowUnroll >= 1 && P::kRowUnroll <= 8, "row kernel: 1 to 8 vectors in flight per thread");
+  static_assert(P::kRowUnroll >= 1 && P::kRowUnroll <= 16, "row kernel: 1 to 16 vectors in flight per thread");
   static_assert(P::kRowLossMinBlocks >= 1 && P::kRowLossMinBlocks <= 32, "row kernel: 1 to 32 blocks per SM");
   static_assert(whole_warps(P::kResThreads, 64, 1024) && whole_warps(P::kOptThreads, 64, 1024),
                 "resident kernels: a whole number of warps, 64 to 1024 threads");
@@ -319,13 +323,15 @@ TIGON_NAMESPACE_BEGIN
 // 4. Launchers
 // ------------------------------------------------------------------------------------------------
 
-// Bytes of workspace cross_entropy(args) (and the split-vocabulary finalize) needs: the mean's
-// denominator and 8 bytes of per-row scratch, rounded to 256. Validates args as the launch will.
+// Bytes of workspace cross_entropy(args) (and the split-vocabulary passes) needs: the mean's
+// denominator and 8 bytes of per-row scratch, rounded to 256; without a gradient (args.dlogits
+// null: the loss alone, the statistics pass) 512 bytes a row more, for the per-block statistics.
+// Validates args as the launch will.
 template <class T, class I>
 [[nodiscard]] Status cross_entropy_workspace_bytes(const CrossEntropyArgs<T, I>& args, std::size_t& bytes) {
   bytes = 0;
   TIGON_CHECK(detail::validate(args, "cross_entropy_workspace_bytes"));
-  bytes = detail::ce_workspace_bytes(args.rows);
+  bytes = detail::ce_workspace_bytes(args.rows, args.dlogits == nullptr);
   return Status();
 }
 
@@ -379,8 +385,10 @@ template <class P = CrossEntropyPolicy, class T, class I>
   if (vocab_offset < 0 || vocab_offset + args.vocab > total_vocab) {
     return Status::error(Errc::invalid_size, kOp, "vocab_offset", "the shard must lie inside total_vocab");
   }
+  TIGON_CHECK(check::workspace(args.workspace, args.workspace_bytes, detail::ce_workspace_bytes(args.rows, true), kOp));
   auto p = detail::ce_params(args);
   p.dx = nullptr;
+  p.partials = detail::ce_scratch(args.workspace, args.rows, true).partials;
   p.col0 = vocab_offset;
   p.total_vocab = total_vocab;
   p.weights = args.class_weights != nullptr ? args.class_weights - vocab_offset : nullptr;

@@ -83,24 +83,35 @@ Status launch_ce_rows(const CeParams<T, I>& p, bool vec, cudaStream_t stream, co
 }
 
 // A resident kernel (plain or optioned), when the row fits kCeResMaxCluster blocks and such a
-// cluster fits the device; `launched` false (nothing launched) otherwise.
-template <auto kKernel, int kThreads, int kVecs, int kAhead, class T, class I>
+// cluster fits the device; `launched` false (nothing launched) otherwise. kPartials (the optioned
+// kernel): p.partials, when set, takes the place of the cluster.
+template <auto kKernel, int kThreads, int kVecs, int kAhead, bool kPartials, class T, class I>
 Status launch_ce_resident(const CeParams<T, I>& p, cudaStream_t stream, const char* op, bool& launched) {
   constexpr int kV = kVecElems<T>;
   launched = false;
   const RowClusterShape shape = ce_res_shape(p.vocab / kV, kThreads, kVecs);
   if (shape.csize == 0) return Status();
   const auto c = static_cast<unsigned>(shape.csize);
-  LaunchShape one{dim3(c), dim3(kThreads), 0, stream, c};
-  bool fits = false;
-  TIGON_CHECK((cluster_fits<kKernel, kCeResMaxCluster>(one, op, fits)));
-  if (!fits) return Status();
-  // One cluster per row; grids over 2^31 - 1 blocks go in several launches.
+  // With partials (the optioned kernel without a gradient) a row's blocks are independent, and
+  // ce_merge_partials_kernel merges them; otherwise a row is a cluster.
+  const bool partial = kPartials && p.partials != nullptr;
+  LaunchShape one{dim3(c), dim3(kThreads), 0, stream, partial ? 0u : c};
+  if (!partial) {
+    bool fits = false;
+    TIGON_CHECK((cluster_fits<kKernel, kCeResMaxCluster>(one, op, fits)));
+    if (!fits) return Status();
+  }
+  // One cluster (or csize blocks) per row; grids over 2^31 - 1 blocks go in several launches.
   const std::int64_t max_rows = (std::int64_t{1} << 31) / shape.csize - 1;
   for (std::int64_t r0 = 0; r0 < p.rows; r0 += max_rows) {
     const std::int64_t n = std::min(max_rows, p.rows - r0);
     one.grid = dim3(static_cast<unsigned>(n * shape.csize));
     TIGON_CHECK(launch(op, kKernel, one, p, r0, shape.slice, kAhead));
+    if (partial) {
+      TIGON_CHECK(launch(op, ce_merge_partials_kernel<T, I>,
+                         {dim3(static_cast<unsigned>(ceil_div<std::int64_t>(n, 8))), dim3(256), 0, stream}, p, r0, n,
+                         shape.csize));
+    }
   }
   launched = true;
   return Status();
@@ -112,7 +123,7 @@ template <class P, int kCap, bool kBias, class T, class I>
 Status launch_ce_opt(const CeParams<T, I>& p, cudaStream_t stream, const char* op, bool& launched) {
   constexpr auto kernel =
       ce_resident_opt_kernel<T, I, kVecElems<T>, P::kOptThreads, P::kOptVecs, P::kOptMinBlocks, kCap, kBias>;
-  return launch_ce_resident<kernel, P::kOptThreads, P::kOptVecs, P::kOptAhead>(p, stream, op, launched);
+  return launch_ce_resident<kernel, P::kOptThreads, P::kOptVecs, P::kOptAhead, true>(p, stream, op, launched);
 }
 
 // Which kernel takes a call: a resident kernel where one applies (sm_90+, 16-byte rows, 2 to
@@ -131,7 +142,7 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
         bool launched = false;
         if (plain) {
           constexpr auto kernel = ce_resident_kernel<T, I, kV, P::kResThreads, P::kResVecs, P::kResMinBlocks>;
-          TIGON_CHECK((launch_ce_resident<kernel, P::kResThreads, P::kResVecs, P::kResAhead>(p, stream, op, launched)));
+          TIGON_CHECK((launch_ce_resident<kernel, P::kResThreads, P::kResVecs, P::kResAhead, false>(p, stream, op, launched)));
         } else if (p.cap > 0.0f) {
           constexpr int kCap = sizeof(T) == 2 ? 2 : 1;
           TIGON_CHECK((p.bias != nullptr ? launch_ce_opt<P, kCap, true>(p, stream, op, launched)
@@ -164,22 +175,28 @@ inline Status ce_reduce(const float* loss_rows, const float* z_rows, std::int64_
                 mean, loss, z_loss);
 }
 
-// Workspace layout of a loss: [denominator | 3 spare floats | loss rows | z rows].
+// Workspace layout of a loss: [denominator | 3 spare floats | loss rows | z rows], rounded to 256
+// bytes, then (the loss alone and the statistics pass: ce_workspace_bytes(rows, true)) the
+// optioned kernel's partials, [rows][csize] pairs of float4 (csize <= kCeResMaxCluster blocks a row).
 struct CeScratch {
   float* denom;
   float* loss_rows;
   float* z_rows;
+  float4* partials;
 };
-inline CeScratch ce_scratch(void* ws, std::int64_t rows) {
+inline CeScratch ce_scratch(void* ws, std::int64_t rows, bool partials = false) {
   float* f = static_cast<float*>(ws);
-  return {f, f + 4, f + 4 + rows};
+  float4* q = partials ? reinterpret_cast<float4*>(static_cast<unsigned char*>(ws) + ce_workspace_bytes(rows)) : nullptr;
+  return {f, f + 4, f + 4 + rows, q};
 }
 
 template <class P = CrossEntropyPolicy, class T, class I>
 Status ce_impl(const CrossEntropyArgs<T, I>& a, CeParams<T, I> p, cudaStream_t stream, const char* op) {
-  TIGON_CHECK(check::workspace(a.workspace, a.workspace_bytes, ce_workspace_bytes(a.rows), op));
-  const CeScratch ws = ce_scratch(a.workspace, a.rows);
+  const bool partials = p.dx == nullptr;  // the loss alone (and the finalize's loss alone, which leaves them unused)
+  TIGON_CHECK(check::workspace(a.workspace, a.workspace_bytes, ce_workspace_bytes(a.rows, partials), op));
+  const CeScratch ws = ce_scratch(a.workspace, a.rows, partials);
   p.denom = ws.denom;
+  if (p.stats == nullptr) p.partials = ws.partials;
   p.loss_rows = a.loss_rows != nullptr ? a.loss_rows : ws.loss_rows;
   p.z_rows = ws.z_rows;
   if (a.reduction == Reduction::mean) {

@@ -34,6 +34,9 @@ struct CeParams {
   const CrossEntropyStats* stats;  // merged statistics (finalize), or null: compute them here
   CrossEntropyStats* stats_out;    // shard statistics (stats pass), or null
   const T* bias;                   // [vocab] added to the logits (the sum rounded to T) before the softcap, or null
+  // No gradient (the loss alone, the statistics pass): each block's statistics go to
+  // partials[row][block] (two float4) for ce_merge_partials_kernel, instead of a cluster exchange.
+  float4* partials;
 };
 
 struct CeAcc {  // one thread's (or a block's) running statistics
@@ -714,6 +717,34 @@ TIGON_DEVICE float ce_tanh(float u) {
   }
 }
 
+// The optioned kernel's row outputs from the row's merged statistics (total.best_i: the argmax's
+// column within the shard, 0xffffffff for none): the shard statistics, or the loss outputs; w_t
+// the target's class weight (0 for a skipped row). By one thread.
+template <class T, class I>
+TIGON_DEVICE void ce_opt_row_out(const CeParams<T, I>& p, std::int64_t row, CeAcc total, float x_t, float w_t) {
+  const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
+  const std::int64_t t = t_raw - p.col0;
+  const bool in_row = t >= 0 && t < p.vocab;
+  total.best_i = (total.best_i == 0xffffffff ? 0 : total.best_i) + p.col0;
+  if (p.stats_out != nullptr) {
+    CrossEntropyStats st{};
+    st.max = total.m;
+    st.sumexp = total.s;
+    st.has_target = in_row ? 1 : 0;
+    st.target_logit = x_t;
+    st.target_weight = (in_row && p.weights != nullptr) ? p.weights[t_raw] : 1.0f;
+    st.sum_wx = total.sum_wx;
+    st.sum_w = total.sum_w;
+    st.argmax_value = total.best;
+    st.argmax = total.best_i;
+    p.stats_out[row] = st;
+  } else {
+    const bool ignored = t_raw == p.ignore_index;
+    const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
+    ce_write_row(p, row, ce_row_terms_w(p, total, total.m + logf(total.s), x_t, w_t), total, ignored, bad);
+  }
+}
+
 // The resident kernel for every option (class weights, label smoothing, softcap, bias, argmax, token
 // scaling, the split-vocabulary statistics and finalize passes; the default for them on sm_90+ with
 // 16-byte rows): the plain kernel's structure and registers, the raw 16-byte vectors held, and the logits
@@ -739,16 +770,18 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   __shared__ float row_lse, row_xt, row_swx, row_sw;
   __shared__ float row_mem[4];  // upstream gradient, denominators [0] and [1], the target's weight
   const bool exchange = p.stats == nullptr;  // finalize: the merged statistics are given
-  const unsigned csize = cluster_blocks();
-  const unsigned rank = cluster_rank();
-  const bool solo = csize == 1;  // a row in one block: no messages
+  // Without a gradient the blocks of a row are no cluster: each writes its statistics to partials.
+  const bool partial = p.partials != nullptr;
+  const int nvec = static_cast<int>(p.vocab / kV);
+  const unsigned csize = partial ? static_cast<unsigned>((nvec + slice - 1) / slice) : cluster_blocks();
+  const unsigned rank = partial ? blockIdx.x % csize : cluster_rank();
+  const bool solo = csize == 1 || partial;  // no messages
   if (exchange && !solo) {
     if (threadIdx.x == 0) mbarrier_init(&bar);
     cluster_arrive_relaxed();
   }
   detail::grid_dependency_sync();
   const std::int64_t row = row0 + blockIdx.x / csize;
-  const int nvec = static_cast<int>(p.vocab / kV);
   const int v0 = min(static_cast<int>(rank) * slice, nvec);
   const int tid = static_cast<int>(threadIdx.x);
   const int lane_id = tid & 31;
@@ -795,12 +828,18 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
       for (int k = 0; k < kV; ++k) x[k] *= cap;
     }
   };
-  // 16-bit logits with the softcap: once the statistics are taken, raw[j] holds the vector's tanh
-  // values x / cap as half (keep), and the gradient pass forms the capped logits and the softcap's
-  // derivative from them (kept): one tanh per element instead of two, the special-function unit
-  // being the kernel's limit with the softcap. The half rounding (2^-12 relative) perturbs a capped
-  // logit by at most cap * 2^-12; the loss and the statistics use the fp32 values.
+  // 16-bit logits with the softcap: once the statistics are taken, the registers of raw[j] hold one
+  // half per element for the gradient pass (keep), so that it takes no second tanh, the
+  // special-function unit being the kernel's limit with the softcap. Without smoothing they hold
+  // the element's gradient term g_i = 2^14 e_i (1 - u_i^2), e_i = exp(x_i - m_w) the exponential the
+  // statistics already took (m_w the warp's max; 2^14 keeps the terms off half's subnormals), and
+  // the gradient is g_i times one per-thread factor: no special function at all in the gradient
+  // pass, and the half rounding (2^-11 relative) is the term's only error beyond fp32. With
+  // smoothing (the gradient p_i a - b w_i needs p_i and the derivative apart) and in the finalize
+  // they hold u_i = tanh(x_i / cap), from which the gradient pass forms the capped logit and the
+  // derivative (one exp2 an element). The loss and the statistics use the fp32 values.
   constexpr bool kKeepTanh = kCap == 2 && sizeof(T) == 2 && kV % 2 == 0;
+  constexpr float kGTermLog2 = 14.0f;
   // Whether the argmax is found per warp by ballot on the raw values (16-bit, no bias; with the
   // softcap its registers spill the tanh values kept across the exchange, so there the lanes
   // holding the warp's max find their columns).
@@ -808,7 +847,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   // With a bias they replace the raw values in raw[j]; without, they go to tk and raw dies: the two
   // layouts under which ptxas fits each instance in 64 registers without spills.
   __half2 tk[(kKeepTanh && !kBias) ? kVecs : 1][kV / 2];
-  auto keep = [&](int j, const float (&u)[kV]) {  // u: pre's values
+  auto keep = [&](int j, const float (&u)[kV]) {  // u: the values kept (tanh values or terms)
     if constexpr (kKeepTanh && kBias) {
 #pragma unroll
       for (int k = 0; k < kV; ++k) raw[j].v[k] = ce_half_bits<T>(__float2half_rn(u[k]));
@@ -835,7 +874,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   // class weight) copied to shared memory by thread 0 while the logits are in flight (no registers
   // held across the pass, no round trip after the exchange); thread 0 waits for them before the
   // barrier that follows the exchange.
-  if (exchange && tid == 0) {
+  if (exchange && !partial && tid == 0) {
     const bool grads = p.dx != nullptr && p.stats_out == nullptr;  // the statistics pass has no denominators
     if (grads && p.grad_output != nullptr) {
       __pipeline_memcpy_async(&row_mem[0], p.grad_output + (p.reduction == Reduction::none ? row : 0), 4);
@@ -856,6 +895,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     __pipeline_commit();
   }
   float lse, x_t, sum_wx, sum_w, w_t;
+  float mb_w = 0.0f;  // the warp's max times log2(e), of the kept gradient terms
   if (exchange) {
     float xt = 0.0f;
     if (rank == 0 && tid == 0 && in_row) {
@@ -994,18 +1034,24 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
       m[0] = wm_all;  // the argmax's warp max of the raw values, which are the logits here
     }
     const float mb = m[0] == kNegInf ? 0.0f : m[0] * kLog2e;
+    mb_w = mb;
     // The sum of exp relative to the warp's max, and the smoothing sums, in one walk of the logits.
     float s[1] = {0.0f};
     float sw2[2] = {0.0f, 0.0f};  // sum of w_i x_i, sum of w_i
     auto walk = [&](auto smooth_c) {
       constexpr bool kSmooth = decltype(smooth_c)::value;
+      constexpr bool kTerms = kKeepTanh && !kSmooth;  // keep the gradient terms (scaled by 2^14)
 #pragma unroll
       for (int j = 0; j < kVecs; ++j) {
         if (j * kThreads < mine) {
           float x[kV];
           pre(j, x);
 #pragma unroll
-          for (int k = 0; k < kV; ++k) s[0] += exp2_ftz(fmaf(x[k], l2s, -mb));
+          for (int k = 0; k < kV; ++k) {
+            const float e = exp2_ftz(fmaf(x[k], l2s, kTerms ? kGTermLog2 - mb : -mb));
+            s[0] += e;
+            if constexpr (kTerms) x[k] = e * fmaf(-x[k], x[k], 1.0f);
+          }
           if constexpr (kKeepTanh) keep(j, x);
           if constexpr (kSmooth) {
             if (wcol != nullptr) {
@@ -1030,6 +1076,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
       sw2[0] *= xs;  // the sums were of pre's values
     } else {
       walk(std::false_type{});
+      if constexpr (kKeepTanh) s[0] *= exp2f(-kGTermLog2);  // exact
     }
     warp_allreduce_sum<32>(s);
     const bool second = smooth || want_arg;  // the second message
@@ -1054,6 +1101,14 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
       unsigned bc = __float_as_uint(pw.w);
       if (want_arg) ce_argmax_lanes(lane, kWarps, bv, bc);
       xt = __shfl_sync(0xffffffffu, xt, 0);
+      if (partial) {  // the block's statistics (block 0's with the target's logit) for the merge kernel
+        if (lane == 0) {
+          float4* q = p.partials + 2 * (row * csize + rank);
+          q[0] = make_float4(bm, bs, xt, 0.0f);
+          q[1] = make_float4(bsum[0], bsum[1], bv, __uint_as_float(bc));
+        }
+        return;
+      }
       float tm = bm, ts = bs, rsum[2] = {bsum[0], bsum[1]}, rv = bv, row_x = xt;
       unsigned rc = bc;
       if (!solo) {
@@ -1086,28 +1141,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
         row_xt = row_x;
         row_swx = rsum[0];
         row_sw = rsum[1];
-        if (rank == 0) {
-          const std::int64_t best = (rc == kNoCol ? 0 : static_cast<std::int64_t>(rc)) + p.col0;
-          const CeAcc total{tm, ts, rsum[0], rsum[1], rv, best};
-          if (p.stats_out != nullptr) {
-            CrossEntropyStats st{};
-            st.max = tm;
-            st.sumexp = ts;
-            st.has_target = in_row ? 1 : 0;
-            st.target_logit = row_x;
-            st.target_weight = (in_row && p.weights != nullptr) ? p.weights[t_raw] : 1.0f;
-            st.sum_wx = rsum[0];
-            st.sum_w = rsum[1];
-            st.argmax_value = rv;
-            st.argmax = best;
-            p.stats_out[row] = st;
-          } else {
-            const bool ignored = t_raw == p.ignore_index;
-            const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
-            ce_write_row(p, row, ce_row_terms_w(p, total, row_lse, row_x, row_mem[3]), total,
-                         ignored, bad);
-          }
-        }
+        if (rank == 0) ce_opt_row_out(p, row, CeAcc{tm, ts, rsum[0], rsum[1], rv, rc}, row_x, row_mem[3]);
       }
     }
     if (p.dx == nullptr || p.stats_out != nullptr) return;
@@ -1168,10 +1202,14 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   // The element loop, with smoothing a compile-time switch; without it and for a > 0 (kFold),
   // log2(a) joins the exponent; with it the element's gradient is one FMA from p_i.
   const float nb = -b;
-  auto write = [&](auto smooth_c, auto fold_c) {
+  // kTerms: the kept values are the gradient terms g_i (no smoothing, statistics taken here), and
+  // the gradient is g_i a 2^(m_w - lse - 14) (log2 units).
+  auto write = [&](auto smooth_c, auto fold_c, auto terms_c) {
     constexpr bool kSmooth = decltype(smooth_c)::value;
     constexpr bool kFold = decltype(fold_c)::value;
+    constexpr bool kTerms = kKeepTanh && decltype(terms_c)::value;
     const float e0 = kFold ? neg_lse2 + __log2f(a) : neg_lse2;
+    const float gf = kTerms ? a * exp2f(mb_w + neg_lse2 - kGTermLog2) : 0.0f;
     // p_i (times a when folded) to the element's gradient before the softcap's derivative.
     auto term = [&](float v, int c) {
       if constexpr (kFold) {
@@ -1187,7 +1225,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
       if (j * kThreads < mine) {
         const int c0 = (first + j * kThreads) * kV;
         float g[kV];
-        if constexpr (kKeepTanh) {
+        if constexpr (kTerms) {
+#pragma unroll
+          for (int k = 0; k < kV; ++k) g[k] = kept(j, k) * gf;
+        } else if constexpr (kKeepTanh) {
           // The logits as cap * u from the kept values, element by element (no second array).
 #pragma unroll
           for (int k = 0; k < kV; ++k) {
@@ -1220,12 +1261,15 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     }
     return;
   }
+  constexpr std::false_type kNo{};
   if (smooth) {
-    write(std::true_type{}, std::false_type{});
+    write(std::true_type{}, kNo, kNo);
+  } else if (kKeepTanh && exchange) {
+    write(kNo, kNo, std::true_type{});
   } else if (a > 0.0f) {
-    write(std::false_type{}, std::true_type{});
+    write(kNo, std::true_type{}, kNo);
   } else {
-    write(std::false_type{}, std::false_type{});
+    write(kNo, kNo, kNo);
   }
   // The target's gradient in fp32 from p - 1, over the value this thread just stored.
   if (in_row) {
@@ -1243,6 +1287,37 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   (void)slice;
   (void)ahead;
 #endif
+}
+
+// The rows of a launch of the optioned kernel without a gradient (rows [row0, row0 + rows) of p,
+// csize blocks each): one warp a row merges its blocks' partials in block order (the cluster
+// exchange's merge: deterministic) and writes the row's outputs.
+template <class T, class I>
+TIGON_KERNEL void ce_merge_partials_kernel(const CeParams<T, I> p, std::int64_t row0, std::int64_t rows,
+                                           int csize) {
+  detail::grid_dependency_sync();
+  const std::int64_t w = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  if (w >= rows) return;
+  const std::int64_t row = row0 + w;
+  const bool from = lane < csize;
+  const float4* q = p.partials + 2 * (row * csize + lane);
+  const float4 a = from ? q[0] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float4 b = from ? q[1] : make_float4(0.0f, 0.0f, -__builtin_huge_valf(), __uint_as_float(0xffffffffu));
+  float tm, ts;
+  ce_merge_lanes(lane, a.x, a.y, csize, tm, ts);
+  float sums[2] = {b.x, b.y};
+  warp_allreduce_sum<32>(sums);
+  float v = b.z;
+  unsigned c = __float_as_uint(b.w);
+  ce_argmax_lanes(lane, csize, v, c);
+  const float x_t = __shfl_sync(0xffffffffu, a.z, 0);  // block 0's partial carries the target's logit
+  if (lane == 0) {
+    const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
+    const bool skip = t_raw == p.ignore_index || t_raw < 0 || t_raw >= p.total_vocab;
+    const float w_t = skip ? 0.0f : (p.weights != nullptr && p.stats_out == nullptr ? p.weights[t_raw] : 1.0f);
+    ce_opt_row_out(p, row, CeAcc{tm, ts, sums[0], sums[1], v, c}, x_t, w_t);
+  }
 }
 
 // ---- The loss's small kernels ----

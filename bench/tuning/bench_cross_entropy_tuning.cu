@@ -30,33 +30,6 @@ struct RowLossM3 : CrossEntropyPolicy {
   static constexpr int kRowLossMinBlocks = 3;
 };
 
-// The row kernel on the loss alone and the split statistics with more vectors in flight per thread.
-struct RowLossU8 : CrossEntropyPolicy {
-  static constexpr bool kOptLoss = false;
-  static constexpr int kRowUnroll = 8;
-};
-struct RowLossU8M3 : RowLossU8 {
-  static constexpr int kRowLossMinBlocks = 3;
-};
-struct RowLossU16M2 : CrossEntropyPolicy {
-  static constexpr bool kOptLoss = false;
-  static constexpr int kRowUnroll = 16;
-  static constexpr int kRowLossMinBlocks = 2;
-};
-
-// The optioned kernel's other block shapes (the loss alone and the split statistics).
-template <int kT, int kV, int kM>
-struct OptShape : CrossEntropyPolicy {
-  static constexpr int kOptThreads = kT;
-  static constexpr int kOptVecs = kV;
-  static constexpr int kOptMinBlocks = kM;
-};
-
-using Opt128x16 = OptShape<128, 16, 4>;
-using Opt256x16 = OptShape<256, 16, 2>;
-using Opt512x16 = OptShape<512, 16, 1>;
-using Opt64x16 = OptShape<64, 16, 8>;
-
 const Opt kCap{.cap = 30.0f};
 const Opt kSmooth{.eps = 0.1f};
 const Opt kW{.weights = true};
@@ -91,17 +64,6 @@ CE_TUNE(default_loss_softcap, CrossEntropyPolicy, false, kCap) TWO;
 CE_TUNE(rows_loss_softcap_m3, RowLossM3, false, kCap) TWO;
 CE_TUNE_SPLIT(rows_shard_stats, RowsOnly, false) TWO;
 CE_TUNE_SPLIT(rows_shard_stats_m3, RowLossM3, false) TWO;
-CE_TUNE_SPLIT(rows_shard_stats_u8, RowLossU8, false) TWO;
-CE_TUNE_SPLIT(rows_shard_stats_u8_m3, RowLossU8M3, false) TWO;
-CE_TUNE_SPLIT(rows_shard_stats_u16_m2, RowLossU16M2, false) TWO;
-CE_TUNE(rows_loss_softcap_u8, RowLossU8, false, kCap) TWO;
-CE_TUNE(rows_loss_softcap_u16_m2, RowLossU16M2, false, kCap) TWO;
-CE_TUNE_SPLIT(opt_b128_v16_m4_shard_stats, Opt128x16, false) TWO;
-CE_TUNE_SPLIT(opt_b256_v16_m2_shard_stats, Opt256x16, false) TWO;
-CE_TUNE_SPLIT(opt_b512_v16_m1_shard_stats, Opt512x16, false) TWO;
-CE_TUNE_SPLIT(opt_b64_v16_m8_shard_stats, Opt64x16, false) TWO;
-CE_TUNE(opt_b128_v16_m4_loss_softcap, Opt128x16, false, kCap) TWO;
-CE_TUNE(opt_b256_v16_m2_loss_softcap, Opt256x16, false, kCap) TWO;
 CE_TUNE_SPLIT(default_shard_stats, CrossEntropyPolicy, false) TWO;
 CE_TUNE_SPLIT(rows_shard_finalize, RowsOnly, true) TWO;
 

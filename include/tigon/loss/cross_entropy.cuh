@@ -295,7 +295,7 @@ template <class P>
 constexpr bool check_ce_policy() {
   static_assert(whole_warps(P::kRowThreads, 32, 1024) && whole_warps(P::kRowGradThreads, 32, 1024),
                 "row kernel: a whole number of warps, at most 1024 threads");
-  static_assert(P::kRowUnroll >= 1 && P::kRowUnroll <= 16, "row kernel: 1 to 16 vectors in flight per thread");
+  static_assert(P::kRowUnroll >= 1 && P::kRowUnroll <= 8, "row kernel: 1 to 8 vectors in flight per thread");
   static_assert(P::kRowLossMinBlocks >= 1 && P::kRowLossMinBlocks <= 32, "row kernel: 1 to 32 blocks per SM");
   static_assert(whole_warps(P::kResThreads, 64, 1024) && whole_warps(P::kOptThreads, 64, 1024),
                 "resident kernels: a whole number of warps, 64 to 1024 threads");

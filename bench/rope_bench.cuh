@@ -1,7 +1,9 @@
 // The RoPE benchmarks' shared body (bench/bench_rope.cu, and the policy sweeps of
 // bench/tuning/bench_rope_tuning.cu): bf16, batch B, sequence T, 32 query and 8 KV heads of 128,
-// q and k rotated in place in one launch over rotating input sets, [B, T, H, D] or [B, H, T, D].
-// Useful bytes: read q and k once, write them once, read the cos / sin tables once.
+// q and k rotated in place in one launch over rotating input sets, [B, T, H, D] or [B, H, T, D];
+// with mrope, Qwen2-VL-7B's attention (28 query and 4 KV heads of 128, M-RoPE sections 16 / 24 / 24
+// over per-batch tables [3, B, T, 128]). Useful bytes: read q and k once, write them once, read
+// the cos / sin entries once (one plane's per channel under M-RoPE).
 #pragma once
 
 #include <string>
@@ -16,10 +18,11 @@ namespace rope_bench {
 using bench::check;
 
 template <class Style, class P = tigon::RopePolicy>
-void run(benchmark::State& st, bool backward, bool bhtd, const char* label) {
-  const std::int64_t B = st.range(0), T = st.range(1), Hq = 32, Hk = 8, D = 128;
+void run(benchmark::State& st, bool backward, bool bhtd, const char* label, bool mrope = false) {
+  const std::int64_t B = st.range(0), T = st.range(1), Hq = mrope ? 28 : 32, Hk = mrope ? 4 : 8, D = 128;
   const std::size_t nq = static_cast<std::size_t>(B * T * Hq * D), nk = static_cast<std::size_t>(B * T * Hk * D);
-  const double bytes = 2.0 * (nq + nk) * sizeof(tigon::bf16) + 2.0 * T * D * sizeof(tigon::bf16);
+  const std::int64_t table = mrope ? 3 * B * T * D : T * D;  // elements of cos (and of sin)
+  const double bytes = 2.0 * (nq + nk) * sizeof(tigon::bf16) + 2.0 * (mrope ? B : 1) * T * D * sizeof(tigon::bf16);
   const int sets = bench::rotation(2.0 * (nq + nk) * sizeof(tigon::bf16));
   std::vector<tigon::bf16*> q, k;
   for (int s = 0; s < sets; ++s) {
@@ -28,10 +31,10 @@ void run(benchmark::State& st, bool backward, bool bhtd, const char* label) {
     bench::fill_random(q.back(), nq, 21 + s);
     bench::fill_random(k.back(), nk, 41 + s);
   }
-  tigon::bf16* cs = bench::alloc<tigon::bf16>(T * D);
-  tigon::bf16* sn = bench::alloc<tigon::bf16>(T * D);
-  bench::fill_random(cs, T * D, 3);
-  bench::fill_random(sn, T * D, 4);
+  tigon::bf16* cs = bench::alloc<tigon::bf16>(table);
+  tigon::bf16* sn = bench::alloc<tigon::bf16>(table);
+  bench::fill_random(cs, table, 3);
+  bench::fill_random(sn, table, 4);
   auto args = [&](int i) {
     const int s = i % sets;
     tigon::RopeArgs<tigon::bf16> a;
@@ -48,6 +51,12 @@ void run(benchmark::State& st, bool backward, bool bhtd, const char* label) {
     a.cos = cs;
     a.sin = sn;
     a.table_rows = T;
+    if (mrope) {
+      a.table_stride_b = T * D;
+      a.sections[0] = 16;
+      a.sections[1] = 24;
+      a.sections[2] = 24;
+    }
     return a;
   };
   bench::run(st, std::string("rope ") + label, bytes, [&](int i) {

@@ -27,6 +27,7 @@ struct Case {
   bool k_out_of_place = false;  // with in_place: q in place, k written to another buffer
   bool backward = false;
   bool with_k = true;
+  std::int64_t sec[3] = {0, 0, 0};  // M-RoPE sections (half split): three table planes
 };
 
 std::string describe(const Case& c) {
@@ -37,7 +38,10 @@ std::string describe(const Case& c) {
          (c.batch_tables ? " batch-tables" : "") +
          (c.table_pad ? " table-pad" + std::to_string(c.table_pad) : "") + (c.in_place ? " in-place" : " out-of-place") +
          (c.in_place && c.k_out_of_place ? " (k out of place)" : "") +
-         (c.backward ? " backward" : " forward") + (c.with_k ? "" : " q-only");
+         (c.backward ? " backward" : " forward") + (c.with_k ? "" : " q-only") +
+         (c.sec[0] + c.sec[1] + c.sec[2] ? " mrope " + std::to_string(c.sec[0]) + "/" + std::to_string(c.sec[1]) +
+                                                "/" + std::to_string(c.sec[2])
+                                          : "");
 }
 
 template <class T>
@@ -62,16 +66,21 @@ void run_case(const Case& c) {
   const std::int64_t tables = c.batch_tables ? c.B : 1;
   // HF tables: inv_freq_i = 10000^(-2i/rd) for i < ceil(rd/2), cos = cos(pos * inv_freq) duplicated
   // per the style: W = 2 * ceil(rd / 2) wide (rd + 1 for an odd rd), rows ts = W + pad apart.
+  // M-RoPE: three planes of tables back to back, plane l's angles those of position r + 7 l.
+  const bool mrope = c.sec[0] + c.sec[1] + c.sec[2] != 0;
+  const std::int64_t planes = mrope ? 3 : 1;
   const std::int64_t w = rd + rd % 2, ts = w + c.table_pad;
-  std::vector<C> cos_h(static_cast<std::size_t>(tables * rows * ts)), sin_h(cos_h.size());
+  const std::int64_t plane_size = tables * rows * ts;
+  std::vector<C> cos_h(static_cast<std::size_t>(planes * plane_size)), sin_h(cos_h.size());
   std::vector<double> cos_d(cos_h.size()), sin_d(cos_h.size());
+  for (std::int64_t l = 0; l < planes; ++l)
   for (std::int64_t b = 0; b < tables; ++b)
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t d = 0; d < ts; ++d) {
         const std::int64_t i = c.interleaved ? d / 2 : d % (w / 2);
         const double inv = std::pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(rd));
-        const double ang = d < w ? static_cast<double>(r + 3 * b) * inv : 1e4;  // pad: never read
-        const std::size_t k = static_cast<std::size_t>((b * rows + r) * ts + d);
+        const double ang = d < w ? static_cast<double>(r + 3 * b + 7 * l) * inv : 1e4;  // pad: never read
+        const std::size_t k = static_cast<std::size_t>(l * plane_size + (b * rows + r) * ts + d);
         cos_h[k] = from_float<C>(static_cast<float>(std::cos(ang)));
         sin_h[k] = from_float<C>(static_cast<float>(std::sin(ang)));
         cos_d[k] = to_float(cos_h[k]);
@@ -118,6 +127,7 @@ void run_case(const Case& c) {
   a.table_stride_t = c.table_pad ? ts : 0;
   if (c.pos_ids == 64) a.position_ids = posb.ptr;
   if (c.pos_ids == 32) a.position_ids_i32 = pos32b.ptr;
+  for (int i = 0; i < 3; ++i) a.sections[i] = c.sec[i];
 
   Status s;
   if (c.interleaved) {
@@ -140,10 +150,21 @@ void run_case(const Case& c) {
           const std::int64_t base = b * l.sb + t * l.st + h * l.sh;
           const std::int64_t row = c.pos_ids ? pos[static_cast<std::size_t>(b * c.T + t)] : t;
           const std::size_t tb = static_cast<std::size_t>(((c.batch_tables ? b : 0) * rows + row) * ts);
+          // The row Hugging Face's apply_multimodal_rotary_pos_emb composes: table column j from
+          // the plane of pair j mod (W / 2)'s section.
+          std::vector<double> crow(&cos_d[tb], &cos_d[tb] + ts), srow(&sin_d[tb], &sin_d[tb] + ts);
+          if (mrope) {
+            for (std::int64_t j = 0; j < w; ++j) {
+              const std::int64_t pr = j % (w / 2);
+              const std::int64_t l = pr < c.sec[0] ? 0 : pr < c.sec[0] + c.sec[1] ? 1 : 2;
+              crow[static_cast<std::size_t>(j)] = cos_d[tb + static_cast<std::size_t>(l * plane_size + j)];
+              srow[static_cast<std::size_t>(j)] = sin_d[tb + static_cast<std::size_t>(l * plane_size + j)];
+            }
+          }
           const auto y = c.backward
-                             ? tigon_ref::rope_head_backward(&in[base], &cos_d[tb], &sin_d[tb],
+                             ? tigon_ref::rope_head_backward(&in[base], crow.data(), srow.data(),
                                                              int(c.D), int(rd), c.interleaved)
-                             : tigon_ref::rope_head(&in[base], &cos_d[tb], &sin_d[tb], int(c.D),
+                             : tigon_ref::rope_head(&in[base], crow.data(), srow.data(), int(c.D),
                                                     int(rd), c.interleaved);
           for (std::int64_t d = 0; d < c.D; ++d) {
             ref[n] = y[d];
@@ -499,3 +520,55 @@ TEST_CASE("rope: an out-of-range position gives NaN for its token only", "[rope]
 }
 
 GPU_TEST_MAIN
+
+TEST_CASE("rope: M-RoPE sections (Qwen2-VL), every dtype, both kernels", "[rope][gpu]") {
+  // Liger-Kernel's M-RoPE shapes, sections on and off the 16-byte chunks (8 / 12 / 12 straddles),
+  // an odd head_dim (scalar path), position ids, per-batch tables, partial rotary, out of place.
+  struct M {
+    Case c;
+    std::int64_t s0, s1, s2;
+  };
+  const M shapes[] = {
+      {{.B = 2, .T = 131, .Hq = 28, .Hk = 4, .D = 128}, 16, 24, 24},
+      {{.B = 1, .T = 128, .Hq = 12, .Hk = 2, .D = 96}, 16, 16, 16},
+      {{.B = 2, .T = 37, .Hq = 64, .Hk = 8, .D = 64}, 8, 12, 12},
+      {{.B = 1, .T = 2, .Hq = 2, .Hk = 2, .D = 8}, 2, 1, 1},
+      {{.B = 2, .T = 9, .Hq = 3, .Hk = 1, .D = 65}, 10, 11, 11},  // odd: scalar path
+      {{.B = 1, .T = 16, .Hq = 4, .Hk = 2, .D = 64}, 0, 32, 0},   // one plane in use
+  };
+  for (M m : shapes) {
+    Case c = m.c;
+    c.sec[0] = m.s0;
+    c.sec[1] = m.s1;
+    c.sec[2] = m.s2;
+    both_directions<bf16>(c);
+    both_directions<half>(c);
+    both_directions<float>(c);
+  }
+  Case c{.B = 2, .T = 40, .Hq = 8, .Hk = 2, .D = 128};
+  c.sec[0] = 16;
+  c.sec[1] = 24;
+  c.sec[2] = 24;
+  SECTION("position ids, per-batch tables, padded rows, out of place") {
+    c.pos_ids = 64;
+    c.batch_tables = true;
+    c.table_pad = 8;
+    c.in_place = false;
+    c.q_bhtd = true;
+    both_directions<bf16>(c);
+    c.pos_ids = 32;
+    both_directions<float>(c);
+  }
+  SECTION("fp32 tables with bf16 q, k; groups of three heads") {
+    both_directions<bf16, float>(c);
+    both_directions<bf16, bf16, G3>(c);
+  }
+  SECTION("partial rotary, out of place (the one-head kernel)") {
+    c.rd = 64;
+    c.sec[0] = 8;
+    c.sec[1] = 12;
+    c.sec[2] = 12;
+    c.in_place = false;
+    both_directions<bf16>(c);
+  }
+}

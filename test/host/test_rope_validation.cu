@@ -84,6 +84,22 @@ TEST_CASE("rope rejects bad arguments by name", "[rope][validation]") {
   a = good();
   a.table_stride_t = 10;
   expect(rope_forward(a, nullptr), Errc::invalid_stride, "table_stride_t");
+  a = good();
+  a.sections[0] = 8;  // M-RoPE sections must cover the 32 pairs
+  a.sections[1] = 12;
+  a.sections[2] = 8;
+  expect(rope_forward(a, nullptr), Errc::invalid_size, "sections");
+  a.sections[2] = 12;
+  CHECK(detail::validate(a, "rope_forward").ok());
+  a.sections[0] = -4;
+  a.sections[1] = 24;
+  expect(rope_backward(a, nullptr), Errc::invalid_size, "sections");
+  a = good();
+  a.sections[0] = 32;
+  a.table_stride_plane = -1;
+  expect(rope_forward(a, nullptr), Errc::invalid_stride, "table_stride_plane");
+  a.table_stride_plane = 0;
+  expect(rope_forward<RopeInterleaved>(a, nullptr), Errc::invalid_value, "sections");  // half split only
   // k is optional.
   a = good();
   a.k = {};

@@ -8,7 +8,9 @@
 // with pairs (d, d + n) and table entries c_i = cos[d], c_j = cos[d + W/2] in the half-split style
 // (Hugging Face rotate_half: Llama, Mistral, Qwen, ...), pairs (2d, 2d + 1) and entries cos[2d],
 // cos[2d + 1] in the interleaved style (GPT-J). An odd rotary_dim's last channel (2n) and the
-// channels from rotary_dim to head_dim pass through unchanged (partial rotary). The backward
+// channels from rotary_dim to head_dim pass through unchanged (partial rotary). The multimodal
+// rotary of Qwen2-VL / Qwen2.5-VL (M-RoPE, half split) takes each pair's entries from one of three
+// tables (temporal, height, width) chosen by the pair's section. The backward
 // applies the transposed rotation (by -theta for HF's tables). Layouts are strides, so
 // [B, T, H, D] and [B, H, T, D] (or any other with a contiguous last dimension) work for q and k
 // independently.
@@ -106,6 +108,15 @@ struct RopeArgs {
   // the two. A position outside [0, table_rows) writes NaN for that token (no out-of-bounds read).
   const std::int64_t* position_ids = nullptr;
   const std::int32_t* position_ids_i32 = nullptr;
+  // Multimodal rotary (M-RoPE; the half-split style only): sections {t, h, w}, each >= 0 and
+  // t + h + w = rotary_dim / 2, make cos and sin three tables (planes) of the layout above,
+  // table_stride_plane elements apart; pair d (channels d and d + rotary_dim / 2) takes its
+  // entries from plane 0 for d < t, plane 1 for t <= d < t + h, plane 2 past that: Hugging Face's
+  // apply_multimodal_rotary_pos_emb with mrope_section {t, h, w} on cos / sin of shape
+  // [3, batch, seq, W]. Position ids, when given, index every plane. All zero: one table.
+  std::int64_t sections[3] = {0, 0, 0};
+  std::int64_t table_stride_plane = 0;  // 0: planes back to back (batch * table_stride_b, or
+                                        // table_rows times the row stride for a shared table)
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -220,6 +231,18 @@ Status validate(const RopeArgs<T, C>& a, const char* op) {
     return Status::error(Errc::invalid_stride, op, "table_stride_b", "must be >= 0");
   }
   TIGON_CHECK(row_stride(a.table_stride_t, rd, op, "table_stride_t"));
+  if (a.sections[0] != 0 || a.sections[1] != 0 || a.sections[2] != 0) {
+    if (a.sections[0] < 0 || a.sections[1] < 0 || a.sections[2] < 0 ||
+        a.sections[0] + a.sections[1] + a.sections[2] != rd / 2) {
+      return Status::error(Errc::invalid_size, op, "sections",
+                           "must be >= 0 and sum to rotary_dim / 2 (" + std::to_string(rd / 2) + "), got {" +
+                               std::to_string(a.sections[0]) + ", " + std::to_string(a.sections[1]) + ", " +
+                               std::to_string(a.sections[2]) + "}");
+    }
+    if (a.table_stride_plane < 0) {
+      return Status::error(Errc::invalid_stride, op, "table_stride_plane", "must be >= 0");
+    }
+  }
   TIGON_CHECK(validate_tensor(a, a.q, op, "q.in", "q.out", "q.heads", "q.stride"));
   if (a.k.in != nullptr || a.k.out != nullptr) {
     TIGON_CHECK(validate_tensor(a, a.k, op, "k.in", "k.out", "k.heads", "k.stride"));
@@ -260,6 +283,8 @@ struct RopeParams {
   std::int64_t table_rows, tsb, tst;
   const std::int64_t* pos64;
   const std::int32_t* pos32;
+  std::int64_t tsp;  // M-RoPE: elements between the table's planes; 0: one table
+  int sec1, sec2;    // M-RoPE: the first pairs of planes 1 and 2
   bool backward;
 };
 
@@ -273,6 +298,25 @@ TIGON_DEVICE std::int64_t rope_position(const RopeParams<T, C>& p, std::int64_t 
   if (p.pos64 != nullptr) row = p.pos64[b * p.seq + t];
   if (p.pos32 != nullptr) row = p.pos32[b * p.seq + t];
   return row;
+}
+
+// The table entries of pairs [d, d + kV) at row + off (off 0: the first members', table_half:
+// the second members'): one vector of the row, or under M-RoPE each element from its pair's plane
+// (a chunk that straddles sections loads from each plane it touches).
+template <int kV, class T, class C>
+TIGON_DEVICE AlignedVec<C, kV> rope_table_chunk(const RopeParams<T, C>& p, const C* row, int d, int off) {
+  if (p.tsp == 0) return load_vec<kV>(row + off + d);
+  auto plane = [&](int c) { return static_cast<int>(c >= p.sec1) + static_cast<int>(c >= p.sec2); };
+  const int lo = plane(d), hi = plane(d + kV - 1);
+  AlignedVec<C, kV> v = load_vec<kV>(row + lo * p.tsp + off + d);
+  for (int q = lo + 1; q <= hi; ++q) {
+    const AlignedVec<C, kV> w = load_vec<kV>(row + q * p.tsp + off + d);
+#pragma unroll
+    for (int e = 0; e < kV; ++e) {
+      if (plane(d + e) == q) v.v[e] = w.v[e];
+    }
+  }
+  return v;
 }
 
 // Half-split style: element e of x1 pairs with element e of x2 (channels d and d + rotary/2).
@@ -375,8 +419,8 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
     if constexpr (kHalf) {
       const int d = chunk * kV;
       const AlignedVec<T, kV> x1 = load_x(x + d), x2 = load_x(x + d + half);
-      const AlignedVec<C, kV> c1 = load_vec<kV>(cr + d), c2 = load_vec<kV>(cr + d + table_half);
-      const AlignedVec<C, kV> s1 = load_vec<kV>(sr + d), s2 = load_vec<kV>(sr + d + table_half);
+      const AlignedVec<C, kV> c1 = rope_table_chunk<kV>(p, cr, d, 0), c2 = rope_table_chunk<kV>(p, cr, d, table_half);
+      const AlignedVec<C, kV> s1 = rope_table_chunk<kV>(p, sr, d, 0), s2 = rope_table_chunk<kV>(p, sr, d, table_half);
       AlignedVec<T, kV> y1, y2;
       rope_rotate_halves(x1, x2, c1, c2, s1, s2, p.backward, bad, y1, y2);
       store_vec(y + d, y1);
@@ -442,11 +486,11 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopePa
   const C* cr = p.cos + b * p.tsb + (bad ? 0 : row) * p.tst;
   const C* sr = p.sin + b * p.tsb + (bad ? 0 : row) * p.tst;
   // The table chunk, once for the G heads (the second halves only in the half-split style).
-  const AlignedVec<C, kV> c1 = load_vec<kV>(cr + d), s1 = load_vec<kV>(sr + d);
+  const AlignedVec<C, kV> c1 = rope_table_chunk<kV>(p, cr, d, 0), s1 = rope_table_chunk<kV>(p, sr, d, 0);
   AlignedVec<C, kV> c2{}, s2{};
   if constexpr (kHalf) {
-    c2 = load_vec<kV>(cr + d + half);
-    s2 = load_vec<kV>(sr + d + half);
+    c2 = rope_table_chunk<kV>(p, cr, d, half);
+    s2 = rope_table_chunk<kV>(p, sr, d, half);
   }
   auto offset = [&](int h, bool out) {
     const int w = h < p.heads[0] ? 0 : 1;
@@ -589,6 +633,12 @@ RopeParams<T, C> rope_params(const RopeArgs<T, C>& a, bool backward) {
   p.tst = a.table_stride_t == 0 ? p.rotary_dim + p.rotary_dim % 2 : a.table_stride_t;
   p.pos64 = a.position_ids;
   p.pos32 = a.position_ids_i32;
+  const bool mrope = a.sections[0] != 0 || a.sections[1] != 0 || a.sections[2] != 0;
+  p.tsp = !mrope ? 0 : a.table_stride_plane != 0 ? a.table_stride_plane
+                     : p.tsb != 0                ? a.batch * p.tsb
+                                                 : a.table_rows * p.tst;
+  p.sec1 = static_cast<int>(a.sections[0]);
+  p.sec2 = static_cast<int>(a.sections[0] + a.sections[1]);
   p.backward = backward;
   return p;
 }
@@ -602,7 +652,7 @@ int rope_vec(const RopeParams<T, C>& p) {
   const bool half = std::is_same_v<Style, RopeHalfSplit>;
   auto ok = [&](std::int64_t v) { return v % kV == 0; };
   bool vec = ok(p.head_dim) && ok(p.rotary_dim) && (!half || ok(p.rotary_dim / 2)) && ok(p.tst) &&
-             ok(p.tsb) && is_aligned(p.cos, kV * sizeof(C)) && is_aligned(p.sin, kV * sizeof(C));
+             ok(p.tsb) && ok(p.tsp) && is_aligned(p.cos, kV * sizeof(C)) && is_aligned(p.sin, kV * sizeof(C));
   for (int i = 0; i < 2; ++i) {
     if (p.heads[i] == 0) continue;
     vec = vec && ok(p.sb[i]) && ok(p.st[i]) && ok(p.sh[i]) && ok(p.osb[i]) && ok(p.ost[i]) &&
@@ -672,6 +722,9 @@ template <class Style, class Policy, class T, class C>
 Status rope_impl(const RopeArgs<T, C>& a, bool backward, cudaStream_t stream, const char* op) {
   static_assert(check_rope_policy<Policy>());
   TIGON_CHECK(validate(a, op));
+  if (std::is_same_v<Style, RopeInterleaved> && (a.sections[0] != 0 || a.sections[1] != 0 || a.sections[2] != 0)) {
+    return Status::error(Errc::invalid_value, op, "sections", "M-RoPE sections need the half-split style");
+  }
   const RopeParams<T, C> p = rope_params(a, backward);
   const int v = rope_vec<T, C, Style>(p);
   if constexpr (std::is_same_v<Style, RopeInterleaved>) {

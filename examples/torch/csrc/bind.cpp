@@ -17,7 +17,7 @@ TORCH_LIBRARY(tigon, m) {
   m.def("add_rms_norm_bwd(Tensor dy, Tensor? dsum, Tensor sum, Tensor? weight, Tensor? rstd, Tensor(a!) dx, "
         "Tensor(b!)? dweight, float eps, float offset, int casting) -> ()");
   m.def("rope(Tensor q, Tensor? k, Tensor cos, Tensor sin, Tensor? position_ids, Tensor(a!) q_out, "
-        "Tensor(b!)? k_out, bool backward, bool interleaved) -> ()");
+        "Tensor(b!)? k_out, bool backward, bool interleaved, int[] sections=[]) -> ()");
   m.def("gated_fwd(Tensor a, Tensor b, Tensor(a!) c, int act, float gate_multiplier, "
         "float down_multiplier) -> ()");
   m.def("gated_bwd(Tensor dc, Tensor a, Tensor b, Tensor(a!) da, Tensor(b!) db, int act, "

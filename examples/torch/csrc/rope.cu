@@ -31,18 +31,31 @@ tigon::RopeTensor<T> rope_tensor(const Tensor& in, const Tensor& out, const Tens
   return r;
 }
 
-void rope(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+// sections: empty, or M-RoPE's three (temporal, height, width) with cos / sin [3, batch or 1, rows,
+// width], the planes read where each pair's section says (rope.cuh).
+void rope(const Tensor& q, const OptTensor& k, const Tensor& cos_in, const Tensor& sin_in,
           const OptTensor& position_ids, const Tensor& q_out, const OptTensor& k_out, bool backward,
-          bool interleaved) {
+          bool interleaved, c10::IntArrayRef sections) {
   constexpr const char* op = "tigon.rope";
   const c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK_VALUE(k.has_value() == k_out.has_value(), op, ": give k and k_out together");
-  check_cuda(cos, q, op, "cos");
-  check_cuda(sin, q, op, "sin");
-  TORCH_CHECK_VALUE(cos.dim() == 3 && sin.sizes() == cos.sizes(), op,
-                    ": cos and sin must be 3-D [batch or 1, rows, width] of one shape, got ",
-                    cos.sizes(), " and ", sin.sizes());
-  TORCH_CHECK_VALUE(cos.strides() == sin.strides(), op, ": cos and sin must have the same strides");
+  check_cuda(cos_in, q, op, "cos");
+  check_cuda(sin_in, q, op, "sin");
+  const bool mrope = !sections.empty();
+  TORCH_CHECK_VALUE(!mrope || sections.size() == 3, op,
+                    ": sections must be empty or three sizes (temporal, height, width), got ", sections);
+  TORCH_CHECK_VALUE(cos_in.strides() == sin_in.strides() && cos_in.sizes() == sin_in.sizes(), op,
+                    ": cos and sin must have one shape and the same strides, got ", cos_in.sizes(), " and ",
+                    sin_in.sizes());
+  if (mrope) {
+    TORCH_CHECK_VALUE(cos_in.dim() == 4 && cos_in.size(0) == 3 && cos_in.stride(0) > 0, op,
+                      ": with sections cos / sin must be [3, batch or 1, rows, width] with distinct planes, got ",
+                      cos_in.sizes());
+  }
+  // Plane 0 (the only one without sections) gives the tables' layout.
+  const Tensor cos = mrope ? cos_in.select(0, 0) : cos_in;
+  const Tensor sin = mrope ? sin_in.select(0, 0) : sin_in;
+  TORCH_CHECK_VALUE(cos.dim() == 3, op, ": cos and sin must be 3-D [batch or 1, rows, width], got ", cos.sizes());
   TORCH_CHECK_TYPE(cos.scalar_type() == sin.scalar_type(), op, ": cos and sin must have one dtype");
   TORCH_CHECK_VALUE(cos.size(2) <= 1 || cos.stride(2) == 1, op, ": cos / sin need a unit last stride");
   TORCH_CHECK_VALUE(q.dim() == 4, op, ": q must be 4-D [batch, seq, heads, head_dim]");
@@ -88,6 +101,10 @@ void rope(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& 
       a.table_rows = cos.size(1);
       a.table_stride_b = cos.size(0) <= 1 ? 0 : cos.stride(0);
       a.table_stride_t = cos.size(1) <= 1 ? 0 : cos.stride(1);
+      if (mrope) {
+        a.table_stride_plane = cos_in.stride(0);
+        for (int i = 0; i < 3; ++i) a.sections[i] = sections[static_cast<std::size_t>(i)];
+      }
       if (position_ids) {
         if (position_ids->scalar_type() == at::kLong) {
           a.position_ids = ptr<const std::int64_t>(*position_ids);

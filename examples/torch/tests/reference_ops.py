@@ -132,7 +132,19 @@ def _rope_one(x, out, cos, sin, pos, backward, interleaved):
     out[..., 2 * n:] = x[..., 2 * n:]
 
 
-def rope(q, k, cos, sin, position_ids, q_out, k_out, backward, interleaved):
+def _mrope_table(t, sections):
+    """Hugging Face's composed M-RoPE row: column j from the plane of pair j mod (width / 2)'s
+    section ([3, batch, rows, width] -> [batch, rows, width])."""
+    if len(sections) != 3 or t.dim() != 4 or t.shape[0] != 3 or 2 * sum(sections) != t.shape[-1]:
+        raise ValueError(f"tigon.rope: sections {list(sections)} need cos / sin [3, batch, rows, 2 * sum], "
+                         f"got {tuple(t.shape)}")
+    parts = t.split(list(sections) * 2, dim=-1)
+    return torch.cat([m[i % 3] for i, m in enumerate(parts)], dim=-1)
+
+
+def rope(q, k, cos, sin, position_ids, q_out, k_out, backward, interleaved, sections=()):
+    if sections:
+        cos, sin = _mrope_table(cos, sections), _mrope_table(sin, sections)
     _rope_one(q, q_out, cos, sin, position_ids, backward, interleaved)
     if k is not None:
         _rope_one(k, k_out, cos, sin, position_ids, backward, interleaved)

@@ -311,6 +311,93 @@ def test_interleaved_rope_matches_llama4(ext, seed, dtype):
         assert_rel(got[1], want[1], dtype, what="dk")
 
 
+def _hf_mrope(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """Hugging Face's apply_multimodal_rotary_pos_emb (transformers 4.x's Qwen2-VL; transformers 5
+    composes the same row in its rotary embedding): column block i of the row from plane i mod 3."""
+    return _hf_rope(q, k, _hf_mrope_table(cos, mrope_section), _hf_mrope_table(sin, mrope_section), unsqueeze_dim)
+
+
+def _hf_mrope_table(t, mrope_section):
+    sec = list(mrope_section) * 2
+    return torch.cat([m[i % 3] for i, m in enumerate(t.split(sec, dim=-1))], dim=-1)
+
+
+def _mrope_tables(batch, seq, dim, dtype):
+    """[3, batch, seq, dim] tables of three position grids (temporal, height, width)."""
+    planes = [_tables(batch, seq, dim, torch.float32, per_batch=True) for _ in range(3)]
+    scale = torch.tensor([1.0, 0.5, 0.25], device=DEV)[:, None, None, None]  # distinct angles per plane
+    cos = torch.stack([c for c, _ in planes])
+    ang = torch.atan2(torch.stack([s for _, s in planes]), cos) * scale
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 37, 28, 4, 128, (16, 24, 24)), (1, 12, 12, 2, 96, (16, 16, 16)),
+                                   (2, 9, 8, 8, 64, (8, 12, 12)), (1, 2, 2, 2, 8, (2, 1, 1))])
+def test_mrope_matches_hf(ext, seed, dtype, shape):
+    """Qwen2-VL's M-RoPE (Liger's shapes and sections) against Hugging Face's formula: the function,
+    the functional forms and the drop-in, forward and backward."""
+    batch, seq, hq, hk, dim, sec = shape
+    q = torch.randn(batch, seq, hq, dim, device=DEV, dtype=dtype).transpose(1, 2).requires_grad_(True)
+    k = torch.randn(batch, seq, hk, dim, device=DEV, dtype=dtype).transpose(1, 2).requires_grad_(True)
+    cos, sin = _mrope_tables(batch, seq, dim, dtype)
+    q_ref, k_ref = _hf_mrope(q, k, cos, sin, list(sec))
+    gq, gk = torch.randn_like(q_ref), torch.randn_like(k_ref)
+    want = _grads((q_ref, k_ref), (q, k), (gq, gk))
+    for fn in (tt.TigonQwen2VLMRopeFunction.apply, tt.tigon_qwen2vl_mrope, tt.tigon_multimodal_rotary_pos_emb):
+        q_out, k_out = fn(q, k, cos, sin, list(sec))
+        assert q_out.shape == q.shape and q_out.dtype == dtype
+        assert_elem(q_out, q_ref, dtype)
+        assert_elem(k_out, k_ref, dtype)
+        got = _grads((q_out, k_out), (q, k), (gq, gk))
+        assert_rel(got[0], want[0], dtype, what="dq")
+        assert_rel(got[1], want[1], dtype, what="dk")
+
+
+def test_mrope_sections_checked(ext):
+    q = torch.randn(1, 2, 3, 64, device=DEV)
+    cos, sin = _mrope_tables(1, 3, 64, torch.float32)
+    with pytest.raises((ValueError, RuntimeError), match="mrope_section"):
+        tt.TigonQwen2VLMRopeFunction.apply(q, q.clone(), cos, sin, [8, 12, 8])  # 28 pairs, not 32
+    with pytest.raises((ValueError, RuntimeError), match="M-RoPE"):
+        tt.TigonQwen2VLMRopeFunction.apply(q, q.clone(), cos[:2], sin[:2], [8, 12, 12])  # two planes
+    # 3-D tables are composed ones (transformers 5's rotary embedding): the plain rotation.
+    composed = [_hf_mrope_table(t, [8, 12, 12]) for t in (cos, sin)]
+    a = tt.TigonQwen2VLMRopeFunction.apply(q, q.clone(), *composed, [8, 12, 12])
+    b = tt.TigonQwen2VLMRopeFunction.apply(q, q.clone(), cos, sin, [8, 12, 12])
+    torch.testing.assert_close(a[0], b[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_llama4_rope_function(ext, seed, dtype):
+    """Liger's LigerLlama4RopeFunction signature (freqs_cis complex, or view_as_real's form) against
+    Hugging Face's apply_rotary_emb."""
+    from transformers.models.llama4 import modeling_llama4
+
+    batch, seq, hq, hk, dim = 2, 17, 4, 2, 64
+    inv = 1.0 / (500000.0 ** (torch.arange(0, dim, 2, device=DEV, dtype=torch.float32) / dim))
+    pos = torch.arange(seq, device=DEV, dtype=torch.float32)[None, :] + torch.arange(batch, device=DEV)[:, None]
+    freqs = torch.polar(torch.ones(batch, seq, dim // 2, device=DEV), pos[..., None] * inv)
+    q = torch.randn(batch, seq, hq, dim, device=DEV, dtype=dtype, requires_grad=True)
+    k = torch.randn(batch, seq, hk, dim, device=DEV, dtype=dtype, requires_grad=True)
+    q_ref, k_ref = modeling_llama4.apply_rotary_emb(q, k, freqs)
+    gq, gk = torch.randn_like(q_ref), torch.randn_like(k_ref)
+    want = _grads((q_ref, k_ref), (q, k), (gq, gk))
+    for f in (freqs, torch.view_as_real(freqs)):
+        for fn in (tt.TigonLlama4RopeFunction.apply, tt.tigon_llama4_text_rotary_pos_emb):
+            q_out, k_out = fn(q, k, f)
+            assert_elem(q_out, q_ref, dtype)
+            assert_elem(k_out, k_ref, dtype)
+            got = _grads((q_out, k_out), (q, k), (gq, gk))
+            assert_rel(got[0], want[0], dtype, what="dq")
+            assert_rel(got[1], want[1], dtype, what="dk")
+    vf = freqs[:1].reshape(seq, 1, dim // 2)
+    q_ref, k_ref = modeling_llama4.vision_apply_rotary_emb(q[:1], k[:1], vf)
+    q_out, k_out = tt.tigon_llama4_vision_rotary_pos_emb(q[:1], k[:1], vf)
+    assert_elem(q_out, q_ref, dtype)
+    assert_elem(k_out, k_ref, dtype)
+
+
 def test_interleaved_rope_width_checked(ext):
     q = torch.randn(1, 2, 3, 64, device=DEV)
     cos, sin = _tables(1, 3, 62, torch.float32)

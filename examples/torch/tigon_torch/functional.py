@@ -22,6 +22,8 @@ from .functions import (
     TigonJSDFunction,
     TigonKLDivLossFunction,
     TigonLayerNormFunction,
+    TigonLlama4RopeFunction,
+    TigonQwen2VLMRopeFunction,
     TigonRMSNormFunction,
     TigonRopeFunction,
     TigonSiLUMulFunction,
@@ -125,6 +127,52 @@ def _reference_interleaved_rotary_pos_emb(q, k, cos, sin, position_ids=None, uns
         return torch.cat(((x_rot * cos + rotated * sin).to(x.dtype), x_pass), dim=-1)
 
     return rot(q), (rot(k) if k is not None else None)
+
+
+def tigon_llama4_text_rotary_pos_emb(xq, xk, freqs_cis):
+    """Liger's liger_llama4_text_rotary_pos_emb: a drop-in for Llama 4's apply_rotary_emb(xq, xk,
+    freqs_cis) (TigonLlama4RopeFunction)."""
+    return TigonLlama4RopeFunction.apply(xq, xk, freqs_cis)
+
+
+def tigon_llama4_vision_rotary_pos_emb(query, key, freqs_ci):
+    """Liger's liger_llama4_vision_rotary_pos_emb: Llama 4's vision_apply_rotary_emb(query, key,
+    freqs_ci), one frequency row per position broadcast over the batch and the heads. A real freqs_ci
+    (a complex buffer cast to a real dtype, its imaginary part lost) is multiplied as Hugging Face
+    does, in PyTorch."""
+    if not freqs_ci.is_complex():
+        q_ = torch.view_as_complex(query.float().reshape(*query.shape[:-1], -1, 2))
+        k_ = torch.view_as_complex(key.float().reshape(*key.shape[:-1], -1, 2))
+        shape = [d if i == 1 or i == q_.ndim - 1 else 1 for i, d in enumerate(q_.shape)]
+        f = freqs_ci.view(*shape).to(q_.device)
+        return (torch.view_as_real(q_ * f).flatten(3).type_as(query),
+                torch.view_as_real(k_ * f).flatten(3).type_as(key))
+    seq, half = query.shape[1], query.shape[-1] // 2
+    return TigonLlama4RopeFunction.apply(query, key, freqs_ci.to(query.device).reshape(1, seq, half))
+
+
+def tigon_qwen2vl_mrope(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """Liger's liger_qwen2vl_mrope: TigonQwen2VLMRopeFunction (M-RoPE, cos / sin [3, batch, seq,
+    head_dim])."""
+    return TigonQwen2VLMRopeFunction.apply(q, k, cos, sin, mrope_section, unsqueeze_dim)
+
+
+def tigon_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """Liger's liger_multimodal_rotary_pos_emb: a drop-in for Hugging Face's
+    apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1) (Qwen2-VL,
+    Qwen2.5-VL). CUDA tensors go through tigon; anything else through the same math in PyTorch."""
+    if not _ops.on_device(q):
+        return _reference_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim)
+    return TigonQwen2VLMRopeFunction.apply(q, k, cos, sin, mrope_section, unsqueeze_dim)
+
+
+def _reference_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    if cos.dim() == 3:  # already composed
+        return _reference_rotary_pos_emb(q, k, cos, sin, None, unsqueeze_dim)
+    sec = list(mrope_section) * 2  # the composed row: column block i from plane i mod 3
+    cos = torch.cat([m[i % 3] for i, m in enumerate(cos.split(sec, dim=-1))], dim=-1)
+    sin = torch.cat([m[i % 3] for i, m in enumerate(sin.split(sec, dim=-1))], dim=-1)
+    return _reference_rotary_pos_emb(q, k, cos, sin, None, unsqueeze_dim)
 
 
 def _gather_table(t, position_ids):

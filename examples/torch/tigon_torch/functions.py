@@ -237,17 +237,22 @@ def _bthd(t: torch.Tensor, unsqueeze_dim: int) -> torch.Tensor:
     return t
 
 
-def _table(t: torch.Tensor, dtype) -> torch.Tensor:
-    if t.dim() == 2:
+def _table(t: torch.Tensor, dtype, planes: bool = False) -> torch.Tensor:
+    """A cos / sin table as the op takes it: [batch or 1, rows, width], or with planes (M-RoPE)
+    [3, batch or 1, rows, width]."""
+    if planes:
+        if t.dim() != 4 or t.shape[0] != 3:
+            raise ValueError(f"tigon_torch: M-RoPE cos / sin must be [3, batch or 1, seq, head_dim], got {tuple(t.shape)}")
+    elif t.dim() == 2:
         t = t.unsqueeze(0)
-    if t.dim() != 3:
+    if not planes and t.dim() != 3:
         raise ValueError(f"tigon_torch: cos / sin must be [batch or 1, seq, dim] or [seq, dim], got {tuple(t.shape)}")
     if t.dtype != dtype and t.dtype != torch.float32:
         t = t.to(dtype)
     return t.contiguous()  # one row per position (a no-op for Hugging Face's tables)
 
 
-def _rope_call(q, k, cos, sin, position_ids, backward, interleaved, unsqueeze_dim):
+def _rope_call(q, k, cos, sin, position_ids, backward, interleaved, unsqueeze_dim, sections=()):
     """Rotates q (and k when given) out of place; outputs keep their inputs' layouts."""
     q4 = _bthd(q, unsqueeze_dim)
     k4 = _bthd(k, unsqueeze_dim) if k is not None else None
@@ -256,15 +261,21 @@ def _rope_call(q, k, cos, sin, position_ids, backward, interleaved, unsqueeze_di
     qo4 = _bthd(q_out, unsqueeze_dim)
     ko4 = _bthd(k_out, unsqueeze_dim) if k_out is not None else None
     if q_out.numel() > 0:
-        ops().rope(q4, k4, cos, sin, position_ids, qo4, ko4, backward, interleaved)
+        ops().rope(q4, k4, cos, sin, position_ids, qo4, ko4, backward, interleaved, list(sections))
     return q_out, k_out
 
 
-def _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved=False):
+def _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved=False, sections=()):
     _check_cuda(q, k, cos, sin)
     if k is not None and k.dtype != q.dtype:
         raise TypeError(f"tigon_torch: q ({q.dtype}) and k ({k.dtype}) must have one dtype")
     head_dim, width = q.shape[-1], cos.shape[-1]
+    if sections:
+        if len(sections) != 3 or any(int(x) < 0 for x in sections) or 2 * sum(int(x) for x in sections) != width:
+            raise ValueError(f"tigon_torch: mrope_section {list(sections)} must be three sizes >= 0 summing to "
+                             f"half the cos / sin width ({width})")
+        if cos.shape != sin.shape:
+            raise ValueError(f"tigon_torch: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape")
     if interleaved:
         if width % 2 or not 2 <= width <= head_dim:
             raise ValueError(f"tigon_torch: interleaved cos / sin width {width} must be even and in [2, head_dim] "
@@ -272,12 +283,16 @@ def _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved=False
     elif not (2 <= width <= head_dim or (width == head_dim + 1 and head_dim % 2 == 1)):
         raise ValueError(f"tigon_torch: cos / sin width {width} must be in [2, head_dim] (head_dim {head_dim}), "
                          "or head_dim + 1 for an odd head_dim")
-    cos = _table(cos, q.dtype)
-    sin = _table(sin, q.dtype)
+    cos = _table(cos, q.dtype, bool(sections))
+    sin = _table(sin, q.dtype, bool(sections))
     if sin.dtype != cos.dtype:
         sin = sin.to(cos.dtype)
     seq = q.shape[2] if unsqueeze_dim == 1 else q.shape[1]
-    if position_ids is not None and cos.shape[1] != seq:
+    if sections:
+        if cos.shape[-2] != seq:
+            raise ValueError(f"tigon_torch: M-RoPE cos / sin need one row per position ({seq}), got {cos.shape[-2]}")
+        position_ids = None
+    elif position_ids is not None and cos.shape[1] != seq:
         batch = q.shape[0]
         position_ids = position_ids.expand(batch, seq) if position_ids.dim() == 2 else position_ids
         position_ids = position_ids.contiguous()
@@ -286,30 +301,32 @@ def _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved=False
     return cos, sin, position_ids
 
 
-def _rope_forward(ctx, q, k, cos, sin, position_ids, unsqueeze_dim, interleaved):
-    cos, sin, pos = _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved)
-    q_out, k_out = _rope_call(q, k, cos, sin, pos, False, interleaved, unsqueeze_dim)
+def _rope_forward(ctx, q, k, cos, sin, position_ids, unsqueeze_dim, interleaved, sections=()):
+    sections = tuple(int(x) for x in sections) if sections else ()
+    cos, sin, pos = _rope_prepare(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved, sections)
+    q_out, k_out = _rope_call(q, k, cos, sin, pos, False, interleaved, unsqueeze_dim, sections)
     ctx.save_for_backward(cos, sin, pos)
     ctx.unsqueeze_dim = unsqueeze_dim
     ctx.interleaved = interleaved
+    ctx.sections = sections
     return q_out, k_out
 
 
 def _rope_backward(ctx, dq, dk):
+    """(dq, dk); the other inputs get None (the caller pads to its forward's arity)."""
     cos, sin, pos = ctx.saved_tensors
-    u, il = ctx.unsqueeze_dim, ctx.interleaved
+    u, il, sec = ctx.unsqueeze_dim, ctx.interleaved, ctx.sections
     if dq is None and dk is None:
-        return None, None, None, None, None, None
+        return None, None
     if dq is None:
-        dk_in, _ = _rope_call(dk, None, cos, sin, pos, True, il, u)
-        return None, dk_in, None, None, None, None
+        dk_in, _ = _rope_call(dk, None, cos, sin, pos, True, il, u, sec)
+        return None, dk_in
     if dk is None:
-        dq_in, _ = _rope_call(dq, None, cos, sin, pos, True, il, u)
-        return dq_in, None, None, None, None, None
+        dq_in, _ = _rope_call(dq, None, cos, sin, pos, True, il, u, sec)
+        return dq_in, None
     if dk.dtype != dq.dtype:
         dk = dk.to(dq.dtype)
-    dq_in, dk_in = _rope_call(dq, dk, cos, sin, pos, True, il, u)
-    return dq_in, dk_in, None, None, None, None
+    return _rope_call(dq, dk, cos, sin, pos, True, il, u, sec)
 
 
 class TigonRopeFunction(torch.autograd.Function):
@@ -331,7 +348,7 @@ class TigonRopeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk):
-        return _rope_backward(ctx, dq, dk)
+        return *_rope_backward(ctx, dq, dk), None, None, None, None
 
 
 class TigonInterleavedRopeFunction(torch.autograd.Function):
@@ -347,7 +364,62 @@ class TigonInterleavedRopeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk):
-        return _rope_backward(ctx, dq, dk)
+        return *_rope_backward(ctx, dq, dk), None, None, None, None
+
+
+def _llama4_tables(freqs_cis, seq):
+    """cos / sin [batch or 1, seq, head_dim] of Llama 4's complex frequencies (freqs_cis [batch or 1,
+    seq, head_dim / 2] or [seq, head_dim / 2], complex or as view_as_real's [..., head_dim / 2, 2]):
+    each pair's real and imaginary part repeated for its two channels."""
+    f = freqs_cis
+    if not f.is_complex():
+        if f.shape[-1] != 2:
+            raise ValueError(f"tigon_torch: freqs_cis must be complex or [..., head_dim / 2, 2], got {tuple(f.shape)}")
+        f = torch.view_as_complex(f.float().contiguous())
+    if f.dim() != 3:
+        if f.numel() % (seq * f.shape[-1]):
+            raise ValueError(f"tigon_torch: freqs_cis {tuple(freqs_cis.shape)} does not hold {seq} positions")
+        f = f.reshape(-1, seq, f.shape[-1])
+    return f.real.repeat_interleave(2, dim=-1), f.imag.repeat_interleave(2, dim=-1)
+
+
+class TigonLlama4RopeFunction(torch.autograd.Function):
+    """Llama 4's complex rotary embedding (Liger's LigerLlama4RopeFunction, Hugging Face's
+    apply_rotary_emb): q [batch, seq, heads_q, head_dim], k [batch, seq, heads_k, head_dim], each pair
+    (x[2i], x[2i + 1]) multiplied as a complex number by freqs_cis[..., i] in fp32, through tigon's
+    interleaved rope; freqs_cis complex [batch or 1, seq, head_dim / 2] (or [seq, head_dim / 2], or
+    view_as_real's form). BLOCK_SIZE is accepted for Liger's signature and unused."""
+
+    @staticmethod
+    def forward(ctx, q, k, freqs_cis, BLOCK_SIZE=None):
+        cos, sin = _llama4_tables(freqs_cis, q.shape[1])
+        return _rope_forward(ctx, q, k, cos, sin, None, 2, True)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        return *_rope_backward(ctx, dq, dk), None, None
+
+
+class TigonQwen2VLMRopeFunction(torch.autograd.Function):
+    """Qwen2-VL's multimodal rotary embedding (M-RoPE; Liger's LigerQwen2VLMRopeFunction, Hugging
+    Face's apply_multimodal_rotary_pos_emb): q [batch, heads_q, seq, head_dim], k [batch, heads_k, seq,
+    head_dim] (unsqueeze_dim=1; 2: [batch, seq, heads, head_dim]); cos / sin [3, batch or 1, seq,
+    head_dim], the temporal, height and width tables; mrope_section [t, h, w] with t + h + w =
+    head_dim / 2: pair d (channels d and d + head_dim / 2) is rotated by table 0's entries for d < t,
+    table 1's for d < t + h, table 2's past that, in one launch that reads each entry from its table
+    (the composed table is never built). Tables of shape [batch or 1, seq, head_dim] are taken as
+    already composed (transformers 5's Qwen2-VL rotary embedding returns them so) and rotate as
+    TigonRopeFunction. Rotate-half convention; outputs are new tensors with the inputs' layouts."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+        # 3-D tables are already composed (transformers 5's rotary embedding applies the sections).
+        sections = mrope_section if cos.dim() == 4 else ()
+        return _rope_forward(ctx, q, k, cos, sin, None, unsqueeze_dim, False, sections)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        return *_rope_backward(ctx, dq, dk), None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------

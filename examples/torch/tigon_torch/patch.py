@@ -371,6 +371,10 @@ _ROPES = {
     "rotate_half": (("apply_rotary_pos_emb", lambda original: F.tigon_rotary_pos_emb),),
     "full_table": (("apply_rotary_pos_emb", _rope_full_table),),
     "glm": (("apply_rotary_pos_emb", _rope_glm),),
+    # Qwen2-VL / Qwen2.5-VL: transformers 5 composes the M-RoPE table in the rotary embedding and
+    # calls apply_rotary_pos_emb; transformers 4 calls apply_multimodal_rotary_pos_emb.
+    "mrope": (("apply_rotary_pos_emb", lambda original: F.tigon_rotary_pos_emb),
+              ("apply_multimodal_rotary_pos_emb", lambda original: F.tigon_multimodal_rotary_pos_emb)),
     "complex": (("apply_rotary_emb", _rope_complex), ("vision_apply_rotary_emb", _rope_complex_vision)),
 }
 
@@ -638,11 +642,11 @@ _FAMILIES = {
                         ("fused_linear_cross_entropy", "Llama4ForConditionalGeneration's loss, on its language "
                                                        "model's logits, stays Hugging Face's"))),
     "qwen2_vl": _f("qwen2_vl", "qwen2_vl", "Qwen2VLRMSNorm", "Qwen2MLP", "Qwen2VLForConditionalGeneration",
-                   scope="Qwen2VLTextModel",
+                   scope="Qwen2VLTextModel", rope="mrope",
                    params=_P + (("layer_norm", True), ("swiglu", True), ("model", None)),
                    keeps=(("layer_norm", _VISION_KEPT),)),
     "qwen2_5_vl": _f("qwen2_5_vl", "qwen2_5_vl", "Qwen2_5_VLRMSNorm", "Qwen2MLP",
-                     "Qwen2_5_VLForConditionalGeneration", scope="Qwen2_5_VLTextModel"),
+                     "Qwen2_5_VLForConditionalGeneration", scope="Qwen2_5_VLTextModel", rope="mrope"),
     "qwen3_vl": _f("qwen3_vl", "qwen3_vl", "Qwen3VLTextRMSNorm", "Qwen3VLTextMLP", "Qwen3VLForConditionalGeneration",
                    scope="Qwen3VLTextModel", params=_defaults(_LIGER_SWIGLU, swiglu=False)),
     # Phi (no Liger function): partial rotary (the attention rotates its first rotary_ndims channels

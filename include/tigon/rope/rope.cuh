@@ -300,23 +300,33 @@ TIGON_DEVICE std::int64_t rope_position(const RopeParams<T, C>& p, std::int64_t 
   return row;
 }
 
-// The table entries of pairs [d, d + kV) at row + off (off 0: the first members', table_half:
-// the second members'): one vector of the row, or under M-RoPE each element from its pair's plane
-// (a chunk that straddles sections loads from each plane it touches).
+// M-RoPE: the plane of pair c (0, 1 or 2 by its section).
+template <class T, class C>
+TIGON_DEVICE int rope_plane(const RopeParams<T, C>& p, int c) {
+  return static_cast<int>(c >= p.sec1) + static_cast<int>(c >= p.sec2);
+}
+
+// M-RoPE: the table chunks of pairs [d, d + kV) were loaded from plane lo (rows cr, sr of that
+// plane; the second members' at offset off); a chunk that straddles a section boundary takes its
+// later pairs' entries from their planes, up to hi.
 template <int kV, class T, class C>
-TIGON_DEVICE AlignedVec<C, kV> rope_table_chunk(const RopeParams<T, C>& p, const C* row, int d, int off) {
-  if (p.tsp == 0) return load_vec<kV>(row + off + d);
-  auto plane = [&](int c) { return static_cast<int>(c >= p.sec1) + static_cast<int>(c >= p.sec2); };
-  const int lo = plane(d), hi = plane(d + kV - 1);
-  AlignedVec<C, kV> v = load_vec<kV>(row + lo * p.tsp + off + d);
+TIGON_DEVICE void rope_mrope_straddle(const RopeParams<T, C>& p, const C* cr, const C* sr, int d, int off, int lo,
+                                      int hi, AlignedVec<C, kV>& c1, AlignedVec<C, kV>& c2, AlignedVec<C, kV>& s1,
+                                      AlignedVec<C, kV>& s2) {
   for (int q = lo + 1; q <= hi; ++q) {
-    const AlignedVec<C, kV> w = load_vec<kV>(row + q * p.tsp + off + d);
+    const std::int64_t dq = (q - lo) * p.tsp;
+    const AlignedVec<C, kV> a1 = load_vec<kV>(cr + dq + d), a2 = load_vec<kV>(cr + dq + off + d);
+    const AlignedVec<C, kV> b1 = load_vec<kV>(sr + dq + d), b2 = load_vec<kV>(sr + dq + off + d);
 #pragma unroll
     for (int e = 0; e < kV; ++e) {
-      if (plane(d + e) == q) v.v[e] = w.v[e];
+      if (rope_plane(p, d + e) == q) {
+        c1.v[e] = a1.v[e];
+        c2.v[e] = a2.v[e];
+        s1.v[e] = b1.v[e];
+        s2.v[e] = b2.v[e];
+      }
     }
   }
-  return v;
 }
 
 // Half-split style: element e of x1 pairs with element e of x2 (channels d and d + rotary/2).
@@ -364,7 +374,9 @@ TIGON_DEVICE void rope_rotate_pairs(const AlignedVec<T, kV>& x, const AlignedVec
 // One work item = one kV-wide chunk of one head of one token: a rotated chunk pair (half split),
 // a rotated chunk of pairs (interleaved), or a pass-through chunk (partial rotary, out of place,
 // and an odd rotary_dim's last channel).
-template <class T, class C, class Style, int kV>
+// kMrope: M-RoPE's planes (the half-split style; a compile-time switch, so that the other calls'
+// kernels carry none of it).
+template <class T, class C, class Style, int kV, bool kMrope>
 TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T, C> p) {
   detail::grid_dependency_sync();
   constexpr bool kHalf = std::is_same_v<Style, RopeHalfSplit>;
@@ -419,8 +431,18 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
     if constexpr (kHalf) {
       const int d = chunk * kV;
       const AlignedVec<T, kV> x1 = load_x(x + d), x2 = load_x(x + d + half);
-      const AlignedVec<C, kV> c1 = rope_table_chunk<kV>(p, cr, d, 0), c2 = rope_table_chunk<kV>(p, cr, d, table_half);
-      const AlignedVec<C, kV> s1 = rope_table_chunk<kV>(p, sr, d, 0), s2 = rope_table_chunk<kV>(p, sr, d, table_half);
+      int lo = 0, hi = 0;
+      if constexpr (kMrope) {
+        lo = rope_plane(p, d);
+        hi = rope_plane(p, d + kV - 1);
+        cr += lo * p.tsp;
+        sr += lo * p.tsp;
+      }
+      AlignedVec<C, kV> c1 = load_vec<kV>(cr + d), c2 = load_vec<kV>(cr + d + table_half);
+      AlignedVec<C, kV> s1 = load_vec<kV>(sr + d), s2 = load_vec<kV>(sr + d + table_half);
+      if constexpr (kMrope) {
+        if (hi != lo) rope_mrope_straddle<kV>(p, cr, sr, d, table_half, lo, hi, c1, c2, s1, s2);
+      }
       AlignedVec<T, kV> y1, y2;
       rope_rotate_halves(x1, x2, c1, c2, s1, s2, p.backward, bad, y1, y2);
       store_vec(y + d, y1);
@@ -448,7 +470,7 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
 // fastest, so that the lanes of a warp cover a head's chunks side by side. q's heads come first,
 // then k's; a group may hold heads of both. Only rotated chunks: the launch takes this kernel in
 // place or without pass-through channels.
-template <class T, class C, class Style, int kV, int kG>
+template <class T, class C, class Style, int kV, int kG, bool kMrope>
 TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopeParams<T, C> p) {
   constexpr bool kHalf = std::is_same_v<Style, RopeHalfSplit>;
   const int half = p.rotary_dim / 2;
@@ -486,11 +508,21 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopePa
   const C* cr = p.cos + b * p.tsb + (bad ? 0 : row) * p.tst;
   const C* sr = p.sin + b * p.tsb + (bad ? 0 : row) * p.tst;
   // The table chunk, once for the G heads (the second halves only in the half-split style).
-  const AlignedVec<C, kV> c1 = rope_table_chunk<kV>(p, cr, d, 0), s1 = rope_table_chunk<kV>(p, sr, d, 0);
+  int lo = 0, hi = 0;
+  if constexpr (kMrope) {
+    lo = rope_plane(p, d);
+    hi = rope_plane(p, d + kV - 1);
+    cr += lo * p.tsp;
+    sr += lo * p.tsp;
+  }
+  AlignedVec<C, kV> c1 = load_vec<kV>(cr + d), s1 = load_vec<kV>(sr + d);
   AlignedVec<C, kV> c2{}, s2{};
   if constexpr (kHalf) {
-    c2 = rope_table_chunk<kV>(p, cr, d, half);
-    s2 = rope_table_chunk<kV>(p, sr, d, half);
+    c2 = load_vec<kV>(cr + d + half);
+    s2 = load_vec<kV>(sr + d + half);
+  }
+  if constexpr (kMrope) {
+    if (hi != lo) rope_mrope_straddle<kV>(p, cr, sr, d, half, lo, hi, c1, c2, s1, s2);
   }
   auto offset = [&](int h, bool out) {
     const int w = h < p.heads[0] ? 0 : 1;
@@ -661,7 +693,7 @@ int rope_vec(const RopeParams<T, C>& p) {
   return vec ? kV : 1;
 }
 
-template <class T, class C, class Style, int kV>
+template <class T, class C, class Style, int kV, bool kMrope>
 Status launch_rope(const RopeParams<T, C>& p, cudaStream_t stream, const char* op) {
   const int chunks = std::is_same_v<Style, RopeHalfSplit> ? p.rotary_dim / 2 / kV
                                                           : p.rotary_dim / (kV < 2 ? 2 : kV);
@@ -673,13 +705,13 @@ Status launch_rope(const RopeParams<T, C>& p, cudaStream_t stream, const char* o
   // looping over the tensor (measured on the H200).
   const auto grid = static_cast<unsigned>(
       std::clamp<std::int64_t>(ceil_div<std::int64_t>(items, kRopeThreads), 1, 0x7fffffff));
-  return launch(op, rope_kernel<T, C, Style, kV>, {dim3(grid), dim3(kRopeThreads), 0, stream}, p);
+  return launch(op, rope_kernel<T, C, Style, kV, kMrope>, {dim3(grid), dim3(kRopeThreads), 0, stream}, p);
 }
 
 // The head-group kernel's launch, when the call allows it (see RopePolicy); `launched` false: not
 // taken (nothing launched). The half-split style's kernel; the interleaved style's where its
 // token-block kernel does not apply.
-template <class T, class C, class Style, int kV, int kG>
+template <class T, class C, class Style, int kV, int kG, bool kMrope>
 Status launch_rope_heads(const RopeParams<T, C>& p, cudaStream_t stream, const char* op, bool& launched) {
   launched = false;
   const bool in_place = p.in[0] == p.out[0] && p.sb[0] == p.osb[0] && p.st[0] == p.ost[0] && p.sh[0] == p.osh[0] &&
@@ -691,7 +723,7 @@ Status launch_rope_heads(const RopeParams<T, C>& p, cudaStream_t stream, const c
   const std::int64_t items = p.tokens * groups * chunks;
   if (items <= 0 || items > 0x7fffffff - kRopeThreads) return Status();
   const auto grid = static_cast<unsigned>(ceil_div<std::int64_t>(items, kRopeThreads));
-  TIGON_CHECK(launch(op, rope_heads_kernel<T, C, Style, kV, kG>, {dim3(grid), dim3(kRopeThreads), 0, stream}, p));
+  TIGON_CHECK(launch(op, rope_heads_kernel<T, C, Style, kV, kG, kMrope>, {dim3(grid), dim3(kRopeThreads), 0, stream}, p));
   launched = true;
   return Status();
 }
@@ -736,13 +768,20 @@ Status rope_impl(const RopeArgs<T, C>& a, bool backward, cudaStream_t stream, co
     }
     if (launched) return Status();
   }
-  if (v == kVecElems<T>) {
-    bool launched = false;
-    TIGON_CHECK((launch_rope_heads<T, C, Style, kVecElems<T>, Policy::kHeads>(p, stream, op, launched)));
-    if (launched) return Status();
-    return launch_rope<T, C, Style, kVecElems<T>>(p, stream, op);
+  auto run = [&](auto mrope_c) -> Status {
+    constexpr bool kMrope = decltype(mrope_c)::value;
+    if (v == kVecElems<T>) {
+      bool launched = false;
+      TIGON_CHECK((launch_rope_heads<T, C, Style, kVecElems<T>, Policy::kHeads, kMrope>(p, stream, op, launched)));
+      if (launched) return Status();
+      return launch_rope<T, C, Style, kVecElems<T>, kMrope>(p, stream, op);
+    }
+    return launch_rope<T, C, Style, 1, kMrope>(p, stream, op);
+  };
+  if constexpr (std::is_same_v<Style, RopeHalfSplit>) {
+    if (p.tsp != 0) return run(std::true_type{});
   }
-  return launch_rope<T, C, Style, 1>(p, stream, op);
+  return run(std::false_type{});
 }
 
 }  // namespace detail

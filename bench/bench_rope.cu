@@ -17,15 +17,16 @@ namespace {
 
 
 template <class Style>
-void BM_rope(benchmark::State& st, bool backward, bool bhtd, const char* label, bool mrope = false) {
-  rope_bench::run<Style>(st, backward, bhtd, label, mrope);
+void BM_rope(benchmark::State& st, bool backward, bool bhtd, const char* label,
+             rope_bench::Mode mode = rope_bench::Mode::llama) {
+  rope_bench::run<Style>(st, backward, bhtd, label, mode);
 }
 
 void BM_fwd(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, false, "fwd bf16 B4 T4096 32/8x128 [B,T,H,D]"); }
 void BM_bwd(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, true, false, "bwd bf16 B4 T4096 32/8x128 [B,T,H,D]"); }
 void BM_fwd_bhtd(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, true, "fwd bf16 B4 T4096 32/8x128 [B,H,T,D]"); }
-void BM_fwd_mrope(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, false, "fwd bf16 B4 T4096 M-RoPE 28/4x128 [B,T,H,D]", true); }
-void BM_bwd_mrope(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, true, false, "bwd bf16 B4 T4096 M-RoPE 28/4x128 [B,T,H,D]", true); }
+void BM_fwd_mrope(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, false, "fwd bf16 B4 T4096 M-RoPE 28/4x128 [B,T,H,D]", rope_bench::Mode::mrope); }
+void BM_bwd_mrope(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, true, false, "bwd bf16 B4 T4096 M-RoPE 28/4x128 [B,T,H,D]", rope_bench::Mode::mrope); }
 void BM_fwd_inter(benchmark::State& st) { BM_rope<tigon::RopeInterleaved>(st, false, false, "fwd bf16 B4 T4096 interleaved"); }
 
 }  // namespace

@@ -16,8 +16,9 @@ namespace {
 
 
 template <class Style, class P = tigon::RopePolicy>
-void BM_rope(benchmark::State& st, bool backward, bool bhtd, const char* label) {
-  rope_bench::run<Style, P>(st, backward, bhtd, label);
+void BM_rope(benchmark::State& st, bool backward, bool bhtd, const char* label,
+             rope_bench::Mode mode = rope_bench::Mode::llama) {
+  rope_bench::run<Style, P>(st, backward, bhtd, label, mode);
 }
 
 void BM_fwd(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, false, "fwd bf16 B4 T4096 32/8x128 [B,T,H,D]"); }
@@ -32,6 +33,12 @@ struct Heads4 : tigon::RopePolicy {
 void BM_fwd_heads4(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, Heads4>(st, false, false, "  policy heads4 fwd [B,T,H,D]"); }
 void BM_bwd_heads4(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, Heads4>(st, true, false, "  policy heads4 bwd [B,T,H,D]"); }
 void BM_bhtd_heads4(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, Heads4>(st, false, true, "  policy heads4 fwd [B,H,T,D]"); }
+// Qwen2-VL-7B's heads: M-RoPE with the default and with four heads per thread, and one per-batch
+// table without sections (what the planes cost beside the per-batch rows themselves).
+void BM_mrope(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, false, "fwd M-RoPE 28/4x128", rope_bench::Mode::mrope); }
+void BM_mrope_heads4(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, Heads4>(st, false, false, "  policy heads4 fwd M-RoPE 28/4x128", rope_bench::Mode::mrope); }
+void BM_qwen_tables(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit>(st, false, false, "  fwd 28/4x128 per-batch table, no sections", rope_bench::Mode::batch_tables); }
+void BM_qwen_tables4(benchmark::State& st) { BM_rope<tigon::RopeHalfSplit, Heads4>(st, false, false, "  policy heads4 fwd 28/4x128 per-batch table", rope_bench::Mode::batch_tables); }
 // The default with programmatic dependent launch off: what the launch overlap is worth.
 void BM_fwd_serial(benchmark::State& st) {
   tigon::set_programmatic_launch(false);
@@ -50,6 +57,10 @@ BENCHMARK(BM_fwd_heads4) ROPE_ARGS;
 BENCHMARK(BM_bwd_heads4) ROPE_ARGS;
 BENCHMARK(BM_bhtd_heads4) ROPE_ARGS;
 BENCHMARK(BM_fwd_serial) ROPE_ARGS;
+BENCHMARK(BM_mrope) ROPE_ARGS;
+BENCHMARK(BM_mrope_heads4) ROPE_ARGS;
+BENCHMARK(BM_qwen_tables) ROPE_ARGS;
+BENCHMARK(BM_qwen_tables4) ROPE_ARGS;
 // Single calls (bench::single): each alone on the device, as between a training step's GEMMs.
 BENCHMARK(bench::single<BM_fwd>) ROPE_ARGS;
 BENCHMARK(bench::single<BM_bwd>) ROPE_ARGS;

@@ -448,6 +448,41 @@ def test_swiglu_geglu_match_reference(ext, seed, dtype, shape):
         assert_rel(got[1], want[1], dtype, what=f"{act} db")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_backward_over_projections(ext, seed, dtype):
+    """Liger's memory: with a and b computed by the graph (an MLP's projections) the backward writes da
+    and db over them and allocates nothing; the gradients are the reference's, a and b's version
+    counters are bumped (a node that saved a raises instead of reading a gradient), and leaves keep
+    their values."""
+    x = torch.randn(64, 256, device=DEV, dtype=dtype, requires_grad=True)
+    wg = torch.randn(512, 256, device=DEV, dtype=dtype, requires_grad=True)
+    wu = torch.randn(512, 256, device=DEV, dtype=dtype, requires_grad=True)
+    dc = torch.randn(64, 512, device=DEV, dtype=dtype)
+    a, b = x @ wg.t(), x @ wu.t()
+    va, vb = a._version, b._version
+    ref = _gated_ref(a, b, "silu")
+    want = torch.autograd.grad(ref, (x, wg, wu), dc.float(), retain_graph=True)
+    c = tt.TigonSiLUMulFunction.apply(a, b)
+    ptr = a.data_ptr()
+    da, db = torch.autograd.grad(c, (a, b), dc, retain_graph=True)
+    assert da.data_ptr() == ptr and db.data_ptr() == b.data_ptr()  # written over a and b
+    assert a._version > va and b._version > vb
+    got = torch.autograd.grad((a, b), (x, wg, wu), (da, db))
+    for g, e, name in zip(got, want, ("dx", "dWg", "dWu")):
+        assert_rel(g, e, dtype, factor=2.0, what=name)
+    # Another node that saved a: its backward raises rather than read the gradient written over a.
+    a, b = x @ wg.t(), x @ wu.t()
+    loss = (a * a).sum() + tt.TigonSiLUMulFunction.apply(a, b).float().sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    # Leaves are not overwritten.
+    a0 = torch.randn(64, 512, device=DEV, dtype=dtype, requires_grad=True)
+    b0 = torch.randn(64, 512, device=DEV, dtype=dtype, requires_grad=True)
+    keep = (a0.detach().clone(), b0.detach().clone())
+    tt.TigonSiLUMulFunction.apply(a0, b0).backward(dc)
+    assert torch.equal(a0.detach(), keep[0]) and torch.equal(b0.detach(), keep[1])
+
+
 def test_swiglu_multipliers(ext, seed):
     a = torch.randn(8, 512, device=DEV, requires_grad=True)
     b = torch.randn(8, 512, device=DEV, requires_grad=True)

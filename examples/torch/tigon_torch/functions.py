@@ -436,19 +436,51 @@ def _gated_forward(ctx, a, b, act, gate_multiplier, down_multiplier):
     c2, c = empty_rows(a.shape, order, a.dtype, a.device)
     if a2.numel() > 0:
         ops().gated_fwd(a2, b2, c2, act, float(gate_multiplier), float(down_multiplier))
-    ctx.save_for_backward(a2, b2)
+    ctx.save_for_backward(a, b)
+    # The gradients go over a and b (see _gated_backward) when both are computed by the graph (an
+    # MLP's projections), not tensors the caller made.
+    ctx.over = all(t.grad_fn is not None for t in (a, b)) and all(ctx.needs_input_grad[:2])
     ctx.order, ctx.shape, ctx.act = order, a.shape, act
     ctx.gate_multiplier, ctx.down_multiplier = float(gate_multiplier), float(down_multiplier)
     return c
 
 
+def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the byte ranges x and y span (from their first to their last element) intersect."""
+    if x.numel() == 0 or y.numel() == 0 or x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        lo = t.data_ptr()
+        return lo, lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+    (x0, x1), (y0, y1) = span(x), span(y)
+    return x0 < y1 and y0 < x1
+
+
 def _gated_backward(ctx, dc):
-    a2, b2 = ctx.saved_tensors
+    """(da, db). As Liger's backward, when a and b are computed by the graph (an MLP's gate and up
+    projections; not leaves), da and db are written over them (the kernel reads an element's dc, a
+    and b before writing its da and db), so the backward allocates nothing; their version counters
+    are bumped, so a node that saved either raises at its backward instead of reading a gradient.
+    Fresh buffers for leaves (tensors the caller made), under torch.compile (its functionalisation
+    takes no output aliasing an input) and when a and b overlap."""
+    a, b = ctx.saved_tensors
+    a2, b2 = as_rows(a, ctx.order), as_rows(b, ctx.order)
     dc2 = as_rows(dc, ctx.order)
-    da2, da = empty_rows(ctx.shape, ctx.order, a2.dtype, a2.device)
-    db2, db = empty_rows(ctx.shape, ctx.order, a2.dtype, a2.device)
+    if not ctx.over or _compiling() or _overlap(a, b) or _overlap(dc, a) or _overlap(dc, b):
+        da2, da = empty_rows(ctx.shape, ctx.order, a.dtype, a.device)
+        db2, db = empty_rows(ctx.shape, ctx.order, a.dtype, a.device)
+    else:
+        da2, db2 = a2, b2
+        # a2 is a view of a, or (a layout as_rows cannot flatten) a copy of it, contiguous by rows.
+        da = a.detach() if _same_storage(a2, a) else rows_as(a2, ctx.shape, ctx.order)
+        db = b.detach() if _same_storage(b2, b) else rows_as(b2, ctx.shape, ctx.order)
     if a2.numel() > 0:
         ops().gated_bwd(dc2, a2, b2, da2, db2, ctx.act, ctx.gate_multiplier, ctx.down_multiplier)
+    if da2 is a2:
+        torch.autograd.graph.increment_version(a)
+        torch.autograd.graph.increment_version(b)
     return da, db
 
 
@@ -740,8 +772,15 @@ def _ce_forward(ctx, _input, target, weight, ignore_index, lse_square_scale, lab
     # small entries would underflow.
     in_place = (bool(in_place) and _input.requires_grad and not _compiling()
                 and _input.dtype != torch.float16)
+    # Out of place, when the logits need a gradient, it is written by the same pass into a buffer of
+    # its own (the memory the backward would allocate anyway), and the backward only scales it: one
+    # read of the logits instead of two. Not under torch.compile (its graph keeps the two kernels)
+    # nor for float16 (as in place).
+    early = (not in_place and bool(ctx.needs_input_grad[0]) and not _compiling() and _input.dtype != torch.float16
+             and rows > 0)
+    grad = torch.empty_like(x2, memory_format=torch.contiguous_format) if early else None
     if rows > 0:
-        ops().cross_entropy(x2, target, cw, None, x2 if in_place else None, loss, loss_rows, z_loss, lse, argmax,
+        ops().cross_entropy(x2, target, cw, None, x2 if in_place else grad, loss, loss_rows, z_loss, lse, argmax,
                             int(ignore_index), float(label_smoothing), z_scale, cap, red, 1.0)
         if in_place and _same_storage(x2, _input):
             # The operator wrote the logits' memory without bumping their version counter: bump it,
@@ -753,6 +792,7 @@ def _ce_forward(ctx, _input, target, weight, ignore_index, lse_square_scale, lab
             if t is not None:
                 t.zero_()
     ctx.in_place, ctx.consumed = in_place, False
+    ctx.early = grad
     if in_place:
         # Detached: x2 is a view of _input made here, whose storage this call overwrote.
         ctx.save_for_backward(x2.detach())
@@ -786,6 +826,12 @@ def _ce_backward(ctx, grad_output):
     ignore_index, smoothing, z_scale, cap, red = ctx.args
     go = grad_output.to(torch.float32)
     go = go.reshape(()) if red != 0 else go.reshape(-1).contiguous()
+    if ctx.early is not None:
+        # The gradient the forward wrote (for an upstream gradient of 1), scaled here; handed out once
+        # (autograd may keep it as the logits' .grad), so a second backward recomputes below.
+        dx, ctx.early = ctx.early, None
+        ops().scale_rows(dx, go)
+        return (dx,) + nones
     dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
     if x2.shape[0] > 0:
         ops().cross_entropy(x2, target, cw, go, dx, None, None, None, None, None, ignore_index, smoothing, z_scale,
@@ -799,9 +845,14 @@ class TigonCrossEntropyFunction(torch.autograd.Function):
     a logit softcap and reductions "mean" (over the non-ignored tokens, weighted), "sum", "none".
     Returns (loss, z_loss, token_accuracy, predicted_tokens); the last three are None unless asked for.
 
-    By default the forward reads the logits once and computes no gradient; the backward computes
-    dlogits with the upstream gradient folded in on the device (no comparison with 1.0 on the host, no
-    separate scaling pass), and _input is never modified. in_place=True (Liger's behaviour: Liger always
+    By default _input is never modified. When it needs a gradient, the forward's one pass over the
+    logits also writes dlogits for an upstream gradient of 1 into a buffer of its own (the [BT, V]
+    the backward would allocate anyway), and the backward multiplies it by the upstream gradient on
+    the device, skipping rows whose upstream gradient is exactly 1 (the usual scalar 1 costs one launch
+    and no pass; any other value one more pass, and a second rounding to _input's dtype). A second
+    backward through the same graph (retain_graph=True), float16 logits and torch.compile take the
+    two-pass form: the forward computes the loss alone and the backward dlogits with the upstream
+    gradient folded in (one rounding). in_place=True (Liger's behaviour: Liger always
     overwrites its input) writes the gradient over _input in the forward, in the same kernel call as
     the loss, with no [BT, V] allocation (when _input's rows are contiguous; otherwise into a copy);
     the backward multiplies it by the upstream gradient on the device, skipping rows whose upstream

@@ -475,11 +475,12 @@ def test_swiglu_backward_over_projections(ext, seed, dtype):
     loss = (a * a).sum() + tt.TigonSiLUMulFunction.apply(a, b).float().sum()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
-    # Leaves are not overwritten.
+    # Leaves, and views of leaves, are not overwritten.
     a0 = torch.randn(64, 512, device=DEV, dtype=dtype, requires_grad=True)
     b0 = torch.randn(64, 512, device=DEV, dtype=dtype, requires_grad=True)
     keep = (a0.detach().clone(), b0.detach().clone())
     tt.TigonSiLUMulFunction.apply(a0, b0).backward(dc)
+    tt.TigonSiLUMulFunction.apply(a0.view(64, 512), b0[:, :]).backward(dc)
     assert torch.equal(a0.detach(), keep[0]) and torch.equal(b0.detach(), keep[1])
 
 

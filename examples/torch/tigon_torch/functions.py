@@ -438,8 +438,9 @@ def _gated_forward(ctx, a, b, act, gate_multiplier, down_multiplier):
         ops().gated_fwd(a2, b2, c2, act, float(gate_multiplier), float(down_multiplier))
     ctx.save_for_backward(a, b)
     # The gradients go over a and b (see _gated_backward) when both are computed by the graph (an
-    # MLP's projections), not tensors the caller made.
-    ctx.over = all(t.grad_fn is not None for t in (a, b)) and all(ctx.needs_input_grad[:2])
+    # MLP's projections), not tensors the caller made nor views of them.
+    ctx.over = all(t.grad_fn is not None and (t._base is None or t._base.grad_fn is not None)
+                   for t in (a, b)) and all(ctx.needs_input_grad[:2])
     ctx.order, ctx.shape, ctx.act = order, a.shape, act
     ctx.gate_multiplier, ctx.down_multiplier = float(gate_multiplier), float(down_multiplier)
     return c

@@ -175,6 +175,19 @@ def _tables(batch, seq, dim, dtype, per_batch=False):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def _check_rotation(q, k, out, ref, dtype):
+    """tigon's rotated (q, k) `out` against the reference `ref`: values to the dtype's element
+    tolerance, and the gradients with respect to q and k for one random upstream gradient (in the
+    reference's dtype for the reference)."""
+    assert_elem(out[0], ref[0].to(dtype), dtype)
+    assert_elem(out[1], ref[1].to(dtype), dtype)
+    gq, gk = torch.randn_like(out[0]), torch.randn_like(out[1])
+    want = _grads(ref, (q, k), (gq.to(ref[0].dtype), gk.to(ref[1].dtype)))
+    got = _grads(out, (q, k), (gq, gk))
+    assert_rel(got[0], want[0], dtype, what="dq")
+    assert_rel(got[1], want[1], dtype, what="dk")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
 @pytest.mark.parametrize("rotary", ["full", "partial"])
@@ -189,13 +202,7 @@ def test_rope_matches_hf(ext, seed, dtype, heads, rotary, per_batch):
     q_ref, k_ref = _hf_rope(q, k, cos, sin)
     q_out, k_out = tt.TigonRopeFunction.apply(q, k, cos, sin, None, 1)
     assert q_out.shape == q.shape and q_out.stride() == q.stride()
-    assert_elem(q_out, q_ref, dtype)
-    assert_elem(k_out, k_ref, dtype)
-    gq, gk = torch.randn_like(q_ref), torch.randn_like(k_ref)
-    want = _grads((q_ref, k_ref), (q, k), (gq, gk))
-    got = _grads((q_out, k_out), (q, k), (gq, gk))
-    assert_rel(got[0], want[0], dtype, what="dq")
-    assert_rel(got[1], want[1], dtype, what="dk")
+    _check_rotation(q, k, (q_out, k_out), (q_ref, k_ref), dtype)
 
 
 def test_rope_unsqueeze_dim_2_fp32_tables_and_position_ids(ext, seed):
@@ -243,14 +250,8 @@ def test_rope_odd_head_dim(ext, seed, dtype, shape, width):
     q_ref, k_ref = _odd_rope_ref(q, cos, sin), _odd_rope_ref(k, cos, sin)
     q_out, k_out = tt.TigonRopeFunction.apply(q, k, cos, sin, None, 1)
     assert q_out.shape == q.shape and q_out.dtype == dtype
-    assert_elem(q_out, q_ref.to(dtype), dtype)
-    assert_elem(k_out, k_ref.to(dtype), dtype)
     assert torch.equal(q_out[..., -1], q[..., -1]) and torch.equal(k_out[..., -1], k[..., -1])
-    gq, gk = torch.randn_like(q_out), torch.randn_like(k_out)
-    want = _grads((q_ref, k_ref), (q, k), (gq.float(), gk.float()))
-    got = _grads((q_out, k_out), (q, k), (gq, gk))
-    assert_rel(got[0], want[0], dtype, what="dq")
-    assert_rel(got[1], want[1], dtype, what="dk")
+    _check_rotation(q, k, (q_out, k_out), (q_ref, k_ref), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -271,14 +272,8 @@ def test_interleaved_rope_matches_glm4(ext, seed, dtype, rotary):
     q_ref, k_ref = hf(q.float(), k.float(), cos.float(), sin.float())
     q_out, k_out = patch._rope_glm(hf)(q, k, cos, sin)
     assert q_out.dtype == dtype and q_out.stride() == q.stride()
-    assert_elem(q_out, q_ref.to(dtype), dtype)
-    assert_elem(k_out, k_ref.to(dtype), dtype)
     assert torch.equal(q_out[..., rd:], q[..., rd:])
-    gq, gk = torch.randn_like(q_out), torch.randn_like(k_out)
-    want = _grads((q_ref, k_ref), (q, k), (gq.float(), gk.float()))
-    got = _grads((q_out, k_out), (q, k), (gq, gk))
-    assert_rel(got[0], want[0], dtype, what="dq")
-    assert_rel(got[1], want[1], dtype, what="dk")
+    _check_rotation(q, k, (q_out, k_out), (q_ref, k_ref), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -302,13 +297,7 @@ def test_interleaved_rope_matches_llama4(ext, seed, dtype):
         q_ref, k_ref = hf_fn(qq, kk, table)
         q_out, k_out = make(hf_fn)(qq, kk, table)
         assert q_out.dtype == dtype
-        assert_elem(q_out, q_ref, dtype)
-        assert_elem(k_out, k_ref, dtype)
-        gq, gk = torch.randn_like(q_out), torch.randn_like(k_out)
-        want = _grads((q_ref, k_ref), (q, k), (gq, gk))
-        got = _grads((q_out, k_out), (q, k), (gq, gk))
-        assert_rel(got[0], want[0], dtype, what="dq")
-        assert_rel(got[1], want[1], dtype, what="dk")
+        _check_rotation(q, k, (q_out, k_out), (q_ref, k_ref), dtype)
 
 
 def _hf_mrope(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
@@ -341,17 +330,11 @@ def test_mrope_matches_hf(ext, seed, dtype, shape):
     q = torch.randn(batch, seq, hq, dim, device=DEV, dtype=dtype).transpose(1, 2).requires_grad_(True)
     k = torch.randn(batch, seq, hk, dim, device=DEV, dtype=dtype).transpose(1, 2).requires_grad_(True)
     cos, sin = _mrope_tables(batch, seq, dim, dtype)
-    q_ref, k_ref = _hf_mrope(q, k, cos, sin, list(sec))
-    gq, gk = torch.randn_like(q_ref), torch.randn_like(k_ref)
-    want = _grads((q_ref, k_ref), (q, k), (gq, gk))
     for fn in (tt.TigonQwen2VLMRopeFunction.apply, tt.tigon_qwen2vl_mrope, tt.tigon_multimodal_rotary_pos_emb):
+        q_ref, k_ref = _hf_mrope(q, k, cos, sin, list(sec))
         q_out, k_out = fn(q, k, cos, sin, list(sec))
         assert q_out.shape == q.shape and q_out.dtype == dtype
-        assert_elem(q_out, q_ref, dtype)
-        assert_elem(k_out, k_ref, dtype)
-        got = _grads((q_out, k_out), (q, k), (gq, gk))
-        assert_rel(got[0], want[0], dtype, what="dq")
-        assert_rel(got[1], want[1], dtype, what="dk")
+        _check_rotation(q, k, (q_out, k_out), (q_ref, k_ref), dtype)
 
 
 def test_mrope_sections_checked(ext):
@@ -380,17 +363,9 @@ def test_llama4_rope_function(ext, seed, dtype):
     freqs = torch.polar(torch.ones(batch, seq, dim // 2, device=DEV), pos[..., None] * inv)
     q = torch.randn(batch, seq, hq, dim, device=DEV, dtype=dtype, requires_grad=True)
     k = torch.randn(batch, seq, hk, dim, device=DEV, dtype=dtype, requires_grad=True)
-    q_ref, k_ref = modeling_llama4.apply_rotary_emb(q, k, freqs)
-    gq, gk = torch.randn_like(q_ref), torch.randn_like(k_ref)
-    want = _grads((q_ref, k_ref), (q, k), (gq, gk))
     for f in (freqs, torch.view_as_real(freqs)):
         for fn in (tt.TigonLlama4RopeFunction.apply, tt.tigon_llama4_text_rotary_pos_emb):
-            q_out, k_out = fn(q, k, f)
-            assert_elem(q_out, q_ref, dtype)
-            assert_elem(k_out, k_ref, dtype)
-            got = _grads((q_out, k_out), (q, k), (gq, gk))
-            assert_rel(got[0], want[0], dtype, what="dq")
-            assert_rel(got[1], want[1], dtype, what="dk")
+            _check_rotation(q, k, fn(q, k, f), modeling_llama4.apply_rotary_emb(q, k, freqs), dtype)
     vf = freqs[:1].reshape(seq, 1, dim // 2)
     q_ref, k_ref = modeling_llama4.vision_apply_rotary_emb(q[:1], k[:1], vf)
     q_out, k_out = tt.tigon_llama4_vision_rotary_pos_emb(q[:1], k[:1], vf)

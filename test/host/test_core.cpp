@@ -33,6 +33,11 @@ TEST_CASE("status: success and readable errors", "[core][status]") {
   CHECK(c.cuda() == cudaErrorInvalidValue);
   CHECK(c.message().find("cudaErrorInvalidValue") != std::string::npos);
   CHECK(Status::from_cuda(cudaSuccess, "x", "y").ok());
+
+  // A library's own failure (cuBLAS) is a cuda_error without a CUDA runtime error: the message
+  // does not append the runtime's "cudaSuccess (no error)".
+  const Status lib = Status::error(Errc::cuda_error, "gemm", "", "cublasLtMatmul: cuBLAS status 15");
+  CHECK(lib.message() == "tigon::gemm: CUDA error: cublasLtMatmul: cuBLAS status 15");
 }
 
 TEST_CASE("dtype: names, sizes, round-to-nearest-even conversions", "[core][dtype]") {

@@ -65,10 +65,30 @@ constexpr cudaDataType_t cuda_type() {
   }
 }
 
+// cuBLAS's name of a status (cublasGetStatusName lives in libcublas, which tigon::blas does not link).
+constexpr const char* cublas_status_name(cublasStatus_t s) noexcept {
+  switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    case CUBLAS_STATUS_LICENSE_ERROR: return "CUBLAS_STATUS_LICENSE_ERROR";
+    default: return "an unknown cuBLAS status";
+  }
+}
+
+// A cuBLAS(Lt) status as a Status: cuda_error with the status's name and number ("cuBLAS status
+// CUBLAS_STATUS_NOT_SUPPORTED (15)"), no CUDA runtime error attached.
 inline Status from_cublas(cublasStatus_t s, const char* op, const char* what) {
   if (s == CUBLAS_STATUS_SUCCESS) return Status();
   return Status::error(Errc::cuda_error, op, "",
-                       std::string(what) + ": cuBLAS status " + std::to_string(static_cast<int>(s)));
+                       std::string(what) + ": cuBLAS status " + cublas_status_name(s) + " (" +
+                           std::to_string(static_cast<int>(s)) + ")");
 }
 
 // Stored (row-major) shape of an operand: rows x cols with leading dimension ld.

@@ -91,7 +91,7 @@ class Status {
       m += ": ";
       m += detail_;
     }
-    if (code_ == Errc::cuda_error) {
+    if (code_ == Errc::cuda_error && cuda_ != cudaSuccess) {  // a library's own status has no CUDA error
       m += ": ";
       m += cudaGetErrorName(cuda_);
       m += " (";

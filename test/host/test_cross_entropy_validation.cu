@@ -39,6 +39,10 @@ TEST_CASE("cross_entropy rejects bad arguments by name", "[ce][validation]") {
   a.vocab = 0;
   expect(cross_entropy(a, nullptr), Errc::invalid_size, "vocab");
   a = good();
+  a.vocab = std::int64_t{1} << 31;  // one past the element-wise path's int column count
+  a.logits_stride = a.vocab;
+  expect(cross_entropy(a, nullptr), Errc::unsupported, "vocab");
+  a = good();
   a.logits_stride = 63;
   expect(cross_entropy(a, nullptr), Errc::invalid_stride, "logits_stride");
   a = good();

@@ -187,7 +187,8 @@ Status validate_options(const CrossEntropyArgs<T, I>& a, const char* op) {
   TIGON_CHECK(not_null(a.targets, op, "targets"));
   TIGON_CHECK(positive(a.rows, op, "rows"));
   TIGON_CHECK(positive(a.vocab, op, "vocab"));
-  TIGON_CHECK(at_most(a.vocab, std::int64_t{1} << 31, op, "vocab"));
+  // Columns are counted in int on the element-wise path: at most 2^31 - 1.
+  TIGON_CHECK(at_most(a.vocab, (std::int64_t{1} << 31) - 1, op, "vocab"));
   TIGON_CHECK(finite(a.grad_scale, op, "grad_scale"));
   if (!finite_in(a.label_smoothing, 0.0f, 1.0f)) {
     return Status::error(Errc::invalid_value, op, "label_smoothing", "must be in [0, 1]");

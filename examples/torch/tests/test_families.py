@@ -243,7 +243,10 @@ def test_instance_patch(family, monkeypatch):
 
     tt.unpatch()
     assert getattr(mod, _rope_name(spec), None) is hf_rope
-    assert not any("forward" in m.__dict__ for m in model.modules())
+    # Instance forwards Hugging Face installs itself on a first call (transformers 5.0's output
+    # recorders on the MoE routers) are in the unpatched model too; nothing else may remain.
+    hf_own = {name for name, m in ref.named_modules() if "forward" in m.__dict__}
+    assert not [name for name, m in model.named_modules() if "forward" in m.__dict__ and name not in hf_own]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -542,6 +545,7 @@ _COUNTED = {
     "layer_norm": functions.TigonLayerNormFunction,
     "rope": functions.TigonRopeFunction,
     "rope_interleaved": functions.TigonInterleavedRopeFunction,
+    "rope_mrope": functions.TigonQwen2VLMRopeFunction,
     "gated_mul": functions.TigonGatedMulFunction,
     "gate_up": functions.TigonFusedGateUpMulFunction,
     "gated_mlp": functions.TigonGatedMLPFunction,
@@ -625,7 +629,7 @@ def test_patched_model_matches_hf(ext, seed, calls, run, dtype):
     else:
         assert got.get("gate_up", 0) == expected["gate_up"], got
     rope_on = switches.get("rope", dict(patch._FAMILIES[family].params + patch._FAMILIES[family].extras).get("rope"))
-    ropes = got.get("rope", 0) + got.get("rope_interleaved", 0)
+    ropes = got.get("rope", 0) + got.get("rope_interleaved", 0) + got.get("rope_mrope", 0)
     assert (ropes > 0) == bool(rope_on and patch._FAMILIES[family].rope), got
 
     tol = 1e-4 if dtype == torch.float32 else 2e-2

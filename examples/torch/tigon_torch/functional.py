@@ -138,9 +138,9 @@ def tigon_llama4_text_rotary_pos_emb(xq, xk, freqs_cis):
 def tigon_llama4_vision_rotary_pos_emb(query, key, freqs_ci):
     """Liger's liger_llama4_vision_rotary_pos_emb: Llama 4's vision_apply_rotary_emb(query, key,
     freqs_ci), one frequency row per position broadcast over the batch and the heads. A real freqs_ci
-    (a complex buffer cast to a real dtype, its imaginary part lost) is multiplied as Hugging Face
-    does, in PyTorch."""
-    if not freqs_ci.is_complex():
+    (a complex buffer cast to a real dtype, its imaginary part lost) and tensors off the GPU are
+    multiplied as Hugging Face does, in PyTorch."""
+    if not freqs_ci.is_complex() or not _ops.on_device(query):
         q_ = torch.view_as_complex(query.float().reshape(*query.shape[:-1], -1, 2))
         k_ = torch.view_as_complex(key.float().reshape(*key.shape[:-1], -1, 2))
         shape = [d if i == 1 or i == q_.ndim - 1 else 1 for i, d in enumerate(q_.shape)]

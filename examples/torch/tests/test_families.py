@@ -147,6 +147,7 @@ def batch(family, device="cpu", dtype=torch.float32, seed=0):
     elif case.image == "gemma3":  # 4 image tokens per sample
         ids = torch.cat([torch.full((2, 4), VOCAB - 1), ids[:, 4:]], dim=1)
         inputs["pixel_values"] = torch.randn(2, 3, 28, 28, generator=g).to(device, dtype)
+        inputs["token_type_ids"] = (ids == VOCAB - 1).long().to(device)  # image tokens (transformers 5.0 asks)
     labels = ids.clone()
     labels[:, :3] = -100
     inputs["input_ids"] = ids.to(device)
@@ -319,7 +320,7 @@ def test_llama4_vision_layer_norm():
         pytest.skip("no Llama4ForConditionalGeneration")
     text = dict(CASES["llama4"].kwargs)
     cfg = transformers.Llama4Config(
-        text_config=text, image_token_index=VOCAB - 1,
+        text_config=text, image_token_index=VOCAB - 1, pad_token_id=0,
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
                            projector_output_dim=64, pixel_shuffle_ratio=0.5))

@@ -3,8 +3,8 @@ and backward at default arguments, tigon beside Liger-Kernel and plain PyTorch i
 
     python bench/compare/autograd.py
 
-Each row: the median of triton.testing.do_bench (an L2 flush before each call), the median of CUDA
-events over 10 back-to-back steps, and the peak memory allocated over what was held before the step
+Each row: the median of triton.testing.do_bench (an L2 flush before each call), the back-to-back
+time (common.back_to_back: 20 steps between two events, median of 5), and the peak memory allocated over what was held before the step
 (inputs excluded; outputs, gradients and workspaces included). bf16. Cross-entropy: logits [8192,
 128256], `.backward()` on the loss (and on `loss * 0.5`: an upstream gradient other than 1). SwiGLU:
 [16384, 14336], a and b made by the graph (`a0 * 1`, `b0 * 1`, the same two kernels for every
@@ -12,12 +12,16 @@ implementation), as an MLP's projections make them."""
 
 from __future__ import annotations
 
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
 import tigon_torch as tt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import back_to_back  # noqa: E402
 
 
 def measure(step) -> tuple[float, float, float]:
@@ -25,20 +29,12 @@ def measure(step) -> tuple[float, float, float]:
         step()
     torch.cuda.synchronize()
     ms = do_bench(step, warmup=5, rep=60, return_mode="median")
-    ev = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            step()
-        b.record()
-        torch.cuda.synchronize()
-        ev.append(a.elapsed_time(b) / 10)
+    b2b = back_to_back(step, 40)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
-    return ms, statistics.median(ev), (torch.cuda.max_memory_allocated() - base) / 2**20
+    return ms, b2b, (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def cross_entropy_rows(n=8192, v=128256):

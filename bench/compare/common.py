@@ -144,3 +144,23 @@ def write_json(path: str | os.PathLike, obj) -> None:
 
 def log(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
+
+
+def back_to_back(call, reps: int) -> float:
+    """The median over max(3, reps // 8) samples of the mean time of 20 back-to-back calls, in ms
+    (CUDA events around the 20)."""
+    import statistics
+
+    import torch
+
+    times = []
+    for _ in range(max(3, reps // 8)):
+        s = torch.cuda.Event(enable_timing=True)
+        e = torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(20):
+            call()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 20)
+    return statistics.median(times)

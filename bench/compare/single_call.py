@@ -36,7 +36,7 @@ import torch
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import probe_liger, probe_tigon  # noqa: E402
+from common import back_to_back, probe_liger, probe_tigon  # noqa: E402
 
 D, EPS = 4096, 1e-6
 LEAD_CYCLES = 2_000_000  # torch.cuda._sleep: about 1 ms at the H200's clock
@@ -54,20 +54,6 @@ def single(call, reps: int, flush) -> float:
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-
-
-def back_to_back(call, reps: int) -> float:
-    times = []
-    for _ in range(max(3, reps // 8)):
-        s = torch.cuda.Event(enable_timing=True)
-        e = torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(20):
-            call()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 20)
-    return statistics.median(times)
 
 
 def main() -> int:

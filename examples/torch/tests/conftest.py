@@ -62,6 +62,22 @@ def _unpatch():
     unpatch()
 
 
+def count_applies(monkeypatch, owner, name: str) -> list[int]:
+    """Replaces owner.name (an autograd function class) with one whose apply counts its calls and
+    runs the real one; returns the count as a one-item list."""
+    n = [0]
+    real = getattr(owner, name)
+
+    class Counting:
+        @staticmethod
+        def apply(*args):
+            n[0] += 1
+            return real.apply(*args)
+
+    monkeypatch.setattr(owner, name, Counting)
+    return n
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a, e = actual.detach().double(), expected.detach().double()
     return float((a - e).norm() / e.norm().clamp_min(1e-30))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE, REFERENCE, assert_rel
+from conftest import DEVICE, REFERENCE, assert_rel, count_applies
 from models import build_model
 
 import tigon_torch as tt
@@ -24,17 +24,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture
 def fused_calls(monkeypatch):
     """The number of times the patched causal-LM loss ran tigon's fused linear cross-entropy."""
-    n = [0]
-    real = tfn.TigonFusedLinearCrossEntropyFunction
-
-    class Counting:
-        @staticmethod
-        def apply(*args):
-            n[0] += 1
-            return real.apply(*args)
-
-    monkeypatch.setattr(tfn, "TigonFusedLinearCrossEntropyFunction", Counting)
-    return n
+    return count_applies(monkeypatch, tfn, "TigonFusedLinearCrossEntropyFunction")
 
 
 class _Tokens(torch.utils.data.Dataset):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE, assert_rel
+from conftest import DEVICE, assert_rel, count_applies
 
 import tigon_torch as tt
 import tigon_torch.integrations as integ
@@ -43,17 +43,7 @@ script = _script()
 @pytest.fixture
 def calls(monkeypatch):
     """The number of times the patched head ran tigon's function."""
-    n = [0]
-    real = integ.TigonFusedLinearLogProbFunction
-
-    class Counting:
-        @staticmethod
-        def apply(*args):
-            n[0] += 1
-            return real.apply(*args)
-
-    monkeypatch.setattr(integ, "TigonFusedLinearLogProbFunction", Counting)
-    return n
+    return count_applies(monkeypatch, integ, "TigonFusedLinearLogProbFunction")
 
 
 def head_run(model, ids, labels, outputs):

@@ -766,19 +766,15 @@ def _ce_forward(ctx, _input, target, weight, ignore_index, lse_square_scale, lab
     cap = 0.0 if softcap is None else float(softcap)
     red, loss, loss_rows, z_loss, lse, argmax = _ce_outputs(
         rows, x2.device, reduction, return_z_loss, return_token_accuracy or return_predicted_tokens, z_scale)
-    # In place: the gradient (for an upstream gradient of 1) written over the logits by the same kernel
-    # call as the loss; the backward scales it by the upstream gradient, skipping rows whose upstream
-    # gradient is 1 (scale_rows).
-    # Not for float16: the gradient would be rounded to fp16 before a loss scale reaches it, and its
-    # small entries would underflow.
-    in_place = (bool(in_place) and _input.requires_grad and not _compiling()
-                and _input.dtype != torch.float16)
-    # Out of place, when the logits need a gradient, it is written by the same pass into a buffer of
-    # its own (the memory the backward would allocate anyway), and the backward only scales it: one
-    # read of the logits instead of two. Not under torch.compile (its graph keeps the two kernels)
-    # nor for float16 (as in place).
-    early = (not in_place and bool(ctx.needs_input_grad[0]) and not _compiling() and _input.dtype != torch.float16
-             and rows > 0)
+    # The gradient (for an upstream gradient of 1) in the forward's pass, scaled by the backward
+    # (scale_rows, which skips rows whose upstream gradient is 1): in place over the logits when asked,
+    # else into a buffer of its own (the memory the backward would allocate anyway) when the logits
+    # need a gradient — one read of the logits instead of two. Neither under torch.compile (its graph
+    # keeps the two kernels) nor for float16 (the gradient would be rounded to fp16 before a loss scale
+    # reaches it, and its small entries would underflow).
+    one_pass = not _compiling() and _input.dtype != torch.float16
+    in_place = bool(in_place) and _input.requires_grad and one_pass
+    early = not in_place and bool(ctx.needs_input_grad[0]) and one_pass and rows > 0
     grad = torch.empty_like(x2, memory_format=torch.contiguous_format) if early else None
     if rows > 0:
         ops().cross_entropy(x2, target, cw, None, x2 if in_place else grad, loss, loss_rows, z_loss, lse, argmax,

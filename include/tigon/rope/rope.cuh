@@ -306,6 +306,16 @@ TIGON_DEVICE int rope_plane(const RopeParams<T, C>& p, int c) {
   return static_cast<int>(c >= p.sec1) + static_cast<int>(c >= p.sec2);
 }
 
+// M-RoPE: the planes lo and hi of pairs d and d + kV - 1, and the table rows cr, sr moved to
+// plane lo's.
+template <int kV, class T, class C>
+TIGON_DEVICE void rope_mrope_rows(const RopeParams<T, C>& p, int d, const C*& cr, const C*& sr, int& lo, int& hi) {
+  lo = rope_plane(p, d);
+  hi = rope_plane(p, d + kV - 1);
+  cr += lo * p.tsp;
+  sr += lo * p.tsp;
+}
+
 // M-RoPE: the table chunks of pairs [d, d + kV) were loaded from plane lo (rows cr, sr of that
 // plane; the second members' at offset off); a chunk that straddles a section boundary takes its
 // later pairs' entries from their planes, up to hi.
@@ -432,12 +442,7 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_kernel(const RopeParams<T
       const int d = chunk * kV;
       const AlignedVec<T, kV> x1 = load_x(x + d), x2 = load_x(x + d + half);
       int lo = 0, hi = 0;
-      if constexpr (kMrope) {
-        lo = rope_plane(p, d);
-        hi = rope_plane(p, d + kV - 1);
-        cr += lo * p.tsp;
-        sr += lo * p.tsp;
-      }
+      if constexpr (kMrope) rope_mrope_rows<kV>(p, d, cr, sr, lo, hi);
       AlignedVec<C, kV> c1 = load_vec<kV>(cr + d), c2 = load_vec<kV>(cr + d + table_half);
       AlignedVec<C, kV> s1 = load_vec<kV>(sr + d), s2 = load_vec<kV>(sr + d + table_half);
       if constexpr (kMrope) {
@@ -509,12 +514,7 @@ TIGON_KERNEL void __launch_bounds__(kRopeThreads) rope_heads_kernel(const RopePa
   const C* sr = p.sin + b * p.tsb + (bad ? 0 : row) * p.tst;
   // The table chunk, once for the G heads (the second halves only in the half-split style).
   int lo = 0, hi = 0;
-  if constexpr (kMrope) {
-    lo = rope_plane(p, d);
-    hi = rope_plane(p, d + kV - 1);
-    cr += lo * p.tsp;
-    sr += lo * p.tsp;
-  }
+  if constexpr (kMrope) rope_mrope_rows<kV>(p, d, cr, sr, lo, hi);
   AlignedVec<C, kV> c1 = load_vec<kV>(cr + d), s1 = load_vec<kV>(sr + d);
   AlignedVec<C, kV> c2{}, s2{};
   if constexpr (kHalf) {

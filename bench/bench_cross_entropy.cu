@@ -45,7 +45,7 @@ CE_BENCH(BM_weights)->Args({8192, 128256})->Args({8192, 32000});
 CE_BENCH(BM_argmax)->Args({8192, 128256})->Args({8192, 32000});
 CE_BENCH(BM_token)->Args({8192, 128256})->Args({8192, 32000});
 CE_BENCH(BM_all)->Args({8192, 128256})->Args({8192, 32000});
-CE_BENCH(BM_loss_softcap)->Args({8192, 256000});
+CE_BENCH(BM_loss_softcap)->Args({8192, 256000})->Args({8192, 128256})->Args({8192, 32000});
 // The split vocabulary: two shards of the vocabulary (the statistics pass and the finalize; the
 // merge of 2 x 8192 statistics rows is a few microseconds and not timed).
 CE_BENCH(BM_shard_stats)->Args({8192, 128256})->Args({8192, 32000});

@@ -16,24 +16,43 @@ using tigon::CrossEntropyPolicy;
 struct RowsOnly : CrossEntropyPolicy {
   static constexpr std::int64_t kResMinCols = std::int64_t{1} << 40;
 };
-// The loss alone on the plain resident kernel; the loss alone with options on the row kernel.
+// The loss alone on the plain resident kernel.
 struct ResLoss : CrossEntropyPolicy {
   static constexpr bool kResLoss = true;
 };
-struct OptLossRows : CrossEntropyPolicy {
-  static constexpr bool kOptLoss = false;
-};
 
-// The row kernel on the loss alone and the split statistics, with 3 blocks per SM for options.
-struct RowLossM3 : CrossEntropyPolicy {
-  static constexpr bool kOptLoss = false;
-  static constexpr int kRowLossMinBlocks = 3;
+// Without a gradient: the optioned resident kernel instead of the streaming kernel; the
+// streaming kernel's other shapes, and on the loss alone without options.
+// The argmax and smoothing on the optioned resident kernel instead of the plain one's instances.
+struct NoArgSmooth : CrossEntropyPolicy {
+  static constexpr bool kResArgSmooth = false;
+};
+struct NoStream : CrossEntropyPolicy {
+  static constexpr bool kStreamLoss = false;
+};
+struct StreamU4 : CrossEntropyPolicy {
+  static constexpr int kStreamUnroll = 4;
+  static constexpr int kStreamMinBlocks = 6;
+};
+struct StreamU16 : CrossEntropyPolicy {
+  static constexpr int kStreamUnroll = 16;
+  static constexpr int kStreamMinBlocks = 2;
+};
+struct StreamSeg512 : CrossEntropyPolicy {
+  static constexpr int kStreamSegVecs = 512;
+};
+struct StreamSeg2048 : CrossEntropyPolicy {
+  static constexpr int kStreamSegVecs = 2048;
+};
+struct StreamPlain : CrossEntropyPolicy {
+  static constexpr bool kStreamPlain = true;
 };
 
 const Opt kCap{.cap = 30.0f};
 const Opt kSmooth{.eps = 0.1f};
 const Opt kW{.weights = true};
 const Opt kArg{.argmax = true};
+const Opt kSmoothArg{.eps = 0.1f, .argmax = true};
 const Opt kTok{.token = true};
 const Opt kAll{.eps = 0.1f, .cap = 30.0f, .weights = true, .argmax = true};
 
@@ -53,18 +72,30 @@ CE_TUNE(default_plain_grad_small, CrossEntropyPolicy, true, Opt{})->Args({8192, 
 CE_TUNE(rows_softcap_grad, RowsOnly, true, kCap) TWO;
 CE_TUNE(rows_all_grad, RowsOnly, true, kAll) TWO;
 CE_TUNE(opt_b256_v8_m4_softcap, CrossEntropyPolicy, true, kCap) TWO;
-CE_TUNE(opt_b256_v8_m4_smooth, CrossEntropyPolicy, true, kSmooth) TWO;
+CE_TUNE(res_smooth, CrossEntropyPolicy, true, kSmooth) TWO;
+CE_TUNE(optkernel_smooth, NoArgSmooth, true, kSmooth) TWO;
+CE_TUNE(optkernel_argmax, NoArgSmooth, true, kArg) TWO;
+CE_TUNE(res_smooth_argmax, CrossEntropyPolicy, true, kSmoothArg) TWO;
+CE_TUNE(optkernel_smooth_argmax, NoArgSmooth, true, kSmoothArg) TWO;
 CE_TUNE(opt_b256_v8_m4_weights, CrossEntropyPolicy, true, kW) TWO;
-CE_TUNE(opt_b256_v8_m4_argmax, CrossEntropyPolicy, true, kArg) TWO;
+CE_TUNE(res_argmax, CrossEntropyPolicy, true, kArg) TWO;
 CE_TUNE(opt_b256_v8_m4_token, CrossEntropyPolicy, true, kTok) TWO;
 CE_TUNE(opt_b256_v8_m4_all, CrossEntropyPolicy, true, kAll) TWO;
 CE_TUNE(res_loss_plain, ResLoss, false, Opt{}) TWO;
-CE_TUNE(rows_loss_softcap, OptLossRows, false, kCap) TWO;
+CE_TUNE(stream_loss_plain, StreamPlain, false, Opt{}) TWO;
 CE_TUNE(default_loss_softcap, CrossEntropyPolicy, false, kCap) TWO;
-CE_TUNE(rows_loss_softcap_m3, RowLossM3, false, kCap) TWO;
-CE_TUNE_SPLIT(rows_shard_stats, RowsOnly, false) TWO;
-CE_TUNE_SPLIT(rows_shard_stats_m3, RowLossM3, false) TWO;
+CE_TUNE(opt_loss_softcap, NoStream, false, kCap) TWO;
+CE_TUNE(stream_u4_loss_softcap, StreamU4, false, kCap) TWO;
+CE_TUNE(stream_u16_loss_softcap, StreamU16, false, kCap) TWO;
+CE_TUNE(default_loss_argmax, CrossEntropyPolicy, false, kArg) TWO;
+CE_TUNE(default_loss_all, CrossEntropyPolicy, false, kAll) TWO;
 CE_TUNE_SPLIT(default_shard_stats, CrossEntropyPolicy, false) TWO;
+CE_TUNE_SPLIT(opt_shard_stats, NoStream, false) TWO;
+CE_TUNE_SPLIT(rows_shard_stats, RowsOnly, false) TWO;
+CE_TUNE_SPLIT(stream_u4_shard_stats, StreamU4, false) TWO;
+CE_TUNE_SPLIT(stream_u16_shard_stats, StreamU16, false) TWO;
+CE_TUNE_SPLIT(stream_seg512_shard_stats, StreamSeg512, false) TWO;
+CE_TUNE_SPLIT(stream_seg2048_shard_stats, StreamSeg2048, false) TWO;
 CE_TUNE_SPLIT(rows_shard_finalize, RowsOnly, true) TWO;
 
 BENCH_MAIN

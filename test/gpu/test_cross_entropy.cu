@@ -76,6 +76,16 @@ struct ResPolicy : tigon::CrossEntropyPolicy {
   static constexpr bool kResLoss = true;
 };
 
+// The streaming kernel (no gradient) with short segments (many a row, up to its 16; uneven tails),
+// 3 vectors in flight, 128-thread blocks, and on the loss alone without options too.
+struct StreamSmall : tigon::CrossEntropyPolicy {
+  static constexpr int kStreamThreads = 128;
+  static constexpr int kStreamUnroll = 3;
+  static constexpr int kStreamMinBlocks = 8;
+  static constexpr int kStreamSegVecs = 64;
+  static constexpr bool kStreamPlain = true;
+};
+
 // The loss's workspace for `rows` rows, the loss alone's per-block statistics included (the most
 // cross_entropy_workspace_bytes asks for any call of the suite).
 std::size_t ws_bytes(std::int64_t rows) { return tigon::detail::ce_workspace_bytes(rows, true); }
@@ -213,7 +223,7 @@ void run_case(const Case& c) {
 
 // The policy test cases' options at one shape, in order: defaults; every option with an upstream
 // gradient; the same with token scaling; out of place with padded rows; every option, loss alone;
-// the plain path (no option); with_plain_sep: the plain path out of place, reduction none, an
+// the plain path (no option); smoothing alone; smoothing and the argmax; with_plain_sep: the plain path out of place, reduction none, an
 // upstream gradient per row; the loss alone on the plain path.
 std::vector<Case> option_cases(std::int64_t rows, std::int64_t V, bool with_plain_sep) {
   const Case base{.rows = rows, .V = V};
@@ -234,7 +244,15 @@ std::vector<Case> option_cases(std::int64_t rows, std::int64_t V, bool with_plai
   plain_loss.grad = false;
   Case token = all;
   token.token = true;
-  std::vector<Case> cases{base, all, token, sep, loss_only, plain};
+  // The argmax and smoothing as the only options (the plain resident kernel's instances for them):
+  // smoothing alone with the z-loss, both with an upstream gradient, out of place.
+  Case smooth = plain;
+  smooth.eps = 0.1;
+  smooth.z = 1e-4;
+  Case smooth_arg = sep;
+  smooth_arg.eps = 0.1;
+  smooth_arg.grad_output = true;
+  std::vector<Case> cases{base, all, token, sep, loss_only, plain, smooth, smooth_arg};
   if (with_plain_sep) cases.push_back(plain_sep);
   cases.push_back(plain_loss);
   return cases;
@@ -291,6 +309,11 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
       run_case<bf16, std::int64_t, RowsWide>(c);
       run_case<half, std::int32_t, RowsNarrow>(c);
       run_case<float, std::int64_t, RowsOnly>(c);
+      if (!c.grad) {
+        run_case<bf16, std::int64_t, StreamSmall>(c);
+        run_case<half, std::int32_t, StreamSmall>(c);
+        run_case<float, std::int64_t, StreamSmall>(c);
+      }
     }
   }
 }
@@ -510,6 +533,9 @@ TEST_CASE("cross_entropy: split vocabulary equals the unsplit op", "[ce][gpu]") 
   check_split<float>(300, 10000, {0, 4000, 10000}, 0.0f, 30.0f, 1e-7);
   // LLaMA-3's vocabulary over two shards of 64128 columns
   check_split<bf16>(64, 128256, {0, 64128, 128256}, 0.1f, 0.0f, 1e-4);
+  // LLaMA-2's over two shards with smoothing and Gemma's softcap (half: its hardware tanh)
+  check_split<bf16>(64, 32000, {0, 16000, 32000}, 0.1f, 30.0f, 1e-4);
+  check_split<half>(64, 32000, {0, 16000, 32000}, 0.1f, 30.0f, 1e-4);
 }
 
 GPU_TEST_MAIN

@@ -171,3 +171,22 @@ TEST_CASE("linear_cross_entropy_heads workspace query rejects bad arguments by n
   expect(linear_cross_entropy_heads_workspace_bytes(bad, bytes), Errc::invalid_value, "loss.logits");
 }
 
+
+TEST_CASE("cross_entropy's streaming kernel cuts rows into whole-warp segments", "[ce][dispatch]") {
+  // Every row length from one vector to 2^24 vectors (a 2^27-column bf16 row), and the policy's
+  // segment targets: at most kCeResMaxCluster segments (the partials' workspace), each a multiple
+  // of 32 vectors, the last one non-empty, and together exactly the row.
+  for (const int target : {32, 64, 1024, 4096}) {
+    for (std::int64_t nvec = 1; nvec <= (std::int64_t{1} << 24); nvec = nvec * 3 / 2 + 1) {
+      INFO("nvec " << nvec << " target " << target);
+      const detail::CeStreamShape sh = detail::ce_stream_shape(nvec, target);
+      REQUIRE(sh.segs >= 1);
+      CHECK(sh.segs <= detail::kCeResMaxCluster);
+      CHECK(sh.seg_vecs % 32 == 0);
+      CHECK(static_cast<std::int64_t>(sh.segs - 1) * sh.seg_vecs < nvec);
+      CHECK(static_cast<std::int64_t>(sh.segs) * sh.seg_vecs >= nvec);
+      // Segments near the target: no more of them than needed at the target's length.
+      CHECK(sh.segs <= std::max<std::int64_t>(1, (nvec + target - 1) / target));
+    }
+  }
+}

@@ -276,6 +276,9 @@ struct CrossEntropyPolicy {
   static constexpr int kResAhead = 32;
   // Whether the loss alone (no gradient) takes the plain resident kernel (else the row kernel).
   static constexpr bool kResLoss = false;
+  // Whether calls whose only options are the argmax and label smoothing (no class weights) take
+  // the plain resident kernel's instances for them (else the optioned one).
+  static constexpr bool kResArgSmooth = true;
   // Optioned resident kernel: the same four.
   static constexpr int kOptThreads = 256;
   static constexpr int kOptVecs = 8;
@@ -284,6 +287,16 @@ struct CrossEntropyPolicy {
   // Whether the loss alone with options, and the split statistics pass, take the optioned
   // resident kernel (else the row kernel).
   static constexpr bool kOptLoss = true;
+  // Streaming kernel (no gradient: the loss alone with options, the split statistics): block size,
+  // 16-byte vectors in flight per lane per trip, blocks per SM its registers must allow, and the
+  // vectors of a row segment (one warp each; at most 16 segments a row). kStreamLoss: whether those
+  // calls take it; kStreamPlain: whether the loss alone without options does too.
+  static constexpr int kStreamThreads = 256;
+  static constexpr int kStreamUnroll = 8;
+  static constexpr int kStreamMinBlocks = 4;
+  static constexpr int kStreamSegVecs = 1024;
+  static constexpr bool kStreamLoss = true;
+  static constexpr bool kStreamPlain = false;
   // Rows shorter than this take the row kernel (columns).
   static constexpr std::int64_t kResMinCols = 0;
 };
@@ -306,6 +319,10 @@ constexpr bool check_ce_policy() {
                 "resident kernels: 1 to 32 blocks per SM");
   static_assert(P::kResAhead >= 0 && P::kOptAhead >= 0, "rows ahead: 0 (off) or more");
   static_assert(P::kResMinCols >= 0, "kResMinCols: 0 or more columns");
+  static_assert(whole_warps(P::kStreamThreads, 32, 1024), "streaming kernel: a whole number of warps, at most 1024 threads");
+  static_assert(P::kStreamUnroll >= 1 && P::kStreamUnroll <= 16, "streaming kernel: 1 to 16 vectors in flight per lane");
+  static_assert(P::kStreamMinBlocks >= 1 && P::kStreamMinBlocks <= 32, "streaming kernel: 1 to 32 blocks per SM");
+  static_assert(P::kStreamSegVecs >= 32, "streaming kernel: segments of at least 32 vectors");
   return true;
 }
 }  // namespace detail

@@ -126,6 +126,52 @@ Status launch_ce_opt(const CeParams<T, I>& p, cudaStream_t stream, const char* o
   return launch_ce_resident<kernel, P::kOptThreads, P::kOptVecs, P::kOptAhead, true>(p, stream, op, launched);
 }
 
+// The streaming kernel's shape for rows of nvec 16-byte vectors: segments of about seg_target
+// vectors (whole warps' worth), at most kCeResMaxCluster a row (the partials' workspace).
+struct CeStreamShape {
+  int segs;
+  int seg_vecs;
+};
+inline CeStreamShape ce_stream_shape(std::int64_t nvec, int seg_target) {
+  const std::int64_t segs = std::clamp<std::int64_t>(ceil_div<std::int64_t>(nvec, seg_target), 1, kCeResMaxCluster);
+  const std::int64_t seg_vecs = round_up<std::int64_t>(ceil_div<std::int64_t>(nvec, segs), 32);
+  return {static_cast<int>(ceil_div<std::int64_t>(nvec, seg_vecs)), static_cast<int>(seg_vecs)};
+}
+
+// The streaming kernel (no gradient), then the merge of its segments when a row has several;
+// `launched` false (nothing launched) when rows of several segments have no partials to go to.
+template <class P, int kCap, bool kBias, class T, class I>
+Status launch_ce_stream(const CeParams<T, I>& p, cudaStream_t stream, const char* op, bool& launched) {
+  constexpr int kV = kVecElems<T>;
+  constexpr int kWarps = P::kStreamThreads / 32;
+  constexpr auto kernel =
+      ce_stream_kernel<T, I, kV, P::kStreamThreads, P::kStreamUnroll, P::kStreamMinBlocks, kCap, kBias>;
+  const CeStreamShape sh = ce_stream_shape(p.vocab / kV, P::kStreamSegVecs);
+  launched = false;
+  if (sh.segs > 1 && p.partials == nullptr) return Status();
+  const std::int64_t max_rows = (std::int64_t{1} << 30) / sh.segs;  // blocks per launch under 2^31
+  for (std::int64_t r0 = 0; r0 < p.rows; r0 += max_rows) {
+    const std::int64_t n = std::min(max_rows, p.rows - r0);
+    const auto grid = static_cast<unsigned>(ceil_div<std::int64_t>(n * sh.segs, kWarps));
+    TIGON_CHECK(launch(op, kernel, {dim3(grid), dim3(P::kStreamThreads), 0, stream}, p, r0, n, sh.segs, sh.seg_vecs));
+    if (sh.segs > 1) {
+      TIGON_CHECK(launch(op, ce_merge_partials_kernel<T, I>,
+                         {dim3(static_cast<unsigned>(ceil_div<std::int64_t>(n, 8))), dim3(256), 0, stream}, p, r0, n,
+                         sh.segs));
+    }
+  }
+  launched = true;
+  return Status();
+}
+
+// The argmax and label smoothing, one or both, as the only options (no class weights): the plain
+// resident kernel's instances for them take 16-bit logits.
+template <class T, class I>
+bool ce_arg_smooth(const CeParams<T, I>& p) {
+  return p.weights == nullptr && p.cap == 0.0f && p.bias == nullptr && !p.token_scaling && p.stats == nullptr &&
+         p.stats_out == nullptr && (p.argmax != nullptr || p.eps > 0.0f);
+}
+
 // Which kernel takes a call: a resident kernel where one applies (sm_90+, 16-byte rows, 2 to
 // kCeResMaxCluster blocks a row), else the row kernel.
 template <class P = CrossEntropyPolicy, class T, class I>
@@ -134,15 +180,38 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
   const bool vec = ce_vectorizable(p);
   if constexpr (kV > 1) {
     const bool plain = ce_plain(p);
+    if (vec && p.dx == nullptr && p.stats == nullptr && p.vocab >= P::kResMinCols && P::kStreamLoss &&
+        (!plain || P::kStreamPlain)) {
+      bool launched = false;
+      if (p.cap > 0.0f) {
+        constexpr int kCap = sizeof(T) == 2 ? 2 : 1;
+        TIGON_CHECK((p.bias != nullptr ? launch_ce_stream<P, kCap, true>(p, stream, op, launched)
+                                      : launch_ce_stream<P, kCap, false>(p, stream, op, launched)));
+      } else {
+        TIGON_CHECK((p.bias != nullptr ? launch_ce_stream<P, 0, true>(p, stream, op, launched)
+                                      : launch_ce_stream<P, 0, false>(p, stream, op, launched)));
+      }
+      if (launched) return Status();
+    }
     const bool wanted = p.dx != nullptr || (plain ? P::kResLoss : P::kOptLoss);
     if (vec && wanted && p.vocab >= P::kResMinCols) {
       DeviceInfo dev;
       TIGON_CHECK(current_device_info(dev));
       if (dev.cc_major >= 9) {
         bool launched = false;
+        auto res = [&](auto arg_c, auto smooth_c) {
+          constexpr auto kernel = ce_resident_kernel<T, I, kV, P::kResThreads, P::kResVecs, P::kResMinBlocks,
+                                                     decltype(arg_c)::value, decltype(smooth_c)::value>;
+          return launch_ce_resident<kernel, P::kResThreads, P::kResVecs, P::kResAhead, false>(p, stream, op, launched);
+        };
+        constexpr std::true_type kYes{};
+        constexpr std::false_type kNo{};
         if (plain) {
-          constexpr auto kernel = ce_resident_kernel<T, I, kV, P::kResThreads, P::kResVecs, P::kResMinBlocks>;
-          TIGON_CHECK((launch_ce_resident<kernel, P::kResThreads, P::kResVecs, P::kResAhead, false>(p, stream, op, launched)));
+          TIGON_CHECK(res(kNo, kNo));
+        } else if (CePackedMax<T>::kPacked && P::kResArgSmooth && ce_arg_smooth(p)) {
+          if constexpr (CePackedMax<T>::kPacked) {  // the argmax by packed compares
+            TIGON_CHECK(p.argmax != nullptr ? (p.eps > 0.0f ? res(kYes, kYes) : res(kYes, kNo)) : res(kNo, kYes));
+          }
         } else if (p.cap > 0.0f) {
           constexpr int kCap = sizeof(T) == 2 ? 2 : 1;
           TIGON_CHECK((p.bias != nullptr ? launch_ce_opt<P, kCap, true>(p, stream, op, launched)

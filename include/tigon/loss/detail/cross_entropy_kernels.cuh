@@ -497,15 +497,91 @@ TIGON_DEVICE void ce_merge_lanes(int lane, float pm, float ps, int n, float& om,
   os = ss[0];
 }
 
-template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks>
+// The largest (value, column) pair of lanes [0, n), the first column on ties; every lane ends with
+// the same pair.
+TIGON_DEVICE void ce_argmax_lanes(int lane, int n, float& v, unsigned& c) {
+  if (lane >= n) {
+    v = -__builtin_huge_valf();
+    c = 0xffffffffu;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, offset);
+    const unsigned oc = __shfl_xor_sync(0xffffffffu, c, offset);
+    if (ov > v || (ov == v && oc < c)) {
+      v = ov;
+      c = oc;
+    }
+  }
+}
+
+// The warp's first column holding wmax, its largest raw value (bfloat16 / half vectors of a
+// resident kernel, no bias; 0xffffffff when wmax is -inf): the first vector index j holding it, by
+// ballot (a warp's columns run j-major, lane-minor), each lane testing a vector with packed max and
+// one packed compare; the first lane of that ballot finds the element. Every lane gets the column.
+template <class T, int kV, int kVecs, int kThreads>
+TIGON_DEVICE unsigned ce_warp_argmax(const AlignedVec<T, kV> (&raw)[kVecs], int mine, int first, int lane_id,
+                                     float wmax) {
+  static_assert(CePackedMax<T>::kPacked && kV % 2 == 0);
+  if (wmax == -__builtin_huge_valf()) return 0xffffffffu;
+  using Pair = typename CePackedMax<T>::Pair;
+  const T r1 = from_float<T>(wmax);  // exact: the max is one of the T values
+  const Pair r2(r1, r1);
+  auto pair = [&](int j, int k) {
+    Pair q;
+    __builtin_memcpy(&q, &raw[j].v[k], sizeof(q));
+    return q;
+  };
+  int wj = 0;
+  unsigned wb = 0;
+#pragma unroll
+  for (int j = kVecs - 1; j >= 0; --j) {
+    bool has = false;
+    if (j * kThreads < mine) {
+      Pair q = pair(j, 0);
+#pragma unroll
+      for (int k = 2; k < kV; k += 2) q = __hmax2(q, pair(j, k));
+      has = __heq2_mask(q, r2) != 0u;
+    }
+    const unsigned bj = __ballot_sync(0xffffffffu, has);
+    if (bj != 0u) {
+      wj = j;
+      wb = bj;
+    }
+  }
+  if (wb == 0u) return 0xffffffffu;
+  const int winner = __ffs(static_cast<int>(wb)) - 1;
+  unsigned col = 0xffffffffu;
+  if (lane_id == winner) {
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (j == wj) {
+        int hit = kV;
+#pragma unroll
+        for (int k = kV - 2; k >= 0; k -= 2) {
+          const unsigned e = __heq2_mask(pair(j, k), r2);
+          if (e & 0xffff0000u) hit = k + 1;
+          if (e & 0x0000ffffu) hit = k;
+        }
+        if (hit < kV) col = static_cast<unsigned>((first + j * kThreads) * kV + hit);
+      }
+    }
+  }
+  return __shfl_sync(0xffffffffu, col, winner);
+}
+
+template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks, bool kArg, bool kSmooth>
 TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(const CeParams<T, I> params,
                                                                               std::int64_t row0, int slice,
                                                                               int ahead) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kWarps = kThreads / 32;
   __shared__ std::uint64_t bar;
-  __shared__ float4 slots[kCeResMaxCluster];
+  constexpr bool kSecond = kArg || kSmooth;  // the second message: the sum of x, the argmax
+  constexpr unsigned kNoCol = 0xffffffffu;
+  __shared__ float4 slots[(kSecond ? 2 : 1) * kCeResMaxCluster];
   __shared__ float2 part[kWarps];
+  __shared__ float2 part_w[kSecond ? kWarps : 1];  // per warp: sum of x, then the max's column
   __shared__ float row_lse, row_xt;
   __shared__ float row_mem[2];  // upstream gradient, the mean's denominator
   const unsigned csize = cluster_blocks();
@@ -516,7 +592,9 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
     cluster_arrive_relaxed();  // this block's barrier is ready for the cluster's messages (the init's fence releases it)
   }
   detail::grid_dependency_sync();
-  const CeParams<T, I> p = ce_specialise<true>(params);
+  CeParams<T, I> p = ce_specialise<true>(params);
+  if constexpr (kArg) p.argmax = params.argmax;
+  if constexpr (kSmooth) p.eps = params.eps;
   const std::int64_t row = row0 + blockIdx.x / csize;
   const int nvec = static_cast<int>(p.vocab / kV);
   const int v0 = min(static_cast<int>(rank) * slice, nvec);
@@ -567,20 +645,35 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   }
   float m[1] = {mx.value()};
   warp_allreduce<32>(m, MaxOp{});
+  const int lane_id = tid & 31;
+  unsigned ac = kNoCol;  // the warp's first column of its max (kArg)
+  if constexpr (kArg) ac = ce_warp_argmax<T, kV, kVecs, kThreads>(raw, mine, first, lane_id, m[0]);
   // A warp whose elements are all -inf (or that has none) sums nothing: its m stays -inf.
   const float mb = m[0] == -__builtin_huge_valf() ? 0.0f : m[0] * kLog2e;
-  float s[1] = {0.0f};
+  float s[2] = {0.0f, 0.0f};  // sum of exp; sum of x (kSmooth)
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     if (j * kThreads < mine) {
       float x[kV];
       to_floats(raw[j], x);
 #pragma unroll
-      for (int k = 0; k < kV; ++k) s[0] += exp2_ftz(fmaf(x[k], kLog2e, -mb));
+      for (int k = 0; k < kV; ++k) {
+        s[0] += exp2_ftz(fmaf(x[k], kLog2e, -mb));
+        if constexpr (kSmooth) s[1] += x[k];
+      }
     }
   }
-  warp_allreduce_sum<32>(s);
-  if ((tid & 31) == 0) part[tid >> 5] = make_float2(m[0], s[0]);
+  if constexpr (kSmooth) {
+    warp_allreduce_sum<32>(s);
+  } else {
+    float s1[1] = {s[0]};
+    warp_allreduce_sum<32>(s1);
+    s[0] = s1[0];
+  }
+  if (lane_id == 0) {
+    part[tid >> 5] = make_float2(m[0], s[0]);
+    if constexpr (kSecond) part_w[tid >> 5] = make_float2(s[1], __uint_as_float(ac));
+  }
   __syncthreads();
   if (!solo) cluster_wait();  // every block's barrier is ready (pairs cluster_arrive_relaxed above)
   if (tid < 32) {  // warp 0: the block's statistics, the messages, the row's
@@ -589,20 +682,57 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
     float bm, bs;
     const float2 mine_part = lane < kWarps ? part[lane] : make_float2(0.0f, 0.0f);
     ce_merge_lanes(lane, mine_part.x, mine_part.y, kWarps, bm, bs);
+    // The block's sum of x and argmax (the argmax's value is the block's max when it has one).
+    float bsum[1] = {0.0f};
+    float bv = -__builtin_huge_valf();
+    unsigned bc = kNoCol;
+    if constexpr (kSecond) {
+      const float2 pw = lane < kWarps ? part_w[lane] : make_float2(0.0f, __uint_as_float(kNoCol));
+      if constexpr (kSmooth) {
+        bsum[0] = pw.x;
+        warp_allreduce_sum<32>(bsum);
+      }
+      if constexpr (kArg) {
+        bc = __float_as_uint(pw.y);
+        bv = bc == kNoCol ? -__builtin_huge_valf() : mine_part.x;
+        ce_argmax_lanes(lane, kWarps, bv, bc);
+      }
+    }
     xt = __shfl_sync(0xffffffffu, xt, 0);  // lane 0 (thread 0) read it; every lane's message carries it
-    float tm = bm, ts = bs;
+    float tm = bm, ts = bs, rsx = bsum[0], rv = bv;
+    unsigned rc = bc;
     if (!solo) {
       // The one arrival, announcing the messages' bytes (some may have landed already); then lane r
       // sends this block's statistics to block r.
-      if (lane == 0) mbarrier_arrive_expect_tx(&bar, csize * static_cast<unsigned>(sizeof(float4)));
+      constexpr unsigned kPerBlock = (kSecond ? 2u : 1u) * static_cast<unsigned>(sizeof(float4));
+      if (lane == 0) mbarrier_arrive_expect_tx(&bar, csize * kPerBlock);
       if (lane < static_cast<int>(csize)) {
-        cluster_store_async_f4(cluster_smem_addr(&slots[rank], static_cast<unsigned>(lane)),
-                               cluster_smem_addr(&bar, static_cast<unsigned>(lane)), bm, bs, xt, 0.0f);
+        const auto to = static_cast<unsigned>(lane);
+        cluster_store_async_f4(cluster_smem_addr(&slots[rank], to), cluster_smem_addr(&bar, to), bm, bs, xt, 0.0f);
+        if constexpr (kSecond) {
+          cluster_store_async_f4(cluster_smem_addr(&slots[kCeResMaxCluster + rank], to), cluster_smem_addr(&bar, to),
+                                 bsum[0], 0.0f, bv, __uint_as_float(bc));
+        }
       }
       mbarrier_wait<true>(&bar, 0);  // every block's message has arrived
-      const float4 msg = lane < static_cast<int>(csize) ? slots[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const bool from = lane < static_cast<int>(csize);
+      const float4 msg = from ? slots[lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       ce_merge_lanes(lane, msg.x, msg.y, static_cast<int>(csize), tm, ts);
       xt = __shfl_sync(0xffffffffu, msg.z, 0);  // block 0's message carries the target's logit
+      if constexpr (kSecond) {
+        const float4 msg_w = from ? slots[kCeResMaxCluster + lane]
+                                  : make_float4(0.0f, 0.0f, -__builtin_huge_valf(), __uint_as_float(kNoCol));
+        if constexpr (kSmooth) {
+          float rs[1] = {msg_w.x};
+          warp_allreduce_sum<32>(rs);
+          rsx = rs[0];
+        }
+        if constexpr (kArg) {
+          rv = msg_w.z;
+          rc = __float_as_uint(msg_w.w);
+          ce_argmax_lanes(lane, static_cast<int>(csize), rv, rc);
+        }
+      }
     }
     if (lane == 0) {
       row_lse = tm + logf(ts);
@@ -610,7 +740,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
       if (rank == 0) {
         const bool ignored = t_raw == p.ignore_index;
         const bool bad = !ignored && (t_raw < 0 || t_raw >= p.total_vocab);
-        const CeAcc total{tm, ts, 0.0f, 0.0f, -__builtin_huge_valf(), 0};
+        const CeAcc total{tm, ts, rsx, static_cast<float>(p.total_vocab), rv, rc == kNoCol ? 0u : rc};
         ce_write_row(p, row, ce_row_terms(p, row, total, row_lse, row_xt, t_raw, ignored || bad), total, ignored,
                      bad);
       }
@@ -622,9 +752,12 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   const bool ignored = t_raw == p.ignore_index;
   const bool skip = ignored || t_raw < 0 || t_raw >= p.total_vocab;
   const float scale = skip ? 0.0f : p.grad_scale * row_mem[0] / row_mem[1];  // ce_grad_scale
-  // d loss / d x_i = p_i * factor off the target, factor = scale (1 + 2 z lse); for factor > 0
-  // its log2 joins the exponent: p_i * factor = 2^(x_i log2(e) + log2(factor) - lse log2(e)).
+  // d loss / d x_i = p_i * factor - b off the target, factor = scale (1 + 2 z lse) (with smoothing
+  // and no class weights (1 - eps) + eps / V * V = 1 as well), b = scale * eps / V (0 without
+  // smoothing); for factor > 0 its log2 joins the exponent: p_i * factor = 2^(x_i log2(e) +
+  // log2(factor) - lse log2(e)).
   const float factor = scale == 0.0f ? 0.0f : scale * (1.0f + 2.0f * p.z * lse);
+  const float nb = kSmooth ? -scale * p.eps / static_cast<float>(p.total_vocab) : 0.0f;
   const float neg_lse2 = -lse * kLog2e;
   T* dv = p.dx + row * p.dxs + static_cast<std::int64_t>(first) * kV;
   if (factor > 0.0f) {
@@ -635,7 +768,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
         float x[kV];
         to_floats(raw[j], x);
 #pragma unroll
-        for (int k = 0; k < kV; ++k) x[k] = exp2_ftz(fmaf(x[k], kLog2e, bias));
+        for (int k = 0; k < kV; ++k) {
+          x[k] = exp2_ftz(fmaf(x[k], kLog2e, bias));
+          if constexpr (kSmooth) x[k] += nb;
+        }
         store_vec_policy(dv + j * kThreads * kV, from_floats<T>(x), drop);
       }
     }
@@ -646,7 +782,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
         float x[kV];
         to_floats(raw[j], x);
 #pragma unroll
-        for (int k = 0; k < kV; ++k) x[k] = factor == 0.0f ? 0.0f : exp2_ftz(fmaf(x[k], kLog2e, neg_lse2)) * factor;
+        for (int k = 0; k < kV; ++k) {
+          x[k] = factor == 0.0f ? 0.0f : exp2_ftz(fmaf(x[k], kLog2e, neg_lse2)) * factor;
+          if constexpr (kSmooth) x[k] += nb;
+        }
         store_vec_policy(dv + j * kThreads * kV, from_floats<T>(x), drop);
       }
     }
@@ -660,8 +799,9 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
       terms.w_t = 1.0f;
       terms.lse = lse;
       terms.x_t = row_xt;
+      terms.sum_w = static_cast<float>(p.total_vocab);
       const float pr = exp2_ftz(fmaf(row_xt, kLog2e, neg_lse2));
-      p.dx[row * p.dxs + t] = from_float<T>(ce_math::grad(pr, true, 1.0f, terms, 0.0f, p.z, p.total_vocab) * scale);
+      p.dx[row * p.dxs + t] = from_float<T>(ce_math::grad(pr, true, 1.0f, terms, p.eps, p.z, p.total_vocab) * scale);
     }
   }
 #else
@@ -672,23 +812,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
 #endif
 }
 
-// The largest (value, column) pair of lanes [0, n), the first column on ties; every lane ends with
-// the same pair.
-TIGON_DEVICE void ce_argmax_lanes(int lane, int n, float& v, unsigned& c) {
-  if (lane >= n) {
-    v = -__builtin_huge_valf();
-    c = 0xffffffffu;
-  }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, offset);
-    const unsigned oc = __shfl_xor_sync(0xffffffffu, c, offset);
-    if (ov > v || (ov == v && oc < c)) {
-      v = ov;
-      c = oc;
-    }
-  }
-}
 
 // A half's bits as a 16-bit T, and back (the optioned kernel keeps tanh values as half in its
 // registers of T).
@@ -922,57 +1045,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
       wm_all = wm[0];
       tmax = kCap != 0 && rmax != kNegInf ? cap * ce_tanh<kCap>(rmax * inv_cap) : rmax;
       if constexpr (kWarpArg) {
-        // bfloat16 / half: the first vector index j holding the warp's max, by ballot (a warp's
-        // columns run j-major, lane-minor), each lane testing a vector with three packed max and
-        // one packed compare; the first lane of that ballot finds the element; every lane ends
-        // with the warp's (value, column).
-        if (want_arg && wm[0] != kNegInf) {
-          using Pair = typename CePackedMax<T>::Pair;
-          const T r1 = from_float<T>(wm[0]);  // exact: the max is one of the T values
-          const Pair r2(r1, r1);
-          auto pair = [&](int j, int k) {
-            Pair q;
-            __builtin_memcpy(&q, &raw[j].v[k], sizeof(q));
-            return q;
-          };
-          int wj = 0;
-          unsigned wb = 0;
-#pragma unroll
-          for (int j = kVecs - 1; j >= 0; --j) {
-            bool has = false;
-            if (j * kThreads < mine) {
-              Pair q = pair(j, 0);
-#pragma unroll
-              for (int k = 2; k < kV; k += 2) q = __hmax2(q, pair(j, k));
-              has = __heq2_mask(q, r2) != 0u;
-            }
-            const unsigned bj = __ballot_sync(0xffffffffu, has);
-            if (bj != 0u) {
-              wj = j;
-              wb = bj;
-            }
-          }
-          if (wb != 0u) {
-            const int winner = __ffs(static_cast<int>(wb)) - 1;
-            unsigned col = kNoCol;
-            if (lane_id == winner) {
-#pragma unroll
-              for (int j = 0; j < kVecs; ++j) {
-                if (j == wj) {
-                  int hit = kV;
-#pragma unroll
-                  for (int k = kV - 2; k >= 0; k -= 2) {
-                    const unsigned e = __heq2_mask(pair(j, k), r2);
-                    if (e & 0xffff0000u) hit = k + 1;
-                    if (e & 0x0000ffffu) hit = k;
-                  }
-                  if (hit < kV) col = static_cast<unsigned>((first + j * kThreads) * kV + hit);
-                }
-              }
-            }
-            ac = __shfl_sync(0xffffffffu, col, winner);
-          }
-        }
+        // bfloat16 / half: the warp's first column of its max by ballot (ce_warp_argmax).
+        if (want_arg) ac = ce_warp_argmax<T, kV, kVecs, kThreads>(raw, mine, first, lane_id, wm[0]);
         av = ac == kNoCol ? kNegInf : (kCap != 0 ? cap * ce_tanh<kCap>(wm[0] * inv_cap) : wm[0]);
       } else {
         // The lanes holding the warp's max find their first column holding it (bfloat16 / half:
@@ -1287,6 +1361,205 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   (void)slice;
   (void)ahead;
 #endif
+}
+
+// ---- The streaming kernel (no gradient) ----
+
+// The loss alone with options and the split statistics pass (16-byte rows; the default for them):
+// each warp takes one segment of a row, seg_vecs 16-byte vectors (the last one shorter), and
+// streams it, kU vectors in flight per lane per trip, read once with the evict-first L2 priority.
+// Per trip: the trip's largest logit (packed pairs for bfloat16 / half; before the softcap,
+// which is monotonic), a rescale of the lane's running sum only when it grows, one exp2 an
+// element, the smoothing sums and the argmax as uniform branches (the argmax search runs only on a
+// trip holding a new largest value). A warp's lanes merge in a fixed butterfly order; a row of one
+// segment writes its outputs, longer rows leave each segment's statistics in p.partials (the
+// optioned kernel's format) for ce_merge_partials_kernel, which merges them in segment order: the
+// result does not depend on scheduling. No shared memory, no block barrier. kCap and kBias as in
+// the optioned resident kernel.
+template <class T, class I, int kV, int kThreads, int kU, int kMinBlocks, int kCap, bool kBias>
+TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_stream_kernel(const CeParams<T, I> p, std::int64_t row0,
+                                                                            std::int64_t rows, int segs, int seg_vecs) {
+  detail::grid_dependency_sync();
+  constexpr int kWarps = kThreads / 32;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  constexpr unsigned kNoCol = 0xffffffffu;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (item >= rows * segs) return;
+  const std::int64_t row = row0 + item / segs;
+  const int g = static_cast<int>(item % segs);
+  const int nvec = static_cast<int>(p.vocab / kV);
+  const int v0 = g * seg_vecs;
+  const int v1 = min(v0 + seg_vecs, nvec);
+  const T* xr = p.x + row * p.xs;
+  const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
+  const bool smooth = p.eps > 0.0f;
+  const bool want_arg = p.argmax != nullptr || p.stats_out != nullptr;
+  const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
+  const float cap = kCap ? p.cap : 0.0f;
+  const float inv_cap = kCap ? 1.0f / p.cap : 0.0f;
+  const float xs = kCap ? cap : 1.0f;  // a logit is xs * y, y the value the passes take (tanh with the softcap)
+  const float l2s = kLog2e * xs;
+  // z: the logit before the softcap (with a bias, the sum rounded to T, which the raw vector then
+  // holds); y = ycap(z): what the exponent takes.
+  auto ycap = [&](float z) {
+    if constexpr (kCap != 0) {
+      return ce_tanh<kCap>(z * inv_cap);
+    } else {
+      return z;
+    }
+  };
+  // The target's logit, by lane 0 of the row's first segment (the merge takes segment 0's).
+  const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
+  const std::int64_t t = t_raw - p.col0;
+  float xt = 0.0f;
+  if (g == 0 && lane == 0 && t >= 0 && t < p.vocab) {
+    xt = to_float(xr[t]);
+    if constexpr (kBias) xt = round_to<T>(xt + to_float(p.bias[t]));
+    if constexpr (kCap != 0) xt = cap * ce_tanh<kCap>(xt * inv_cap);
+  }
+  float mz = kNegInf;    // the lane's largest z
+  float mb = 0.0f;       // ycap(mz) * l2s (0 while mz is -inf): the exponent's offset
+  float s = 0.0f;        // sum of exp2(y * l2s - mb)
+  float swx = 0.0f, sw = 0.0f;  // smoothing: sum of w_i y_i, sum of w_i (with class weights)
+  float bz = kNegInf;    // argmax: the lane's largest z and its first column
+  unsigned bc = kNoCol;
+  // One trip over vectors i, i + 32, ..., i + 32 (kN - 1) of the segment.
+  // kSmooth, kWeights: the smoothing sums, with class weights (compile-time: no branch a vector).
+  auto trip = [&](int i, auto n_c, auto smooth_c, auto weights_c) {
+    constexpr int kN = decltype(n_c)::value;
+    constexpr bool kSmooth = decltype(smooth_c)::value;
+    constexpr bool kWeights = decltype(weights_c)::value;
+    AlignedVec<T, kV> raw[kN];
+    const T* xp = xr + static_cast<std::int64_t>(i) * kV;
+#pragma unroll
+    for (int u = 0; u < kN; ++u) {
+      raw[u] = load_vec_policy<kV>(xp + u * 32 * kV, drop);
+    }
+    if constexpr (kBias) {
+#pragma unroll
+      for (int u = 0; u < kN; ++u) {
+        const AlignedVec<T, kV> b = load_vec<kV>(p.bias + static_cast<std::int64_t>(i + u * 32) * kV);
+        float z[kV];
+        to_floats(raw[u], z);
+#pragma unroll
+        for (int k = 0; k < kV; ++k) z[k] += to_float(b.v[k]);
+        raw[u] = from_floats<T>(z);
+      }
+    }
+    CePackedMax<T> mx;
+#pragma unroll
+    for (int u = 0; u < kN; ++u) mx.add(raw[u]);
+    const float tz = mx.value();
+    if (tz > mz) {  // a new largest value: the running sum rescaled to it
+      const float nb = ycap(tz) * l2s;
+      s = mz == kNegInf ? 0.0f : s * exp2_ftz(mb - nb);
+      mz = tz;
+      mb = nb;
+    }
+    if (want_arg && tz > bz) {  // the trip's first column holding tz (columns rise with u, then k)
+      unsigned c = kNoCol;
+      if constexpr (CePackedMax<T>::kPacked && kV % 2 == 0) {
+        // Packed compares on the raw pairs (tz is one of the T values), so that the search shares
+        // no unpacked values with the walk below.
+        using Pair = typename CePackedMax<T>::Pair;
+        const T r1 = from_float<T>(tz);
+        const Pair r2(r1, r1);
+#pragma unroll
+        for (int u = kN - 1; u >= 0; --u) {
+#pragma unroll
+          for (int k = kV - 2; k >= 0; k -= 2) {
+            Pair q;
+            __builtin_memcpy(&q, &raw[u].v[k], sizeof(q));
+            const unsigned e = __heq2_mask(q, r2);
+            const unsigned c0 = static_cast<unsigned>((i + u * 32) * kV + k);
+            if (e & 0xffff0000u) c = c0 + 1;
+            if (e & 0x0000ffffu) c = c0;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int u = kN - 1; u >= 0; --u) {
+          float z[kV];
+          to_floats(raw[u], z);
+#pragma unroll
+          for (int k = kV - 1; k >= 0; --k) {
+            if (z[k] == tz) c = static_cast<unsigned>((i + u * 32) * kV + k);
+          }
+        }
+      }
+      bz = tz;
+      bc = c;
+    }
+#pragma unroll
+    for (int u = 0; u < kN; ++u) {
+      {
+        float y[kV];
+        to_floats(raw[u], y);
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          y[k] = ycap(y[k]);
+          s += exp2_ftz(fmaf(y[k], l2s, -mb));
+        }
+        if constexpr (kWeights) {
+          const int c0 = (i + u * 32) * kV;
+#pragma unroll
+          for (int k = 0; k < kV; ++k) {
+            const float w = wcol[c0 + k];
+            swx = fmaf(w, y[k], swx);
+            sw += w;
+          }
+        } else if constexpr (kSmooth) {
+#pragma unroll
+          for (int k = 0; k < kV; ++k) swx += y[k];
+        }
+      }
+    }
+  };
+  auto walk = [&](auto smooth_c, auto weights_c) {
+    int i = v0 + lane;
+    for (; i + (kU - 1) * 32 < v1; i += kU * 32) trip(i, std::integral_constant<int, kU>{}, smooth_c, weights_c);
+    for (; i < v1; i += 32) trip(i, std::integral_constant<int, 1>{}, smooth_c, weights_c);
+  };
+  constexpr std::false_type kNo{};
+  constexpr std::true_type kYes{};
+  if (!smooth) {
+    walk(kNo, kNo);
+  } else if (wcol == nullptr) {
+    walk(kYes, kNo);
+  } else {
+    walk(kYes, kYes);
+  }
+  // The warp's statistics: the max, each lane's sum rescaled to it, the sums, the argmax.
+  float wz[1] = {mz};
+  warp_allreduce<32>(wz, MaxOp{});
+  const float wb = wz[0] == kNegInf ? 0.0f : ycap(wz[0]) * l2s;
+  float ws[1] = {mz == kNegInf ? 0.0f : s * exp2_ftz(mb - wb)};
+  warp_allreduce_sum<32>(ws);
+  const float m = wz[0] == kNegInf ? kNegInf : ycap(wz[0]) * xs;
+  float sums[2] = {0.0f, 0.0f};
+  if (smooth) {
+    sums[0] = swx;
+    sums[1] = sw;
+    warp_allreduce_sum<32>(sums);
+    sums[0] *= xs;
+    if (wcol == nullptr) sums[1] = static_cast<float>(v1 - v0) * static_cast<float>(kV);
+  }
+  float bv = kNegInf;
+  if (want_arg) {
+    ce_argmax_lanes(lane, 32, bz, bc);
+    bv = bc == kNoCol ? kNegInf : ycap(bz) * xs;
+  }
+  if (lane != 0) return;
+  if (segs > 1) {
+    float4* q = p.partials + 2 * (row * segs + g);
+    q[0] = make_float4(m, ws[0], xt, 0.0f);
+    q[1] = make_float4(sums[0], sums[1], bv, __uint_as_float(bc));
+    return;
+  }
+  const bool skip = t_raw == p.ignore_index || t_raw < 0 || t_raw >= p.total_vocab;
+  const float w_t = skip ? 0.0f : (p.weights != nullptr && p.stats_out == nullptr ? p.weights[t_raw] : 1.0f);
+  ce_opt_row_out(p, row, CeAcc{m, ws[0], sums[0], sums[1], bv, bc}, xt, w_t);
 }
 
 // The rows of a launch of the optioned kernel without a gradient (rows [row0, row0 + rows) of p,

@@ -59,7 +59,7 @@ struct Inputs {
     bench::fill_random(w, V, 5, 0.5f, 1.5f);
     loss = bench::alloc<float>(1);
     am = bench::alloc<std::int64_t>(rows);
-    wsb = tigon::detail::ce_workspace_bytes(rows, true);  // the loss alone's too
+    wsb = tigon::detail::ce_workspace_bytes(rows);
     ws = bench::alloc<unsigned char>(wsb);
   }
   ~Inputs() {

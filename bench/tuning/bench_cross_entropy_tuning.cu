@@ -1,6 +1,6 @@
 // Cross-entropy policy sweeps around the default (built with -DTIGON_BUILD_TUNING=ON): the row
-// kernel alone against the resident kernels, the optioned resident kernel's block shape, and
-// which kernel the loss alone takes. Same body and counting as bench/bench_cross_entropy.cu.
+// kernel alone against the resident and streaming kernels, and the streaming kernel's segment
+// length and vectors in flight. Same body and counting as bench/bench_cross_entropy.cu.
 #include "../harness.cuh"
 
 #include <tigon/loss/cross_entropy.cuh>
@@ -16,36 +16,18 @@ using tigon::CrossEntropyPolicy;
 struct RowsOnly : CrossEntropyPolicy {
   static constexpr std::int64_t kResMinCols = std::int64_t{1} << 40;
 };
-// The loss alone on the plain resident kernel.
-struct ResLoss : CrossEntropyPolicy {
-  static constexpr bool kResLoss = true;
-};
-
-// Without a gradient: the optioned resident kernel instead of the streaming kernel; the
-// streaming kernel's other shapes, and on the loss alone without options.
-// The argmax and smoothing on the optioned resident kernel instead of the plain one's instances.
-struct NoArgSmooth : CrossEntropyPolicy {
-  static constexpr bool kResArgSmooth = false;
-};
-struct NoStream : CrossEntropyPolicy {
-  static constexpr bool kStreamLoss = false;
-};
-struct StreamU4 : CrossEntropyPolicy {
-  static constexpr int kStreamUnroll = 4;
-  static constexpr int kStreamMinBlocks = 6;
-};
-struct StreamU16 : CrossEntropyPolicy {
-  static constexpr int kStreamUnroll = 16;
-  static constexpr int kStreamMinBlocks = 2;
-};
+// The streaming kernel with other segment lengths and vectors in flight.
 struct StreamSeg512 : CrossEntropyPolicy {
   static constexpr int kStreamSegVecs = 512;
 };
 struct StreamSeg2048 : CrossEntropyPolicy {
   static constexpr int kStreamSegVecs = 2048;
 };
-struct StreamPlain : CrossEntropyPolicy {
-  static constexpr bool kStreamPlain = true;
+struct StreamSeg4096 : CrossEntropyPolicy {
+  static constexpr int kStreamSegVecs = 4096;
+};
+struct StreamU4 : CrossEntropyPolicy {
+  static constexpr int kStreamUnroll = 4;
 };
 
 const Opt kCap{.cap = 30.0f};
@@ -73,29 +55,26 @@ CE_TUNE(rows_softcap_grad, RowsOnly, true, kCap) TWO;
 CE_TUNE(rows_all_grad, RowsOnly, true, kAll) TWO;
 CE_TUNE(opt_b256_v8_m4_softcap, CrossEntropyPolicy, true, kCap) TWO;
 CE_TUNE(res_smooth, CrossEntropyPolicy, true, kSmooth) TWO;
-CE_TUNE(optkernel_smooth, NoArgSmooth, true, kSmooth) TWO;
-CE_TUNE(optkernel_argmax, NoArgSmooth, true, kArg) TWO;
 CE_TUNE(res_smooth_argmax, CrossEntropyPolicy, true, kSmoothArg) TWO;
-CE_TUNE(optkernel_smooth_argmax, NoArgSmooth, true, kSmoothArg) TWO;
 CE_TUNE(opt_b256_v8_m4_weights, CrossEntropyPolicy, true, kW) TWO;
 CE_TUNE(res_argmax, CrossEntropyPolicy, true, kArg) TWO;
 CE_TUNE(opt_b256_v8_m4_token, CrossEntropyPolicy, true, kTok) TWO;
 CE_TUNE(opt_b256_v8_m4_all, CrossEntropyPolicy, true, kAll) TWO;
-CE_TUNE(res_loss_plain, ResLoss, false, Opt{}) TWO;
-CE_TUNE(stream_loss_plain, StreamPlain, false, Opt{}) TWO;
+CE_TUNE(default_loss_plain, CrossEntropyPolicy, false, Opt{}) TWO;
+CE_TUNE(rows_loss_plain, RowsOnly, false, Opt{}) TWO;
+CE_TUNE(seg512_loss_plain, StreamSeg512, false, Opt{}) TWO;
+CE_TUNE(seg2048_loss_plain, StreamSeg2048, false, Opt{}) TWO;
 CE_TUNE(default_loss_softcap, CrossEntropyPolicy, false, kCap) TWO;
-CE_TUNE(opt_loss_softcap, NoStream, false, kCap) TWO;
-CE_TUNE(stream_u4_loss_softcap, StreamU4, false, kCap) TWO;
-CE_TUNE(stream_u16_loss_softcap, StreamU16, false, kCap) TWO;
+CE_TUNE(seg2048_loss_softcap, StreamSeg2048, false, kCap) TWO;
+CE_TUNE(u4_loss_softcap, StreamU4, false, kCap) TWO;
 CE_TUNE(default_loss_argmax, CrossEntropyPolicy, false, kArg) TWO;
 CE_TUNE(default_loss_all, CrossEntropyPolicy, false, kAll) TWO;
 CE_TUNE_SPLIT(default_shard_stats, CrossEntropyPolicy, false) TWO;
-CE_TUNE_SPLIT(opt_shard_stats, NoStream, false) TWO;
 CE_TUNE_SPLIT(rows_shard_stats, RowsOnly, false) TWO;
-CE_TUNE_SPLIT(stream_u4_shard_stats, StreamU4, false) TWO;
-CE_TUNE_SPLIT(stream_u16_shard_stats, StreamU16, false) TWO;
-CE_TUNE_SPLIT(stream_seg512_shard_stats, StreamSeg512, false) TWO;
-CE_TUNE_SPLIT(stream_seg2048_shard_stats, StreamSeg2048, false) TWO;
+CE_TUNE_SPLIT(seg512_shard_stats, StreamSeg512, false) TWO;
+CE_TUNE_SPLIT(seg2048_shard_stats, StreamSeg2048, false) TWO;
+CE_TUNE_SPLIT(seg4096_shard_stats, StreamSeg4096, false) TWO;
+CE_TUNE_SPLIT(u4_shard_stats, StreamU4, false) TWO;
 CE_TUNE_SPLIT(rows_shard_finalize, RowsOnly, true) TWO;
 
 BENCH_MAIN

@@ -73,22 +73,17 @@ struct ResPolicy : tigon::CrossEntropyPolicy {
   static constexpr int kOptVecs = kVecs > 16 ? 16 : kVecs;
   static constexpr int kOptMinBlocks = kMinBlocks;
   static constexpr int kOptAhead = kAhead;
-  static constexpr bool kResLoss = true;
 };
 
-// The streaming kernel (no gradient) with short segments (many a row, up to its 16; uneven tails),
-// 3 vectors in flight, 128-thread blocks, and on the loss alone without options too.
+// The streaming kernel (no gradient) with short segments (many a row, up to its 16; uneven tails)
+// and 3 vectors in flight.
 struct StreamSmall : tigon::CrossEntropyPolicy {
-  static constexpr int kStreamThreads = 128;
   static constexpr int kStreamUnroll = 3;
-  static constexpr int kStreamMinBlocks = 8;
   static constexpr int kStreamSegVecs = 64;
-  static constexpr bool kStreamPlain = true;
 };
 
-// The loss's workspace for `rows` rows, the loss alone's per-block statistics included (the most
-// cross_entropy_workspace_bytes asks for any call of the suite).
-std::size_t ws_bytes(std::int64_t rows) { return tigon::detail::ce_workspace_bytes(rows, true); }
+// The loss's workspace for `rows` rows.
+std::size_t ws_bytes(std::int64_t rows) { return tigon::detail::ce_workspace_bytes(rows); }
 
 template <class T, class I = std::int64_t, class P = tigon::CrossEntropyPolicy>
 void run_case(const Case& c) {
@@ -223,7 +218,8 @@ void run_case(const Case& c) {
 
 // The policy test cases' options at one shape, in order: defaults; every option with an upstream
 // gradient; the same with token scaling; out of place with padded rows; every option, loss alone;
-// the plain path (no option); smoothing alone; smoothing and the argmax; with_plain_sep: the plain path out of place, reduction none, an
+// the plain path (no option); smoothing alone; smoothing and the argmax; the softcap alone, in place
+// and out of place (with the z-loss, reduction none); with_plain_sep: the plain path out of place, reduction none, an
 // upstream gradient per row; the loss alone on the plain path.
 std::vector<Case> option_cases(std::int64_t rows, std::int64_t V, bool with_plain_sep) {
   const Case base{.rows = rows, .V = V};
@@ -252,7 +248,14 @@ std::vector<Case> option_cases(std::int64_t rows, std::int64_t V, bool with_plai
   Case smooth_arg = sep;
   smooth_arg.eps = 0.1;
   smooth_arg.grad_output = true;
-  std::vector<Case> cases{base, all, token, sep, loss_only, plain, smooth, smooth_arg};
+  // The softcap alone (its plain resident instance for 16-bit logits), with the z-loss and an
+  // upstream gradient out of place.
+  Case cap = plain;
+  cap.cap = 30;
+  Case cap_sep = plain_sep;
+  cap_sep.cap = 30;
+  cap_sep.z = 1e-4;
+  std::vector<Case> cases{base, all, token, sep, loss_only, plain, smooth, smooth_arg, cap, cap_sep};
   if (with_plain_sep) cases.push_back(plain_sep);
   cases.push_back(plain_loss);
   return cases;
@@ -342,6 +345,8 @@ TEST_CASE("cross_entropy: the issue's shapes", "[ce][gpu][large]") {
   run_case<bf16, std::int32_t>({.rows = 1269, .V = 32000, .eps = 0.1});
   run_case<bf16>({.rows = 256, .V = 128256, .z = 1e-4, .argmax = false});
   run_case<bf16>({.rows = 2, .V = 262144, .cap = 30});
+  run_case<bf16>({.rows = 256, .V = 128256, .cap = 30, .argmax = false});
+  run_case<half, std::int32_t>({.rows = 64, .V = 256000, .cap = 30, .argmax = false});
   run_case<float>({.rows = 64, .V = 128256, .weights = true});
   run_case<bf16>({.rows = 512, .V = 128256, .eps = 0.1, .weights = true});
   run_case<bf16>({.rows = 512, .V = 256000, .cap = 30});

@@ -169,12 +169,9 @@ namespace detail {
 
 inline constexpr int kCeResMaxCluster = 16;
 
-// Workspace: the mean's denominator, the reduced sums, and per-row loss / z scratch; without a
-// gradient (`partials`: the loss alone, the statistics pass) also the optioned resident kernel's
-// per-block statistics, two float4 for each of up to kCeResMaxCluster blocks a row.
-inline std::size_t ce_workspace_bytes(std::int64_t rows, bool partials = false) {
-  const std::size_t base = round_up<std::size_t>(16 + static_cast<std::size_t>(rows) * 8u, 256u);
-  return partials ? base + static_cast<std::size_t>(rows) * kCeResMaxCluster * 32u : base;
+// Workspace: the mean's denominator, the reduced sums, and per-row loss / z scratch.
+inline std::size_t ce_workspace_bytes(std::int64_t rows) {
+  return round_up<std::size_t>(16 + static_cast<std::size_t>(rows) * 8u, 256u);
 }
 
 // The loss options and sizes (everything but the logits and their gradient): shared with the ops
@@ -252,13 +249,15 @@ constexpr bool whole_warps(int threads, int lo, int hi) { return threads % 32 ==
 //   struct MyPolicy : tigon::CrossEntropyPolicy { static constexpr int kResAhead = 16; };
 // and passes it as cross_entropy<MyPolicy>(args, stream).
 //
-// Which kernel takes a call (detail/cross_entropy_dispatch.cuh): on sm_90+ with 16-byte aligned
-// rows, a resident kernel (one row per thread-block cluster, the row held in registers, so the
-// logits are read once and the gradient written from registers): the plain one for the common case
-// (no class weights, smoothing, softcap, bias, argmax, token scaling or split statistics), the
-// optioned one for any of those and for the split finalize; otherwise (the loss alone without
-// options, rows that fit one block or need over 16), the row kernel (one row per block, a
-// statistics pass and a gradient pass that re-reads the row, from L2 where it stayed).
+// Which kernel takes a call (detail/cross_entropy_dispatch.cuh), for 16-byte aligned rows: without
+// a gradient (the loss alone, the split statistics) the streaming kernel (a block a row, a warp a
+// segment, the row read once); with one on sm_90+, a resident kernel (one row per thread-block
+// cluster, the row held in registers, so the logits are read once and the gradient written from
+// registers): the plain one without options or with the argmax and label smoothing alone, the
+// optioned one for class weights, softcap, bias, token scaling and the split finalize. Rows that
+// need over 16 blocks, unaligned rows and GPUs before sm_90 (with a gradient) take the row kernel
+// (one row per block, a statistics pass and a gradient pass that re-reads the row, from L2 where
+// it stayed).
 struct CrossEntropyPolicy {
   // Row kernel: block size, and the block size with a gradient on rows over 65536 columns.
   static constexpr int kRowThreads = 256;
@@ -274,29 +273,15 @@ struct CrossEntropyPolicy {
   static constexpr int kResVecs = 8;
   static constexpr int kResMinBlocks = 4;
   static constexpr int kResAhead = 32;
-  // Whether the loss alone (no gradient) takes the plain resident kernel (else the row kernel).
-  static constexpr bool kResLoss = false;
-  // Whether calls whose only options are the argmax and label smoothing (no class weights) take
-  // the plain resident kernel's instances for them (else the optioned one).
-  static constexpr bool kResArgSmooth = true;
   // Optioned resident kernel: the same four.
   static constexpr int kOptThreads = 256;
   static constexpr int kOptVecs = 8;
   static constexpr int kOptMinBlocks = 4;
   static constexpr int kOptAhead = 32;
-  // Whether the loss alone with options, and the split statistics pass, take the optioned
-  // resident kernel (else the row kernel).
-  static constexpr bool kOptLoss = true;
-  // Streaming kernel (no gradient: the loss alone with options, the split statistics): block size,
-  // 16-byte vectors in flight per lane per trip, blocks per SM its registers must allow, and the
-  // vectors of a row segment (one warp each; at most 16 segments a row). kStreamLoss: whether those
-  // calls take it; kStreamPlain: whether the loss alone without options does too.
-  static constexpr int kStreamThreads = 256;
+  // Streaming kernel (no gradient: the loss alone, the split statistics): 16-byte vectors in flight
+  // per lane per trip, and the vectors of a row segment (a warp each, at most 16 a row).
   static constexpr int kStreamUnroll = 8;
-  static constexpr int kStreamMinBlocks = 4;
   static constexpr int kStreamSegVecs = 1024;
-  static constexpr bool kStreamLoss = true;
-  static constexpr bool kStreamPlain = false;
   // Rows shorter than this take the row kernel (columns).
   static constexpr std::int64_t kResMinCols = 0;
 };
@@ -319,9 +304,7 @@ constexpr bool check_ce_policy() {
                 "resident kernels: 1 to 32 blocks per SM");
   static_assert(P::kResAhead >= 0 && P::kOptAhead >= 0, "rows ahead: 0 (off) or more");
   static_assert(P::kResMinCols >= 0, "kResMinCols: 0 or more columns");
-  static_assert(whole_warps(P::kStreamThreads, 32, 1024), "streaming kernel: a whole number of warps, at most 1024 threads");
   static_assert(P::kStreamUnroll >= 1 && P::kStreamUnroll <= 16, "streaming kernel: 1 to 16 vectors in flight per lane");
-  static_assert(P::kStreamMinBlocks >= 1 && P::kStreamMinBlocks <= 32, "streaming kernel: 1 to 32 blocks per SM");
   static_assert(P::kStreamSegVecs >= 32, "streaming kernel: segments of at least 32 vectors");
   return true;
 }
@@ -341,15 +324,13 @@ TIGON_NAMESPACE_BEGIN
 // 4. Launchers
 // ------------------------------------------------------------------------------------------------
 
-// Bytes of workspace cross_entropy(args) (and the split-vocabulary passes) needs: the mean's
-// denominator and 8 bytes of per-row scratch, rounded to 256; without a gradient (args.dlogits
-// null: the loss alone, the statistics pass) 512 bytes a row more, for the per-block statistics.
-// Validates args as the launch will.
+// Bytes of workspace cross_entropy(args) (and the split finalize) needs: the mean's denominator
+// and 8 bytes of per-row scratch, rounded to 256. Validates args as the launch will.
 template <class T, class I>
 [[nodiscard]] Status cross_entropy_workspace_bytes(const CrossEntropyArgs<T, I>& args, std::size_t& bytes) {
   bytes = 0;
   TIGON_CHECK(detail::validate(args, "cross_entropy_workspace_bytes"));
-  bytes = detail::ce_workspace_bytes(args.rows, args.dlogits == nullptr);
+  bytes = detail::ce_workspace_bytes(args.rows);
   return Status();
 }
 
@@ -403,10 +384,8 @@ template <class P = CrossEntropyPolicy, class T, class I>
   if (vocab_offset < 0 || vocab_offset + args.vocab > total_vocab) {
     return Status::error(Errc::invalid_size, kOp, "vocab_offset", "the shard must lie inside total_vocab");
   }
-  TIGON_CHECK(check::workspace(args.workspace, args.workspace_bytes, detail::ce_workspace_bytes(args.rows, true), kOp));
   auto p = detail::ce_params(args);
   p.dx = nullptr;
-  p.partials = detail::ce_scratch(args.workspace, args.rows, true).partials;
   p.col0 = vocab_offset;
   p.total_vocab = total_vocab;
   p.weights = args.class_weights != nullptr ? args.class_weights - vocab_offset : nullptr;

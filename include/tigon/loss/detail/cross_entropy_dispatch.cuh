@@ -83,35 +83,24 @@ Status launch_ce_rows(const CeParams<T, I>& p, bool vec, cudaStream_t stream, co
 }
 
 // A resident kernel (plain or optioned), when the row fits kCeResMaxCluster blocks and such a
-// cluster fits the device; `launched` false (nothing launched) otherwise. kPartials (the optioned
-// kernel): p.partials, when set, takes the place of the cluster.
-template <auto kKernel, int kThreads, int kVecs, int kAhead, bool kPartials, class T, class I>
+// cluster fits the device; `launched` false (nothing launched) otherwise.
+template <auto kKernel, int kThreads, int kVecs, int kAhead, class T, class I>
 Status launch_ce_resident(const CeParams<T, I>& p, cudaStream_t stream, const char* op, bool& launched) {
   constexpr int kV = kVecElems<T>;
   launched = false;
   const RowClusterShape shape = ce_res_shape(p.vocab / kV, kThreads, kVecs);
   if (shape.csize == 0) return Status();
   const auto c = static_cast<unsigned>(shape.csize);
-  // With partials (the optioned kernel without a gradient) a row's blocks are independent, and
-  // ce_merge_partials_kernel merges them; otherwise a row is a cluster.
-  const bool partial = kPartials && p.partials != nullptr;
-  LaunchShape one{dim3(c), dim3(kThreads), 0, stream, partial ? 0u : c};
-  if (!partial) {
-    bool fits = false;
-    TIGON_CHECK((cluster_fits<kKernel, kCeResMaxCluster>(one, op, fits)));
-    if (!fits) return Status();
-  }
-  // One cluster (or csize blocks) per row; grids over 2^31 - 1 blocks go in several launches.
+  LaunchShape one{dim3(c), dim3(kThreads), 0, stream, c};
+  bool fits = false;
+  TIGON_CHECK((cluster_fits<kKernel, kCeResMaxCluster>(one, op, fits)));
+  if (!fits) return Status();
+  // One cluster per row; grids over 2^31 - 1 blocks go in several launches.
   const std::int64_t max_rows = (std::int64_t{1} << 31) / shape.csize - 1;
   for (std::int64_t r0 = 0; r0 < p.rows; r0 += max_rows) {
     const std::int64_t n = std::min(max_rows, p.rows - r0);
     one.grid = dim3(static_cast<unsigned>(n * shape.csize));
     TIGON_CHECK(launch(op, kKernel, one, p, r0, shape.slice, kAhead));
-    if (partial) {
-      TIGON_CHECK(launch(op, ce_merge_partials_kernel<T, I>,
-                         {dim3(static_cast<unsigned>(ceil_div<std::int64_t>(n, 8))), dim3(256), 0, stream}, p, r0, n,
-                         shape.csize));
-    }
   }
   launched = true;
   return Status();
@@ -123,44 +112,32 @@ template <class P, int kCap, bool kBias, class T, class I>
 Status launch_ce_opt(const CeParams<T, I>& p, cudaStream_t stream, const char* op, bool& launched) {
   constexpr auto kernel =
       ce_resident_opt_kernel<T, I, kVecElems<T>, P::kOptThreads, P::kOptVecs, P::kOptMinBlocks, kCap, kBias>;
-  return launch_ce_resident<kernel, P::kOptThreads, P::kOptVecs, P::kOptAhead, true>(p, stream, op, launched);
+  return launch_ce_resident<kernel, P::kOptThreads, P::kOptVecs, P::kOptAhead>(p, stream, op, launched);
 }
 
-// The streaming kernel's shape for rows of nvec 16-byte vectors: segments of about seg_target
-// vectors (whole warps' worth), at most kCeResMaxCluster a row (the partials' workspace).
+// The streaming kernel's shape for rows of nvec 16-byte vectors: segments (warps of its block) of
+// about seg_target vectors, a multiple of 32, at most kCeStreamMaxWarps a row.
 struct CeStreamShape {
   int segs;
   int seg_vecs;
 };
 inline CeStreamShape ce_stream_shape(std::int64_t nvec, int seg_target) {
-  const std::int64_t segs = std::clamp<std::int64_t>(ceil_div<std::int64_t>(nvec, seg_target), 1, kCeResMaxCluster);
+  const std::int64_t segs = std::clamp<std::int64_t>(ceil_div<std::int64_t>(nvec, seg_target), 1, kCeStreamMaxWarps);
   const std::int64_t seg_vecs = round_up<std::int64_t>(ceil_div<std::int64_t>(nvec, segs), 32);
   return {static_cast<int>(ceil_div<std::int64_t>(nvec, seg_vecs)), static_cast<int>(seg_vecs)};
 }
 
-// The streaming kernel (no gradient), then the merge of its segments when a row has several;
-// `launched` false (nothing launched) when rows of several segments have no partials to go to.
+// The streaming kernel: a block a row, in launches of at most 2^31 - 1 rows.
 template <class P, int kCap, bool kBias, class T, class I>
-Status launch_ce_stream(const CeParams<T, I>& p, cudaStream_t stream, const char* op, bool& launched) {
+Status launch_ce_stream(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   constexpr int kV = kVecElems<T>;
-  constexpr int kWarps = P::kStreamThreads / 32;
-  constexpr auto kernel =
-      ce_stream_kernel<T, I, kV, P::kStreamThreads, P::kStreamUnroll, P::kStreamMinBlocks, kCap, kBias>;
+  constexpr auto kernel = ce_stream_kernel<T, I, kV, P::kStreamUnroll, kCap, kBias>;
   const CeStreamShape sh = ce_stream_shape(p.vocab / kV, P::kStreamSegVecs);
-  launched = false;
-  if (sh.segs > 1 && p.partials == nullptr) return Status();
-  const std::int64_t max_rows = (std::int64_t{1} << 30) / sh.segs;  // blocks per launch under 2^31
-  for (std::int64_t r0 = 0; r0 < p.rows; r0 += max_rows) {
-    const std::int64_t n = std::min(max_rows, p.rows - r0);
-    const auto grid = static_cast<unsigned>(ceil_div<std::int64_t>(n * sh.segs, kWarps));
-    TIGON_CHECK(launch(op, kernel, {dim3(grid), dim3(P::kStreamThreads), 0, stream}, p, r0, n, sh.segs, sh.seg_vecs));
-    if (sh.segs > 1) {
-      TIGON_CHECK(launch(op, ce_merge_partials_kernel<T, I>,
-                         {dim3(static_cast<unsigned>(ceil_div<std::int64_t>(n, 8))), dim3(256), 0, stream}, p, r0, n,
-                         sh.segs));
-    }
+  constexpr std::int64_t kMaxRows = (std::int64_t{1} << 31) - 1;
+  for (std::int64_t r0 = 0; r0 < p.rows; r0 += kMaxRows) {
+    const auto n = static_cast<unsigned>(std::min(kMaxRows, p.rows - r0));
+    TIGON_CHECK(launch(op, kernel, {dim3(n), dim3(32 * static_cast<unsigned>(sh.segs)), 0, stream}, p, r0, sh.seg_vecs));
   }
-  launched = true;
   return Status();
 }
 
@@ -172,46 +149,53 @@ bool ce_arg_smooth(const CeParams<T, I>& p) {
          p.stats_out == nullptr && (p.argmax != nullptr || p.eps > 0.0f);
 }
 
-// Which kernel takes a call: a resident kernel where one applies (sm_90+, 16-byte rows, 2 to
-// kCeResMaxCluster blocks a row), else the row kernel.
+// The softcap as the only option: the plain resident kernel's instance for it takes 16-bit logits.
+template <class T, class I>
+bool ce_cap_only(const CeParams<T, I>& p) {
+  return p.weights == nullptr && p.eps == 0.0f && p.bias == nullptr && p.argmax == nullptr && !p.token_scaling &&
+         p.stats == nullptr && p.stats_out == nullptr && p.cap > 0.0f;
+}
+
+// Which kernel takes a call (16-byte rows of at least kResMinCols columns): without a gradient
+// the streaming kernel; with one on sm_90+, a resident kernel when the row fits a cluster of
+// kCeResMaxCluster blocks (the plain one without options, with the argmax and smoothing alone or
+// with the softcap alone (16-bit logits), else the optioned one). Everything else takes the row kernel.
 template <class P = CrossEntropyPolicy, class T, class I>
 Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   constexpr int kV = kVecElems<T>;
   const bool vec = ce_vectorizable(p);
   if constexpr (kV > 1) {
     const bool plain = ce_plain(p);
-    if (vec && p.dx == nullptr && p.stats == nullptr && p.vocab >= P::kResMinCols && P::kStreamLoss &&
-        (!plain || P::kStreamPlain)) {
-      bool launched = false;
+    if (vec && p.dx == nullptr && p.stats == nullptr && p.vocab >= P::kResMinCols) {
       if (p.cap > 0.0f) {
         constexpr int kCap = sizeof(T) == 2 ? 2 : 1;
-        TIGON_CHECK((p.bias != nullptr ? launch_ce_stream<P, kCap, true>(p, stream, op, launched)
-                                      : launch_ce_stream<P, kCap, false>(p, stream, op, launched)));
-      } else {
-        TIGON_CHECK((p.bias != nullptr ? launch_ce_stream<P, 0, true>(p, stream, op, launched)
-                                      : launch_ce_stream<P, 0, false>(p, stream, op, launched)));
+        return p.bias != nullptr ? launch_ce_stream<P, kCap, true>(p, stream, op)
+                                 : launch_ce_stream<P, kCap, false>(p, stream, op);
       }
-      if (launched) return Status();
+      return p.bias != nullptr ? launch_ce_stream<P, 0, true>(p, stream, op) : launch_ce_stream<P, 0, false>(p, stream, op);
     }
-    const bool wanted = p.dx != nullptr || (plain ? P::kResLoss : P::kOptLoss);
-    if (vec && wanted && p.vocab >= P::kResMinCols) {
+    if (vec && p.dx != nullptr && p.vocab >= P::kResMinCols) {
       DeviceInfo dev;
       TIGON_CHECK(current_device_info(dev));
       if (dev.cc_major >= 9) {
         bool launched = false;
-        auto res = [&](auto arg_c, auto smooth_c) {
+        auto res = [&](auto arg_c, auto smooth_c, auto cap_c) {
           constexpr auto kernel = ce_resident_kernel<T, I, kV, P::kResThreads, P::kResVecs, P::kResMinBlocks,
-                                                     decltype(arg_c)::value, decltype(smooth_c)::value>;
-          return launch_ce_resident<kernel, P::kResThreads, P::kResVecs, P::kResAhead, false>(p, stream, op, launched);
+                                                     decltype(arg_c)::value, decltype(smooth_c)::value,
+                                                     decltype(cap_c)::value>;
+          return launch_ce_resident<kernel, P::kResThreads, P::kResVecs, P::kResAhead>(p, stream, op, launched);
         };
         constexpr std::true_type kYes{};
         constexpr std::false_type kNo{};
         if (plain) {
-          TIGON_CHECK(res(kNo, kNo));
-        } else if (CePackedMax<T>::kPacked && P::kResArgSmooth && ce_arg_smooth(p)) {
+          TIGON_CHECK(res(kNo, kNo, kNo));
+        } else if (CePackedMax<T>::kPacked && ce_arg_smooth(p)) {
           if constexpr (CePackedMax<T>::kPacked) {  // the argmax by packed compares
-            TIGON_CHECK(p.argmax != nullptr ? (p.eps > 0.0f ? res(kYes, kYes) : res(kYes, kNo)) : res(kNo, kYes));
+            TIGON_CHECK(p.argmax != nullptr ? (p.eps > 0.0f ? res(kYes, kYes, kNo) : res(kYes, kNo, kNo))
+                                        : res(kNo, kYes, kNo));
           }
+        } else if (CePackedMax<T>::kPacked && ce_cap_only(p)) {
+          if constexpr (CePackedMax<T>::kPacked) TIGON_CHECK(res(kNo, kNo, kYes));
         } else if (p.cap > 0.0f) {
           constexpr int kCap = sizeof(T) == 2 ? 2 : 1;
           TIGON_CHECK((p.bias != nullptr ? launch_ce_opt<P, kCap, true>(p, stream, op, launched)
@@ -245,27 +229,22 @@ inline Status ce_reduce(const float* loss_rows, const float* z_rows, std::int64_
 }
 
 // Workspace layout of a loss: [denominator | 3 spare floats | loss rows | z rows], rounded to 256
-// bytes, then (the loss alone and the statistics pass: ce_workspace_bytes(rows, true)) the
-// optioned kernel's partials, [rows][csize] pairs of float4 (csize <= kCeResMaxCluster blocks a row).
+// bytes (ce_workspace_bytes).
 struct CeScratch {
   float* denom;
   float* loss_rows;
   float* z_rows;
-  float4* partials;
 };
-inline CeScratch ce_scratch(void* ws, std::int64_t rows, bool partials = false) {
+inline CeScratch ce_scratch(void* ws, std::int64_t rows) {
   float* f = static_cast<float*>(ws);
-  float4* q = partials ? reinterpret_cast<float4*>(static_cast<unsigned char*>(ws) + ce_workspace_bytes(rows)) : nullptr;
-  return {f, f + 4, f + 4 + rows, q};
+  return {f, f + 4, f + 4 + rows};
 }
 
 template <class P = CrossEntropyPolicy, class T, class I>
 Status ce_impl(const CrossEntropyArgs<T, I>& a, CeParams<T, I> p, cudaStream_t stream, const char* op) {
-  const bool partials = p.dx == nullptr;  // the loss alone (and the finalize's loss alone, which leaves them unused)
-  TIGON_CHECK(check::workspace(a.workspace, a.workspace_bytes, ce_workspace_bytes(a.rows, partials), op));
-  const CeScratch ws = ce_scratch(a.workspace, a.rows, partials);
+  TIGON_CHECK(check::workspace(a.workspace, a.workspace_bytes, ce_workspace_bytes(a.rows), op));
+  const CeScratch ws = ce_scratch(a.workspace, a.rows);
   p.denom = ws.denom;
-  if (p.stats == nullptr) p.partials = ws.partials;
   p.loss_rows = a.loss_rows != nullptr ? a.loss_rows : ws.loss_rows;
   p.z_rows = ws.z_rows;
   if (a.reduction == Reduction::mean) {

@@ -34,9 +34,6 @@ struct CeParams {
   const CrossEntropyStats* stats;  // merged statistics (finalize), or null: compute them here
   CrossEntropyStats* stats_out;    // shard statistics (stats pass), or null
   const T* bias;                   // [vocab] added to the logits (the sum rounded to T) before the softcap, or null
-  // No gradient (the loss alone, the statistics pass): each block's statistics go to
-  // partials[row][block] (two float4) for ce_merge_partials_kernel, instead of a cluster exchange.
-  float4* partials;
 };
 
 struct CeAcc {  // one thread's (or a block's) running statistics
@@ -497,6 +494,20 @@ TIGON_DEVICE void ce_merge_lanes(int lane, float pm, float ps, int n, float& om,
   os = ss[0];
 }
 
+// The softcap's tanh(u), u = x / cap: kCap 1 the rational tanh (ce_math::tanh_rational, accurate to
+// fp32), kCap 2 the special-function unit's tanh.approx.f32 (relative error under 2^-10.9, a
+// quarter of a bfloat16 rounding; one instruction instead of a dozen FMAs and a divide).
+template <int kCap>
+TIGON_DEVICE float ce_tanh(float u) {
+  if constexpr (kCap == 2) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(u));
+    return y;
+  } else {
+    return ce_math::tanh_rational(u);
+  }
+}
+
 // The largest (value, column) pair of lanes [0, n), the first column on ties; every lane ends with
 // the same pair.
 TIGON_DEVICE void ce_argmax_lanes(int lane, int n, float& v, unsigned& c) {
@@ -570,7 +581,7 @@ TIGON_DEVICE unsigned ce_warp_argmax(const AlignedVec<T, kV> (&raw)[kVecs], int 
   return __shfl_sync(0xffffffffu, col, winner);
 }
 
-template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks, bool kArg, bool kSmooth>
+template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks, bool kArg, bool kSmooth, bool kCap>
 TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(const CeParams<T, I> params,
                                                                               std::int64_t row0, int slice,
                                                                               int ahead) {
@@ -595,6 +606,18 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   CeParams<T, I> p = ce_specialise<true>(params);
   if constexpr (kArg) p.argmax = params.argmax;
   if constexpr (kSmooth) p.eps = params.eps;
+  if constexpr (kCap) p.cap = params.cap;
+  static_assert(!kCap || (!kArg && !kSmooth && CePackedMax<T>::kPacked && kV % 2 == 0),
+                "the softcap instance: 16-bit logits, no other option");
+  // kCap (16-bit logits, the special-function unit's tanh): the statistics pass keeps each
+  // element's gradient term 2^14 e_i (1 - u_i^2) as half in place of its raw values, u_i =
+  // tanh(x_i / cap) and e_i = exp(cap u_i - m_w) the exponential the sum takes (m_w the warp's
+  // capped max; 2^14 keeps the terms off half's subnormals), so that the gradient is that term
+  // times one factor per thread: no special function in the gradient pass.
+  const float cap = kCap ? p.cap : 0.0f;
+  const float inv_cap = kCap ? 1.0f / p.cap : 0.0f;
+  constexpr float kGTermLog2 = 14.0f;
+  __half2 tk[kCap ? kVecs : 1][kCap ? kV / 2 : 1];
   const std::int64_t row = row0 + blockIdx.x / csize;
   const int nvec = static_cast<int>(p.vocab / kV);
   const int v0 = min(static_cast<int>(rank) * slice, nvec);
@@ -636,7 +659,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   // The target's logit, read by one thread of the first block before its message leaves, so
   // before any block of the cluster (all wait for that message) writes its gradient over it.
   float xt = 0.0f;
-  if (rank == 0 && tid == 0 && in_row) xt = to_float(p.x[row * p.xs + t]);
+  if (rank == 0 && tid == 0 && in_row) {
+    xt = to_float(p.x[row * p.xs + t]);
+    if constexpr (kCap) xt = cap * ce_tanh<2>(xt * inv_cap);
+  }
   // The warp's max, then this thread's sum of exp relative to it, summed over the warp.
   CePackedMax<T> mx;
 #pragma unroll
@@ -648,6 +674,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   const int lane_id = tid & 31;
   unsigned ac = kNoCol;  // the warp's first column of its max (kArg)
   if constexpr (kArg) ac = ce_warp_argmax<T, kV, kVecs, kThreads>(raw, mine, first, lane_id, m[0]);
+  // The softcap is monotonic: the warp's capped max from its raw one.
+  if constexpr (kCap) {
+    if (m[0] != -__builtin_huge_valf()) m[0] = cap * ce_tanh<2>(m[0] * inv_cap);
+  }
   // A warp whose elements are all -inf (or that has none) sums nothing: its m stays -inf.
   const float mb = m[0] == -__builtin_huge_valf() ? 0.0f : m[0] * kLog2e;
   float s[2] = {0.0f, 0.0f};  // sum of exp; sum of x (kSmooth)
@@ -656,13 +686,26 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
     if (j * kThreads < mine) {
       float x[kV];
       to_floats(raw[j], x);
+      if constexpr (kCap) {
 #pragma unroll
-      for (int k = 0; k < kV; ++k) {
-        s[0] += exp2_ftz(fmaf(x[k], kLog2e, -mb));
-        if constexpr (kSmooth) s[1] += x[k];
+        for (int k = 0; k < kV; ++k) {
+          const float u = ce_tanh<2>(x[k] * inv_cap);
+          const float e = exp2_ftz(fmaf(u, cap * kLog2e, kGTermLog2 - mb));
+          s[0] += e;
+          x[k] = e * fmaf(-u, u, 1.0f);
+        }
+#pragma unroll
+        for (int k = 0; k < kV; k += 2) tk[j][k / 2] = __floats2half2_rn(x[k], x[k + 1]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          s[0] += exp2_ftz(fmaf(x[k], kLog2e, -mb));
+          if constexpr (kSmooth) s[1] += x[k];
+        }
       }
     }
   }
+  if constexpr (kCap) s[0] *= exp2f(-kGTermLog2);  // exact
   if constexpr (kSmooth) {
     warp_allreduce_sum<32>(s);
   } else {
@@ -760,7 +803,22 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   const float nb = kSmooth ? -scale * p.eps / static_cast<float>(p.total_vocab) : 0.0f;
   const float neg_lse2 = -lse * kLog2e;
   T* dv = p.dx + row * p.dxs + static_cast<std::int64_t>(first) * kV;
-  if (factor > 0.0f) {
+  if constexpr (kCap) {
+    // The kept terms times factor 2^(m_w log2(e) - lse log2(e) - 14): p_i (1 - u_i^2) factor.
+    const float gf = factor * exp2f(mb + neg_lse2 - kGTermLog2);
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (j * kThreads < mine) {
+        float x[kV];
+#pragma unroll
+        for (int k = 0; k < kV; k += 2) {
+          x[k] = __low2float(tk[j][k / 2]) * gf;
+          x[k + 1] = __high2float(tk[j][k / 2]) * gf;
+        }
+        store_vec_policy(dv + j * kThreads * kV, from_floats<T>(x), drop);
+      }
+    }
+  } else if (factor > 0.0f) {
     const float bias = neg_lse2 + __log2f(factor);
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
@@ -801,7 +859,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
       terms.x_t = row_xt;
       terms.sum_w = static_cast<float>(p.total_vocab);
       const float pr = exp2_ftz(fmaf(row_xt, kLog2e, neg_lse2));
-      p.dx[row * p.dxs + t] = from_float<T>(ce_math::grad(pr, true, 1.0f, terms, p.eps, p.z, p.total_vocab) * scale);
+      p.dx[row * p.dxs + t] = from_float<T>(ce_math::grad(pr, true, 1.0f, terms, p.eps, p.z, p.total_vocab) *
+                                            ce_math::softcap_grad(row_xt, cap) * scale);
     }
   }
 #else
@@ -826,19 +885,6 @@ TIGON_DEVICE T ce_half_bits(__half h) {
 TIGON_DEVICE __half ce_bits_half(__half h) { return h; }
 TIGON_DEVICE __half ce_bits_half(__nv_bfloat16 b) { return __ushort_as_half(__bfloat16_as_ushort(b)); }
 
-// The softcap's tanh(u), u = x / cap: kCap 1 the rational tanh (ce_math::tanh_rational, accurate to
-// fp32), kCap 2 the special-function unit's tanh.approx.f32 (relative error under 2^-10.9, a
-// quarter of a bfloat16 rounding; one instruction instead of a dozen FMAs and a divide).
-template <int kCap>
-TIGON_DEVICE float ce_tanh(float u) {
-  if constexpr (kCap == 2) {
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(u));
-    return y;
-  } else {
-    return ce_math::tanh_rational(u);
-  }
-}
 
 // The optioned kernel's row outputs from the row's merged statistics (total.best_i: the argmax's
 // column within the shard, 0xffffffff for none): the shard statistics, or the loss outputs; w_t
@@ -868,9 +914,9 @@ TIGON_DEVICE void ce_opt_row_out(const CeParams<T, I>& p, std::int64_t row, CeAc
   }
 }
 
-// The resident kernel for every option (class weights, label smoothing, softcap, bias, argmax, token
-// scaling, the split-vocabulary statistics and finalize passes; the default for them on sm_90+ with
-// 16-byte rows): the plain kernel's structure and registers, the raw 16-byte vectors held, and the logits
+// The resident kernel for every option with a gradient (class weights, label smoothing, softcap,
+// bias, argmax, token scaling, and the split-vocabulary finalize; the default for them on sm_90+
+// with 16-byte rows, but for the argmax and smoothing alone): the plain kernel's structure and registers, the raw 16-byte vectors held, and the logits
 // formed from them (bias added, softcap applied) each time a pass needs them, in fp32. kCap (0:
 // none, 1: rational tanh for fp32 logits, 2: hardware tanh for 16-bit ones) and kBias are
 // compile-time, so that a call without them pays nothing; smoothing, weights and argmax are
@@ -893,12 +939,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   __shared__ float row_lse, row_xt, row_swx, row_sw;
   __shared__ float row_mem[4];  // upstream gradient, denominators [0] and [1], the target's weight
   const bool exchange = p.stats == nullptr;  // finalize: the merged statistics are given
-  // Without a gradient the blocks of a row are no cluster: each writes its statistics to partials.
-  const bool partial = p.partials != nullptr;
   const int nvec = static_cast<int>(p.vocab / kV);
-  const unsigned csize = partial ? static_cast<unsigned>((nvec + slice - 1) / slice) : cluster_blocks();
-  const unsigned rank = partial ? blockIdx.x % csize : cluster_rank();
-  const bool solo = csize == 1 || partial;  // no messages
+  const unsigned csize = cluster_blocks();
+  const unsigned rank = cluster_rank();
+  const bool solo = csize == 1;  // no messages
   if (exchange && !solo) {
     if (threadIdx.x == 0) mbarrier_init(&bar);
     cluster_arrive_relaxed();
@@ -922,7 +966,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     if (j * kThreads < mine) raw[j] = load_vec_policy<kV>(xv + j * kThreads * kV, drop);
   }
   const bool smooth = p.eps > 0.0f;
-  const bool want_arg = p.argmax != nullptr || p.stats_out != nullptr;
+  const bool want_arg = p.argmax != nullptr;
   const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
   const float cap = kCap ? p.cap : 0.0f;
   const float inv_cap = kCap ? 1.0f / p.cap : 0.0f;
@@ -997,20 +1041,19 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   // class weight) copied to shared memory by thread 0 while the logits are in flight (no registers
   // held across the pass, no round trip after the exchange); thread 0 waits for them before the
   // barrier that follows the exchange.
-  if (exchange && !partial && tid == 0) {
-    const bool grads = p.dx != nullptr && p.stats_out == nullptr;  // the statistics pass has no denominators
-    if (grads && p.grad_output != nullptr) {
+  if (exchange && tid == 0) {
+    if (p.grad_output != nullptr) {
       __pipeline_memcpy_async(&row_mem[0], p.grad_output + (p.reduction == Reduction::none ? row : 0), 4);
     } else {
       row_mem[0] = 1.0f;
     }
-    if (grads && p.reduction == Reduction::mean) {
+    if (p.reduction == Reduction::mean) {
       __pipeline_memcpy_async(&row_mem[1], p.denom, 4);
       __pipeline_memcpy_async(&row_mem[2], p.denom + 1, 4);
     } else {
       row_mem[1] = row_mem[2] = 1.0f;
     }
-    if (p.weights != nullptr && !skip && p.stats_out == nullptr) {
+    if (p.weights != nullptr && !skip) {
       __pipeline_memcpy_async(&row_mem[3], p.weights + t_raw, 4);
     } else {
       row_mem[3] = skip ? 0.0f : 1.0f;
@@ -1175,14 +1218,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
       unsigned bc = __float_as_uint(pw.w);
       if (want_arg) ce_argmax_lanes(lane, kWarps, bv, bc);
       xt = __shfl_sync(0xffffffffu, xt, 0);
-      if (partial) {  // the block's statistics (block 0's with the target's logit) for the merge kernel
-        if (lane == 0) {
-          float4* q = p.partials + 2 * (row * csize + rank);
-          q[0] = make_float4(bm, bs, xt, 0.0f);
-          q[1] = make_float4(bsum[0], bsum[1], bv, __uint_as_float(bc));
-        }
-        return;
-      }
       float tm = bm, ts = bs, rsum[2] = {bsum[0], bsum[1]}, rv = bv, row_x = xt;
       unsigned rc = bc;
       if (!solo) {
@@ -1218,7 +1253,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
         if (rank == 0) ce_opt_row_out(p, row, CeAcc{tm, ts, rsum[0], rsum[1], rv, rc}, row_x, row_mem[3]);
       }
     }
-    if (p.dx == nullptr || p.stats_out != nullptr) return;
     __syncthreads();
     lse = row_lse;
     x_t = row_xt;
@@ -1238,7 +1272,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
       const CeAcc total{st.max, st.sumexp, st.sum_wx, st.sum_w, st.argmax_value, st.argmax};
       ce_write_row(p, row, ce_row_terms(p, row, total, lse, x_t, t_raw, ignored || bad), total, ignored, bad);
     }
-    if (p.dx == nullptr) return;
     if constexpr (kKeepTanh) {
 #pragma unroll
       for (int j = 0; j < kVecs; ++j) {
@@ -1365,31 +1398,30 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
 
 // ---- The streaming kernel (no gradient) ----
 
-// The loss alone with options and the split statistics pass (16-byte rows; the default for them):
-// each warp takes one segment of a row, seg_vecs 16-byte vectors (the last one shorter), and
-// streams it, kU vectors in flight per lane per trip, read once with the evict-first L2 priority.
-// Per trip: the trip's largest logit (packed pairs for bfloat16 / half; before the softcap,
-// which is monotonic), a rescale of the lane's running sum only when it grows, one exp2 an
-// element, the smoothing sums and the argmax as uniform branches (the argmax search runs only on a
-// trip holding a new largest value). A warp's lanes merge in a fixed butterfly order; a row of one
-// segment writes its outputs, longer rows leave each segment's statistics in p.partials (the
-// optioned kernel's format) for ce_merge_partials_kernel, which merges them in segment order: the
-// result does not depend on scheduling. No shared memory, no block barrier. kCap and kBias as in
-// the optioned resident kernel.
-template <class T, class I, int kV, int kThreads, int kU, int kMinBlocks, int kCap, bool kBias>
-TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_stream_kernel(const CeParams<T, I> p, std::int64_t row0,
-                                                                            std::int64_t rows, int segs, int seg_vecs) {
+// The calls without a gradient: the loss alone (with or without options) and the split statistics
+// pass (16-byte rows). One block a row, one warp a segment of seg_vecs 16-byte vectors (the last
+// one shorter; blockDim.x / 32 segments), each streamed once with the evict-first L2 priority, kU
+// vectors in flight per lane per trip. Per trip: the trip's largest logit (packed pairs for
+// bfloat16 / half; before the softcap, which is monotonic), a rescale of the lane's running sum
+// only when it grows, one exp2 an element, the smoothing sums as a compile-time walk, and the
+// argmax search only on a trip holding a new largest value. Each warp's lanes merge in a fixed
+// butterfly order, then warp 0 merges the segments in order and writes the row's outputs (the
+// loss's or its CrossEntropyStats): deterministic, one barrier a row, no workspace. kCap and kBias
+// as in the optioned resident kernel. Registers: 64 a thread (two 512-thread blocks per SM).
+inline constexpr int kCeStreamMaxWarps = 16;
+template <class T, class I, int kV, int kU, int kCap, bool kBias>
+TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
+    ce_stream_kernel(const CeParams<T, I> p, std::int64_t row0, int seg_vecs) {
   detail::grid_dependency_sync();
-  constexpr int kWarps = kThreads / 32;
   constexpr float kNegInf = -__builtin_huge_valf();
   constexpr unsigned kNoCol = 0xffffffffu;
+  __shared__ float4 seg_stats[2 * kCeStreamMaxWarps];  // [2 g]: max, sum of exp; [2 g + 1]: sums, argmax
   const int lane = static_cast<int>(threadIdx.x & 31);
-  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (item >= rows * segs) return;
-  const std::int64_t row = row0 + item / segs;
-  const int g = static_cast<int>(item % segs);
+  const int g = static_cast<int>(threadIdx.x >> 5);
+  const int segs = static_cast<int>(blockDim.x >> 5);
+  const std::int64_t row = row0 + blockIdx.x;
   const int nvec = static_cast<int>(p.vocab / kV);
-  const int v0 = g * seg_vecs;
+  const int v0 = min(g * seg_vecs, nvec);
   const int v1 = min(v0 + seg_vecs, nvec);
   const T* xr = p.x + row * p.xs;
   const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
@@ -1409,7 +1441,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_stream_kernel(const
       return z;
     }
   };
-  // The target's logit, by lane 0 of the row's first segment (the merge takes segment 0's).
+  // The target's logit, by the thread that writes the row's outputs.
   const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
   const std::int64_t t = t_raw - p.col0;
   float xt = 0.0f;
@@ -1516,9 +1548,11 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_stream_kernel(const
       }
     }
   };
+  // With a bias, half the vectors a trip: the bias vectors take the registers of the other half.
+  constexpr int kTrip = kBias && kU > 1 ? kU / 2 : kU;
   auto walk = [&](auto smooth_c, auto weights_c) {
     int i = v0 + lane;
-    for (; i + (kU - 1) * 32 < v1; i += kU * 32) trip(i, std::integral_constant<int, kU>{}, smooth_c, weights_c);
+    for (; i + (kTrip - 1) * 32 < v1; i += kTrip * 32) trip(i, std::integral_constant<int, kTrip>{}, smooth_c, weights_c);
     for (; i < v1; i += 32) trip(i, std::integral_constant<int, 1>{}, smooth_c, weights_c);
   };
   constexpr std::false_type kNo{};
@@ -1550,46 +1584,27 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_stream_kernel(const
     ce_argmax_lanes(lane, 32, bz, bc);
     bv = bc == kNoCol ? kNegInf : ycap(bz) * xs;
   }
-  if (lane != 0) return;
-  if (segs > 1) {
-    float4* q = p.partials + 2 * (row * segs + g);
-    q[0] = make_float4(m, ws[0], xt, 0.0f);
-    q[1] = make_float4(sums[0], sums[1], bv, __uint_as_float(bc));
-    return;
-  }
-  const bool skip = t_raw == p.ignore_index || t_raw < 0 || t_raw >= p.total_vocab;
-  const float w_t = skip ? 0.0f : (p.weights != nullptr && p.stats_out == nullptr ? p.weights[t_raw] : 1.0f);
-  ce_opt_row_out(p, row, CeAcc{m, ws[0], sums[0], sums[1], bv, bc}, xt, w_t);
-}
-
-// The rows of a launch of the optioned kernel without a gradient (rows [row0, row0 + rows) of p,
-// csize blocks each): one warp a row merges its blocks' partials in block order (the cluster
-// exchange's merge: deterministic) and writes the row's outputs.
-template <class T, class I>
-TIGON_KERNEL void ce_merge_partials_kernel(const CeParams<T, I> p, std::int64_t row0, std::int64_t rows,
-                                           int csize) {
-  detail::grid_dependency_sync();
-  const std::int64_t w = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  if (w >= rows) return;
-  const std::int64_t row = row0 + w;
-  const bool from = lane < csize;
-  const float4* q = p.partials + 2 * (row * csize + lane);
-  const float4 a = from ? q[0] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  const float4 b = from ? q[1] : make_float4(0.0f, 0.0f, -__builtin_huge_valf(), __uint_as_float(0xffffffffu));
-  float tm, ts;
-  ce_merge_lanes(lane, a.x, a.y, csize, tm, ts);
-  float sums[2] = {b.x, b.y};
-  warp_allreduce_sum<32>(sums);
-  float v = b.z;
-  unsigned c = __float_as_uint(b.w);
-  ce_argmax_lanes(lane, csize, v, c);
-  const float x_t = __shfl_sync(0xffffffffu, a.z, 0);  // block 0's partial carries the target's logit
   if (lane == 0) {
-    const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
+    seg_stats[2 * g] = make_float4(m, ws[0], 0.0f, 0.0f);
+    seg_stats[2 * g + 1] = make_float4(sums[0], sums[1], bv, __uint_as_float(bc));
+  }
+  __syncthreads();
+  if (g != 0) return;
+  // Warp 0: the segments merged in order, and the row's outputs.
+  const bool from = lane < segs;
+  const float4 a = from ? seg_stats[2 * lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float4 b = from ? seg_stats[2 * lane + 1] : make_float4(0.0f, 0.0f, kNegInf, __uint_as_float(kNoCol));
+  float tm, ts;
+  ce_merge_lanes(lane, a.x, a.y, segs, tm, ts);
+  float rsum[2] = {b.x, b.y};
+  if (smooth) warp_allreduce_sum<32>(rsum);
+  float rv = b.z;
+  unsigned rc = __float_as_uint(b.w);
+  if (want_arg) ce_argmax_lanes(lane, segs, rv, rc);
+  if (lane == 0) {
     const bool skip = t_raw == p.ignore_index || t_raw < 0 || t_raw >= p.total_vocab;
     const float w_t = skip ? 0.0f : (p.weights != nullptr && p.stats_out == nullptr ? p.weights[t_raw] : 1.0f);
-    ce_opt_row_out(p, row, CeAcc{tm, ts, sums[0], sums[1], v, c}, x_t, w_t);
+    ce_opt_row_out(p, row, CeAcc{tm, ts, rsum[0], rsum[1], rv, rc}, xt, w_t);
   }
 }
 

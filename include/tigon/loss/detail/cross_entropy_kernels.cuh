@@ -1406,8 +1406,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
 // The calls without a gradient: the loss alone (with or without options) and the split statistics
 // pass (16-byte rows). One block a row, one warp a segment of seg_vecs 16-byte vectors (the last
 // one shorter; blockDim.x / 32 segments), each streamed once with the evict-first L2 priority, kU
-// vectors in flight per lane per trip; the lane that streams the target's vector takes its logit
-// from it. Per trip: the trip's largest logit (packed pairs for
+// vectors in flight per lane per trip. Per trip: the trip's largest logit (packed pairs for
 // bfloat16 / half; before the softcap, which is monotonic), a rescale of the lane's running sum
 // only when it grows, one exp2 an element, the smoothing sums as a compile-time walk, and the
 // argmax search only on a trip holding a new largest value. Each warp's lanes merge in a fixed
@@ -1447,14 +1446,15 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
       return z;
     }
   };
-  // The target's logit is taken from the streamed vector that holds it, by the lane streaming it
-  // (no dependent load on any warp's path): vector t_vec, element t_k.
+  // The target's logit, by the thread that writes the row's outputs.
   const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
   const std::int64_t t = t_raw - p.col0;
-  const int t_vec = (t >= 0 && t < p.vocab) ? static_cast<int>(t / kV) : -1;
-  const int t_k = static_cast<int>(t % kV);
-  float xt = 0.0f;  // the target's z in the lane that holds it (has_t)
-  bool has_t = false;
+  float xt = 0.0f;
+  if (g == 0 && lane == 0 && t >= 0 && t < p.vocab) {
+    xt = to_float(xr[t]);
+    if constexpr (kBias) xt = round_to<T>(xt + to_float(p.bias[t]));
+    if constexpr (kCap != 0) xt = cap * ce_tanh<kCap>(xt * inv_cap);
+  }
   float mz = kNegInf;    // the lane's largest z
   float mb = 0.0f;       // ycap(mz) * l2s (0 while mz is -inf): the exponent's offset
   float s = 0.0f;        // sum of exp2(y * l2s - mb)
@@ -1483,21 +1483,6 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
         for (int k = 0; k < kV; ++k) z[k] += to_float(b.v[k]);
         raw[u] = from_floats<T>(z);
       }
-    }
-    const int d = t_vec - i;
-    if (d >= 0 && d % 32 == 0 && d < kN * 32) {  // this trip holds the target's vector
-#pragma unroll
-      for (int u = 0; u < kN; ++u) {
-        if (d == u * 32) {
-          float z[kV];
-          to_floats(raw[u], z);
-#pragma unroll
-          for (int k = 0; k < kV; ++k) {
-            if (k == t_k) xt = z[k];
-          }
-        }
-      }
-      has_t = true;
     }
     CePackedMax<T> mx;
 #pragma unroll
@@ -1604,14 +1589,8 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
     ce_argmax_lanes(lane, 32, bz, bc);
     bv = bc == kNoCol ? kNegInf : ycap(bz) * xs;
   }
-  // The target's (capped) logit to lane 0 from the lane that holds it, if this segment has it.
-  const unsigned hb = __ballot_sync(0xffffffffu, has_t);
-  if constexpr (kCap != 0) {
-    if (has_t) xt = cap * ce_tanh<kCap>(xt * inv_cap);
-  }
-  if (hb != 0u) xt = __shfl_sync(0xffffffffu, xt, __ffs(static_cast<int>(hb)) - 1);
   if (lane == 0) {
-    seg_stats[2 * g] = make_float4(m, ws[0], xt, hb != 0u ? 1.0f : 0.0f);
+    seg_stats[2 * g] = make_float4(m, ws[0], 0.0f, 0.0f);
     seg_stats[2 * g + 1] = make_float4(sums[0], sums[1], bv, __uint_as_float(bc));
   }
   __syncthreads();
@@ -1622,8 +1601,6 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
   const float4 b = from ? seg_stats[2 * lane + 1] : make_float4(0.0f, 0.0f, kNegInf, __uint_as_float(kNoCol));
   float tm, ts;
   ce_merge_lanes(lane, a.x, a.y, segs, tm, ts);
-  const unsigned tb = __ballot_sync(0xffffffffu, a.w != 0.0f);
-  const float xt_row = tb != 0u ? __shfl_sync(0xffffffffu, a.z, __ffs(static_cast<int>(tb)) - 1) : 0.0f;
   float rsum[2] = {b.x, b.y};
   if (smooth) warp_allreduce_sum<32>(rsum);
   float rv = b.z;
@@ -1632,7 +1609,7 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
   if (lane == 0) {
     const bool skip = t_raw == p.ignore_index || t_raw < 0 || t_raw >= p.total_vocab;
     const float w_t = skip ? 0.0f : (p.weights != nullptr && p.stats_out == nullptr ? p.weights[t_raw] : 1.0f);
-    ce_opt_row_out(p, row, CeAcc{tm, ts, rsum[0], rsum[1], rv, rc}, xt_row, w_t);
+    ce_opt_row_out(p, row, CeAcc{tm, ts, rsum[0], rsum[1], rv, rc}, xt, w_t);
   }
 }
 

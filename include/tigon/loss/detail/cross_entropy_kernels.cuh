@@ -1,5 +1,6 @@
 // tigon/loss/detail/cross_entropy_kernels.cuh - the cross-entropy kernels: the row kernel, the
-// plain and optioned resident kernels, and the denominator, reduction and merge kernels. Included
+// plain and optioned resident kernels, the streaming kernel, and the denominator, reduction and
+// split-statistics merge kernels. Included
 // by <tigon/loss/cross_entropy.cuh>; not a header to include on its own.
 #pragma once
 

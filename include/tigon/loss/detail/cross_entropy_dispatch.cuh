@@ -141,19 +141,18 @@ Status launch_ce_stream(const CeParams<T, I>& p, cudaStream_t stream, const char
   return Status();
 }
 
-// The argmax and label smoothing, one or both, as the only options (no class weights): the plain
-// resident kernel's instances for them take 16-bit logits.
+// The argmax and label smoothing, one or both, as the only options: the plain resident kernel's
+// instances for them take 16-bit logits.
 template <class T, class I>
 bool ce_arg_smooth(const CeParams<T, I>& p) {
-  return p.weights == nullptr && p.cap == 0.0f && p.bias == nullptr && !p.token_scaling && p.stats == nullptr &&
-         p.stats_out == nullptr && (p.argmax != nullptr || p.eps > 0.0f);
+  const unsigned o = ce_options(p);
+  return o != 0u && (o & ~(kCeArgmax | kCeSmooth)) == 0u;
 }
 
 // The softcap as the only option: the plain resident kernel's instance for it takes 16-bit logits.
 template <class T, class I>
 bool ce_cap_only(const CeParams<T, I>& p) {
-  return p.weights == nullptr && p.eps == 0.0f && p.bias == nullptr && p.argmax == nullptr && !p.token_scaling &&
-         p.stats == nullptr && p.stats_out == nullptr && p.cap > 0.0f;
+  return ce_options(p) == kCeCap;
 }
 
 // Which kernel takes a call (16-byte rows of at least kResMinCols columns): without a gradient

@@ -329,13 +329,29 @@ TIGON_DEVICE void ce_grad_range(const CeParams<T, I>& p, const T* xr, T* dr, int
   }
 }
 
+// The options a call sets, as a mask of CeOption bits (the dispatch picks kernel instances by it).
+enum CeOption : unsigned {
+  kCeWeights = 1u,
+  kCeSmooth = 2u,
+  kCeCap = 4u,
+  kCeBias = 8u,
+  kCeArgmax = 16u,
+  kCeToken = 32u,
+  kCeStats = 64u,  // the split vocabulary: statistics in (finalize) or out (statistics pass)
+};
+template <class T, class I>
+TIGON_HD unsigned ce_options(const CeParams<T, I>& p) {
+  return (p.weights != nullptr ? kCeWeights : 0u) | (p.eps > 0.0f ? kCeSmooth : 0u) | (p.cap > 0.0f ? kCeCap : 0u) |
+         (p.bias != nullptr ? kCeBias : 0u) | (p.argmax != nullptr ? kCeArgmax : 0u) |
+         (p.token_scaling ? kCeToken : 0u) | (p.stats != nullptr || p.stats_out != nullptr ? kCeStats : 0u);
+}
+
 // The common case (no class weights, smoothing, softcap, bias, argmax or split-vocabulary
 // statistics): those fields as compile-time constants, so their per-element work and registers
 // drop out of the instance.
 template <class T, class I>
 TIGON_HD bool ce_plain(const CeParams<T, I>& p) {
-  return p.weights == nullptr && p.eps == 0.0f && p.cap == 0.0f && p.bias == nullptr && p.argmax == nullptr &&
-         !p.token_scaling && p.stats == nullptr && p.stats_out == nullptr;
+  return ce_options(p) == 0u;
 }
 
 template <bool kPlain, class T, class I>
@@ -435,8 +451,9 @@ TIGON_KERNEL void __launch_bounds__(kThreads, (kGrad || kPlain)           ? 0
 
 // ---- The resident kernels ----
 
-// The plain resident kernel (the common case: ce_plain, 16-byte vectors, sm_90+): one row per
-// cluster of csize blocks and one slice per block, no block walks rows. Each
+// The plain resident kernel (the common case: ce_plain, 16-byte vectors, sm_90+, with a gradient:
+// calls without one take the streaming kernel): one row per cluster of csize blocks and one slice
+// per block, no block walks rows. Each
 // thread loads its kVecs vectors of the slice at once and keeps them in registers, so the logits
 // are read from DRAM once and no second pass reads them again; the gradient is written from the
 // registers. A block's statistics (max and sum of exp relative to it; block 0's also carry the
@@ -795,7 +812,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
       }
     }
   }
-  if (p.dx == nullptr) return;
   __syncthreads();
   const float lse = row_lse;
   const bool ignored = t_raw == p.ignore_index;
@@ -1409,8 +1425,9 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
 // one shorter; blockDim.x / 32 segments), each streamed once with the evict-first L2 priority, kU
 // vectors in flight per lane per trip. Per trip: the trip's largest logit (packed pairs for
 // bfloat16 / half; before the softcap, which is monotonic), a rescale of the lane's running sum
-// only when it grows, one exp2 an element, the smoothing sums as a compile-time walk, and the
-// argmax search only on a trip holding a new largest value. Each warp's lanes merge in a fixed
+// only when it grows, one exp2 an element and the smoothing sums as a compile-time walk; for the
+// argmax each lane notes the trip that set its largest value, and after the walk the lanes holding
+// the warp's largest read that trip again to find its column. Each warp's lanes merge in a fixed
 // butterfly order, then warp 0 merges the segments in order and writes the row's outputs (the
 // loss's or its CrossEntropyStats): deterministic, one barrier a row, no workspace. kCap and kBias
 // as in the optioned resident kernel. Registers: 64 a thread (two 512-thread blocks per SM).
@@ -1460,19 +1477,20 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
   float mb = 0.0f;       // ycap(mz) * l2s (0 while mz is -inf): the exponent's offset
   float s = 0.0f;        // sum of exp2(y * l2s - mb)
   float swx = 0.0f, sw = 0.0f;  // smoothing: sum of w_i y_i, sum of w_i (with class weights)
-  float bz = kNegInf;    // argmax: the lane's largest z and its first column
-  unsigned bc = kNoCol;
-  // One trip over vectors i, i + 32, ..., i + 32 (kN - 1) of the segment.
-  // kSmooth, kWeights: the smoothing sums, with class weights (compile-time: no branch a vector).
-  auto trip = [&](int i, auto n_c, auto smooth_c, auto weights_c) {
+  int bi = -1;           // argmax: the first trip (its first vector) that held the lane's largest z
+  // A trip's kN vectors i, i + 32, ..., i + 32 (kN - 1) of the segment, as z (with a bias, the sum
+  // rounded to T).
+  // kStreamed: the walk's loads (evict-first); else a plain load (the argmax's second read).
+  auto fetch = [&](int i, auto n_c, auto streamed_c, AlignedVec<T, kV>(&raw)[decltype(n_c)::value]) {
     constexpr int kN = decltype(n_c)::value;
-    constexpr bool kSmooth = decltype(smooth_c)::value;
-    constexpr bool kWeights = decltype(weights_c)::value;
-    AlignedVec<T, kV> raw[kN];
     const T* xp = xr + static_cast<std::int64_t>(i) * kV;
 #pragma unroll
     for (int u = 0; u < kN; ++u) {
-      raw[u] = load_vec_policy<kV>(xp + u * 32 * kV, drop);
+      if constexpr (decltype(streamed_c)::value) {
+        raw[u] = load_vec_policy<kV>(xp + u * 32 * kV, drop);
+      } else {
+        raw[u] = load_vec<kV>(xp + u * 32 * kV);
+      }
     }
     if constexpr (kBias) {
 #pragma unroll
@@ -1485,6 +1503,15 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
         raw[u] = from_floats<T>(z);
       }
     }
+  };
+  // One trip. kSmooth, kWeights: the smoothing sums, with class weights (compile-time: no branch a
+  // vector).
+  auto trip = [&](int i, auto n_c, auto smooth_c, auto weights_c) {
+    constexpr int kN = decltype(n_c)::value;
+    constexpr bool kSmooth = decltype(smooth_c)::value;
+    constexpr bool kWeights = decltype(weights_c)::value;
+    AlignedVec<T, kV> raw[kN];
+    fetch(i, n_c, std::true_type{}, raw);
     CePackedMax<T> mx;
 #pragma unroll
     for (int u = 0; u < kN; ++u) mx.add(raw[u]);
@@ -1494,40 +1521,7 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
       s = mz == kNegInf ? 0.0f : s * exp2_ftz(mb - nb);
       mz = tz;
       mb = nb;
-    }
-    if (want_arg && tz > bz) {  // the trip's first column holding tz (columns rise with u, then k)
-      unsigned c = kNoCol;
-      if constexpr (CePackedMax<T>::kPacked && kV % 2 == 0) {
-        // Packed compares on the raw pairs (tz is one of the T values), so that the search shares
-        // no unpacked values with the walk below.
-        using Pair = typename CePackedMax<T>::Pair;
-        const T r1 = from_float<T>(tz);
-        const Pair r2(r1, r1);
-#pragma unroll
-        for (int u = kN - 1; u >= 0; --u) {
-#pragma unroll
-          for (int k = kV - 2; k >= 0; k -= 2) {
-            Pair q;
-            __builtin_memcpy(&q, &raw[u].v[k], sizeof(q));
-            const unsigned e = __heq2_mask(q, r2);
-            const unsigned c0 = static_cast<unsigned>((i + u * 32) * kV + k);
-            if (e & 0xffff0000u) c = c0 + 1;
-            if (e & 0x0000ffffu) c = c0;
-          }
-        }
-      } else {
-#pragma unroll
-        for (int u = kN - 1; u >= 0; --u) {
-          float z[kV];
-          to_floats(raw[u], z);
-#pragma unroll
-          for (int k = kV - 1; k >= 0; --k) {
-            if (z[k] == tz) c = static_cast<unsigned>((i + u * 32) * kV + k);
-          }
-        }
-      }
-      bz = tz;
-      bc = c;
+      bi = i;
     }
 #pragma unroll
     for (int u = 0; u < kN; ++u) {
@@ -1586,7 +1580,30 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
     if (wcol == nullptr) sums[1] = static_cast<float>(v1 - v0) * static_cast<float>(kV);
   }
   float bv = kNegInf;
+  unsigned bc = kNoCol;
   if (want_arg) {
+    // The lanes holding the warp's largest z read the trip that set theirs again and find its first
+    // column (usually one lane; columns rise with u, then k).
+    if (bi >= 0 && mz == wz[0]) {
+      auto find = [&](auto n_c) {
+        constexpr int kN = decltype(n_c)::value;
+        AlignedVec<T, kV> raw[kN];
+        fetch(bi, n_c, std::false_type{}, raw);
+        unsigned c = kNoCol;
+#pragma unroll
+        for (int u = kN - 1; u >= 0; --u) {
+          float z[kV];
+          to_floats(raw[u], z);
+#pragma unroll
+          for (int k = kV - 1; k >= 0; --k) {
+            if (z[k] == mz) c = static_cast<unsigned>((bi + u * 32) * kV + k);
+          }
+        }
+        return c;
+      };
+      bc = bi + (kTrip - 1) * 32 < v1 ? find(std::integral_constant<int, kTrip>{}) : find(std::integral_constant<int, 1>{});
+    }
+    float bz = mz;
     ce_argmax_lanes(lane, 32, bz, bc);
     bv = bc == kNoCol ? kNegInf : ycap(bz) * xs;
   }

@@ -1479,8 +1479,8 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
   float swx = 0.0f, sw = 0.0f;  // smoothing: sum of w_i y_i, sum of w_i (with class weights)
   int bi = -1;           // argmax: the first trip (its first vector) that held the lane's largest z
   // A trip's kN vectors i, i + 32, ..., i + 32 (kN - 1) of the segment, as z (with a bias, the sum
-  // rounded to T).
-  // kStreamed: the walk's loads (evict-first); else a plain load (the argmax's second read).
+  // rounded to T): with streamed_c true the walk's evict-first loads, else plain loads (the
+  // argmax's second read).
   auto fetch = [&](int i, auto n_c, auto streamed_c, AlignedVec<T, kV>(&raw)[decltype(n_c)::value]) {
     constexpr int kN = decltype(n_c)::value;
     const T* xp = xr + static_cast<std::int64_t>(i) * kV;
@@ -1601,7 +1601,8 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
         }
         return c;
       };
-      bc = bi + (kTrip - 1) * 32 < v1 ? find(std::integral_constant<int, kTrip>{}) : find(std::integral_constant<int, 1>{});
+      const bool whole = bi + (kTrip - 1) * 32 < v1;  // a full trip, not one of the segment's tail
+      bc = whole ? find(std::integral_constant<int, kTrip>{}) : find(std::integral_constant<int, 1>{});
     }
     float bz = mz;
     ce_argmax_lanes(lane, 32, bz, bc);

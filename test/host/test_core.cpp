@@ -109,6 +109,21 @@ TEST_CASE("validate: strides, aliasing, workspace", "[core][validate]") {
   CHECK(check::overlap(gate, up_shift));
   CHECK(check::disjoint(gate, up_shift, "op", "a", "b").code() == Errc::aliasing);
   CHECK(MatrixView::of(reinterpret_cast<const float*>(buf), 2, 3).elem_bytes == 4);
+  // Extents past a 64-bit byte offset or the end of the address space are rejected, never wrapped.
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  CHECK(check::extent(a, "op", "x").ok());
+  CHECK(check::extent(MatrixView{buf, std::int64_t{1} << 31, std::int64_t{1} << 30, 0, 2}, "op", "x").ok());
+  CHECK(check::extent(MatrixView{buf, std::int64_t{1} << 31, std::int64_t{1} << 31, 0, 2}, "op", "x").code() ==
+        Errc::invalid_size);  // 2^63 bytes
+  CHECK(check::extent(MatrixView{buf, std::int64_t{1} << 32, 16, std::int64_t{1} << 32, 2}, "op", "x").code() ==
+        Errc::invalid_size);  // 2^64 elements
+  CHECK(check::extent(MatrixView{buf, 2, 16, kMax - 8, 2}, "op", "x").code() == Errc::invalid_size);
+  CHECK(check::extent(MatrixView{buf, 1, kMax / 2 + 1, 0, 2}, "op", "x").code() == Errc::invalid_size);
+  const auto* top = reinterpret_cast<const char*>(std::numeric_limits<std::uintptr_t>::max() - 255);
+  CHECK(check::extent(MatrixView{top, 1, 127, 0, 2}, "op", "x").ok());  // its end still an address
+  CHECK(check::extent(MatrixView{top, 1, 128, 0, 2}, "op", "x").code() == Errc::invalid_size);
+  CHECK(check::disjoint(MatrixView{buf, 2, 16, kMax - 8, 2}, a, "op", "y", "x").code() == Errc::invalid_size);
+  CHECK(check::same_or_disjoint(a, MatrixView{buf, 2, 16, kMax - 8, 2}, "op", "y", "x").code() == Errc::invalid_size);
   CHECK(check::finite(1.0f, "op", "v").ok());
   CHECK(check::finite(std::numeric_limits<float>::infinity(), "op", "v").code() == Errc::invalid_value);
   CHECK(check::finite(std::numeric_limits<float>::quiet_NaN(), "op", "v").code() == Errc::invalid_value);

@@ -43,6 +43,10 @@ TEST_CASE("cross_entropy rejects bad arguments by name", "[ce][validation]") {
   a.logits_stride = a.vocab;
   expect(cross_entropy(a, nullptr), Errc::unsupported, "vocab");
   a = good();
+  a.rows = std::int64_t{1} << 40;  // rows x stride x 2 bytes past 2^63: rejected, not wrapped
+  a.logits_stride = std::int64_t{1} << 40;
+  expect(cross_entropy(a, nullptr), Errc::invalid_size, "logits");
+  a = good();
   a.logits_stride = 63;
   expect(cross_entropy(a, nullptr), Errc::invalid_stride, "logits_stride");
   a = good();

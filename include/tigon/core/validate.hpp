@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "config.hpp"
@@ -64,6 +65,24 @@ inline Status row_stride(std::int64_t stride, std::int64_t cols, const char* op,
                            std::to_string(cols) + ")");
 }
 
+// A matrix's byte extent, ((rows - 1) * row stride + cols) * element bytes, fits in int64 and its
+// address range does not wrap (the kernels' 64-bit offsets are computed from it). Null pointers
+// and sizes that positive() / row_stride() reject pass here: those checks name them.
+inline Status extent(const MatrixView& m, const char* op, const char* arg) {
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  const std::int64_t rs = m.row_stride();
+  if (m.ptr == nullptr || m.rows <= 0 || m.cols <= 0 || rs < m.cols || m.elem_bytes <= 0) return Status();
+  const bool fits = (m.rows == 1 || rs <= (kMax - m.cols) / (m.rows - 1)) &&
+                    (m.rows - 1) * rs + m.cols <= kMax / m.elem_bytes &&
+                    static_cast<std::uint64_t>(((m.rows - 1) * rs + m.cols) * m.elem_bytes) <=
+                        std::numeric_limits<std::uintptr_t>::max() - m.begin();
+  if (fits) return Status();
+  return Status::error(Errc::invalid_size, op, arg,
+                       std::to_string(m.rows) + " rows of " + std::to_string(m.cols) + " elements, " +
+                           std::to_string(rs) + " apart, span more bytes than a 64-bit offset or the "
+                           "address space holds");
+}
+
 // True when two matrices of the same element size and row stride interleave without sharing an
 // element: within every period of one row stride their rows occupy disjoint byte ranges (e.g. the
 // fused gate||up layout: a = buf, b = buf + cols, both with stride 2 * cols).
@@ -90,6 +109,8 @@ inline bool overlap(const MatrixView& a, const MatrixView& b) {
 // in place element by element) or disjoint from it; any other overlap is an error.
 inline Status same_or_disjoint(const MatrixView& out, const MatrixView& in, const char* op,
                                const char* out_name, const char* in_name) {
+  TIGON_CHECK(extent(out, op, out_name));
+  TIGON_CHECK(extent(in, op, in_name));
   if (in.ptr == nullptr || !overlap(out, in)) return Status();
   if (out.ptr == in.ptr && out.row_stride() == in.row_stride() && out.elem_bytes == in.elem_bytes) {
     return Status();
@@ -103,6 +124,8 @@ inline Status same_or_disjoint(const MatrixView& out, const MatrixView& in, cons
 // An output that may not overlap an input at all.
 inline Status disjoint(const MatrixView& out, const MatrixView& in, const char* op,
                        const char* out_name, const char* in_name) {
+  TIGON_CHECK(extent(out, op, out_name));
+  TIGON_CHECK(extent(in, op, in_name));
   if (in.ptr == nullptr || out.ptr == nullptr || !overlap(out, in)) return Status();
   return Status::error(Errc::aliasing, op, out_name,
                        std::string("must not overlap '") + in_name + "'");

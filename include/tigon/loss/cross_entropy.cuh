@@ -214,6 +214,7 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
   TIGON_CHECK(row_stride(a.logits_stride, a.vocab, op, "logits_stride"));
   TIGON_CHECK(row_stride(a.dlogits_stride, a.vocab, op, "dlogits_stride"));
   const MatrixView x = MatrixView::of(a.logits, a.rows, a.vocab, a.logits_stride);
+  TIGON_CHECK(extent(x, op, "logits"));
   if (a.dlogits != nullptr) {
     const MatrixView d = MatrixView::of(a.dlogits, a.rows, a.vocab, a.dlogits_stride);
     TIGON_CHECK(same_or_disjoint(d, x, op, "dlogits", "logits"));

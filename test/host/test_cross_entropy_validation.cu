@@ -92,6 +92,63 @@ TEST_CASE("cross_entropy rejects bad arguments by name", "[ce][validation]") {
   expect(cross_entropy(a, nullptr), Errc::workspace_too_small, "workspace_bytes");
 }
 
+TEST_CASE("cross_entropy rejects every output that shares bytes with another buffer", "[ce][validation]") {
+  // One arena carved by hand, so that what overlaps does not depend on where the linker puts arrays.
+  alignas(256) static unsigned char arena[1 << 16];
+  auto at = [](std::size_t off) { return static_cast<void*>(arena + off); };
+  bf16* x = static_cast<bf16*>(at(0));                       // 8 x 64 bf16: [0, 1024)
+  auto* t = static_cast<std::int64_t*>(at(1024));             // [1024, 1088)
+  auto base = [&] {
+    CrossEntropyArgs<bf16> a{.logits = x, .targets = t, .rows = 8, .vocab = 64, .dlogits = x,
+                             .loss = static_cast<float*>(at(2048)), .workspace = at(4096), .workspace_bytes = 4096};
+    return a;
+  };
+  std::size_t need = 0;
+  CHECK(cross_entropy_workspace_bytes(base(), need).ok());
+  CHECK(need <= 4096);
+  auto a = base();
+  a.lse = static_cast<float*>(at(512));  // inside the gradient
+  expect(cross_entropy(a, nullptr), Errc::aliasing, "lse");
+  a = base();
+  a.argmax = static_cast<std::int64_t*>(at(1056));  // over the targets
+  expect(cross_entropy(a, nullptr), Errc::aliasing, "argmax");
+  a = base();
+  a.loss_rows = static_cast<float*>(at(4096 + 64));  // inside the workspace
+  expect(cross_entropy(a, nullptr), Errc::aliasing, "workspace");
+  a = base();
+  a.class_weights = static_cast<const float*>(at(256));  // read while the gradient is written
+  expect(cross_entropy(a, nullptr), Errc::aliasing, "dlogits");
+  a = base();
+  a.z_loss = a.loss;  // two outputs, one float
+  expect(cross_entropy(a, nullptr), Errc::aliasing, "z_loss");
+  a = base();
+  a.error_count = static_cast<int*>(at(2048));  // over the loss
+  expect(cross_entropy(a, nullptr), Errc::aliasing, "error_count");
+  a = base();
+  a.reduction = Reduction::none;
+  a.loss = nullptr;
+  a.loss_rows = static_cast<float*>(at(2048));
+  a.grad_output = static_cast<const float*>(at(2048 + 28));  // the last row's upstream gradient
+  expect(cross_entropy(a, nullptr), Errc::aliasing, "loss_rows");
+  a = base();
+  a.workspace = at(1000);  // over the logits' last bytes and the targets
+  expect(cross_entropy(a, nullptr), Errc::aliasing, "workspace");
+  a = base();
+  a.dlogits = nullptr;
+  auto* stats = static_cast<CrossEntropyStats*>(at(0));  // the statistics over the logits
+  expect(cross_entropy_shard_stats(a, 0, 64, stats, nullptr), Errc::aliasing, "stats");
+  a = base();
+  expect(cross_entropy_shard_finalize(a, 0, 64, static_cast<const CrossEntropyStats*>(at(4096)), nullptr),
+         Errc::aliasing, "workspace");  // the merged statistics inside the workspace
+  // Disjoint buffers and the gradient in place pass.
+  a = base();
+  a.lse = static_cast<float*>(at(8192));
+  a.argmax = static_cast<std::int64_t*>(at(8192 + 64));
+  a.error_count = static_cast<int*>(at(8192 + 128));
+  a.class_weights = static_cast<const float*>(at(8192 + 256));
+  CHECK(detail::validate(a, "cross_entropy").ok());
+}
+
 TEST_CASE("linear_cross_entropy workspace query rejects bad arguments by name", "[lce][validation]") {
   LinearCrossEntropyArgs<bf16> a;
   a.x = logits;

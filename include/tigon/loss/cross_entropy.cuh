@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <type_traits>
 
@@ -206,8 +207,13 @@ Status validate_options(const CrossEntropyArgs<T, I>& a, const char* op) {
   return Status();
 }
 
+// Every buffer of a call against every other: an output may share no byte with another output or
+// with an input, but dlogits may be the logits themselves (same pointer and stride: in place).
+// stats_out / stats_in: the split vocabulary's statistics (written by the statistics pass, read by
+// the finalize). The workspace counts the bytes the call uses (ce_workspace_bytes).
 template <class T, class I>
-Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
+Status validate(const CrossEntropyArgs<T, I>& a, const char* op, const CrossEntropyStats* stats_out = nullptr,
+                const CrossEntropyStats* stats_in = nullptr) {
   using namespace check;
   TIGON_CHECK(not_null(a.logits, op, "logits"));
   TIGON_CHECK(validate_options(a, op));
@@ -215,19 +221,38 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op) {
   TIGON_CHECK(row_stride(a.dlogits_stride, a.vocab, op, "dlogits_stride"));
   const MatrixView x = MatrixView::of(a.logits, a.rows, a.vocab, a.logits_stride);
   TIGON_CHECK(extent(x, op, "logits"));
-  if (a.dlogits != nullptr) {
-    const MatrixView d = MatrixView::of(a.dlogits, a.rows, a.vocab, a.dlogits_stride);
-    TIGON_CHECK(same_or_disjoint(d, x, op, "dlogits", "logits"));
-    const MatrixView t = MatrixView::of(a.targets, 1, a.rows, 0);
-    TIGON_CHECK(disjoint(d, t, op, "dlogits", "targets"));
-  }
-  float* const outs[] = {a.loss, a.loss_rows, a.z_loss, a.lse};
-  const std::int64_t lens[] = {1, a.rows, 1, a.rows};
-  const char* names[] = {"loss", "loss_rows", "z_loss", "lse"};
-  for (int i = 0; i < 4; ++i) {
-    if (outs[i] == nullptr) continue;
-    const MatrixView o{outs[i], 1, lens[i], 0, 4};
-    TIGON_CHECK(disjoint(o, x, op, names[i], "logits"));
+  auto vec = [](const void* p, std::int64_t n, int bytes) { return MatrixView{p, 1, n, 0, bytes}; };
+  const std::int64_t go_len = a.reduction == Reduction::none ? a.rows : 1;
+  const int st = static_cast<int>(sizeof(CrossEntropyStats));
+  struct Buf {
+    MatrixView v;
+    const char* name;
+  };
+  const Buf in[] = {{x, "logits"},
+                    {vec(a.targets, a.rows, sizeof(I)), "targets"},
+                    {vec(a.class_weights, a.vocab, 4), "class_weights"},
+                    {vec(a.grad_output, go_len, 4), "grad_output"},
+                    {vec(stats_in, a.rows, st), "merged"}};
+  const Buf out[] = {{a.dlogits != nullptr ? MatrixView::of(a.dlogits, a.rows, a.vocab, a.dlogits_stride) : MatrixView{},
+                      "dlogits"},
+                     {vec(a.loss, 1, 4), "loss"},
+                     {vec(a.loss_rows, a.rows, 4), "loss_rows"},
+                     {vec(a.z_loss, 1, 4), "z_loss"},
+                     {vec(a.lse, a.rows, 4), "lse"},
+                     {vec(a.argmax, a.rows, 8), "argmax"},
+                     {vec(a.error_count, 1, 4), "error_count"},
+                     {vec(stats_out, a.rows, st), "stats"},
+                     {vec(a.workspace, static_cast<std::int64_t>(ce_workspace_bytes(a.rows)), 1), "workspace"}};
+  for (std::size_t i = 0; i < std::size(out); ++i) {
+    if (out[i].v.ptr == nullptr) continue;
+    for (const Buf& r : in) {
+      if (i == 0 && r.v.ptr == a.logits) {
+        TIGON_CHECK(same_or_disjoint(out[i].v, r.v, op, out[i].name, r.name));
+      } else {
+        TIGON_CHECK(disjoint(out[i].v, r.v, op, out[i].name, r.name));
+      }
+    }
+    for (std::size_t j = 0; j < i; ++j) TIGON_CHECK(disjoint(out[i].v, out[j].v, op, out[i].name, out[j].name));
   }
   return Status();
 }
@@ -380,7 +405,7 @@ template <class P = CrossEntropyPolicy, class T, class I>
                                                CrossEntropyStats* stats, cudaStream_t stream) {
   static_assert(detail::check_ce_policy<P>());
   constexpr const char* kOp = "cross_entropy_shard_stats";
-  TIGON_CHECK(detail::validate(args, kOp));
+  TIGON_CHECK(detail::validate(args, kOp, stats));
   TIGON_CHECK(check::not_null(stats, kOp, "stats"));
   if (vocab_offset < 0 || vocab_offset + args.vocab > total_vocab) {
     return Status::error(Errc::invalid_size, kOp, "vocab_offset", "the shard must lie inside total_vocab");
@@ -418,7 +443,7 @@ template <class P = CrossEntropyPolicy, class T, class I>
                                                   const CrossEntropyStats* merged, cudaStream_t stream) {
   static_assert(detail::check_ce_policy<P>());
   constexpr const char* kOp = "cross_entropy_shard_finalize";
-  TIGON_CHECK(detail::validate(args, kOp));
+  TIGON_CHECK(detail::validate(args, kOp, nullptr, merged));
   TIGON_CHECK(check::not_null(merged, kOp, "merged"));
   if (vocab_offset < 0 || vocab_offset + args.vocab > total_vocab) {
     return Status::error(Errc::invalid_size, kOp, "vocab_offset", "the shard must lie inside total_vocab");

@@ -15,6 +15,7 @@ alignas(256) bf16 logits[8 * 64];
 alignas(256) std::int64_t targets[8];
 alignas(256) float loss[1];
 alignas(256) unsigned char ws[8192];
+alignas(256) float dbias8[8];
 
 CrossEntropyArgs<bf16> good() {
   return {.logits = logits, .targets = targets, .rows = 8, .vocab = 64, .dlogits = logits,
@@ -162,7 +163,7 @@ TEST_CASE("linear_cross_entropy workspace query rejects bad arguments by name", 
   // One logits chunk (all 8 tokens x 8 classes) after the loss's per-token scratch.
   CHECK(bytes == detail::ce_workspace_bytes(8) + 256);
   a.chunk = 3;
-  a.dbias = loss;
+  a.dbias = dbias8;
   CHECK(linear_cross_entropy_workspace_bytes(a, bytes).ok());
   CHECK(bytes == detail::ce_workspace_bytes(8) + 256 + 256);
   auto bad = a;
@@ -181,6 +182,38 @@ TEST_CASE("linear_cross_entropy workspace query rejects bad arguments by name", 
   bad = a;
   bad.dx = const_cast<bf16*>(a.x);
   expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::aliasing, "dx");
+  // Every output against every other buffer, on one hand-carved arena.
+  alignas(256) static unsigned char arena[1 << 16];
+  auto at = [](std::size_t off) { return static_cast<void*>(arena + off); };
+  LinearCrossEntropyArgs<bf16> c;
+  c.x = static_cast<const bf16*>(at(0));        // 8 x 8 bf16: [0, 128)
+  c.weight = static_cast<const bf16*>(at(256));  // 8 x 8 bf16: [256, 384)
+  c.hidden = 8;
+  c.loss.targets = static_cast<const std::int64_t*>(at(512));  // [512, 576)
+  c.loss.rows = 8;
+  c.loss.vocab = 8;
+  c.dx = static_cast<bf16*>(at(1024));
+  c.dweight = static_cast<float*>(at(2048));  // 8 x 8 fp32: [2048, 2304)
+  c.dbias = static_cast<float*>(at(4096));
+  c.loss.loss = static_cast<float*>(at(4608));
+  c.workspace = at(8192);
+  c.workspace_bytes = 8192;
+  CHECK(linear_cross_entropy_workspace_bytes(c, bytes).ok());
+  bad = c;
+  bad.dbias = static_cast<float*>(at(2048 + 128));  // inside dweight
+  expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::aliasing, "dbias");
+  bad = c;
+  bad.dx = static_cast<bf16*>(at(2200));  // dx inside dweight
+  expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::aliasing, "dweight");
+  bad = c;
+  bad.loss.loss_rows = static_cast<float*>(at(8192 + 512));  // inside the workspace
+  expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::aliasing, "workspace");
+  bad = c;
+  bad.loss.argmax = static_cast<std::int64_t*>(at(512));  // over the targets
+  expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::aliasing, "loss.argmax");
+  bad = c;
+  bad.bias = static_cast<const bf16*>(at(4096));  // read where dbias is written
+  expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::aliasing, "dbias");
   CHECK(linear_cross_entropy_default_chunk(100000, 128256, 2) == 4096);
   CHECK(linear_cross_entropy_default_chunk(1000, 128256, 2) == 1000);
 }

@@ -131,6 +131,34 @@ inline Status disjoint(const MatrixView& out, const MatrixView& in, const char* 
                        std::string("must not overlap '") + in_name + "'");
 }
 
+// A buffer of a call, by name (a null pointer: not given).
+struct NamedView {
+  MatrixView v;
+  const char* name;
+};
+// n elements of `bytes` bytes at p.
+inline MatrixView vector_view(const void* p, std::int64_t n, int bytes) { return MatrixView{p, 1, n, 0, bytes}; }
+
+// Every output against every input and every other output: no shared byte, except that the first
+// output may be the input at `in_place` itself when it points there (same pointer and stride: the
+// op works in place element by element).
+template <std::size_t NO, std::size_t NI>
+Status buffers_disjoint(const NamedView (&outs)[NO], const NamedView (&ins)[NI], const char* op,
+                        const void* in_place = nullptr) {
+  for (std::size_t i = 0; i < NO; ++i) {
+    if (outs[i].v.ptr == nullptr) continue;
+    for (const NamedView& r : ins) {
+      if (i == 0 && in_place != nullptr && outs[0].v.ptr == in_place && r.v.ptr == in_place) {
+        TIGON_CHECK(same_or_disjoint(outs[i].v, r.v, op, outs[i].name, r.name));
+      } else {
+        TIGON_CHECK(disjoint(outs[i].v, r.v, op, outs[i].name, r.name));
+      }
+    }
+    for (std::size_t j = 0; j < i; ++j) TIGON_CHECK(disjoint(outs[i].v, outs[j].v, op, outs[i].name, outs[j].name));
+  }
+  return Status();
+}
+
 // Whether v is finite, from its bits: -ffast-math lets a compiler assume no NaN or infinity and fold
 // tests such as v - v == 0 or !(v >= 0) away; a test of the exponent bits holds under it.
 inline bool finite_bits(float v) {

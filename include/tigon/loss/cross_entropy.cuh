@@ -23,7 +23,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <iterator>
 #include <string>
 #include <type_traits>
 
@@ -221,39 +220,24 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op, const CrossEntr
   TIGON_CHECK(row_stride(a.dlogits_stride, a.vocab, op, "dlogits_stride"));
   const MatrixView x = MatrixView::of(a.logits, a.rows, a.vocab, a.logits_stride);
   TIGON_CHECK(extent(x, op, "logits"));
-  auto vec = [](const void* p, std::int64_t n, int bytes) { return MatrixView{p, 1, n, 0, bytes}; };
   const std::int64_t go_len = a.reduction == Reduction::none ? a.rows : 1;
   const int st = static_cast<int>(sizeof(CrossEntropyStats));
-  struct Buf {
-    MatrixView v;
-    const char* name;
-  };
-  const Buf in[] = {{x, "logits"},
-                    {vec(a.targets, a.rows, sizeof(I)), "targets"},
-                    {vec(a.class_weights, a.vocab, 4), "class_weights"},
-                    {vec(a.grad_output, go_len, 4), "grad_output"},
-                    {vec(stats_in, a.rows, st), "merged"}};
-  const Buf out[] = {{a.dlogits != nullptr ? MatrixView::of(a.dlogits, a.rows, a.vocab, a.dlogits_stride) : MatrixView{},
-                      "dlogits"},
-                     {vec(a.loss, 1, 4), "loss"},
-                     {vec(a.loss_rows, a.rows, 4), "loss_rows"},
-                     {vec(a.z_loss, 1, 4), "z_loss"},
-                     {vec(a.lse, a.rows, 4), "lse"},
-                     {vec(a.argmax, a.rows, 8), "argmax"},
-                     {vec(a.error_count, 1, 4), "error_count"},
-                     {vec(stats_out, a.rows, st), "stats"},
-                     {vec(a.workspace, static_cast<std::int64_t>(ce_workspace_bytes(a.rows)), 1), "workspace"}};
-  for (std::size_t i = 0; i < std::size(out); ++i) {
-    if (out[i].v.ptr == nullptr) continue;
-    for (const Buf& r : in) {
-      if (i == 0 && r.v.ptr == a.logits) {
-        TIGON_CHECK(same_or_disjoint(out[i].v, r.v, op, out[i].name, r.name));
-      } else {
-        TIGON_CHECK(disjoint(out[i].v, r.v, op, out[i].name, r.name));
-      }
-    }
-    for (std::size_t j = 0; j < i; ++j) TIGON_CHECK(disjoint(out[i].v, out[j].v, op, out[i].name, out[j].name));
-  }
+  const NamedView in[] = {{x, "logits"},
+                          {vector_view(a.targets, a.rows, sizeof(I)), "targets"},
+                          {vector_view(a.class_weights, a.vocab, 4), "class_weights"},
+                          {vector_view(a.grad_output, go_len, 4), "grad_output"},
+                          {vector_view(stats_in, a.rows, st), "merged"}};
+  const NamedView out[] = {
+      {a.dlogits != nullptr ? MatrixView::of(a.dlogits, a.rows, a.vocab, a.dlogits_stride) : MatrixView{}, "dlogits"},
+      {vector_view(a.loss, 1, 4), "loss"},
+      {vector_view(a.loss_rows, a.rows, 4), "loss_rows"},
+      {vector_view(a.z_loss, 1, 4), "z_loss"},
+      {vector_view(a.lse, a.rows, 4), "lse"},
+      {vector_view(a.argmax, a.rows, 8), "argmax"},
+      {vector_view(a.error_count, 1, 4), "error_count"},
+      {vector_view(stats_out, a.rows, st), "stats"},
+      {vector_view(a.workspace, static_cast<std::int64_t>(ce_workspace_bytes(a.rows)), 1), "workspace"}};
+  TIGON_CHECK(buffers_disjoint(out, in, op, a.logits));
   return Status();
 }
 

@@ -127,19 +127,27 @@ Status validate(const LinearCrossEntropyArgs<T, I>& a, const char* op) {
                          "the loss's logits, dlogits and workspace belong to the op: leave them null");
   }
   if (a.chunk < 0) return Status::error(Errc::invalid_size, op, "chunk", "must be >= 0");
-  const MatrixView x = MatrixView::of(a.x, a.loss.rows, a.hidden, a.x_stride);
-  const MatrixView w = MatrixView::of(a.weight, a.loss.vocab, a.hidden, 0);
-  if (a.dx != nullptr) {
-    const MatrixView dx = MatrixView::of(a.dx, a.loss.rows, a.hidden, a.dx_stride);
-    TIGON_CHECK(disjoint(dx, x, op, "dx", "x"));
-    TIGON_CHECK(disjoint(dx, w, op, "dx", "weight"));
-  }
-  if (a.dweight != nullptr) {
-    const MatrixView dw = MatrixView::of(a.dweight, a.loss.vocab, a.hidden, 0);
-    TIGON_CHECK(disjoint(dw, x, op, "dweight", "x"));
-    TIGON_CHECK(disjoint(dw, w, op, "dweight", "weight"));
-  }
-  return Status();
+  // Every buffer against every other (the workspace: the bytes the call uses).
+  const CrossEntropyArgs<T, I>& l = a.loss;
+  const std::int64_t rows = l.rows, vocab = l.vocab;
+  const NamedView in[] = {{MatrixView::of(a.x, rows, a.hidden, a.x_stride), "x"},
+                          {MatrixView::of(a.weight, vocab, a.hidden, 0), "weight"},
+                          {vector_view(a.bias, vocab, sizeof(T)), "bias"},
+                          {vector_view(l.targets, rows, sizeof(I)), "loss.targets"},
+                          {vector_view(l.class_weights, vocab, 4), "loss.class_weights"},
+                          {vector_view(l.grad_output, l.reduction == Reduction::none ? rows : 1, 4), "loss.grad_output"}};
+  const NamedView out[] = {
+      {a.dx != nullptr ? MatrixView::of(a.dx, rows, a.hidden, a.dx_stride) : MatrixView{}, "dx"},
+      {a.dweight != nullptr ? MatrixView::of(a.dweight, vocab, a.hidden, 0) : MatrixView{}, "dweight"},
+      {vector_view(a.dbias, vocab, 4), "dbias"},
+      {vector_view(l.loss, 1, 4), "loss.loss"},
+      {vector_view(l.loss_rows, rows, 4), "loss.loss_rows"},
+      {vector_view(l.z_loss, 1, 4), "loss.z_loss"},
+      {vector_view(l.lse, rows, 4), "loss.lse"},
+      {vector_view(l.argmax, rows, 8), "loss.argmax"},
+      {vector_view(l.error_count, 1, 4), "loss.error_count"},
+      {vector_view(a.workspace, static_cast<std::int64_t>(lce_layout(a).total), 1), "workspace"}};
+  return buffers_disjoint(out, in, op);
 }
 
 // The heads' layout: every head's cross-entropy scratch, one logits chunk, the ones vector, and
@@ -186,7 +194,7 @@ Status validate(const LinearCrossEntropyHeadsArgs<T, I>& a, const char* op) {
   const MatrixView x = MatrixView::of(a.x, a.loss.rows, a.hidden, a.x_stride);
   for (int k = 0; k < a.heads; ++k) {
     TIGON_CHECK(not_null(a.weights[k], op, "weights[k]"));
-    if (a.head_weights != nullptr && !(std::fabs(a.head_weights[k]) < __builtin_huge_valf())) {
+    if (a.head_weights != nullptr && !finite_bits(a.head_weights[k])) {
       return Status::error(Errc::invalid_value, op, "head_weights", "must be finite");
     }
     const MatrixView w = MatrixView::of(a.weights[k], a.loss.vocab, a.hidden, 0);

@@ -33,6 +33,22 @@ void expect(const Status& s, Errc code, const char* arg) {
 }
 }  // namespace
 
+TEST_CASE("rope in place over a fused QKV buffer: disjoint heads pass, shared ones do not", "[rope][validation]") {
+  // [B 2, T 4, (4 q + 2 k + 2 v) heads x 64]: q at head 0, k at head 4, both in place.
+  alignas(256) static bf16 qkv[2 * 4 * 8 * 64];
+  auto a = good();
+  a.q = {.in = qkv, .out = qkv, .heads = 4, .stride_b = 4 * 8 * 64, .stride_t = 8 * 64, .stride_h = 64};
+  a.k = {.in = qkv + 4 * 64, .out = qkv + 4 * 64, .heads = 2, .stride_b = 4 * 8 * 64, .stride_t = 8 * 64,
+         .stride_h = 64};
+  CHECK(detail::validate(a, "rope_forward").ok());
+  a.k.in = a.k.out = qkv + 3 * 64;  // k's first head is q's last
+  expect(rope_forward(a, nullptr), Errc::aliasing, "k.out");
+  a.k.in = a.k.out = qkv + 4 * 64;
+  a.k.stride_t = a.q.stride_t + 64;  // another token lattice: the heads meet in later tokens
+  a.k.out_stride_t = 0;
+  expect(rope_forward(a, nullptr), Errc::aliasing, "k.out");
+}
+
 TEST_CASE("rope rejects bad arguments by name", "[rope][validation]") {
   CHECK(detail::validate(good(), "rope_forward").ok());
   auto a = good();

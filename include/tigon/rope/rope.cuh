@@ -171,6 +171,19 @@ inline std::pair<std::uintptr_t, std::uintptr_t> rope_range(const void* p, std::
   return {begin, begin + static_cast<std::uintptr_t>(last * elem)};
 }
 
+// A strided [B, T, H, D] tensor as a matrix of token rows st elements apart (each row its H heads'
+// span), when the batch stride keeps the tokens on that lattice: two tensors of one fused buffer
+// (q and k of a fused QKV projection) are then disjoint when their spans within a token's row are.
+// The matrix covers every element of the tensor, so disjoint matrices mean disjoint tensors.
+inline bool rope_token_rows(const void* p, std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t d,
+                            std::int64_t sb, std::int64_t st, std::int64_t sh, int elem, MatrixView& v) {
+  if (st <= 0 || (b > 1 && sb % st != 0)) return false;
+  const std::int64_t cols = (h - 1) * sh + d;
+  if (cols > st) return false;
+  v = MatrixView{p, (b > 1 ? (b - 1) * (sb / st) : 0) + t, cols, st, elem};
+  return true;
+}
+
 template <class T, class C>
 Status validate_tensor(const RopeArgs<T, C>& a, const RopeTensor<T>& x, const char* op,
                        const char* in_name, const char* out_name, const char* heads_name,
@@ -251,8 +264,21 @@ Status validate(const RopeArgs<T, C>& a, const char* op) {
     const auto ko = rope_range(a.k.out, a.batch, a.seq, a.k.heads, a.head_dim, rk.osb, rk.ost, rk.osh, sizeof(T));
     const auto ki = rope_range(a.k.in, a.batch, a.seq, a.k.heads, a.head_dim, rk.sb, rk.st, rk.sh, sizeof(T));
     const auto qi = rope_range(a.q.in, a.batch, a.seq, a.q.heads, a.head_dim, rq.sb, rq.st, rq.sh, sizeof(T));
-    auto overlap = [](auto x, auto y) { return x.first < y.second && y.first < x.second; };
-    if (overlap(qo, ko) || overlap(qo, ki) || overlap(ko, qi)) {
+    // Overlapping byte ranges may still hold disjoint heads (q and k of one fused QKV buffer).
+    auto rows = [&](const void* p, std::int64_t h, std::int64_t sb, std::int64_t st, std::int64_t sh, MatrixView& v) {
+      return rope_token_rows(p, a.batch, a.seq, h, a.head_dim, sb, st, sh, sizeof(T), v);
+    };
+    auto overlap = [&](auto x, auto y, const void* px, std::int64_t hx, const RopeResolved<T>& rx, bool x_out,
+                       const void* py, std::int64_t hy, const RopeResolved<T>& ry, bool y_out) {
+      if (!(x.first < y.second && y.first < x.second)) return false;
+      MatrixView vx, vy;
+      const bool mx = x_out ? rows(px, hx, rx.osb, rx.ost, rx.osh, vx) : rows(px, hx, rx.sb, rx.st, rx.sh, vx);
+      const bool my = y_out ? rows(py, hy, ry.osb, ry.ost, ry.osh, vy) : rows(py, hy, ry.sb, ry.st, ry.sh, vy);
+      return !(mx && my && !check::overlap(vx, vy));
+    };
+    if (overlap(qo, ko, a.q.out, a.q.heads, rq, true, a.k.out, a.k.heads, rk, true) ||
+        overlap(qo, ki, a.q.out, a.q.heads, rq, true, a.k.in, a.k.heads, rk, false) ||
+        overlap(ko, qi, a.k.out, a.k.heads, rk, true, a.q.in, a.q.heads, rq, false)) {
       return Status::error(Errc::aliasing, op, "k.out", "q and k outputs must not overlap each other's data");
     }
   }

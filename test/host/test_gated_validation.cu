@@ -29,14 +29,19 @@ using gated_validation::UserAct;
 
 namespace {
 constexpr std::int64_t kRows = 8, kCols = 256;
-alignas(256) bf16 abuf[kRows * kCols];
-alignas(256) bf16 bbuf[kRows * kCols];
-alignas(256) bf16 cbuf[kRows * kCols];
-alignas(256) bf16 dcbuf[kRows * kCols];
-alignas(256) bf16 dabuf[kRows * kCols];
-alignas(256) bf16 dbbuf[kRows * kCols];
-alignas(256) bf16 fused[kRows * 2 * kCols];   // gate || up
-alignas(256) bf16 dfused[kRows * 2 * kCols];  // d gate || d up
+// Every buffer is a slot of one arena, each slot four matrices long: a matrix placed past its
+// buffer's end (the partial-overlap cases) lands in its own slot's padding, so which buffers a case
+// overlaps does not depend on where the linker puts arrays.
+constexpr std::int64_t kSlot = 4 * kRows * kCols;
+alignas(256) bf16 arena[8 * kSlot];
+bf16* const abuf = arena + 0 * kSlot;
+bf16* const bbuf = arena + 1 * kSlot;
+bf16* const cbuf = arena + 2 * kSlot;
+bf16* const dcbuf = arena + 3 * kSlot;
+bf16* const dabuf = arena + 4 * kSlot;
+bf16* const dbbuf = arena + 5 * kSlot;
+bf16* const fused = arena + 6 * kSlot;   // gate || up, kRows x 2 kCols
+bf16* const dfused = arena + 7 * kSlot;  // d gate || d up
 
 GatedForwardArgs<bf16> good_fwd() {
   return {.a = abuf, .b = bbuf, .c = cbuf, .rows = kRows, .cols = kCols};

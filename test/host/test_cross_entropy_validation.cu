@@ -16,6 +16,7 @@ alignas(256) std::int64_t targets[8];
 alignas(256) float loss[1];
 alignas(256) unsigned char ws[8192];
 alignas(256) float dbias8[8];
+alignas(256) std::int64_t targets2x8[16];  // two heads' targets
 
 CrossEntropyArgs<bf16> good() {
   return {.logits = logits, .targets = targets, .rows = 8, .vocab = 64, .dlogits = logits,
@@ -227,7 +228,7 @@ TEST_CASE("linear_cross_entropy_heads workspace query rejects bad arguments by n
   a.heads = 2;
   a.weights = ws;
   a.head_weights = hw;
-  a.loss.targets = targets;
+  a.loss.targets = targets2x8;
   a.loss.rows = 8;
   a.loss.vocab = 8;
   std::size_t bytes = 0;
@@ -259,6 +260,31 @@ TEST_CASE("linear_cross_entropy_heads workspace query rejects bad arguments by n
   bad = a;
   bad.loss.workspace = loss;
   expect(linear_cross_entropy_heads_workspace_bytes(bad, bytes), Errc::invalid_value, "loss.logits");
+  // Every output against every other buffer, on one hand-carved arena.
+  alignas(256) static unsigned char arena[1 << 16];
+  auto at = [](std::size_t off) { return static_cast<void*>(arena + off); };
+  const bf16* hws[2] = {static_cast<const bf16*>(at(256)), static_cast<const bf16*>(at(512))};
+  float* dws[2] = {static_cast<float*>(at(2048)), static_cast<float*>(at(4096))};  // 8 x 8 fp32 each
+  auto c = a;
+  c.x = static_cast<const bf16*>(at(0));
+  c.weights = hws;
+  c.loss.targets = static_cast<const std::int64_t*>(at(1024));  // [2][8]: [1024, 1152)
+  c.dweights = dws;
+  c.loss.loss_rows = static_cast<float*>(at(6144));  // [2][8]: [6144, 6208)
+  c.head_losses = static_cast<float*>(at(6400));
+  c.workspace = at(8192);
+  c.workspace_bytes = 8192;
+  CHECK(linear_cross_entropy_heads_workspace_bytes(c, bytes).ok());
+  bad = c;
+  float* shared[2] = {dws[0], dws[0]};  // two heads' dW in one buffer
+  bad.dweights = shared;
+  expect(linear_cross_entropy_heads_workspace_bytes(bad, bytes), Errc::aliasing, "dweights[k]");
+  bad = c;
+  bad.head_losses = static_cast<float*>(at(6144 + 40));  // inside the second head's loss rows
+  expect(linear_cross_entropy_heads_workspace_bytes(bad, bytes), Errc::aliasing, "head_losses");
+  bad = c;
+  bad.loss.lse = static_cast<float*>(at(1024 + 64));  // over the second head's targets
+  expect(linear_cross_entropy_heads_workspace_bytes(bad, bytes), Errc::aliasing, "loss.lse");
 }
 
 

@@ -142,12 +142,12 @@ inline MatrixView vector_view(const void* p, std::int64_t n, int bytes) { return
 // Every output against every input and every other output: no shared byte, except that the first
 // output may be the input at `in_place` itself when it points there (same pointer and stride: the
 // op works in place element by element).
-template <std::size_t NO, std::size_t NI>
-Status buffers_disjoint(const NamedView (&outs)[NO], const NamedView (&ins)[NI], const char* op,
-                        const void* in_place = nullptr) {
-  for (std::size_t i = 0; i < NO; ++i) {
+inline Status buffers_disjoint(const NamedView* outs, std::size_t no, const NamedView* ins, std::size_t ni,
+                               const char* op, const void* in_place = nullptr) {
+  for (std::size_t i = 0; i < no; ++i) {
     if (outs[i].v.ptr == nullptr) continue;
-    for (const NamedView& r : ins) {
+    for (std::size_t k = 0; k < ni; ++k) {
+      const NamedView& r = ins[k];
       if (i == 0 && in_place != nullptr && outs[0].v.ptr == in_place && r.v.ptr == in_place) {
         TIGON_CHECK(same_or_disjoint(outs[i].v, r.v, op, outs[i].name, r.name));
       } else {
@@ -157,6 +157,11 @@ Status buffers_disjoint(const NamedView (&outs)[NO], const NamedView (&ins)[NI],
     for (std::size_t j = 0; j < i; ++j) TIGON_CHECK(disjoint(outs[i].v, outs[j].v, op, outs[i].name, outs[j].name));
   }
   return Status();
+}
+template <std::size_t NO, std::size_t NI>
+Status buffers_disjoint(const NamedView (&outs)[NO], const NamedView (&ins)[NI], const char* op,
+                        const void* in_place = nullptr) {
+  return buffers_disjoint(outs, NO, ins, NI, op, in_place);
 }
 
 // Whether v is finite, from its bits: -ffast-math lets a compiler assume no NaN or infinity and fold

@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "../blas/gemm.cuh"
 #include "../core/config.hpp"
@@ -191,25 +192,40 @@ Status validate(const LinearCrossEntropyHeadsArgs<T, I>& a, const char* op) {
                          "the loss's logits, dlogits and workspace belong to the op: leave them null");
   }
   if (a.chunk < 0) return Status::error(Errc::invalid_size, op, "chunk", "must be >= 0");
-  const MatrixView x = MatrixView::of(a.x, a.loss.rows, a.hidden, a.x_stride);
   for (int k = 0; k < a.heads; ++k) {
     TIGON_CHECK(not_null(a.weights[k], op, "weights[k]"));
     if (a.head_weights != nullptr && !finite_bits(a.head_weights[k])) {
       return Status::error(Errc::invalid_value, op, "head_weights", "must be finite");
     }
-    const MatrixView w = MatrixView::of(a.weights[k], a.loss.vocab, a.hidden, 0);
-    if (a.dx != nullptr) {
-      const MatrixView dx = MatrixView::of(a.dx, a.loss.rows, a.hidden, a.dx_stride);
-      TIGON_CHECK(disjoint(dx, x, op, "dx", "x"));
-      TIGON_CHECK(disjoint(dx, w, op, "dx", "weights[k]"));
-    }
-    if (a.dweights != nullptr && a.dweights[k] != nullptr) {
-      const MatrixView dw = MatrixView::of(a.dweights[k], a.loss.vocab, a.hidden, 0);
-      TIGON_CHECK(disjoint(dw, x, op, "dweights[k]", "x"));
-      TIGON_CHECK(disjoint(dw, w, op, "dweights[k]", "weights[k]"));
-    }
   }
-  return Status();
+  // Every buffer against every other (the workspace: the bytes the call uses).
+  const CrossEntropyArgs<T, I>& l = a.loss;
+  const std::int64_t rows = l.rows, vocab = l.vocab, hr = a.heads * rows;
+  const std::int64_t ts = a.targets_stride == 0 ? rows : a.targets_stride;
+  std::vector<NamedView> in = {
+      {MatrixView::of(a.x, rows, a.hidden, a.x_stride), "x"},
+      {MatrixView::of(l.targets, a.heads, rows, ts), "loss.targets"},
+      {vector_view(l.class_weights, vocab, 4), "loss.class_weights"},
+      {vector_view(l.grad_output, l.reduction == Reduction::none ? hr : 1, 4), "loss.grad_output"}};
+  std::vector<NamedView> out = {
+      {a.dx != nullptr ? MatrixView::of(a.dx, rows, a.hidden, a.dx_stride) : MatrixView{}, "dx"},
+      {vector_view(l.loss, 1, 4), "loss.loss"},
+      {vector_view(l.loss_rows, hr, 4), "loss.loss_rows"},
+      {vector_view(l.z_loss, 1, 4), "loss.z_loss"},
+      {vector_view(l.lse, hr, 4), "loss.lse"},
+      {vector_view(l.argmax, hr, 8), "loss.argmax"},
+      {vector_view(l.error_count, 1, 4), "loss.error_count"},
+      {vector_view(a.head_losses, a.heads, 4), "head_losses"},
+      {vector_view(a.workspace, static_cast<std::int64_t>(lce_heads_layout(a).total), 1), "workspace"}};
+  for (int k = 0; k < a.heads; ++k) {
+    in.push_back({MatrixView::of(a.weights[k], vocab, a.hidden, 0), "weights[k]"});
+    if (a.biases != nullptr) in.push_back({vector_view(a.biases[k], vocab, sizeof(T)), "biases[k]"});
+    if (a.dweights != nullptr && a.dweights[k] != nullptr) {
+      out.push_back({MatrixView::of(a.dweights[k], vocab, a.hidden, 0), "dweights[k]"});
+    }
+    if (a.dbiases != nullptr) out.push_back({vector_view(a.dbiases[k], vocab, 4), "dbiases[k]"});
+  }
+  return buffers_disjoint(out.data(), out.size(), in.data(), in.size(), op);
 }
 
 }  // namespace detail

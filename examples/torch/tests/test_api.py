@@ -26,7 +26,12 @@ def test_rotary_pos_emb_takes_hugging_face_calls():
     pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    hf = list(inspect.signature(apply_rotary_pos_emb).parameters.values())
+    hf_fn = apply_rotary_pos_emb
+    if isinstance(hf_fn, torch.nn.Module):
+        # With the `kernels` package, transformers (5.25 and later) wraps the function in a module whose
+        # forward takes (*args, **kwargs) and calls the function it closes over.
+        hf_fn = next(c.cell_contents for c in type(hf_fn).forward.__closure__ if inspect.isfunction(c.cell_contents))
+    hf = list(inspect.signature(hf_fn).parameters.values())
     ours = inspect.signature(tt.tigon_rotary_pos_emb).parameters
     assert [p.name for p in hf[:4]] == list(ours)[:4]
     for p in hf:

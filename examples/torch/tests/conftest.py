@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
         if REFERENCE:
             if "cuda_only" in item.keywords:
                 item.add_marker(skip_reference)
-        elif "gpu" in item.keywords and not HAS_CUDA:
+        elif ("gpu" in item.keywords or "cuda_only" in item.keywords) and not HAS_CUDA:
             item.add_marker(skip)
 
 

@@ -116,6 +116,130 @@ def test_switches_and_errors():
 
 
 # ------------------------------------------------------------------------------------------------
+# transformers' kernel hooks (any machine; transformers with a kernels package it uses)
+# ------------------------------------------------------------------------------------------------
+
+
+def _hooks_usable():
+    """transformers re-kernelizes its models on mode changes (PreTrainedModel.kernels_mode) with a
+    kernels package it uses, and Llama's RMSNorm carries the hook."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.utils.import_utils import is_kernels_available
+    except ImportError:
+        return False
+    return (is_kernels_available() and hasattr(PreTrainedModel, "kernels_mode")
+            and hasattr(patch._class(_spec("llama")[1], "LlamaRMSNorm"), "kernel_layer_name"))
+
+
+hooks = pytest.mark.skipif(not _hooks_usable(), reason="transformers that does not re-kernelize its models")
+
+
+def _counting_norm(monkeypatch):
+    """tigon's norm entry point replaced by Llama's RMSNorm math that counts its calls, with every
+    tensor taken as on the device: whether the patched forward ran, on any machine."""
+    calls = [0]
+
+    def rms(x, w, eps, offset, casting, in_place):
+        calls[0] += 1
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    monkeypatch.setattr(patch.F, "tigon_rms_norm", rms)
+    monkeypatch.setattr(ops, "on_device", lambda t: True)
+    return calls
+
+
+def _saved(tmp_path, family="llama"):
+    build_model(family, vocab=256).save_pretrained(tmp_path)
+    return tmp_path
+
+
+@hooks
+def test_kernel_hooks_keep_an_instance_patch(tmp_path, monkeypatch):
+    """from_pretrained kernelizes the model, and every mode change (train(), eval()) kernelizes it
+    again, resetting forwards bound on instances: the patched model's mapping sends the norm hook to
+    tigon's layer, so the norms stay tigon's through every re-kernelization."""
+    import kernels
+    from transformers import AutoModelForCausalLM
+
+    from tigon_torch import kernel_hooks
+
+    path = _saved(tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.use_kernels  # transformers kernelized it
+    tt.apply_tigon_to_llama(model=model, rope=False, swiglu=False, fused_linear_cross_entropy=False)
+    norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+    calls = _counting_norm(monkeypatch)
+    ids = _ids(256)
+    for step in (model.train, model.eval, model.train):
+        step()
+        assert all(m.forward.__func__ is patch._rms_norm_forward for m in norms)
+        layers = kernels.get_kernelized_layers(model).layers
+        assert all(layers[n].repo is kernel_hooks.REPOSITORY for n, m in model.named_modules() if m in norms)
+        before = calls[0]
+        torch.testing.assert_close(model(input_ids=ids).logits, ref.train(model.training)(input_ids=ids).logits)
+        assert calls[0] - before == len(norms)  # every norm ran tigon's forward
+
+    tt.unpatch()
+    model.eval()
+    assert model.kernel_config is None
+    assert all(m.forward.__func__ is type(m).forward for m in norms)
+    before = calls[0]
+    model(input_ids=ids)
+    assert calls[0] == before
+
+
+@hooks
+def test_kernel_hooks_leave_class_patched_norms(tmp_path, monkeypatch):
+    """Classes patched before from_pretrained: kernelize (at load and on every mode change) leaves
+    tigon's norm subclass alone instead of binding the mapping's RMSNorm over it."""
+    from transformers import AutoModelForCausalLM
+
+    path = _saved(tmp_path)
+    tt.apply_tigon_to_llama(rope=False, swiglu=False, fused_linear_cross_entropy=False)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    norms = [m for m in model.modules() if type(m).__name__ == "TigonLlamaRMSNorm"]
+    assert norms and model.use_kernels
+    calls = _counting_norm(monkeypatch)
+    for step in (model.train, model.eval):
+        step()
+        assert not any("forward" in m.__dict__ for m in norms)
+        before = calls[0]
+        model(input_ids=_ids(256))
+        assert calls[0] - before == len(norms)
+
+
+@hooks
+def test_kernel_hooks_keep_the_models_mapping(monkeypatch):
+    """The patched model's kernel configuration adds the norm hook to the mapping the model had;
+    with hub kernels switched off (USE_HUB_KERNELS=NO) transformers kernelizes nothing and the patch
+    binds the forwards only."""
+    from kernels import Mode
+    from transformers import KernelConfig
+
+    from tigon_torch import kernel_hooks
+
+    other = {"SoftmaxTopKRouter": {"cuda": {Mode.INFERENCE: kernel_hooks.REPOSITORY}}}
+    model = build_model("llama", vocab=256)
+    model.kernel_config = KernelConfig(kernel_mapping=dict(other))
+    tt.apply_tigon_to_llama(model=model)
+    mapping = model.kernel_config.kernel_mapping
+    assert mapping["SoftmaxTopKRouter"] == other["SoftmaxTopKRouter"]
+    assert mapping["RMSNorm"]["cuda"][Mode.TRAINING] is kernel_hooks.REPOSITORY
+    assert all(r is kernel_hooks.REPOSITORY for r in mapping["RMSNorm"]["cpu"].values())
+    tt.unpatch()
+    assert model.kernel_config.kernel_mapping == other
+
+    monkeypatch.setenv("USE_HUB_KERNELS", "NO")
+    model = build_model("llama", vocab=256)
+    tt.apply_tigon_to_llama(model=model)
+    assert model.kernel_config is None
+    assert model.model.norm.forward.__func__ is patch._rms_norm_forward
+
+
+# ------------------------------------------------------------------------------------------------
 # On a CUDA device: tigon's kernels in the model
 # ------------------------------------------------------------------------------------------------
 

@@ -59,12 +59,17 @@ decoder is patched: class patching makes each text model patch its own modules w
 so the vision tower keeps Hugging Face's code even where it shares a class with the text model.
 With model=..., that model's modules are patched in place (their forward methods rebound); only the
 RoPE function, a module-level function the attention calls, is replaced for the whole family.
-Tensors that are not on a CUDA device, and dtype combinations tigon does not cover, go through the
-original Hugging Face code. unpatch() undoes every patch made through this module.
+Where transformers kernelizes the model (a kernels package it uses is installed), the norms go
+through its kernel hooks (kernel_hooks.py): a model patched in place maps the norm hook to tigon's
+layer, so model.train() / eval() re-kernelize it to tigon's forward; tigon's subclasses tell
+kernelize to leave them alone. Tensors that are not on a CUDA device, and dtype combinations tigon
+does not cover, go through the original Hugging Face code. unpatch() undoes every patch made through
+this module.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -130,6 +135,8 @@ def _rms_supported(x: torch.Tensor, w) -> bool:
 
 def _rms_norm_forward(self, hidden_states):
     w = self.weight
+    if getattr(self, "_tigon_offset", None) is None:  # a module the patch did not choose (kernel hooks)
+        return type(self).forward(self, hidden_states)
     if not _rms_supported(hidden_states, w):
         return self._tigon_fallback(hidden_states)
     eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
@@ -379,9 +386,14 @@ _ROPES = {
 }
 
 
-def rope_function_name(fam) -> str | None:
-    """The modeling module's text-model function a family's rope patch replaces (None: none)."""
-    return _ROPES[fam.rope][0][0] if fam.rope else None
+def rope_function_name(fam, mod=None) -> str | None:
+    """The modeling module's text-model function a family's rope patch replaces (None: none); given
+    the module, the first of the family's functions it has (transformers 5.0's Qwen2-VL has only
+    apply_multimodal_rotary_pos_emb)."""
+    if not fam.rope:
+        return None
+    names = [name for name, _ in _ROPES[fam.rope]]
+    return next((n for n in names if mod is None or hasattr(mod, n)), names[0])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -427,6 +439,29 @@ def _plain_head(head) -> bool:
             and _ops.on_device(head.weight))
 
 
+@functools.cache
+def _hf_loss_kind(original) -> str:
+    """How Hugging Face's forward `original` computes its loss, read from its source: "kwargs",
+    self.loss_function(..., **kwargs) (num_items_in_batch, ignore_index and shift_labels honoured);
+    "plain", self.loss_function without the keyword arguments (a mean over the valid tokens: what
+    transformers 5.0's Qwen VL models do); "own", any other loss (transformers 5.0's Gemma 3
+    multimodal model drops padded positions by the attention mask), which tigon leaves to Hugging
+    Face's code."""
+    try:
+        src = inspect.getsource(original)
+    except (OSError, TypeError):
+        return "kwargs"
+    start = src.find("self.loss_function(")
+    if start < 0:
+        return "own" if "CrossEntropyLoss" in src else "kwargs"
+    depth, i = 0, start + len("self.loss_function")
+    for i in range(i, len(src)):
+        depth += {"(": 1, ")": -1}.get(src[i], 0)
+        if depth == 0:
+            break
+    return "kwargs" if "**" in src[start:i] else "plain"
+
+
 def _loss_forward(original, rule: str):
     """The causal-LM forward `original` (Hugging Face's, of any family, text or multimodal) with its loss
     through tigon. In training with labels (and fused_linear_cross_entropy on) `original` runs with
@@ -435,7 +470,8 @@ def _loss_forward(original, rule: str):
     does), and outputs.logits is None. With cross_entropy on, the logits are computed and the loss
     comes from tigon's cross-entropy. An auxiliary router loss in the outputs (MoE families with
     output_router_logits) is added with the model's router_aux_loss_coef, as Hugging Face adds it.
-    Otherwise, and for an LM head that is not a plain nn.Linear on a CUDA device, `original` runs."""
+    Otherwise, for an LM head that is not a plain nn.Linear on a CUDA device, and for a forward
+    whose loss is its own (_hf_loss_kind), `original` runs."""
     sig = inspect.signature(original)
     names = list(sig.parameters)
 
@@ -458,12 +494,17 @@ def _loss_forward(original, rule: str):
         labels, shift_labels = call.get("labels"), call.get("shift_labels")
         has_labels = labels is not None or shift_labels is not None
         head = self.get_output_embeddings() if "labels" in names else None
-        if not (has_labels and (use_flce or use_ce)) or head is None or not _plain_head(head):
+        kind = _hf_loss_kind(original)
+        if not (has_labels and (use_flce or use_ce)) or head is None or not _plain_head(head) or kind == "own":
             return original(self, *args, **kwargs, return_dict=True)
 
         call["labels"] = None
         call["return_dict"] = True
         extra = {k: call[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in call}
+        if kind == "plain":  # Hugging Face's loss takes none of them
+            extra, shift_labels = {}, None
+            if labels is None:
+                return original(self, *args, **kwargs, return_dict=True)
         if use_flce:
             with _HeadCapture(head) as capture:
                 out = original(self, **call)
@@ -540,7 +581,8 @@ class _Family:
     in layer_norm_modules a torch.nn whose LayerNorm is tigon's) or a LayerNorm subclass of the module
     (with layer_norm_offset added to its weight). heads: (causal-LM class, logit rule) pairs whose
     loss goes through tigon (_logit_transform). scope: patch only modules inside instances of this
-    class (a vision-language model's text model). params / extras / var_kw: the apply function's
+    class (a vision-language model's text model). norm_alias: the norm's name in older transformers
+    (Qwen2-VL / 2.5-VL 5.0: Qwen2RMSNorm, imported from Qwen2). params / extras / var_kw: the apply function's
     signature (Liger's parameters, tigon's keyword-only ones, a **kwargs). keeps: (switch or None for
     always, what stays on Hugging Face's code and why), logged when that switch is on."""
 
@@ -561,6 +603,7 @@ class _Family:
     layer_norm_modules: tuple[str, ...] = ()
     layer_norm_offset: float = 0.0
     scope: str | None = None
+    norm_alias: str | None = None
     params: tuple[tuple[str, object], ...] = _LIGER_SWIGLU
     extras: tuple[tuple[str, object], ...] = _FUSED_MLP
     var_kw: bool = False
@@ -642,11 +685,12 @@ _FAMILIES = {
                         ("fused_linear_cross_entropy", "Llama4ForConditionalGeneration's loss, on its language "
                                                        "model's logits, stays Hugging Face's"))),
     "qwen2_vl": _f("qwen2_vl", "qwen2_vl", "Qwen2VLRMSNorm", "Qwen2MLP", "Qwen2VLForConditionalGeneration",
-                   scope="Qwen2VLTextModel", rope="mrope",
+                   scope="Qwen2VLTextModel", rope="mrope", norm_alias="Qwen2RMSNorm",
                    params=_P + (("layer_norm", True), ("swiglu", True), ("model", None)),
                    keeps=(("layer_norm", _VISION_KEPT),)),
     "qwen2_5_vl": _f("qwen2_5_vl", "qwen2_5_vl", "Qwen2_5_VLRMSNorm", "Qwen2MLP",
-                     "Qwen2_5_VLForConditionalGeneration", scope="Qwen2_5_VLTextModel", rope="mrope"),
+                     "Qwen2_5_VLForConditionalGeneration", scope="Qwen2_5_VLTextModel", rope="mrope",
+                     norm_alias="Qwen2RMSNorm"),
     "qwen3_vl": _f("qwen3_vl", "qwen3_vl", "Qwen3VLTextRMSNorm", "Qwen3VLTextMLP", "Qwen3VLForConditionalGeneration",
                    scope="Qwen3VLTextModel", params=_defaults(_LIGER_SWIGLU, swiglu=False)),
     # Phi (no Liger function): partial rotary (the attention rotates its first rotary_ndims channels
@@ -683,18 +727,26 @@ def _class(mod, name: str | None):
     return _original(mod, name) if name and hasattr(mod, name) else None
 
 
+def _norm_class(mod, fam: _Family):
+    """The family's RMSNorm class in the installed transformers (under its older name where the
+    modeling module still uses that one)."""
+    return _class(mod, fam.norm) or _class(mod, fam.norm_alias)
+
+
 def _mlp_forward(fam: _Family):
     if fam.fused_gate_up:
         return _fused_gate_up_mlp_forward
     return _scaled_gated_mlp_forward if fam.mlp_multipliers else _gated_mlp_forward
 
 
-def _patch_norm_instance(m: nn.Module, fam: _Family, original_forward) -> None:
+def _patch_norm_instance(m: nn.Module, fam: _Family, original_forward, repo=None) -> None:
     _set(m, "_tigon_offset", fam.offset)
     _set(m, "_tigon_casting", fam.casting)
     _set(m, "_tigon_in_place", fam.norm_in_place)
     _set(m, "_tigon_fallback", types.MethodType(original_forward, m))
     _set(m, "forward", types.MethodType(_rms_norm_forward, m))
+    if repo is not None:  # the forward is the kernel hooks' layer: say so as kernelize does
+        _set(m, "_kernel_repo", repo)
 
 
 def _patch_mlp_instance(m: nn.Module, fam: _Family, original_forward, fused_mlp: bool) -> None:
@@ -721,18 +773,26 @@ def _patch_layer_norm_instance(m: nn.Module, cls: type, offset: float) -> None:
     _set(m, "forward", types.MethodType(_layer_norm_forward, m))
 
 
+@functools.cache
 def _norm_subclass(base: type, fam: _Family) -> type:
     def fallback(self, x):
         return base.forward(self, x)
 
-    return type(f"Tigon{base.__name__}", (base,), {
+    attrs = {
         "forward": _rms_norm_forward,
         "_tigon_fallback": fallback,
         "_tigon_offset": fam.offset,
         "_tigon_casting": fam.casting,
         "_tigon_in_place": fam.norm_in_place,
         "__module__": __name__,
-    })
+    }
+    if hasattr(base, "kernel_layer_name"):  # transformers' kernel hooks: kernelize leaves tigon's modules alone
+        attrs["kernel_condition"] = staticmethod(_not_kernelized)
+    return type(f"Tigon{base.__name__}", (base,), attrs)
+
+
+def _not_kernelized(module) -> bool:
+    return False
 
 
 def _mlp_subclass(base: type, fam: _Family, fused_mlp: bool) -> type:
@@ -759,13 +819,23 @@ def _experts_subclass(base: type, fam: _Family) -> type:
     return type(f"Tigon{base.__name__}", (base,), attrs)
 
 
-def _patch_modules(root: nn.Module, fam: _Family, mod, sw: dict) -> None:
-    """Patches, in place, the RMSNorm / MLP / experts / LayerNorm modules under root that sw turns on."""
-    norm_cls, mlp_cls, experts_cls = _class(mod, fam.norm), _class(mod, fam.mlp), _class(mod, fam.experts)
+def _patch_modules(root: nn.Module, fam: _Family, mod, sw: dict, hooks: str | None = None) -> None:
+    """Patches, in place, the RMSNorm / MLP / experts / LayerNorm modules under root that sw turns on.
+    hooks (the norm class has transformers' kernel hook): "route", the norms' forward is the hook's
+    layer (the caller routes the model's kernel mapping to it); "subclass", each norm becomes an
+    instance of tigon's subclass, which kernelize leaves alone (no model to route yet)."""
+    norm_cls, mlp_cls, experts_cls = _norm_class(mod, fam), _class(mod, fam.mlp), _class(mod, fam.experts)
     ln_cls = nn.LayerNorm if fam.layer_norm == "nn" else _class(mod, fam.layer_norm)
+    repo = None
+    if hooks == "route":
+        from .kernel_hooks import REPOSITORY as repo
     for m in root.modules():
         if sw["rms_norm"] and norm_cls is not None and isinstance(m, norm_cls):
-            _patch_norm_instance(m, fam, norm_cls.forward)
+            if hooks == "subclass":
+                _UNDO.append((m, "__class__", type(m)))
+                m.__class__ = _norm_subclass(norm_cls, fam)
+            else:
+                _patch_norm_instance(m, fam, norm_cls.forward, repo)
         elif sw["mlp"] and mlp_cls is not None and isinstance(m, mlp_cls):
             _patch_mlp_instance(m, fam, mlp_cls.forward, sw["fused_mlp"])
         elif sw["mlp"] and experts_cls is not None and isinstance(m, experts_cls):
@@ -776,9 +846,12 @@ def _patch_modules(root: nn.Module, fam: _Family, mod, sw: dict) -> None:
 
 
 def _scoped_init(init, fam: _Family, mod, sw: dict):
+    norm_cls = _norm_class(mod, fam)
+    hooks = "subclass" if norm_cls is not None and hasattr(norm_cls, "kernel_layer_name") else None
+
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        _patch_modules(self, fam, mod, sw)
+        _patch_modules(self, fam, mod, sw, hooks)
 
     __init__.__wrapped__ = init
     return __init__
@@ -791,9 +864,9 @@ def _patch_classes(fam: _Family, mod, sw: dict) -> None:
             _set(scope, "__init__", _scoped_init(_original(mod, f"{fam.scope}.__init__", scope.__init__), fam, mod,
                                                  sw))
         return
-    norm_cls, mlp_cls, experts_cls = _class(mod, fam.norm), _class(mod, fam.mlp), _class(mod, fam.experts)
+    norm_cls, mlp_cls, experts_cls = _norm_class(mod, fam), _class(mod, fam.mlp), _class(mod, fam.experts)
     if sw["rms_norm"] and norm_cls is not None:
-        _set(mod, fam.norm, _norm_subclass(norm_cls, fam))
+        _set(mod, norm_cls.__name__, _norm_subclass(norm_cls, fam))
     if sw["mlp"] and mlp_cls is not None:
         _set(mod, fam.mlp, _mlp_subclass(mlp_cls, fam, sw["fused_mlp"]))
     if sw["mlp"] and experts_cls is not None:
@@ -847,8 +920,16 @@ def _apply(fam: _Family, sw: dict, model) -> None:
         roots = [model]
     else:
         roots = [m for m in model.modules() if isinstance(m, scope)]
+    norm_cls = _norm_class(mod, fam)
+    hooks = None
+    if sw["rms_norm"] and norm_cls is not None and hasattr(norm_cls, "kernel_layer_name"):
+        from . import kernel_hooks
+
+        if kernel_hooks.usable(model, norm_cls):
+            hooks = "route"
+            kernel_hooks.route(model, norm_cls, _set)
     for root in roots:
-        _patch_modules(root, fam, mod, sw)
+        _patch_modules(root, fam, mod, sw, hooks)
     if use_loss and heads:
         classes = tuple(cls for cls, _ in heads)
         for m in model.modules():

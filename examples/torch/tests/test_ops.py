@@ -883,3 +883,36 @@ def test_torch_compile(ext, seed, case, backend):
         assert (a is None) == (b is None), name
         if a is not None:
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{case} {n}: {m}")
+
+
+@pytest.mark.parametrize("heads", [None, 2])
+def test_linear_cross_entropy_fp16_sum_gradients_past_fp16_range(ext, heads):
+    """fp16 weights, reduction "sum": dW and dB before the upstream scale exceed fp16's range (1024
+    tokens of one target, inputs of 100), the scaled gradients do not; they come back finite and equal
+    to the fp32 computation scaled the same way."""
+    torch.manual_seed(0)
+    tokens, hidden, vocab = 1024, 16, 8
+    x = torch.full((tokens, hidden), 100.0, device=DEV)
+    w32 = torch.randn(vocab, hidden, device=DEV) * 1e-3
+    b32 = torch.zeros(vocab, device=DEV)
+    target = torch.zeros(tokens, dtype=torch.long, device=DEV)
+    scale = 1e-3
+
+    def grads(dtype):
+        w = w32.clone().to(dtype).requires_grad_(True)
+        b = b32.clone().to(dtype).requires_grad_(True)
+        xs = x.to(dtype)
+        if heads is None:
+            loss = tt.tigon_fused_linear_cross_entropy(xs, w, target, bias=b, reduction="sum")
+        else:  # the heads share one weight and bias: their gradients add up
+            loss = tt.TigonFusedLinearMultiHeadCrossEntropyLoss(reduction="sum")(
+                [w] * heads, xs, target.expand(heads, tokens), biases=[b] * heads)
+        (loss * scale).backward()
+        return [w.grad, b.grad]
+
+    want = grads(torch.float32)
+    assert max(float(g.abs().max()) for g in want) / scale > torch.finfo(torch.float16).max  # unscaled: past fp16
+    for got, ref in zip(grads(torch.float16), want):
+        assert got is not None and got.dtype == torch.float16, got
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=1e-2)

@@ -64,6 +64,18 @@ def _compiling() -> bool:
         return False
 
 
+def _saved_grad(t, dtype):
+    """A gradient computed in fp32 for an upstream scale that comes later, as it is saved: in dtype,
+    except fp16, whose range a sum-reduced weight or bias gradient can exceed before a small scale
+    (e.g. 1 / tokens) brings it back (it stays fp32 until _scaled_grad)."""
+    return t if dtype == torch.float16 else _cast(t, dtype)
+
+
+def _scaled_grad(t, go, dtype):
+    """A saved gradient (_saved_grad) times the upstream scalar go, in dtype."""
+    return None if t is None else _cast(t * go.to(t.dtype), dtype)
+
+
 def _casting(mode) -> int:
     """tigon's casting-mode code. Liger's integer code for "none" is -1 (tigon's is 2): both are taken."""
     value = getattr(mode, "value", mode)
@@ -1018,11 +1030,7 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
             ctx.args = args
             ctx.wants = (want_dx, want_dw, want_db)
         elif needs_grad:
-            ctx.save_for_backward(
-                _cast(dx, in_dtype),
-                _cast(dw, w_dtype),
-                _cast(db, b_dtype),
-            )
+            ctx.save_for_backward(_saved_grad(dx, in_dtype), _saved_grad(dw, w_dtype), _saved_grad(db, b_dtype))
         out = _ce_extras(target, ignore_index, reduction, torch.float32, in_dtype, loss, loss_rows, z_loss, lse,
                          argmax, z_scale, return_z_loss, return_token_accuracy, return_predicted_tokens)
         for t in out[2:]:
@@ -1052,11 +1060,8 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
                         t.zero_()
             dx, dw, db = _cast(dx, in_dtype), _cast(dw, w_dtype), _cast(db, b_dtype)
         else:
-            dx, dw, db = ctx.saved_tensors
             go = grad_output.reshape(())
-            dx = dx * go.to(dx.dtype) if dx is not None else None
-            dw = dw * go.to(dw.dtype) if dw is not None else None
-            db = db * go.to(db.dtype) if db is not None else None
+            dx, dw, db = (_scaled_grad(t, go, d) for t, d in zip(ctx.saved_tensors, ctx.dtypes))
         if dx is not None:
             dx = dx.view(ctx.shape)
         return (dx, dw, None, db) + nones
@@ -1133,9 +1138,10 @@ class TigonFusedLinearMultiHeadCrossEntropyFunction(torch.autograd.Function):
         ctx.nparams = len(params)
         ctx.shape = _input.shape
         ctx.save_for_backward(
-            _cast(dx, _input.dtype),
-            *[_cast(d, w.dtype) for d, w in zip(dws, weights)],
-            *[_cast(d, b.dtype) for d, b in zip(dbs, biases)])
+            _saved_grad(dx, _input.dtype),
+            *[_saved_grad(d, w.dtype) for d, w in zip(dws, weights)],
+            *[_saved_grad(d, b.dtype) for d, b in zip(dbs, biases)])
+        ctx.dtypes = (_input.dtype, [w.dtype for w in weights[:len(dws)]], [b.dtype for b in biases[:len(dbs)]])
         ctx.counts = (want_dx, len(dws), len(dbs))
         ctx.mark_non_differentiable(head_losses)
         return loss, head_losses
@@ -1146,11 +1152,15 @@ class TigonFusedLinearMultiHeadCrossEntropyFunction(torch.autograd.Function):
         want_dx, ndw, ndb = ctx.counts
         saved = ctx.saved_tensors
         dx, dws, dbs = saved[0], saved[1:1 + ndw], saved[1 + ndw:1 + ndw + ndb]
+        in_dtype, w_dtypes, b_dtypes = ctx.dtypes
         go = grad_output.reshape(()) if grad_output is not None else None
-        scale = (lambda t: t * go.to(t.dtype)) if go is not None else (lambda t: torch.zeros_like(t))
-        dx = scale(dx).view(ctx.shape) if dx is not None else None
-        dw_out = [scale(d) for d in dws] if ndw else [None] * heads
-        db_out = [scale(d) for d in dbs] if ndb else [None] * heads
+
+        def scale(t, dtype):
+            return _scaled_grad(t, go, dtype) if go is not None else torch.zeros_like(t, dtype=dtype)
+
+        dx = scale(dx, in_dtype).view(ctx.shape) if dx is not None else None
+        dw_out = [scale(d, t) for d, t in zip(dws, w_dtypes)] if ndw else [None] * heads
+        db_out = [scale(d, t) for d, t in zip(dbs, b_dtypes)] if ndb else [None] * heads
         grads = (*dw_out, *db_out)[: ctx.nparams]
         return (dx, None, None, None, None, None, None, None, None, *grads)
 

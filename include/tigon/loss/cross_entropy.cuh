@@ -20,6 +20,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -206,6 +207,19 @@ Status validate_options(const CrossEntropyArgs<T, I>& a, const char* op) {
   return Status();
 }
 
+// The loss's six outputs (loss, loss_rows, z_loss, lse, argmax, error_count) over `rows` rows, for
+// buffers_disjoint; named "loss.<member>" when `prefixed` (the loss arguments inside another op's).
+template <class T, class I>
+std::array<check::NamedView, 6> ce_output_views(const CrossEntropyArgs<T, I>& l, std::int64_t rows, bool prefixed) {
+  using check::vector_view;
+  return {{{vector_view(l.loss, 1, 4), prefixed ? "loss.loss" : "loss"},
+           {vector_view(l.loss_rows, rows, 4), prefixed ? "loss.loss_rows" : "loss_rows"},
+           {vector_view(l.z_loss, 1, 4), prefixed ? "loss.z_loss" : "z_loss"},
+           {vector_view(l.lse, rows, 4), prefixed ? "loss.lse" : "lse"},
+           {vector_view(l.argmax, rows, 8), prefixed ? "loss.argmax" : "argmax"},
+           {vector_view(l.error_count, 1, 4), prefixed ? "loss.error_count" : "error_count"}}};
+}
+
 // Every buffer of a call against every other: an output may share no byte with another output or
 // with an input, but dlogits may be the logits themselves (same pointer and stride: in place).
 // stats_out / stats_in: the split vocabulary's statistics (written by the statistics pass, read by
@@ -227,14 +241,10 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op, const CrossEntr
                           {vector_view(a.class_weights, a.vocab, 4), "class_weights"},
                           {vector_view(a.grad_output, go_len, 4), "grad_output"},
                           {vector_view(stats_in, a.rows, st), "merged"}};
+  const auto v = ce_output_views(a, a.rows, false);
   const NamedView out[] = {
       {a.dlogits != nullptr ? MatrixView::of(a.dlogits, a.rows, a.vocab, a.dlogits_stride) : MatrixView{}, "dlogits"},
-      {vector_view(a.loss, 1, 4), "loss"},
-      {vector_view(a.loss_rows, a.rows, 4), "loss_rows"},
-      {vector_view(a.z_loss, 1, 4), "z_loss"},
-      {vector_view(a.lse, a.rows, 4), "lse"},
-      {vector_view(a.argmax, a.rows, 8), "argmax"},
-      {vector_view(a.error_count, 1, 4), "error_count"},
+      v[0], v[1], v[2], v[3], v[4], v[5],
       {vector_view(stats_out, a.rows, st), "stats"},
       {vector_view(a.workspace, static_cast<std::int64_t>(ce_workspace_bytes(a.rows)), 1), "workspace"}};
   TIGON_CHECK(buffers_disjoint(out, in, op, a.logits));

@@ -137,16 +137,12 @@ Status validate(const LinearCrossEntropyArgs<T, I>& a, const char* op) {
                           {vector_view(l.targets, rows, sizeof(I)), "loss.targets"},
                           {vector_view(l.class_weights, vocab, 4), "loss.class_weights"},
                           {vector_view(l.grad_output, l.reduction == Reduction::none ? rows : 1, 4), "loss.grad_output"}};
+  const auto v = ce_output_views(l, rows, true);
   const NamedView out[] = {
       {a.dx != nullptr ? MatrixView::of(a.dx, rows, a.hidden, a.dx_stride) : MatrixView{}, "dx"},
       {a.dweight != nullptr ? MatrixView::of(a.dweight, vocab, a.hidden, 0) : MatrixView{}, "dweight"},
       {vector_view(a.dbias, vocab, 4), "dbias"},
-      {vector_view(l.loss, 1, 4), "loss.loss"},
-      {vector_view(l.loss_rows, rows, 4), "loss.loss_rows"},
-      {vector_view(l.z_loss, 1, 4), "loss.z_loss"},
-      {vector_view(l.lse, rows, 4), "loss.lse"},
-      {vector_view(l.argmax, rows, 8), "loss.argmax"},
-      {vector_view(l.error_count, 1, 4), "loss.error_count"},
+      v[0], v[1], v[2], v[3], v[4], v[5],
       {vector_view(a.workspace, static_cast<std::int64_t>(lce_layout(a).total), 1), "workspace"}};
   return buffers_disjoint(out, in, op);
 }
@@ -209,14 +205,10 @@ Status validate(const LinearCrossEntropyHeadsArgs<T, I>& a, const char* op) {
       {vector_view(l.grad_output, l.reduction == Reduction::none ? hr : 1, 4), "loss.grad_output"}};
   std::vector<NamedView> out = {
       {a.dx != nullptr ? MatrixView::of(a.dx, rows, a.hidden, a.dx_stride) : MatrixView{}, "dx"},
-      {vector_view(l.loss, 1, 4), "loss.loss"},
-      {vector_view(l.loss_rows, hr, 4), "loss.loss_rows"},
-      {vector_view(l.z_loss, 1, 4), "loss.z_loss"},
-      {vector_view(l.lse, hr, 4), "loss.lse"},
-      {vector_view(l.argmax, hr, 8), "loss.argmax"},
-      {vector_view(l.error_count, 1, 4), "loss.error_count"},
       {vector_view(a.head_losses, a.heads, 4), "head_losses"},
       {vector_view(a.workspace, static_cast<std::int64_t>(lce_heads_layout(a).total), 1), "workspace"}};
+  const auto v = ce_output_views(l, hr, true);
+  out.insert(out.begin() + 1, v.begin(), v.end());
   for (int k = 0; k < a.heads; ++k) {
     in.push_back({MatrixView::of(a.weights[k], vocab, a.hidden, 0), "weights[k]"});
     if (a.biases != nullptr) in.push_back({vector_view(a.biases[k], vocab, sizeof(T)), "biases[k]"});

@@ -444,7 +444,7 @@ def _hf_loss_kind(original) -> str:
     """How Hugging Face's forward `original` computes its loss, read from its source: "kwargs",
     self.loss_function(..., **kwargs) (num_items_in_batch, ignore_index and shift_labels honoured);
     "plain", self.loss_function without the keyword arguments (a mean over the valid tokens: what
-    transformers 5.0's Qwen VL models do); "own", any other loss (transformers 5.0's Gemma 3
+    transformers 5.0's Qwen3-VL does); "own", any other loss (transformers 5.0's Gemma 3
     multimodal model drops padded positions by the attention mask), which tigon leaves to Hugging
     Face's code."""
     try:

@@ -579,7 +579,15 @@ struct DivergencePolicy {
   // bulk prefetch per input; 0: none), so that DRAM has those bytes in flight while the block
   // computes, with no registers holding them.
   static constexpr int kStreamAhead = 0;
-  // Row kernel: block size, and vectors of each input in flight per thread in each pass.
+  // Resident kernel (logits on either side, sm_90+, rows of 16-byte units that fit a cluster of
+  // 16 blocks): block size, elements of each input a thread holds, blocks per SM the registers
+  // are sized for, and rows ahead whose slices each block asks of the L2 (0: none).
+  static constexpr int kResThreads = 256;
+  static constexpr int kResElems = 32;
+  static constexpr int kResMinBlocks = 2;
+  static constexpr int kResAhead = 16;
+  // Row kernel (logits on other GPUs, unaligned rows, rows over 16 blocks of the resident
+  // kernel): block size, and vectors of each input in flight per thread in each pass.
   static constexpr int kRowThreads = 512;
   static constexpr int kRowUnroll = 2;
 };
@@ -595,6 +603,12 @@ constexpr bool check_divergence_policy() {
   static_assert(P::kStreamUnroll >= 1 && P::kStreamUnroll <= 8 && P::kRowUnroll >= 1 && P::kRowUnroll <= 8,
                 "1 to 8 vectors of each input in flight per thread");
   static_assert(P::kStreamAhead >= 0, "kStreamAhead: 0 (off) or more blocks");
+  static_assert(P::kResThreads % 32 == 0 && P::kResThreads >= 32 && P::kResThreads <= 1024,
+                "resident kernel: a whole number of warps, at most 1024 threads");
+  static_assert(P::kResElems >= 8 && P::kResElems <= 64 && P::kResElems % 8 == 0,
+                "resident kernel: 8 to 64 elements of each input per thread, a multiple of 8");
+  static_assert(P::kResMinBlocks >= 1 && P::kResMinBlocks <= 8, "resident kernel: 1 to 8 blocks per SM");
+  static_assert(P::kResAhead >= 0, "kResAhead: 0 (off) or more rows");
   return true;
 }
 }  // namespace detail
@@ -973,6 +987,250 @@ TIGON_KERNEL void __launch_bounds__(kThreads) div_row_kernel(const DivParams<T, 
   }
 }
 
+// ---- The resident kernel (logits on either side, sm_90+) ----
+
+// (m, s) pairs of lanes [0, n) merged across the warp: the max, then each sum rescaled to it and
+// added; every lane ends with the same totals, and every block of a cluster, merging the same
+// messages in the same order, with the same (deterministic).
+TIGON_DEVICE void div_merge_lanes(int lane, int n, float pm, float ps, float& om, float& os) {
+  float mm[1] = {lane < n ? pm : div_math::kNegInf};
+  warp_allreduce<32>(mm, MaxOp{});
+  float ss[1] = {(lane < n && pm != div_math::kNegInf) ? ps * div_math::exp_f32(pm - mm[0]) : 0.0f};
+  warp_allreduce_sum<32>(ss);
+  om = mm[0];
+  os = ss[0];
+}
+
+// This thread's max of v / T over its units, then the warp's; then this thread's sum of exp
+// relative to the warp's max, summed over the warp (-inf, 0 for a warp with no finite element).
+template <int kN, int kVecs, int kThreads, bool kFast, class X>
+TIGON_DEVICE void div_warp_lse(const DivVecs<X, kN> (&raw)[kVecs], int mine, float inv_temp, float& m, float& s) {
+  float mx[1] = {div_math::kNegInf};
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (j * kThreads < mine) {
+      float v[kN];
+      div_floats(raw[j], v);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) mx[0] = fmaxf(mx[0], v[k]);
+    }
+  }
+  warp_allreduce<32>(mx, MaxOp{});
+  m = mx[0] * inv_temp;  // inv_temp > 0: the max of v / T
+  float sm[1] = {0.0f};
+  if (m != div_math::kNegInf) {
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (j * kThreads < mine) {
+        float v[kN];
+        div_floats(raw[j], v);
+#pragma unroll
+        for (int k = 0; k < kN; ++k) sm[0] += div_math::exp_f32<kFast>(fmaf(v[k], inv_temp, -m));
+      }
+    }
+  }
+  warp_allreduce_sum<32>(sm);
+  s = sm[0];
+}
+
+// The resident kernel's largest cluster (beyond the portable 8: allowed per kernel on sm_90).
+inline constexpr int kDivResMaxCluster = 16;
+
+// One row per cluster of csize blocks and one slice per block; no block walks rows (the grid holds
+// a cluster per row). Each thread loads its kVecs units (kN elements of each side) of the slice at
+// once and keeps them in registers, so each input is read from DRAM once. Exchange 1: the block's
+// (max, sum of exp) of each logits side's v / T, one 16-byte asynchronous store to every block of
+// the cluster (lane r of warp 0 to block r), counted on the receiver's first barrier; every block
+// merges the messages in rank order, so all hold the same log-sum-exps. Pass 2 from the registers:
+// each element's loss and gradient with respect to its log-probability. A student given as logits
+// keeps its elements' w_i g_i and q_i (fp32) in the registers the raw values leave; exchange 2
+// (the block's loss and S = sum w_i g_i, on the second barrier) gives the row's S, and the gradient
+// f / T (w_i g_i - q_i S) is written from the registers. A student in another form has its gradient
+// written in pass 2. `ahead` rows on, each block asks the L2 for its slices of both inputs.
+template <class D, DivergenceInput kS, DivergenceInput kT, class T, class TT, class I, int kN, int kThreads,
+          int kVecs, int kMinBlocks>
+TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
+    div_resident_kernel(const DivParams<T, TT, I> p, const D div, std::int64_t row0, int slice, int ahead) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kSL = kS == DivergenceInput::logits;
+  constexpr bool kTL = kT == DivergenceInput::logits;
+  constexpr bool kFast = kDivFastMath<T>;
+  constexpr int kWarps = kThreads / 32;
+  __shared__ std::uint64_t bar[2];
+  __shared__ float4 slots[2][kDivResMaxCluster];
+  __shared__ float4 part[kWarps];
+  __shared__ float4 row_stats;  // lse_x, lse_y, the row's loss, S
+  const unsigned csize = cluster_blocks();
+  const unsigned rank = cluster_rank();
+  const bool solo = csize == 1;  // a row in one block: no messages
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31;
+  if (!solo) {
+    if (tid == 0) {
+      mbarrier_init(&bar[0]);  // each completes after one arrival and its messages' bytes
+      mbarrier_init(&bar[1]);
+    }
+    cluster_arrive_relaxed();  // the barriers are ready (the init's fence releases them)
+  }
+  detail::grid_dependency_sync();
+  const std::int64_t row = row0 + blockIdx.x / csize;
+  const int nvec = static_cast<int>(p.vocab / kN);
+  const int v0 = min(static_cast<int>(rank) * slice, nvec);
+  const int v1 = min(v0 + slice, nvec);
+  const int first = v0 + tid;  // this thread's first unit
+  const int mine = v1 - first;  // unit j is this thread's when j * kThreads < mine
+  const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
+  if (ahead > 0 && tid == 0 && row + ahead < p.rows && v1 > v0) {
+    const std::int64_t na = row + ahead;
+    prefetch_l2_bulk(p.x + na * p.xs + static_cast<std::int64_t>(v0) * kN,
+                     static_cast<unsigned>((v1 - v0) * kN * sizeof(T)));
+    prefetch_l2_bulk(p.y + na * p.ys + static_cast<std::int64_t>(v0) * kN,
+                     static_cast<unsigned>((v1 - v0) * kN * sizeof(TT)));
+  }
+  if (div_ignored(p, row)) {  // the same in every block of the cluster: zeros, no messages
+    div_zero<kN, kThreads>(p, row, v0, v1, drop);
+    if (rank == 0 && tid == 0 && p.partials != nullptr) p.partials[row] = 0.0f;
+    if (!solo) cluster_wait();
+    return;
+  }
+  const T* xr = p.x + row * p.xs;
+  const TT* yr = p.y + row * p.ys;
+  T* dr = p.dx != nullptr ? p.dx + row * p.dxs : nullptr;
+  float* lr = p.loss_elems != nullptr ? p.loss_elems + row * p.les : nullptr;
+  const float* wr = (p.go_elems != nullptr && dr != nullptr) ? p.go_elems + row * p.gos : nullptr;
+  DivVecs<T, kN> xv[kVecs];
+  DivVecs<TT, kN> yv[kVecs];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (j * kThreads < mine) {
+      const std::int64_t c0 = static_cast<std::int64_t>(first + j * kThreads) * kN;
+      xv[j] = div_load<kN>(xr + c0, drop);
+      yv[j] = div_load<kN>(yr + c0, drop);
+    }
+  }
+  // Exchange 1: the log-sum-exps.
+  float4 st = make_float4(div_math::kNegInf, 0.0f, div_math::kNegInf, 0.0f);
+  if constexpr (kSL) div_warp_lse<kN, kVecs, kThreads, kFast>(xv, mine, p.inv_temp, st.x, st.y);
+  if constexpr (kTL) div_warp_lse<kN, kVecs, kThreads, kFast>(yv, mine, p.inv_temp, st.z, st.w);
+  if (lane == 0) part[tid >> 5] = st;
+  __syncthreads();
+  if (!solo) cluster_wait();  // every block's barriers are ready (pairs cluster_arrive_relaxed above)
+  if (tid < 32) {
+    const float4 w = lane < kWarps ? part[lane] : make_float4(div_math::kNegInf, 0.0f, div_math::kNegInf, 0.0f);
+    float4 b;
+    div_merge_lanes(lane, kWarps, w.x, w.y, b.x, b.y);
+    div_merge_lanes(lane, kWarps, w.z, w.w, b.z, b.w);
+    if (!solo) {
+      if (lane == 0) mbarrier_arrive_expect_tx(&bar[0], csize * static_cast<unsigned>(sizeof(float4)));
+      if (lane < static_cast<int>(csize)) {
+        const auto to = static_cast<unsigned>(lane);
+        cluster_store_async_f4(cluster_smem_addr(&slots[0][rank], to), cluster_smem_addr(&bar[0], to), b.x, b.y, b.z,
+                               b.w);
+      }
+      mbarrier_wait<true>(&bar[0], 0);
+      const bool from = lane < static_cast<int>(csize);
+      const float4 msg = from ? slots[0][lane] : make_float4(div_math::kNegInf, 0.0f, div_math::kNegInf, 0.0f);
+      div_merge_lanes(lane, static_cast<int>(csize), msg.x, msg.y, b.x, b.y);
+      div_merge_lanes(lane, static_cast<int>(csize), msg.z, msg.w, b.z, b.w);
+    }
+    if (lane == 0) {
+      row_stats.x = kSL ? b.x + div_math::log_f32(b.y) : 0.0f;
+      row_stats.y = kTL ? b.z + div_math::log_f32(b.w) : 0.0f;
+    }
+  }
+  __syncthreads();
+  const float lse_x = row_stats.x, lse_y = row_stats.y;
+  const float f = div_row_factor(p, row);
+  // Pass 2.
+  float gq[kSL ? kVecs : 1][kSL ? kN : 1];  // w_i g_i (student logits)
+  float qq[kSL ? kVecs : 1][kSL ? kN : 1];  // q_i (student logits)
+  float sums[2] = {0.0f, 0.0f};             // the thread's loss, S
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (j * kThreads < mine) {
+      const std::int64_t c0 = static_cast<std::int64_t>(first + j * kThreads) * kN;
+      float xf[kN], yf[kN], l[kN], w[kN];
+      div_floats(xv[j], xf);
+      div_floats(yv[j], yf);
+      if (wr != nullptr) {
+        div_floats(div_load<kN>(wr + c0, drop), w);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kN; ++k) w[k] = 1.0f;
+      }
+      float g[kN];
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        float q;
+        const DivergenceValue v =
+            div_math::evaluate<D, kS, kT, kFast>(div, xf[k], yf[k], p.inv_temp, lse_x, lse_y, q);
+        sums[0] += v.loss;
+        l[k] = v.loss;
+        if constexpr (kSL) {
+          gq[j][k] = w[k] * v.grad;
+          qq[j][k] = q;
+          sums[1] += gq[j][k];
+        } else {
+          g[k] = v.grad * f * w[k];
+        }
+      }
+      if constexpr (!kSL) {
+        if (dr != nullptr) div_store<kN>(dr + c0, g, drop);
+      }
+      if (lr != nullptr) div_store<kN>(lr + c0, l, drop);
+    }
+  }
+  // Exchange 2: the row's loss and S (the loss alone needs no S, the student's gradient in another
+  // form none; the messages are the same size).
+  warp_allreduce_sum<32>(sums);
+  if (lane == 0) part[tid >> 5] = make_float4(sums[0], sums[1], 0.0f, 0.0f);
+  __syncthreads();
+  if (tid < 32) {
+    float bs[2] = {0.0f, 0.0f};
+    if (lane < kWarps) {
+      bs[0] = part[lane].x;
+      bs[1] = part[lane].y;
+    }
+    warp_allreduce_sum<32>(bs);
+    if (!solo) {
+      if (lane == 0) mbarrier_arrive_expect_tx(&bar[1], csize * static_cast<unsigned>(sizeof(float4)));
+      if (lane < static_cast<int>(csize)) {
+        const auto to = static_cast<unsigned>(lane);
+        cluster_store_async_f4(cluster_smem_addr(&slots[1][rank], to), cluster_smem_addr(&bar[1], to), bs[0], bs[1],
+                               0.0f, 0.0f);
+      }
+      mbarrier_wait<true>(&bar[1], 0);
+      const float4 msg = lane < static_cast<int>(csize) ? slots[1][lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      bs[0] = msg.x;
+      bs[1] = msg.y;
+      warp_allreduce_sum<32>(bs);
+    }
+    if (lane == 0) {
+      row_stats.z = bs[0];
+      row_stats.w = bs[1];
+      if (rank == 0 && p.partials != nullptr) p.partials[row] = bs[0];
+    }
+  }
+  // Pass 3: the student's gradient from the registers.
+  if constexpr (kSL) {
+    if (dr != nullptr) {
+      __syncthreads();
+      const float s_total = row_stats.w;
+      const float fs = f * p.inv_temp;
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        if (j * kThreads < mine) {
+          float g[kN];
+#pragma unroll
+          for (int k = 0; k < kN; ++k) g[k] = fs * fmaf(-qq[j][k], s_total, gq[j][k]);
+          div_store<kN>(dr + static_cast<std::int64_t>(first + j * kThreads) * kN, g, drop);
+        }
+      }
+    }
+  }
+#endif
+}
+
 // ---- The small kernels ----
 
 // The count of rows whose label is not ignore_index, as a float. One block, fixed order.
@@ -1037,6 +1295,36 @@ bool div_vectorizable(const DivParams<T, TT, I>& p) {
          (p.go_elems == nullptr || rows_aligned(p.go_elems, p.gos, kVecElems<float>));
 }
 
+// The resident kernel, on sm_90+ when the row (16-byte units) fits a cluster of kDivResMaxCluster
+// blocks and such a cluster fits the device; `launched` false (nothing launched) otherwise.
+template <class P, class D, DivergenceInput kS, DivergenceInput kT, int kN, class T, class TT, class I>
+Status div_launch_resident(const DivParams<T, TT, I>& p, const D& div, cudaStream_t stream, const char* op,
+                           bool& launched) {
+  constexpr int kThreads = P::kResThreads;
+  constexpr int kVecs = P::kResElems / kN > 0 ? P::kResElems / kN : 1;
+  constexpr auto kernel = div_resident_kernel<D, kS, kT, T, TT, I, kN, kThreads, kVecs, P::kResMinBlocks>;
+  launched = false;
+  DeviceInfo dev;
+  TIGON_CHECK(current_device_info(dev));
+  if (dev.cc_major < 9) return Status();
+  const RowClusterShape shape = row_cluster_shape(p.vocab / kN, kThreads, kVecs, kDivResMaxCluster);
+  if (shape.csize == 0) return Status();
+  const auto c = static_cast<unsigned>(shape.csize);
+  LaunchShape one{dim3(c), dim3(kThreads), 0, stream, c};
+  bool fits = false;
+  TIGON_CHECK((cluster_fits<kernel, kDivResMaxCluster>(one, op, fits)));
+  if (!fits) return Status();
+  // One cluster per row; grids over 2^31 - 1 blocks go in several launches.
+  const std::int64_t max_rows = (std::int64_t{1} << 31) / shape.csize - 1;
+  for (std::int64_t r0 = 0; r0 < p.rows; r0 += max_rows) {
+    const std::int64_t n = std::min(max_rows, p.rows - r0);
+    one.grid = dim3(static_cast<unsigned>(n * shape.csize));
+    TIGON_CHECK(launch(op, kernel, one, p, div, r0, shape.slice, P::kResAhead));
+  }
+  launched = true;
+  return Status();
+}
+
 template <class P, class D, DivergenceInput kS, DivergenceInput kT, class T, class TT, class I>
 Status div_launch(const DivParams<T, TT, I>& p, const D& div, cudaStream_t stream, const char* op) {
   constexpr int kN = kVecElems<T> > kVecElems<TT> ? kVecElems<T> : kVecElems<TT>;
@@ -1044,6 +1332,11 @@ Status div_launch(const DivParams<T, TT, I>& p, const D& div, cudaStream_t strea
   const unsigned grid =
       static_cast<unsigned>(std::min<std::int64_t>(p.rows * p.chunks, (std::int64_t{1} << 31) - 1));
   if constexpr (kS == DivergenceInput::logits || kT == DivergenceInput::logits) {
+    if (vec) {
+      bool launched = false;
+      TIGON_CHECK((div_launch_resident<P, D, kS, kT, kN>(p, div, stream, op, launched)));
+      if (launched) return Status();
+    }
     constexpr int kThreads = P::kRowThreads;
     const LaunchShape shape{dim3(grid), dim3(kThreads), 0, stream};
     if (vec) return launch(op, div_row_kernel<D, kS, kT, T, TT, I, kN, kThreads, P::kRowUnroll>, shape, p, div);

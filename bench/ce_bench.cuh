@@ -20,6 +20,7 @@ struct Opt {
   bool weights = false;
   bool argmax = false;
   bool token = false;  // token scaling
+  bool unaligned_weights = false;  // class weights 4 bytes off a 16-byte boundary (one float a load)
 };
 
 
@@ -30,6 +31,7 @@ inline std::string describe(const Opt& o) {
   if (o.weights) s += " weights";
   if (o.argmax) s += " argmax";
   if (o.token) s += " token-scaling";
+  if (o.unaligned_weights) s += " (unaligned)";
   return s;
 }
 
@@ -55,8 +57,8 @@ struct Inputs {
     for (std::int64_t r = 0; r < rows; ++r) th[r] = (r * 7919) % V;
     t = bench::alloc<std::int64_t>(rows);
     BENCH_CUDA(cudaMemcpy(t, th.data(), rows * sizeof(std::int64_t), cudaMemcpyHostToDevice));
-    w = bench::alloc<float>(V);
-    bench::fill_random(w, V, 5, 0.5f, 1.5f);
+    w = bench::alloc<float>(V + 4);
+    bench::fill_random(w, V + 4, 5, 0.5f, 1.5f);
     loss = bench::alloc<float>(1);
     am = bench::alloc<std::int64_t>(rows);
     wsb = tigon::detail::ce_workspace_bytes(rows);
@@ -73,7 +75,7 @@ struct Inputs {
   tigon::CrossEntropyArgs<tigon::bf16> args(int i, bool grad, const Opt& o) const {
     tigon::bf16* xi = x[i % sets];
     return {.logits = xi, .targets = t, .rows = rows, .vocab = V, .dlogits = grad ? xi : nullptr,
-            .class_weights = o.weights ? w : nullptr, .label_smoothing = o.eps, .softcap = o.cap,
+            .class_weights = o.weights ? w + (o.unaligned_weights ? 1 : 0) : nullptr, .label_smoothing = o.eps, .softcap = o.cap,
             .token_scaling = o.token, .loss = loss, .argmax = o.argmax ? am : nullptr, .workspace = ws, .workspace_bytes = wsb};
   }
 };
@@ -88,6 +90,28 @@ void run(benchmark::State& st, bool grad, const Opt& o, const std::string& label
   bench::run(st, name, (grad ? 2.0 : 1.0) * n * sizeof(tigon::bf16),
              [&](int i) { check(tigon::cross_entropy<P>(in.args(i, grad, o), nullptr)); }, 10,
              grad ? bench::Ceiling::copy : bench::Ceiling::read);
+}
+
+// Loss + gradient of logits with a bias added per column (the chunk entry point the linear
+// cross-entropy calls for each chunk of its logits; the mean's denominator given): read the logits
+// once, write the gradient once.
+template <class P>
+void run_bias(benchmark::State& st, const std::string& label = "") {
+  const Inputs in(st.range(0), st.range(1));
+  tigon::bf16* bias = bench::alloc<tigon::bf16>(static_cast<std::size_t>(in.V));
+  bench::fill_random(bias, static_cast<std::size_t>(in.V), 9, -1.0f, 1.0f);
+  const std::vector<float> den{static_cast<float>(in.rows), static_cast<float>(in.rows)};
+  const tigon::detail::CeScratch scratch = tigon::detail::ce_scratch(in.ws, in.rows);
+  BENCH_CUDA(cudaMemcpy(scratch.denom, den.data(), 2 * sizeof(float), cudaMemcpyHostToDevice));
+  const double n = static_cast<double>(in.rows * in.V);
+  const std::string name = (label.empty() ? std::string("cross_entropy ") : "  policy " + label + " ") +
+                           "loss+grad bias bf16 " + std::to_string(in.rows) + "x" + std::to_string(in.V);
+  bench::run(st, name, 2.0 * n * sizeof(tigon::bf16), [&](int i) {
+    const tigon::CrossEntropyArgs<tigon::bf16> a = in.args(i, true, Opt{});
+    check(tigon::detail::cross_entropy_chunk<P>(a, in.x[i % in.sets], bias, 0, in.rows, true, scratch, nullptr,
+                                                "bench"));
+  });
+  cudaFree(bias);
 }
 
 // The split vocabulary over two equal shards, as two ranks would run them one after the other:

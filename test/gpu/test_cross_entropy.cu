@@ -31,6 +31,7 @@ struct Case {
   std::int64_t pad = 0;  // row stride = V + pad
   bool argmax = true;    // request the argmax output (without it and the other options: the plain path)
   bool token = false;    // token scaling
+  bool unaligned_weights = false;  // class weights one float past a 16-byte boundary (one float a load)
 };
 
 std::string describe(const Case& c) {
@@ -38,7 +39,8 @@ std::string describe(const Case& c) {
          " z " + std::to_string(c.z) + " cap " + std::to_string(c.cap) + (c.weights ? " weights" : "") +
          " red " + std::to_string(int(c.red)) + " scale " + std::to_string(c.grad_scale) +
          (c.grad_output ? " grad_output" : "") + (c.in_place ? " in-place" : " out-of-place") +
-         (c.grad ? "" : " loss-only") + " pad " + std::to_string(c.pad) + (c.argmax ? "" : " no-argmax") + (c.token ? " token-scaling" : "");
+         (c.grad ? "" : " loss-only") + " pad " + std::to_string(c.pad) + (c.argmax ? "" : " no-argmax") + (c.token ? " token-scaling" : "") +
+         (c.unaligned_weights ? " unaligned-weights" : "");
 }
 
 template <class T>
@@ -120,14 +122,19 @@ void run_case(const Case& c) {
 
   DeviceBuffer<T> x(xh.size()), dx(xh.size());
   DeviceBuffer<I> tb(ti.size());
-  DeviceBuffer<float> w(std::max<std::size_t>(wh.size(), 1)), go(std::max<std::size_t>(goh.size(), 1));
+  const std::size_t w_off = c.unaligned_weights ? 1 : 0;
+  DeviceBuffer<float> w(std::max<std::size_t>(wh.size() + w_off, 1)), go(std::max<std::size_t>(goh.size(), 1));
   DeviceBuffer<float> loss(1), zl(1), rows(c.rows), lse(c.rows);
   DeviceBuffer<std::int64_t> am(c.rows);
   DeviceBuffer<int> errs(1);
   DeviceBuffer<unsigned char> ws(ws_bytes(c.rows));
   x.upload(xh);
   tb.upload(ti);
-  if (c.weights) w.upload(wh);
+  if (c.weights) {
+    std::vector<float> padded(w_off, 1.0f);
+    padded.insert(padded.end(), wh.begin(), wh.end());
+    w.upload(padded);
+  }
   if (c.grad_output) go.upload(goh);
   dx.poison();
   loss.poison();
@@ -140,7 +147,7 @@ void run_case(const Case& c) {
                            .logits_stride = ld,
                            .dlogits = c.grad ? (c.in_place ? x.ptr : dx.ptr) : nullptr,
                            .dlogits_stride = ld,
-                           .class_weights = c.weights ? w.ptr : nullptr,
+                           .class_weights = c.weights ? w.ptr + w_off : nullptr,
                            .label_smoothing = float(c.eps), .z_loss_scale = float(c.z),
                            .softcap = float(c.cap), .token_scaling = c.token, .reduction = c.red,
                            .grad_scale = c.grad_scale,
@@ -289,6 +296,18 @@ TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce
     cases.push_back(all);
     all.red = Reduction::mean;
     cases.push_back(all);
+    // Smoothing with class weights, the weights read 16 bytes at a time and, off a 16-byte
+    // boundary, one float at a time; with a gradient and for the loss alone.
+    for (const bool unaligned : {false, true}) {
+      for (const bool grad : {true, false}) {
+        Case sw{.rows = rows, .V = V, .eps = 0.1, .weights = true, .grad = grad};
+        sw.unaligned_weights = unaligned;
+        cases.push_back(sw);
+      }
+      all.unaligned_weights = unaligned;
+      cases.push_back(all);
+    }
+    all.unaligned_weights = false;
     for (Case c : cases) {
       // At 32000 columns also without the argmax: the cases without other options then take the
       // row kernel's plain instance.

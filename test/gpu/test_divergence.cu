@@ -42,6 +42,20 @@ struct WideBlocks : DivergencePolicy {
   static constexpr int kRowThreads = 1024;
   static constexpr int kRowUnroll = 4;
 };
+// Resident kernels of other shapes: small slices (LLaMA-2's rows in clusters of 16 blocks) and one
+// block of 512 threads holding 64 elements of each input per thread (a row of up to 32768 in one block).
+struct ResSmall : DivergencePolicy {
+  static constexpr int kResThreads = 128;
+  static constexpr int kResElems = 16;
+  static constexpr int kResMinBlocks = 4;
+  static constexpr int kResAhead = 0;
+};
+struct ResWide : DivergencePolicy {
+  static constexpr int kResThreads = 512;
+  static constexpr int kResElems = 64;
+  static constexpr int kResMinBlocks = 1;
+  static constexpr int kResAhead = 3;
+};
 
 struct Case {
   std::int64_t rows = 6, V = 1000;
@@ -519,6 +533,8 @@ TEST_CASE("divergence: logits rows of LM-head widths", "[div][gpu]") {
       for (const Case& c : cases) {
         run_case<GeneralizedJSD, bf16, bf16>(GeneralizedJSD{0.5f}, c);
         if (V > 20008) continue;
+        run_case<GeneralizedJSD, bf16, bf16, std::int64_t, ResSmall>(GeneralizedJSD{0.5f}, c);
+        run_case<GeneralizedJSD, bf16, bf16, std::int64_t, ResWide>(GeneralizedJSD{0.5f}, c);
         run_case<GeneralizedJSD, float, float>(GeneralizedJSD{0.25f}, c);
         run_case<GeneralizedJSD, bf16, float, std::int32_t>(GeneralizedJSD{0.75f}, c);
         run_case<ForwardKL, half, half>(ForwardKL{}, c);

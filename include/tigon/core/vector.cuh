@@ -200,7 +200,7 @@ TIGON_DEVICE void store_vec_policy(T* p, const AlignedVec<T, N>& v, std::uint64_
 #endif
 
 // True when p is aligned for an access of `bytes` bytes.
-inline bool is_aligned(const void* p, std::size_t bytes) {
+TIGON_HD bool is_aligned(const void* p, std::size_t bytes) {
   return (reinterpret_cast<std::uintptr_t>(p) % bytes) == 0;
 }
 

@@ -375,6 +375,32 @@ TIGON_HD DivergenceValue evaluate(const D& div, float x, float y, float inv_temp
   return v;
 }
 
+// The same with each logits side's probability given (px, py: exp(v / T - lse), formed by the
+// caller from an exponential it already took); the other forms as in evaluate.
+template <class D, DivergenceInput kS, DivergenceInput kT, bool kFast = false>
+TIGON_HD DivergenceValue evaluate_given(const D& div, float x, float y, float inv_temp, float lse_x, float lse_y,
+                                        float px, float py, float& x_prob) {
+  DivergenceElement<kS, kT, kFast> e;
+  if constexpr (kS == DivergenceInput::logits) {
+    e.x_log = fmaf(x, inv_temp, -lse_x);
+    e.x_prob = px;
+  } else {
+    element_forms<kS, kFast>(x, inv_temp, lse_x, e.x_log, e.x_prob);
+  }
+  if constexpr (kT == DivergenceInput::logits) {
+    e.y_log = fmaf(y, inv_temp, -lse_y);
+    e.y_prob = py;
+  } else {
+    element_forms<kT, kFast>(y, inv_temp, lse_y, e.y_log, e.y_prob);
+  }
+  DivergenceValue v = div(e);
+  if constexpr (detail::div_grad_form<D>() == DivergenceInput::probs && kS != DivergenceInput::probs) {
+    v.grad *= e.x_prob;
+  }
+  x_prob = e.x_prob;
+  return v;
+}
+
 }  // namespace div_math
 
 // ------------------------------------------------------------------------------------------------
@@ -586,6 +612,9 @@ struct DivergencePolicy {
   static constexpr int kResElems = 32;
   static constexpr int kResMinBlocks = 2;
   static constexpr int kResAhead = 16;
+  // Resident kernel, 16-bit inputs: each logits side's exponentials of pass 1 kept in registers for
+  // the probabilities of pass 2 (one multiply an element instead of an exponential).
+  static constexpr bool kResKeepExp = true;
   // Row kernel (logits on other GPUs, unaligned rows, rows over 16 blocks of the resident
   // kernel): block size, and vectors of each input in flight per thread in each pass.
   static constexpr int kRowThreads = 512;
@@ -1003,8 +1032,11 @@ TIGON_DEVICE void div_merge_lanes(int lane, int n, float pm, float ps, float& om
 
 // This thread's max of v / T over its units, then the warp's; then this thread's sum of exp
 // relative to the warp's max, summed over the warp (-inf, 0 for a warp with no finite element).
-template <int kN, int kVecs, int kThreads, bool kFast, class X>
-TIGON_DEVICE void div_warp_lse(const DivVecs<X, kN> (&raw)[kVecs], int mine, float inv_temp, float& m, float& s) {
+// kKeep: each element's exp(v / T - m) kept in e (0 for the units that are not the thread's), so
+// that pass 2 forms the probability with one multiply instead of a second exponential.
+template <int kN, int kVecs, int kThreads, bool kFast, bool kKeep = false, class X>
+TIGON_DEVICE void div_warp_lse(const DivVecs<X, kN> (&raw)[kVecs], int mine, float inv_temp, float& m, float& s,
+                               float (*e)[kN] = nullptr) {
   float mx[1] = {div_math::kNegInf};
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
@@ -1018,15 +1050,20 @@ TIGON_DEVICE void div_warp_lse(const DivVecs<X, kN> (&raw)[kVecs], int mine, flo
   warp_allreduce<32>(mx, MaxOp{});
   m = mx[0] * inv_temp;  // inv_temp > 0: the max of v / T
   float sm[1] = {0.0f};
-  if (m != div_math::kNegInf) {
 #pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      if (j * kThreads < mine) {
-        float v[kN];
-        div_floats(raw[j], v);
+  for (int j = 0; j < kVecs; ++j) {
+    if (m != div_math::kNegInf && j * kThreads < mine) {
+      float v[kN];
+      div_floats(raw[j], v);
 #pragma unroll
-        for (int k = 0; k < kN; ++k) sm[0] += div_math::exp_f32<kFast>(fmaf(v[k], inv_temp, -m));
+      for (int k = 0; k < kN; ++k) {
+        const float x = div_math::exp_f32<kFast>(fmaf(v[k], inv_temp, -m));
+        if constexpr (kKeep) e[j][k] = x;
+        sm[0] += x;
       }
+    } else if constexpr (kKeep) {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) e[j][k] = 0.0f;
     }
   }
   warp_allreduce_sum<32>(sm);
@@ -1048,12 +1085,14 @@ inline constexpr int kDivResMaxCluster = 16;
 // f / T (w_i g_i - q_i S) is written from the registers. A student in another form has its gradient
 // written in pass 2. `ahead` rows on, each block asks the L2 for its slices of both inputs.
 template <class D, DivergenceInput kS, DivergenceInput kT, class T, class TT, class I, int kN, int kThreads,
-          int kVecs, int kMinBlocks>
+          int kVecs, int kMinBlocks, bool kKeepExp>
 TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
     div_resident_kernel(const DivParams<T, TT, I> p, const D div, std::int64_t row0, int slice, int ahead) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kSL = kS == DivergenceInput::logits;
   constexpr bool kTL = kT == DivergenceInput::logits;
+  constexpr bool kKeepX = kKeepExp && kSL;  // the student's exponentials kept from pass 1 (in qq)
+  constexpr bool kKeepY = kKeepExp && kTL;  // the teacher's (in ey)
   constexpr bool kFast = kDivFastMath<T>;
   constexpr int kWarps = kThreads / 32;
   __shared__ std::uint64_t bar[2];
@@ -1108,10 +1147,22 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
       yv[j] = div_load<kN>(yr + c0, drop);
     }
   }
+  float gq[kSL ? kVecs : 1][kSL ? kN : 1];      // w_i g_i (student logits)
+  float qq[kSL ? kVecs : 1][kSL ? kN : 1];      // q_i (student logits); before pass 2, exp(x_i / T - m_w)
+  float ey[kKeepY ? kVecs : 1][kKeepY ? kN : 1];  // exp(y_i / T - m_w) (kKeepY)
   // Exchange 1: the log-sum-exps.
   float4 st = make_float4(div_math::kNegInf, 0.0f, div_math::kNegInf, 0.0f);
-  if constexpr (kSL) div_warp_lse<kN, kVecs, kThreads, kFast>(xv, mine, p.inv_temp, st.x, st.y);
-  if constexpr (kTL) div_warp_lse<kN, kVecs, kThreads, kFast>(yv, mine, p.inv_temp, st.z, st.w);
+  if constexpr (kKeepX) {
+    div_warp_lse<kN, kVecs, kThreads, kFast, true>(xv, mine, p.inv_temp, st.x, st.y, qq);
+  } else if constexpr (kSL) {
+    div_warp_lse<kN, kVecs, kThreads, kFast>(xv, mine, p.inv_temp, st.x, st.y);
+  }
+  if constexpr (kKeepY) {
+    div_warp_lse<kN, kVecs, kThreads, kFast, true>(yv, mine, p.inv_temp, st.z, st.w, ey);
+  } else if constexpr (kTL) {
+    div_warp_lse<kN, kVecs, kThreads, kFast>(yv, mine, p.inv_temp, st.z, st.w);
+  }
+  const float mwx = st.x, mwy = st.z;  // the warp's maxima of v / T
   if (lane == 0) part[tid >> 5] = st;
   __syncthreads();
   if (!solo) cluster_wait();  // every block's barriers are ready (pairs cluster_arrive_relaxed above)
@@ -1141,10 +1192,11 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
   __syncthreads();
   const float lse_x = row_stats.x, lse_y = row_stats.y;
   const float f = div_row_factor(p, row);
-  // Pass 2.
-  float gq[kSL ? kVecs : 1][kSL ? kN : 1];  // w_i g_i (student logits)
-  float qq[kSL ? kVecs : 1][kSL ? kN : 1];  // q_i (student logits)
-  float sums[2] = {0.0f, 0.0f};             // the thread's loss, S
+  // Pass 2. A kept exponential becomes the probability with one multiply: exp(v / T - lse) =
+  // exp(v / T - m_w) exp(m_w - lse).
+  const float cx = kKeepX ? div_math::exp_f32<kFast>(mwx - lse_x) : 0.0f;
+  const float cy = kKeepY ? div_math::exp_f32<kFast>(mwy - lse_y) : 0.0f;
+  float sums[2] = {0.0f, 0.0f};  // the thread's loss, S
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     if (j * kThreads < mine) {
@@ -1162,8 +1214,14 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
 #pragma unroll
       for (int k = 0; k < kN; ++k) {
         float q;
-        const DivergenceValue v =
-            div_math::evaluate<D, kS, kT, kFast>(div, xf[k], yf[k], p.inv_temp, lse_x, lse_y, q);
+        DivergenceValue v;
+        if constexpr (kKeepExp) {
+          const float px = kKeepX ? qq[j][k] * cx : 0.0f;
+          const float py = kKeepY ? ey[j][k] * cy : 0.0f;
+          v = div_math::evaluate_given<D, kS, kT, kFast>(div, xf[k], yf[k], p.inv_temp, lse_x, lse_y, px, py, q);
+        } else {
+          v = div_math::evaluate<D, kS, kT, kFast>(div, xf[k], yf[k], p.inv_temp, lse_x, lse_y, q);
+        }
         sums[0] += v.loss;
         l[k] = v.loss;
         if constexpr (kSL) {
@@ -1302,7 +1360,8 @@ Status div_launch_resident(const DivParams<T, TT, I>& p, const D& div, cudaStrea
                            bool& launched) {
   constexpr int kThreads = P::kResThreads;
   constexpr int kVecs = P::kResElems / kN > 0 ? P::kResElems / kN : 1;
-  constexpr auto kernel = div_resident_kernel<D, kS, kT, T, TT, I, kN, kThreads, kVecs, P::kResMinBlocks>;
+  constexpr bool kKeep = P::kResKeepExp && sizeof(T) == 2 && sizeof(TT) == 2;
+  constexpr auto kernel = div_resident_kernel<D, kS, kT, T, TT, I, kN, kThreads, kVecs, P::kResMinBlocks, kKeep>;
   launched = false;
   DeviceInfo dev;
   TIGON_CHECK(current_device_info(dev));

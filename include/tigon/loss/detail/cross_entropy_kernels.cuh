@@ -162,6 +162,28 @@ TIGON_DEVICE ce_math::RowTerms ce_row_terms(const CeParams<T, I>& p, std::int64_
   return ce_row_terms_w(p, total, lse, x_t, ce_target_weight(p, row, t_raw, skip));
 }
 
+// The class weights of columns c0 .. c0 + kV - 1 (c0 a multiple of kV): 16-byte loads when wcol is
+// 16-byte aligned (wvec; kV is 4 or 8 for 16-byte logit vectors), else one float at a time. The
+// weights are read from L2 by every row, once per pass.
+template <int kV>
+TIGON_DEVICE void ce_load_weights(const float* wcol, int c0, bool wvec, float (&w)[kV]) {
+  if constexpr (kV % 4 == 0) {
+    if (wvec) {
+#pragma unroll
+      for (int k = 0; k < kV; k += 4) {
+        const float4 q = __ldg(reinterpret_cast<const float4*>(wcol + c0 + k));
+        w[k] = q.x;
+        w[k + 1] = q.y;
+        w[k + 2] = q.z;
+        w[k + 3] = q.w;
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kV; ++k) w[k] = __ldg(wcol + c0 + k);
+}
+
 // The row's token-scaling factor: its probability of the target, p_t = exp(x_t - lse), or 1.
 template <class T, class I>
 TIGON_DEVICE float ce_token_factor(const CeParams<T, I>& p, float lse, float x_t) {
@@ -990,6 +1012,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   const bool smooth = p.eps > 0.0f;
   const bool want_arg = p.argmax != nullptr;
   const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
+  const bool wvec = is_aligned(wcol, 16);  // the class weights in 16-byte loads
   const float cap = kCap ? p.cap : 0.0f;
   const float inv_cap = kCap ? 1.0f / p.cap : 0.0f;
   // Vector j's logits over xs: bias added (the sum rounded to T), and with the softcap the tanh
@@ -1194,12 +1217,12 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
           if constexpr (kKeepTanh) keep(j, x);
           if constexpr (kSmooth) {
             if (wcol != nullptr) {
-              const int c0 = (first + j * kThreads) * kV;
+              float w[kV];
+              ce_load_weights<kV>(wcol, (first + j * kThreads) * kV, wvec, w);
 #pragma unroll
               for (int k = 0; k < kV; ++k) {
-                const float w = wcol[c0 + k];
-                sw2[0] = fmaf(w, x[k], sw2[0]);
-                sw2[1] += w;
+                sw2[0] = fmaf(w[k], x[k], sw2[0]);
+                sw2[1] += w[k];
               }
             } else {
 #pragma unroll
@@ -1339,12 +1362,13 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     constexpr bool kTerms = kKeepTanh && decltype(terms_c)::value;
     const float e0 = kFold ? neg_lse2 + __log2f(a) : neg_lse2;
     const float gf = kTerms ? a * exp2f(mb_w + neg_lse2 - kGTermLog2) : 0.0f;
-    // p_i (times a when folded) to the element's gradient before the softcap's derivative.
-    auto term = [&](float v, int c) {
+    // p_i (times a when folded) to the element's gradient before the softcap's derivative; sh:
+    // the smoothing term -b w_i.
+    auto term = [&](float v, float sh) {
       if constexpr (kFold) {
         return v;
       } else if constexpr (kSmooth) {
-        return fmaf(v, a, wcol != nullptr ? nb * wcol[c] : nb);
+        return fmaf(v, a, sh);
       } else {
         return v * a;
       }
@@ -1353,6 +1377,20 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     for (int j = 0; j < kVecs; ++j) {
       if (j * kThreads < mine) {
         const int c0 = (first + j * kThreads) * kV;
+        float sh[kV];  // -b w_i (smoothing)
+        if constexpr (kSmooth) {
+          if (wcol != nullptr) {
+            ce_load_weights<kV>(wcol, c0, wvec, sh);
+#pragma unroll
+            for (int k = 0; k < kV; ++k) sh[k] *= nb;
+          } else {
+#pragma unroll
+            for (int k = 0; k < kV; ++k) sh[k] = nb;
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < kV; ++k) sh[k] = 0.0f;
+        }
         float g[kV];
         if constexpr (kTerms) {
 #pragma unroll
@@ -1362,14 +1400,14 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
 #pragma unroll
           for (int k = 0; k < kV; ++k) {
             const float u = kept(j, k);
-            g[k] = term(exp2_ftz(fmaf(u, l2s, e0)), c0 + k) * fmaf(-u, u, 1.0f);
+            g[k] = term(exp2_ftz(fmaf(u, l2s, e0)), sh[k]) * fmaf(-u, u, 1.0f);
           }
         } else {
           float x[kV];
           pre(j, x);
 #pragma unroll
           for (int k = 0; k < kV; ++k) {
-            float v = term(exp2_ftz(fmaf(x[k], l2s, e0)), c0 + k);
+            float v = term(exp2_ftz(fmaf(x[k], l2s, e0)), sh[k]);
             if constexpr (kCap != 0) v *= fmaf(-x[k], x[k], 1.0f);
             g[k] = v;
           }
@@ -1432,7 +1470,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
 // loss's or its CrossEntropyStats): deterministic, one barrier a row, no workspace. kCap and kBias
 // as in the optioned resident kernel. Registers: 64 a thread (two 512-thread blocks per SM).
 inline constexpr int kCeStreamMaxWarps = 16;
-template <class T, class I, int kV, int kU, int kCap, bool kBias>
+template <class T, class I, int kV, int kU, int kCap, bool kBias, bool kLateTarget>
 TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
     ce_stream_kernel(const CeParams<T, I> p, std::int64_t row0, int seg_vecs) {
   detail::grid_dependency_sync();
@@ -1451,6 +1489,7 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
   const bool smooth = p.eps > 0.0f;
   const bool want_arg = p.argmax != nullptr || p.stats_out != nullptr;
   const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
+  const bool wvec = is_aligned(wcol, 16);  // the class weights in 16-byte loads
   const float cap = kCap ? p.cap : 0.0f;
   const float inv_cap = kCap ? 1.0f / p.cap : 0.0f;
   const float xs = kCap ? cap : 1.0f;  // a logit is xs * y, y the value the passes take (tanh with the softcap)
@@ -1468,11 +1507,14 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
   const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
   const std::int64_t t = t_raw - p.col0;
   float xt = 0.0f;
-  if (g == 0 && lane == 0 && t >= 0 && t < p.vocab) {
-    xt = to_float(xr[t]);
-    if constexpr (kBias) xt = round_to<T>(xt + to_float(p.bias[t]));
-    if constexpr (kCap != 0) xt = cap * ce_tanh<kCap>(xt * inv_cap);
-  }
+  auto target_logit = [&] {
+    if (g == 0 && lane == 0 && t >= 0 && t < p.vocab) {
+      xt = to_float(xr[t]);
+      if constexpr (kBias) xt = round_to<T>(xt + to_float(p.bias[t]));
+      if constexpr (kCap != 0) xt = cap * ce_tanh<kCap>(xt * inv_cap);
+    }
+  };
+  if constexpr (!kLateTarget) target_logit();
   float mz = kNegInf;    // the lane's largest z
   float mb = 0.0f;       // ycap(mz) * l2s (0 while mz is -inf): the exponent's offset
   float s = 0.0f;        // sum of exp2(y * l2s - mb)
@@ -1534,12 +1576,12 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
           s += exp2_ftz(fmaf(y[k], l2s, -mb));
         }
         if constexpr (kWeights) {
-          const int c0 = (i + u * 32) * kV;
+          float w[kV];
+          ce_load_weights<kV>(wcol, (i + u * 32) * kV, wvec, w);
 #pragma unroll
           for (int k = 0; k < kV; ++k) {
-            const float w = wcol[c0 + k];
-            swx = fmaf(w, y[k], swx);
-            sw += w;
+            swx = fmaf(w[k], y[k], swx);
+            sw += w[k];
           }
         } else if constexpr (kSmooth) {
 #pragma unroll
@@ -1548,11 +1590,14 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
       }
     }
   };
-  // With a bias, half the vectors a trip: the bias vectors take the registers of the other half.
-  constexpr int kTrip = kBias && kU > 1 ? kU / 2 : kU;
+  // With a bias or class weights, half the vectors a trip: the bias vectors or the weights take the
+  // registers of the other half.
+  constexpr int kHalf = kU > 1 ? kU / 2 : kU;
+  constexpr int kTrip = kBias ? kHalf : kU;
   auto walk = [&](auto smooth_c, auto weights_c) {
+    constexpr int kN = decltype(weights_c)::value ? kHalf : kTrip;
     int i = v0 + lane;
-    for (; i + (kTrip - 1) * 32 < v1; i += kTrip * 32) trip(i, std::integral_constant<int, kTrip>{}, smooth_c, weights_c);
+    for (; i + (kN - 1) * 32 < v1; i += kN * 32) trip(i, std::integral_constant<int, kN>{}, smooth_c, weights_c);
     for (; i < v1; i += 32) trip(i, std::integral_constant<int, 1>{}, smooth_c, weights_c);
   };
   constexpr std::false_type kNo{};
@@ -1564,6 +1609,7 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
   } else {
     walk(kYes, kYes);
   }
+  if constexpr (kLateTarget) target_logit();
   // The warp's statistics: the max, each lane's sum rescaled to it, the sums, the argmax.
   float wz[1] = {mz};
   warp_allreduce<32>(wz, MaxOp{});
@@ -1601,8 +1647,16 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
         }
         return c;
       };
-      const bool whole = bi + (kTrip - 1) * 32 < v1;  // a full trip, not one of the segment's tail
-      bc = whole ? find(std::integral_constant<int, kTrip>{}) : find(std::integral_constant<int, 1>{});
+      // The walk's trip: a full one of kTrip (kHalf with class weights) vectors, or one of the
+      // segment's tail.
+      const int n = (smooth && wcol != nullptr) ? kHalf : kTrip;
+      if (bi + (n - 1) * 32 >= v1) {
+        bc = find(std::integral_constant<int, 1>{});
+      } else if (n == kTrip) {
+        bc = find(std::integral_constant<int, kTrip>{});
+      } else {
+        bc = find(std::integral_constant<int, kHalf>{});
+      }
     }
     float bz = mz;
     ce_argmax_lanes(lane, 32, bz, bc);

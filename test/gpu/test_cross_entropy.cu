@@ -32,6 +32,7 @@ struct Case {
   bool argmax = true;    // request the argmax output (without it and the other options: the plain path)
   bool token = false;    // token scaling
   bool unaligned_weights = false;  // class weights one float past a 16-byte boundary (one float a load)
+  bool zero_target_weights = false;  // every target's class weight 0: the mean's cross-entropy part is off
 };
 
 std::string describe(const Case& c) {
@@ -40,7 +41,7 @@ std::string describe(const Case& c) {
          " red " + std::to_string(int(c.red)) + " scale " + std::to_string(c.grad_scale) +
          (c.grad_output ? " grad_output" : "") + (c.in_place ? " in-place" : " out-of-place") +
          (c.grad ? "" : " loss-only") + " pad " + std::to_string(c.pad) + (c.argmax ? "" : " no-argmax") + (c.token ? " token-scaling" : "") +
-         (c.unaligned_weights ? " unaligned-weights" : "");
+         (c.unaligned_weights ? " unaligned-weights" : "") + (c.zero_target_weights ? " zero-target-weights" : "");
 }
 
 template <class T>
@@ -112,6 +113,11 @@ void run_case(const Case& c) {
   std::vector<float> wh, goh;
   if (c.weights) {
     for (std::int64_t i = 0; i < c.V; ++i) wh.push_back(0.25f + float(ud(gpu_test::rng())));
+    if (c.zero_target_weights) {
+      for (const std::int64_t tt : t) {
+        if (tt >= 0 && tt < c.V) wh[tt] = 0.0f;
+      }
+    }
     o.weights.assign(wh.begin(), wh.end());
   }
   if (c.grad_output) {
@@ -308,6 +314,17 @@ TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce
       cases.push_back(all);
     }
     all.unaligned_weights = false;
+    // Every target weighing 0 under the mean: the cross-entropy part and its gradient are 0, the
+    // z-loss's remain (with smoothing, the softcap and token scaling too).
+    for (const double z : {0.0, 1e-2}) {
+      Case zw{.rows = rows, .V = V, .eps = 0.1, .z = z, .weights = true};
+      zw.zero_target_weights = true;
+      cases.push_back(zw);
+      Case zall = all;
+      zall.z = z;
+      zall.zero_target_weights = true;
+      cases.push_back(zall);
+    }
     for (Case c : cases) {
       // At 32000 columns also without the argmax: the cases without other options then take the
       // row kernel's plain instance.

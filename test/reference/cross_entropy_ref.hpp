@@ -79,7 +79,8 @@ inline CeOut cross_entropy(const std::vector<double>& logits, const std::vector<
     double up = o.grad_output.empty() ? 1.0 : o.grad_output[o.reduction == 0 ? n : 0];
     up *= o.grad_scale * f;
     const double up_z = o.reduction == 2 ? up / r.count : up;
-    if (o.reduction == 2) up /= r.denom;
+    // A weighted mean over targets of weight 0 in all: the cross-entropy part is 0, as is its gradient.
+    if (o.reduction == 2) up = r.denom != 0 ? up / r.denom : 0.0;
     for (std::int64_t i = 0; i < V; ++i) {
       const double p = std::exp(x[i] - lse);
       double g = ((1 - o.eps) * w(t) * (p - (i == t ? 1.0 : 0.0)) + o.eps / V * (p * sw - w(i))) * up +

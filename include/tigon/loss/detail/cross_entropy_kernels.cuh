@@ -209,21 +209,35 @@ TIGON_DEVICE void ce_write_row(const CeParams<T, I>& p, std::int64_t row, const 
   if (p.argmax != nullptr) p.argmax[row] = total.best_i;
 }
 
-// The factor of the row's gradient: upstream gradient over the mean's denominator (0 when skipped).
+// Whether the cross-entropy part is off: under the mean with class weights whose non-ignored
+// targets weigh 0 in all (denom[0] == 0) that part of the loss is 0 by convention, and so is its
+// gradient; the z-loss part (over the row count) remains. The gradient formulas then take the
+// z-loss's factor as the row's scale, no target weight and no smoothing.
+TIGON_DEVICE bool ce_part_off(bool weights, Reduction reduction, float den0) {
+  return weights && reduction == Reduction::mean && den0 == 0.0f;
+}
+template <class T, class I>
+TIGON_DEVICE bool ce_part_off(const CeParams<T, I>& p) {
+  return ce_part_off(p.weights != nullptr, p.reduction, p.reduction == Reduction::mean ? p.denom[0] : 1.0f);
+}
+
+// The factor of the row's gradient: upstream gradient over the mean's denominator (0 when
+// skipped; over the row count when the cross-entropy part is off).
 template <class T, class I>
 TIGON_DEVICE float ce_grad_scale(const CeParams<T, I>& p, std::int64_t row, bool skip) {
   if (skip) return 0.0f;
   const float up = p.grad_output == nullptr ? 1.0f : p.grad_output[p.reduction == Reduction::none ? row : 0];
-  const float den = p.reduction == Reduction::mean ? p.denom[0] : 1.0f;
+  const float den = p.reduction == Reduction::mean ? (ce_part_off(p) ? p.denom[1] : p.denom[0]) : 1.0f;
   return p.grad_scale * up / den;
 }
 
-// The z-loss scale as the gradient formulas take it, relative to the cross-entropy part's factor:
-// the mean divides the cross-entropy part by the non-ignored targets' weight sum (denom[0]) and
-// the z-loss part by their count (denom[1]), so with class weights z is scaled by their ratio.
+// The z-loss scale as the gradient formulas take it, relative to the row's scale: the mean
+// divides the cross-entropy part by the non-ignored targets' weight sum (denom[0]) and the z-loss
+// part by their count (denom[1]), so with class weights z is scaled by their ratio (by 1 when the
+// cross-entropy part is off and the scale is the z-loss's own).
 template <class T, class I>
 TIGON_DEVICE float ce_z_grad(const CeParams<T, I>& p) {
-  if (p.z == 0.0f || p.weights == nullptr || p.reduction != Reduction::mean) return p.z;
+  if (p.z == 0.0f || p.weights == nullptr || p.reduction != Reduction::mean || ce_part_off(p)) return p.z;
   return p.z * (p.denom[0] / p.denom[1]);
 }
 
@@ -461,8 +475,14 @@ TIGON_KERNEL void __launch_bounds__(kThreads, (kGrad || kPlain)           ? 0
     const ce_math::RowTerms terms = ce_row_terms(p, row, total, lse, sh.x_t, t_raw, ignored || bad);
     if (threadIdx.x == 0) ce_write_row(p, row, terms, total, ignored, bad);
     if (kGrad && p.dx != nullptr) {
+      CeParams<T, I> gp = p;
+      ce_math::RowTerms gt = terms;
+      if (ce_part_off(p)) {  // the z-loss's gradient alone
+        gp.eps = 0.0f;
+        gt.w_t = 0.0f;
+      }
       ce_grad_range<T, I, kV, kThreads, kU, kPlain>(
-          p, xr, p.dx + row * p.dxs, 0, nvec, t, terms,
+          gp, xr, p.dx + row * p.dxs, 0, nvec, t, gt,
           ce_grad_scale(p, row, ignored || bad) * ce_token_factor(p, lse, sh.x_t), wcol, drop);
     }
     __syncthreads();  // sh is reused by the next row
@@ -1340,15 +1360,19 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     den0 = p.reduction == Reduction::mean ? p.denom[0] : 1.0f;
     den1 = p.reduction == Reduction::mean ? p.denom[1] : 1.0f;
   }
-  const float scale = skip ? 0.0f : p.grad_scale * up / den0 * ce_token_factor(p, lse, x_t);
-  const float zg = (p.z == 0.0f || p.weights == nullptr || p.reduction != Reduction::mean) ? p.z : p.z * (den0 / den1);
+  // The cross-entropy part off (ce_part_off): the z-loss's gradient alone, scaled over the count.
+  const bool off = ce_part_off(p.weights != nullptr, p.reduction, den0);
+  const float scale = skip ? 0.0f : p.grad_scale * up / (off ? den1 : den0) * ce_token_factor(p, lse, x_t);
+  const float zg =
+      (p.z == 0.0f || p.weights == nullptr || p.reduction != Reduction::mean || off) ? p.z : p.z * (den0 / den1);
+  const float eps = off ? 0.0f : p.eps;
   const CeAcc total{0.0f, 0.0f, sum_wx, sum_w, 0.0f, 0};
-  const ce_math::RowTerms terms = ce_row_terms_w(p, total, lse, x_t, w_t);
+  const ce_math::RowTerms terms = ce_row_terms_w(p, total, lse, x_t, off ? 0.0f : w_t);
   // d loss / d x_i = (p_i * a - b * w_i) * softcap'(x_i) off the target (ce_math::grad regrouped):
   // a = scale ((1 - eps) w_t + eps / V * sum_w + 2 z lse), b = scale * eps / V.
   const float inv_v = 1.0f / static_cast<float>(p.total_vocab);
-  const float a = scale * ((1.0f - p.eps) * terms.w_t + p.eps * inv_v * terms.sum_w + 2.0f * zg * lse);
-  const float b = scale * p.eps * inv_v;
+  const float a = scale * ((1.0f - eps) * terms.w_t + eps * inv_v * terms.sum_w + 2.0f * zg * lse);
+  const float b = scale * eps * inv_v;
   const float neg_lse2 = -lse * kLog2e;
   T* dv = p.dx + row * p.dxs + static_cast<std::int64_t>(first) * kV;
   // The element loop, with smoothing a compile-time switch; without it and for a > 0 (kFold),
@@ -1444,7 +1468,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     if (d >= 0 && d % kThreads == 0 && d / kThreads < kVecs && d < mine) {
       const float pr = exp2_ftz(fmaf(x_t, kLog2e, neg_lse2));
       const float w = wcol != nullptr ? wcol[t] : 1.0f;
-      p.dx[row * p.dxs + t] = from_float<T>(ce_math::grad(pr, true, w, terms, p.eps, zg, p.total_vocab) *
+      p.dx[row * p.dxs + t] = from_float<T>(ce_math::grad(pr, true, w, terms, eps, zg, p.total_vocab) *
                                             ce_math::softcap_grad(x_t, cap) * scale);
     }
   }

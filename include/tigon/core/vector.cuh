@@ -197,6 +197,44 @@ TIGON_DEVICE void store_vec_policy(T* p, const AlignedVec<T, N>& v, std::uint64_
   (void)pol;
   store_vec(p, v);
 }
+
+// The largest element of a vector, running across calls: bfloat16 and half pairs compared two at a
+// time (packed), the pair folded once at the end (value()).
+template <class T>
+struct PackedMax {
+  static constexpr bool kPacked = std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>;
+  using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  Pair pair;
+  float scalar;
+  TIGON_DEVICE PackedMax() {
+    if constexpr (kPacked) {
+      const T lo = from_float<T>(-__builtin_huge_valf());
+      pair = Pair(lo, lo);
+    }
+    scalar = -__builtin_huge_valf();
+  }
+  template <int kV>
+  TIGON_DEVICE void add(const AlignedVec<T, kV>& v) {
+    if constexpr (kPacked && kV % 2 == 0) {
+#pragma unroll
+      for (int k = 0; k < kV; k += 2) {
+        Pair q;
+        __builtin_memcpy(&q, &v.v[k], sizeof(q));
+        pair = __hmax2(pair, q);
+      }
+    } else {
+      float x[kV];
+      to_floats(v, x);
+#pragma unroll
+      for (int k = 0; k < kV; ++k) scalar = fmaxf(scalar, x[k]);
+    }
+  }
+  TIGON_DEVICE float value() const {
+    if constexpr (kPacked) return fmaxf(scalar, fmaxf(to_float(pair.x), to_float(pair.y)));
+    return scalar;
+  }
+};
+
 #endif
 
 // True when p is aligned for an access of `bytes` bytes.

@@ -1037,18 +1037,20 @@ TIGON_DEVICE void div_merge_lanes(int lane, int n, float pm, float ps, float& om
 template <int kN, int kVecs, int kThreads, bool kFast, bool kKeep = false, class X>
 TIGON_DEVICE void div_warp_lse(const DivVecs<X, kN> (&raw)[kVecs], int mine, float inv_temp, float& m, float& s,
                                float (*e)[kN] = nullptr) {
-  float mx[1] = {div_math::kNegInf};
+  PackedMax<X> pm;  // bfloat16 / half compared two at a time
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     if (j * kThreads < mine) {
-      float v[kN];
-      div_floats(raw[j], v);
 #pragma unroll
-      for (int k = 0; k < kN; ++k) mx[0] = fmaxf(mx[0], v[k]);
+      for (int a = 0; a < DivVecs<X, kN>::kCount; ++a) pm.add(raw[j].v[a]);
     }
   }
+  float mx[1] = {pm.value()};
   warp_allreduce<32>(mx, MaxOp{});
   m = mx[0] * inv_temp;  // inv_temp > 0: the max of v / T
+  // exp(v / T - m): with the hardware exp2, log2(e) folded into the FMA's constants.
+  const float scale = kFast ? inv_temp * 1.4426950408889634f : inv_temp;
+  const float shift = kFast ? -m * 1.4426950408889634f : -m;
   float sm[1] = {0.0f};
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
@@ -1057,7 +1059,8 @@ TIGON_DEVICE void div_warp_lse(const DivVecs<X, kN> (&raw)[kVecs], int mine, flo
       div_floats(raw[j], v);
 #pragma unroll
       for (int k = 0; k < kN; ++k) {
-        const float x = div_math::exp_f32<kFast>(fmaf(v[k], inv_temp, -m));
+        const float u = fmaf(v[k], scale, shift);
+        const float x = kFast ? exp2_ftz(u) : div_math::exp_f32<false>(u);
         if constexpr (kKeep) e[j][k] = x;
         sm[0] += x;
       }

@@ -188,13 +188,13 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
         constexpr std::false_type kNo{};
         if (plain) {
           TIGON_CHECK(res(kNo, kNo, kNo));
-        } else if (CePackedMax<T>::kPacked && ce_arg_smooth(p)) {
-          if constexpr (CePackedMax<T>::kPacked) {  // the argmax by packed compares
+        } else if (PackedMax<T>::kPacked && ce_arg_smooth(p)) {
+          if constexpr (PackedMax<T>::kPacked) {  // the argmax by packed compares
             TIGON_CHECK(p.argmax != nullptr ? (p.eps > 0.0f ? res(kYes, kYes, kNo) : res(kYes, kNo, kNo))
                                         : res(kNo, kYes, kNo));
           }
-        } else if (CePackedMax<T>::kPacked && ce_cap_only(p)) {
-          if constexpr (CePackedMax<T>::kPacked) TIGON_CHECK(res(kNo, kNo, kYes));
+        } else if (PackedMax<T>::kPacked && ce_cap_only(p)) {
+          if constexpr (PackedMax<T>::kPacked) TIGON_CHECK(res(kNo, kNo, kYes));
         } else if (p.cap > 0.0f) {
           constexpr int kCap = sizeof(T) == 2 ? 2 : 1;
           TIGON_CHECK((p.bias != nullptr ? launch_ce_opt<P, kCap, true>(p, stream, op, launched)

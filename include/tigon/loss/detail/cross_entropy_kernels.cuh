@@ -510,43 +510,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads, (kGrad || kPlain)           ? 0
 // of exp, a second message), alone or together, and kCap (the softcap alone: the gradient terms
 // kept as half in the statistics pass). Every other option takes the optioned kernel.
 
-// The largest element of a vector, running across calls: bfloat16 and half pairs compared two at a
-// time (packed), the pair folded once at the end (value()).
-template <class T>
-struct CePackedMax {
-  static constexpr bool kPacked = std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>;
-  using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-  Pair pair;
-  float scalar;
-  TIGON_DEVICE CePackedMax() {
-    if constexpr (kPacked) {
-      const T lo = from_float<T>(-__builtin_huge_valf());
-      pair = Pair(lo, lo);
-    }
-    scalar = -__builtin_huge_valf();
-  }
-  template <int kV>
-  TIGON_DEVICE void add(const AlignedVec<T, kV>& v) {
-    if constexpr (kPacked && kV % 2 == 0) {
-#pragma unroll
-      for (int k = 0; k < kV; k += 2) {
-        Pair q;
-        __builtin_memcpy(&q, &v.v[k], sizeof(q));
-        pair = __hmax2(pair, q);
-      }
-    } else {
-      float x[kV];
-      to_floats(v, x);
-#pragma unroll
-      for (int k = 0; k < kV; ++k) scalar = fmaxf(scalar, x[k]);
-    }
-  }
-  TIGON_DEVICE float value() const {
-    if constexpr (kPacked) return fmaxf(scalar, fmaxf(to_float(pair.x), to_float(pair.y)));
-    return scalar;
-  }
-};
-
 // (m, s) pairs of lanes [0, n) merged across the warp: the max, then each sum rescaled to it and
 // added; every lane ends with the same totals, and every block of a cluster, merging the same
 // messages in the same order, with the same (deterministic).
@@ -598,9 +561,9 @@ TIGON_DEVICE void ce_argmax_lanes(int lane, int n, float& v, unsigned& c) {
 template <class T, int kV, int kVecs, int kThreads>
 TIGON_DEVICE unsigned ce_warp_argmax(const AlignedVec<T, kV> (&raw)[kVecs], int mine, int first, int lane_id,
                                      float wmax) {
-  static_assert(CePackedMax<T>::kPacked && kV % 2 == 0);
+  static_assert(PackedMax<T>::kPacked && kV % 2 == 0);
   if (wmax == -__builtin_huge_valf()) return 0xffffffffu;
-  using Pair = typename CePackedMax<T>::Pair;
+  using Pair = typename PackedMax<T>::Pair;
   const T r1 = from_float<T>(wmax);  // exact: the max is one of the T values
   const Pair r2(r1, r1);
   auto pair = [&](int j, int k) {
@@ -672,7 +635,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   if constexpr (kArg) p.argmax = params.argmax;
   if constexpr (kSmooth) p.eps = params.eps;
   if constexpr (kCap) p.cap = params.cap;
-  static_assert(!kCap || (!kArg && !kSmooth && CePackedMax<T>::kPacked && kV % 2 == 0),
+  static_assert(!kCap || (!kArg && !kSmooth && PackedMax<T>::kPacked && kV % 2 == 0),
                 "the softcap instance: 16-bit logits, no other option");
   // kCap (16-bit logits, the special-function unit's tanh): the statistics pass keeps each
   // element's gradient term 2^14 e_i (1 - u_i^2) as half in place of its raw values, u_i =
@@ -729,7 +692,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
     if constexpr (kCap) xt = cap * ce_tanh<2>(xt * inv_cap);
   }
   // The warp's max, then this thread's sum of exp relative to it, summed over the warp.
-  CePackedMax<T> mx;
+  PackedMax<T> mx;
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     if (j * kThreads < mine) mx.add(raw[j]);
@@ -1075,7 +1038,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   // Whether the argmax is found per warp by ballot on the raw values (16-bit, no bias; with the
   // softcap its registers spill the tanh values kept across the exchange, so there the lanes
   // holding the warp's max find their columns).
-  constexpr bool kWarpArg = !kBias && kCap == 0 && CePackedMax<T>::kPacked && kV % 2 == 0;
+  constexpr bool kWarpArg = !kBias && kCap == 0 && PackedMax<T>::kPacked && kV % 2 == 0;
   // With a bias they replace the raw values in raw[j]; without, they go to tk and raw dies: the two
   // layouts under which ptxas fits each instance in 64 registers without spills.
   __half2 tk[(kKeepTanh && !kBias) ? kVecs : 1][kV / 2];
@@ -1141,7 +1104,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     float av = kNegInf;
     unsigned ac = kNoCol;
     if constexpr (!kBias) {
-      CePackedMax<T> mx;
+      PackedMax<T> mx;
 #pragma unroll
       for (int j = 0; j < kVecs; ++j) {
         if (j * kThreads < mine) mx.add(raw[j]);
@@ -1164,8 +1127,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
           for (int j = kVecs - 1; j >= 0; --j) {
             if (j * kThreads < mine) {
               const unsigned col0 = static_cast<unsigned>((first + j * kThreads) * kV);
-              if constexpr (CePackedMax<T>::kPacked && kV % 2 == 0) {
-                using Pair = typename CePackedMax<T>::Pair;
+              if constexpr (PackedMax<T>::kPacked && kV % 2 == 0) {
+                using Pair = typename PackedMax<T>::Pair;
                 const T r1 = from_float<T>(rmax);  // exact: rmax is one of the T values
                 const Pair r2(r1, r1);
                 int hit = kV;
@@ -1578,7 +1541,7 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
     constexpr bool kWeights = decltype(weights_c)::value;
     AlignedVec<T, kV> raw[kN];
     fetch(i, n_c, std::true_type{}, raw);
-    CePackedMax<T> mx;
+    PackedMax<T> mx;
 #pragma unroll
     for (int u = 0; u < kN; ++u) mx.add(raw[u]);
     const float tz = mx.value();

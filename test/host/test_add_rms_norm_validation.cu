@@ -121,6 +121,20 @@ TEST_CASE("add_rms_norm_forward rejects bad arguments by name", "[add_rms_norm][
   expect(add_rms_norm_forward<bf16, 256, OneBlockPerSm>(a, nullptr), Errc::null_pointer, "x");
 }
 
+TEST_CASE("add_rms_norm_backward rejects a workspace over a buffer", "[add_rms_norm][validation]") {
+  auto a = good_bwd();
+  a.workspace = sbuf;  // the partial dW rows over the saved sum
+  a.workspace_bytes = sizeof(sbuf);
+  expect(add_rms_norm_backward(a, nullptr), Errc::aliasing, "workspace");
+  a.workspace = dwbuf;
+  a.workspace_bytes = sizeof(wsbuf);
+  expect(add_rms_norm_backward(a, nullptr), Errc::aliasing, "workspace");
+  a = good_bwd();
+  a.rstd = reinterpret_cast<float*>(wsbuf + 4096);  // past the partial row every plan writes
+  CHECK(detail::validate(a, "add_rms_norm_backward", true).ok());
+  expect(detail::validate(a, "add_rms_norm_backward", true, 8192), Errc::aliasing, "workspace");
+}
+
 TEST_CASE("add_rms_norm_backward rejects bad arguments by name", "[add_rms_norm][validation]") {
   auto a = good_bwd();
   a.dy = nullptr;

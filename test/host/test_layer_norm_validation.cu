@@ -104,6 +104,20 @@ TEST_CASE("layer_norm_forward rejects bad arguments by name", "[layer_norm][vali
   expect(layer_norm_forward<bf16, 4096>(a, nullptr), Errc::invalid_size, "cols");
 }
 
+TEST_CASE("layer_norm_backward rejects a workspace over a buffer", "[layer_norm][validation]") {
+  auto a = good_bwd();
+  a.workspace = xbuf;  // the partial dW and dB rows over x
+  a.workspace_bytes = sizeof(xbuf);
+  expect(layer_norm_backward(a, nullptr), Errc::aliasing, "workspace");
+  a.workspace = dbbuf;
+  a.workspace_bytes = sizeof(wsbuf);
+  expect(layer_norm_backward(a, nullptr), Errc::aliasing, "workspace");
+  a = good_bwd();
+  a.mean = reinterpret_cast<float*>(wsbuf + 8192);  // past the partial rows every plan writes
+  CHECK(detail::validate(a, "layer_norm_backward", true).ok());
+  expect(detail::validate(a, "layer_norm_backward", true, 16384), Errc::aliasing, "workspace");
+}
+
 TEST_CASE("layer_norm_backward rejects bad arguments by name", "[layer_norm][validation]") {
   auto a = good_bwd();
   a.dy = nullptr;

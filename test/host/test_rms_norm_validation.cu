@@ -15,6 +15,7 @@ alignas(256) bf16 ybuf[8 * 256];
 alignas(256) bf16 wbuf[256];
 alignas(256) float rbuf[8];
 alignas(256) bf16 dwbuf[256];
+alignas(256) unsigned char wsbuf[64 * 1024];
 
 RmsNormForwardArgs<bf16> good_fwd() {
   return {.x = xbuf, .y = ybuf, .weight = wbuf, .rstd = rbuf, .rows = 8, .cols = 256};
@@ -127,6 +128,21 @@ TEST_CASE("rms_norm_backward rejects bad arguments by name", "[rms_norm][validat
   a.rows = -1;
   expect(rms_norm_backward_workspace_bytes(a, bytes), Errc::invalid_size, "rows");
   CHECK(bytes == 0);
+  // The workspace (the partial dW rows) over an input or an output.
+  a = good_bwd();
+  a.dweight = dwbuf;
+  a.workspace = xbuf;
+  a.workspace_bytes = sizeof(xbuf);
+  expect(rms_norm_backward(a, nullptr), Errc::aliasing, "workspace");
+  a.workspace = dwbuf;
+  a.workspace_bytes = sizeof(wsbuf);
+  expect(rms_norm_backward(a, nullptr), Errc::aliasing, "workspace");
+  a.workspace = wsbuf;
+  CHECK(detail::validate(a, "rms_norm_backward", true).ok());
+  // Beyond the partial rows every plan writes, a plan's larger workspace over a buffer.
+  a.dx = reinterpret_cast<bf16*>(wsbuf + 4096);
+  CHECK(detail::validate(a, "rms_norm_backward", true).ok());
+  expect(detail::validate(a, "rms_norm_backward", true, 8192), Errc::aliasing, "workspace");
 }
 
 TEST_CASE("in-place calls are valid arguments", "[rms_norm][validation]") {

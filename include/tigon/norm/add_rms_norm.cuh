@@ -137,7 +137,7 @@ Status validate(const AddRmsNormForwardArgs<T, W>& a, const char* op) {
 // with_workspace: the launcher (true) also checks what it can of the workspace without the device;
 // the workspace query passes false.
 template <class T, class W>
-Status validate(const AddRmsNormBackwardArgs<T, W>& a, const char* op, bool with_workspace) {
+Status validate(const AddRmsNormBackwardArgs<T, W>& a, const char* op, bool with_workspace, std::size_t used = 0) {
   TIGON_CHECK(check_not_null({{a.dy, "dy"}, {a.sum, "sum"}, {a.dx, "dx"}}, op));
   TIGON_CHECK(check_rows(a.rows, a.cols,
                          {{a.dy_stride, "dy_stride"}, {a.dsum_stride, "dsum_stride"},
@@ -156,9 +156,10 @@ Status validate(const AddRmsNormBackwardArgs<T, W>& a, const char* op, bool with
   const Named r = row_vector(a.rstd, a.rows, "rstd");
   TIGON_CHECK(check_same_or_disjoint(dx, {dy, ds, s}, op));
   TIGON_CHECK(check_disjoint(dx, {w, r}, op));
-  TIGON_CHECK(check_disjoint(row_vector(a.dweight, a.cols, "dweight"), {dy, ds, s, dx, w, r}, op));
+  const Named dw = row_vector(a.dweight, a.cols, "dweight");
+  TIGON_CHECK(check_disjoint(dw, {dy, ds, s, dx, w, r}, op));
   return check_partials_workspace(with_workspace, a.dweight != nullptr ? 1 : 0, a.workspace,
-                                  a.workspace_bytes, a.cols, op);
+                                  a.workspace_bytes, a.cols, op, {dy, ds, s, dx, w, r, dw}, used);
 }
 
 }  // namespace detail
@@ -478,7 +479,9 @@ struct AddRmsBwdOp : RmsCastingInstances, DweightPartials {
   static constexpr const char* kName = "add_rms_norm_backward";
   static constexpr const char* kWorkspaceName = "add_rms_norm_backward_workspace_bytes";
   static constexpr int kTensors = 3;  // s, dy, dsum
-  static Status validate(const Args& a, const char* op, bool ws) { return detail::validate(a, op, ws); }
+  static Status validate(const Args& a, const char* op, bool ws, std::size_t used = 0) {
+    return detail::validate(a, op, ws, used);
+  }
   static Params params(const Args& a) {
     auto st = [&](std::int64_t s) { return resolved_stride(s, a.cols); };
     return {a.dy,   a.dsum, a.sum,          a.weight,          a.rstd,         a.dx,

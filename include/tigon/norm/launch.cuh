@@ -159,13 +159,18 @@ constexpr std::size_t partial_rows_bytes(std::int64_t parts, std::int64_t cols) 
                                256u);
 }
 
-// What a backward launcher checks of its workspace before the device is touched (with_workspace:
-// the launcher, not the workspace query): present, aligned and at least one partial row per
-// gradient (every plan has that many); the exact size is checked after the plan.
-inline Status check_partials_workspace(bool with_workspace, int grads, const void* ws,
-                                       std::size_t bytes, std::int64_t cols, const char* op) {
+// What a backward launcher checks of its workspace (with_workspace: the launcher, not the
+// workspace query): present, aligned and at least one partial row per gradient, and the bytes the
+// call uses disjoint from every buffer of the call: the partial rows every plan writes before the
+// device is asked for its plan, all `used` bytes of the plan after.
+inline Status check_partials_workspace(bool with_workspace, int grads, const void* ws, std::size_t bytes,
+                                       std::int64_t cols, const char* op, std::initializer_list<Named> buffers,
+                                       std::size_t used = 0) {
   if (!with_workspace || grads == 0) return Status();
-  return check::workspace(ws, bytes, partial_rows_bytes(grads, cols), op);
+  const std::size_t need = partial_rows_bytes(grads, cols);
+  TIGON_CHECK(check::workspace(ws, bytes, need, op));
+  const auto n = static_cast<std::int64_t>(used > need ? used : need);
+  return check_disjoint({MatrixView::of(static_cast<const unsigned char*>(ws), 1, n), "workspace"}, buffers, op);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -361,6 +366,7 @@ Status backward_fixed(const typename Op::Args& a, cudaStream_t stream, std::size
     return Status();
   }
   TIGON_CHECK(check::workspace(a.workspace, a.workspace_bytes, plan.workspace_bytes, Op::kName));
+  TIGON_CHECK(Op::validate(a, Op::kName, true, plan.workspace_bytes));  // all the bytes the plan uses
   Op::set_workspace(p, a, static_cast<float*>(a.workspace), plan.parts);
   return launch_backward<Op, kCols, P>(p, a, plan, stream);
 }

@@ -137,7 +137,7 @@ int layer_norm_grads(const LayerNormBackwardArgs<T, W>& a) {
 // with_workspace: the launcher (true) also checks what it can of the workspace without the device;
 // the workspace query passes false.
 template <class T, class W>
-Status validate(const LayerNormBackwardArgs<T, W>& a, const char* op, bool with_workspace) {
+Status validate(const LayerNormBackwardArgs<T, W>& a, const char* op, bool with_workspace, std::size_t used = 0) {
   TIGON_CHECK(check_not_null(
       {{a.dy, "dy"}, {a.x, "x"}, {a.mean, "mean"}, {a.rstd, "rstd"}, {a.dx, "dx"}}, op));
   TIGON_CHECK(check_rows(a.rows, a.cols,
@@ -157,9 +157,10 @@ Status validate(const LayerNormBackwardArgs<T, W>& a, const char* op, bool with_
   TIGON_CHECK(check_same_or_disjoint(dx, {dy, x}, op));
   TIGON_CHECK(check_disjoint(dx, {w, m, r}, op));
   TIGON_CHECK(check_disjoint(dw, {dy, x, dx, w, m, r}, op));
-  TIGON_CHECK(check_disjoint(row_vector(a.dbias, a.cols, "dbias"), {dy, x, dx, w, m, r, dw}, op));
+  const Named db = row_vector(a.dbias, a.cols, "dbias");
+  TIGON_CHECK(check_disjoint(db, {dy, x, dx, w, m, r, dw}, op));
   return check_partials_workspace(with_workspace, layer_norm_grads(a), a.workspace, a.workspace_bytes,
-                                  a.cols, op);
+                                  a.cols, op, {dy, x, dx, w, m, r, dw, db}, used);
 }
 
 }  // namespace detail
@@ -581,7 +582,9 @@ struct LnBwdOp : SingleInstance {
   static constexpr const char* kWorkspaceName = "layer_norm_backward_workspace_bytes";
   static constexpr int kTensors = 2;  // x, dy
   static constexpr int kAccRows = 2;  // dW, dB
-  static Status validate(const Args& a, const char* op, bool ws) { return detail::validate(a, op, ws); }
+  static Status validate(const Args& a, const char* op, bool ws, std::size_t used = 0) {
+    return detail::validate(a, op, ws, used);
+  }
   static Params params(const Args& a) {
     return {a.dy,   a.x,    a.weight, a.mean, a.rstd, a.dx, nullptr, nullptr, a.rows, a.cols,
             resolved_stride(a.dy_stride, a.cols), resolved_stride(a.x_stride, a.cols),

@@ -170,7 +170,7 @@ Status validate(const RmsNormForwardArgs<T, W>& a, const char* op) {
 // with_workspace: the launcher (true) also checks what it can of the workspace without the device;
 // the workspace query passes false.
 template <class T, class W>
-Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op, bool with_workspace) {
+Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op, bool with_workspace, std::size_t used = 0) {
   TIGON_CHECK(check_not_null({{a.dy, "dy"}, {a.x, "x"}, {a.dx, "dx"}}, op));
   TIGON_CHECK(check_rows(a.rows, a.cols,
                          {{a.dy_stride, "dy_stride"}, {a.x_stride, "x_stride"}, {a.dx_stride, "dx_stride"}},
@@ -187,9 +187,10 @@ Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op, bool with_wo
   const Named r = row_vector(a.rstd, a.rows, "rstd");
   TIGON_CHECK(check_same_or_disjoint(dx, {dy, x}, op));
   TIGON_CHECK(check_disjoint(dx, {w, r}, op));
-  TIGON_CHECK(check_disjoint(row_vector(a.dweight, a.cols, "dweight"), {dy, x, dx, w, r}, op));
+  const Named dw = row_vector(a.dweight, a.cols, "dweight");
+  TIGON_CHECK(check_disjoint(dw, {dy, x, dx, w, r}, op));
   return check_partials_workspace(with_workspace, a.dweight != nullptr ? 1 : 0, a.workspace,
-                                  a.workspace_bytes, a.cols, op);
+                                  a.workspace_bytes, a.cols, op, {dy, x, dx, w, r, dw}, used);
 }
 
 }  // namespace detail
@@ -653,7 +654,9 @@ struct RmsBwdOp : RmsCastingInstances, DweightPartials {
   static constexpr const char* kName = "rms_norm_backward";
   static constexpr const char* kWorkspaceName = "rms_norm_backward_workspace_bytes";
   static constexpr int kTensors = 2;  // x, dy
-  static Status validate(const Args& a, const char* op, bool ws) { return detail::validate(a, op, ws); }
+  static Status validate(const Args& a, const char* op, bool ws, std::size_t used = 0) {
+    return detail::validate(a, op, ws, used);
+  }
   static Params params(const Args& a) {
     return {a.dy,   a.x,    a.weight, a.rstd, a.dx, nullptr, a.rows, a.cols,
             resolved_stride(a.dy_stride, a.cols), resolved_stride(a.x_stride, a.cols),

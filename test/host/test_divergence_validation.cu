@@ -230,6 +230,23 @@ TEST_CASE("divergence rejects overlapping outputs and a short workspace", "[div]
   a.workspace = ws + 4;
   a.workspace_bytes = 1024;
   expect(a, fkl, Errc::invalid_value, "workspace");
+  // The bytes the call uses (the count and each row's partial sum: 256 bytes here) over a buffer
+  // of the call; memory no argument names is fine.
+  a = good();
+  a.loss_rows = nullptr;
+  a.workspace = loss_elems;
+  a.workspace_bytes = sizeof(loss_elems);
+  CHECK(detail::div_workspace(a).bytes == 256);
+  CHECK(detail::validate_divergence_workspace<ForwardKL>(a, 256, "divergence").ok());
+  a = good();
+  a.loss_rows = nullptr;
+  a.workspace = const_cast<float*>(teacher) + kV;
+  a.workspace_bytes = 1024;
+  expect(a, fkl, Errc::aliasing, "workspace");
+  a.workspace = reinterpret_cast<unsigned char*>(dx) + 256;
+  expect(a, fkl, Errc::aliasing, "workspace");
+  a.workspace = labels;
+  expect(a, fkl, Errc::aliasing, "workspace");
   // The query validates as the launch does.
   std::size_t bytes = 7;
   a = good();

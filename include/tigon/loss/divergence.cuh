@@ -506,6 +506,24 @@ MatrixView div_grad_output_view(const DivergenceArgs<T, TT, I>& a) {
   return MatrixView::of(a.grad_output, 1, a.rows, 0);
 }
 
+// The bytes of the workspace a call uses against every buffer of the call.
+template <class D, class T, class TT, class I>
+Status validate_divergence_workspace(const DivergenceArgs<T, TT, I>& a, std::size_t bytes, const char* op) {
+  if (bytes == 0) return Status();
+  const check::NamedView ws[] = {{check::vector_view(a.workspace, static_cast<std::int64_t>(bytes), 1), "workspace"}};
+  const check::NamedView bufs[] = {
+      {MatrixView::of(a.student, a.rows, a.vocab, a.student_stride), "student"},
+      {MatrixView::of(a.teacher, a.rows, a.vocab, a.teacher_stride), "teacher"},
+      {a.labels != nullptr ? MatrixView::of(a.labels, 1, a.rows, 0) : MatrixView{}, "labels"},
+      {a.dx != nullptr ? MatrixView::of(a.dx, a.rows, a.vocab, a.dx_stride) : MatrixView{}, "dx"},
+      {a.loss != nullptr ? MatrixView::of(a.loss, 1, 1, 0) : MatrixView{}, "loss"},
+      {a.loss_rows != nullptr ? MatrixView::of(a.loss_rows, 1, a.rows, 0) : MatrixView{}, "loss_rows"},
+      {a.loss_elems != nullptr ? MatrixView::of(a.loss_elems, a.rows, a.vocab, a.loss_elems_stride) : MatrixView{},
+       "loss_elems"},
+      {div_grad_output_view<D>(a), "grad_output"}};
+  return check::buffers_disjoint(ws, bufs, op);
+}
+
 // What depends on the functor: the input forms it takes, its own parameters, grad_output's extent.
 template <class D, class T, class TT, class I>
 Status validate_divergence_call(const DivergenceArgs<T, TT, I>& a, const D& div, const char* op) {
@@ -1451,6 +1469,7 @@ template <class P = DivergencePolicy, class D, class T, class TT, class I>
   TIGON_CHECK(detail::validate_divergence_call(args, div, kOp));
   const detail::DivWorkspace ws = detail::div_workspace(args);
   TIGON_CHECK(check::workspace(args.workspace, args.workspace_bytes, ws.bytes, kOp));
+  TIGON_CHECK(detail::validate_divergence_workspace<D>(args, ws.bytes, kOp));
   float* const base = static_cast<float*>(args.workspace);
   constexpr bool kElems = detail::div_elementwise_none<D>();
   const bool none = args.reduction == DivergenceReduction::none;

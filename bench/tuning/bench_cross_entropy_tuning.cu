@@ -29,10 +29,6 @@ struct StreamSeg4096 : CrossEntropyPolicy {
 struct StreamU4 : CrossEntropyPolicy {
   static constexpr int kStreamUnroll = 4;
 };
-// The streaming kernel reading the target's logit after its walk.
-struct StreamLate : CrossEntropyPolicy {
-  static constexpr bool kStreamLateTarget = true;
-};
 
 const Opt kCap{.cap = 30.0f};
 const Opt kSmooth{.eps = 0.1f};
@@ -72,8 +68,6 @@ CE_TUNE(opt_smooth_weights, CrossEntropyPolicy, true, kSmoothW) TWO;
 CE_TUNE(opt_smooth_weights_unaligned, CrossEntropyPolicy, true, kSmoothWUnaligned) TWO;
 CE_TUNE(default_loss_smooth_weights, CrossEntropyPolicy, false, kSmoothW) TWO;
 CE_TUNE(default_loss_smooth_weights_unaligned, CrossEntropyPolicy, false, kSmoothWUnaligned) TWO;
-CE_TUNE(late_loss_plain, StreamLate, false, Opt{}) TWO;
-CE_TUNE(late_loss_argmax, StreamLate, false, kArg) TWO;
 CE_TUNE(default_loss_plain, CrossEntropyPolicy, false, Opt{}) TWO;
 CE_TUNE(rows_loss_plain, RowsOnly, false, Opt{}) TWO;
 CE_TUNE(seg512_loss_plain, StreamSeg512, false, Opt{}) TWO;
@@ -84,7 +78,6 @@ CE_TUNE(u4_loss_softcap, StreamU4, false, kCap) TWO;
 CE_TUNE(default_loss_argmax, CrossEntropyPolicy, false, kArg) TWO;
 CE_TUNE(default_loss_all, CrossEntropyPolicy, false, kAll) TWO;
 CE_TUNE_SPLIT(default_shard_stats, CrossEntropyPolicy, false) TWO;
-CE_TUNE_SPLIT(late_shard_stats, StreamLate, false) TWO;
 CE_TUNE_SPLIT(rows_shard_stats, RowsOnly, false) TWO;
 CE_TUNE_SPLIT(seg512_shard_stats, StreamSeg512, false) TWO;
 CE_TUNE_SPLIT(seg2048_shard_stats, StreamSeg2048, false) TWO;

@@ -302,8 +302,6 @@ struct CrossEntropyPolicy {
   // per lane per trip, and the vectors of a row segment (a warp each, at most 16 a row).
   static constexpr int kStreamUnroll = 8;
   static constexpr int kStreamSegVecs = 1024;
-  // Streaming kernel: the target's logit read after the row walk (true) or before it.
-  static constexpr bool kStreamLateTarget = false;
   // Rows shorter than this take the row kernel (columns).
   static constexpr std::int64_t kResMinCols = 0;
 };

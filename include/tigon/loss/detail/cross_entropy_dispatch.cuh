@@ -131,7 +131,7 @@ inline CeStreamShape ce_stream_shape(std::int64_t nvec, int seg_target) {
 template <class P, int kCap, bool kBias, class T, class I>
 Status launch_ce_stream(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   constexpr int kV = kVecElems<T>;
-  constexpr auto kernel = ce_stream_kernel<T, I, kV, P::kStreamUnroll, kCap, kBias, P::kStreamLateTarget>;
+  constexpr auto kernel = ce_stream_kernel<T, I, kV, P::kStreamUnroll, kCap, kBias>;
   const CeStreamShape sh = ce_stream_shape(p.vocab / kV, P::kStreamSegVecs);
   constexpr std::int64_t kMaxRows = (std::int64_t{1} << 31) - 1;
   for (std::int64_t r0 = 0; r0 < p.rows; r0 += kMaxRows) {

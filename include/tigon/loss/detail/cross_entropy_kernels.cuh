@@ -1457,7 +1457,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
 // loss's or its CrossEntropyStats): deterministic, one barrier a row, no workspace. kCap and kBias
 // as in the optioned resident kernel. Registers: 64 a thread (two 512-thread blocks per SM).
 inline constexpr int kCeStreamMaxWarps = 16;
-template <class T, class I, int kV, int kU, int kCap, bool kBias, bool kLateTarget>
+template <class T, class I, int kV, int kU, int kCap, bool kBias>
 TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
     ce_stream_kernel(const CeParams<T, I> p, std::int64_t row0, int seg_vecs) {
   detail::grid_dependency_sync();
@@ -1494,14 +1494,11 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
   const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
   const std::int64_t t = t_raw - p.col0;
   float xt = 0.0f;
-  auto target_logit = [&] {
-    if (g == 0 && lane == 0 && t >= 0 && t < p.vocab) {
-      xt = to_float(xr[t]);
-      if constexpr (kBias) xt = round_to<T>(xt + to_float(p.bias[t]));
-      if constexpr (kCap != 0) xt = cap * ce_tanh<kCap>(xt * inv_cap);
-    }
-  };
-  if constexpr (!kLateTarget) target_logit();
+  if (g == 0 && lane == 0 && t >= 0 && t < p.vocab) {
+    xt = to_float(xr[t]);
+    if constexpr (kBias) xt = round_to<T>(xt + to_float(p.bias[t]));
+    if constexpr (kCap != 0) xt = cap * ce_tanh<kCap>(xt * inv_cap);
+  }
   float mz = kNegInf;    // the lane's largest z
   float mb = 0.0f;       // ycap(mz) * l2s (0 while mz is -inf): the exponent's offset
   float s = 0.0f;        // sum of exp2(y * l2s - mb)
@@ -1596,7 +1593,6 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
   } else {
     walk(kYes, kYes);
   }
-  if constexpr (kLateTarget) target_logit();
   // The warp's statistics: the max, each lane's sum rescaled to it, the sums, the argmax.
   float wz[1] = {mz};
   warp_allreduce<32>(wz, MaxOp{});

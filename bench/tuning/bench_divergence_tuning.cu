@@ -1,8 +1,7 @@
 // Divergence policy sweeps around the default (built with -DTIGON_BUILD_TUNING=ON): the streaming
 // kernel's L2 prefetch distance (kStreamAhead) and vectors in flight (kStreamUnroll) for the
 // generalised JSD and the forward KL; the resident kernel's elements per thread, blocks per SM and
-// rows asked of the L2 ahead (kResElems, kResMinBlocks, kResAhead) and whether it keeps pass 1's
-// exponentials (kResKeepExp) for the JSD on logits. Same
+// rows asked of the L2 ahead (kResElems, kResMinBlocks, kResAhead) for the JSD on logits. Same
 // body and counting as bench/bench_divergence.cu.
 #include "../harness.cuh"
 
@@ -24,15 +23,12 @@ struct Stream : tigon::DivergencePolicy {
 using Ahead256Unroll1 = Stream<256, 1>;
 using Ahead0Unroll4 = Stream<0, 4>;
 
-template <int kElems, int kMinBlocks, int kAhead, bool kKeep = true>
+template <int kElems, int kMinBlocks, int kAhead>
 struct Res : tigon::DivergencePolicy {
   static constexpr int kResElems = kElems;
   static constexpr int kResMinBlocks = kMinBlocks;
   static constexpr int kResAhead = kAhead;
-  static constexpr bool kResKeepExp = kKeep;
 };
-using Res32x2a16NoKeep = Res<32, 2, 16, false>;
-using Res16x4a16NoKeep = Res<16, 4, 16, false>;
 using Res32x2a0 = Res<32, 2, 0>;
 using Res32x2a16 = Res<32, 2, 16>;
 using Res32x2a32 = Res<32, 2, 32>;
@@ -63,8 +59,6 @@ DIV_TUNE(jsd_logits_res32x2a16, Res32x2a16, (Opt{.which = Which::jsd, .student =
 DIV_TUNE(jsd_logits_res32x2a32, Res32x2a32, (Opt{.which = Which::jsd, .student = kZ, .teacher = kZ}));
 DIV_TUNE(jsd_logits_res16x4a16, Res16x4a16, (Opt{.which = Which::jsd, .student = kZ, .teacher = kZ}));
 DIV_TUNE(jsd_logits_res64x1a16, Res64x1a16, (Opt{.which = Which::jsd, .student = kZ, .teacher = kZ}));
-DIV_TUNE(jsd_logits_res32x2a16_nokeep, Res32x2a16NoKeep, (Opt{.which = Which::jsd, .student = kZ, .teacher = kZ}))->Args({8192, 32000});
-DIV_TUNE(jsd_logits_res16x4a16_nokeep, Res16x4a16NoKeep, (Opt{.which = Which::jsd, .student = kZ, .teacher = kZ}));
 DIV_TUNE(fkl_logits_res32x2a16, Res32x2a16, (Opt{.which = Which::forward_kl, .student = kZ, .teacher = kZ}));
 
 BENCH_MAIN

@@ -630,9 +630,6 @@ struct DivergencePolicy {
   static constexpr int kResElems = 32;
   static constexpr int kResMinBlocks = 2;
   static constexpr int kResAhead = 16;
-  // Resident kernel, 16-bit inputs: each logits side's exponentials of pass 1 kept in registers for
-  // the probabilities of pass 2 (one multiply an element instead of an exponential).
-  static constexpr bool kResKeepExp = true;
   // Row kernel (logits on other GPUs, unaligned rows, rows over 16 blocks of the resident
   // kernel): block size, and vectors of each input in flight per thread in each pass.
   static constexpr int kRowThreads = 512;
@@ -1381,7 +1378,8 @@ Status div_launch_resident(const DivParams<T, TT, I>& p, const D& div, cudaStrea
                            bool& launched) {
   constexpr int kThreads = P::kResThreads;
   constexpr int kVecs = P::kResElems / kN > 0 ? P::kResElems / kN : 1;
-  constexpr bool kKeep = P::kResKeepExp && sizeof(T) == 2 && sizeof(TT) == 2;
+  // 16-bit inputs: pass 1's exponentials kept in registers for pass 2's probabilities.
+  constexpr bool kKeep = sizeof(T) == 2 && sizeof(TT) == 2;
   constexpr auto kernel = div_resident_kernel<D, kS, kT, T, TT, I, kN, kThreads, kVecs, P::kResMinBlocks, kKeep>;
   launched = false;
   DeviceInfo dev;

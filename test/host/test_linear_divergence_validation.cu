@@ -160,6 +160,17 @@ TEST_CASE("linear_divergence rejects bad arguments by name and runs nothing", "[
   a = good();
   a.dx = const_cast<bf16*>(a.x);
   expect(a, kl, Errc::aliasing, "dx");
+  // The workspace's bytes the call uses (the two logits chunks first) over an input or an output.
+  a = good();
+  a.workspace = const_cast<bf16*>(a.weight);
+  a.workspace_bytes = sizeof(ws);
+  expect(a, kl, Errc::aliasing, "workspace");
+  a = good();
+  a.loss_rows = reinterpret_cast<float*>(ws + 512);
+  expect(a, kl, Errc::aliasing, "workspace");
+  a = good();
+  a.workspace = dw;
+  expect(a, kl, Errc::aliasing, "workspace");
   a = good();
   a.loss_rows = loss;
   a.tokens = 1;

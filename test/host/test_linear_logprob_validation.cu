@@ -21,6 +21,7 @@ alignas(256) float ent[kTok];
 alignas(256) float glogp[kTok];
 alignas(256) bf16 dx[kTok * kH];
 alignas(256) float dw[kV * kH];
+alignas(256) float db[kV];
 alignas(256) unsigned char ws[1 << 16];
 
 struct CountingGemm {
@@ -74,7 +75,7 @@ TEST_CASE("linear_logprob: the good arguments pass validation; the workspace", "
   CHECK(linear_logprob_workspace_bytes(a, false, bytes).ok());
   CHECK(bytes == 512);  // one chunk of 4 x 64 bf16 logits
   auto b = a;
-  b.dbias = dw;  // (the pointer's extent is not checked against the bias here)
+  b.dbias = db;
   CHECK(linear_logprob_workspace_bytes(b, true, bytes).ok());
   CHECK(bytes == 512 + 256);  // and the ones vector
   CHECK(linear_logprob_workspace_bytes(b, false, bytes).ok());
@@ -156,4 +157,33 @@ TEST_CASE("linear_logprob rejects bad arguments by name and runs nothing", "[llp
   a = good();
   a.dx = const_cast<bf16*>(x) + 1;
   expect(a, true, Errc::aliasing, "dx");
+  // Every output against every input and every other output, the workspace's bytes included.
+  a = good();
+  a.logp = reinterpret_cast<float*>(targets);
+  expect(a, false, Errc::aliasing, "logp");
+  a = good();
+  a.error_count = reinterpret_cast<int*>(ent);
+  expect(a, false, Errc::aliasing, "error_count");
+  a = good();
+  a.workspace = w;  // the logits chunk over the head
+  expect(a, false, Errc::aliasing, "workspace");
+  a = good();
+  a.workspace = ws;
+  a.workspace_bytes = sizeof(ws);
+  a.lse = reinterpret_cast<float*>(ws + 256);  // inside the chunk of logits the call writes
+  expect(a, false, Errc::aliasing, "workspace");
+  a = good();
+  a.dweight = reinterpret_cast<float*>(dx);  // dW over dx
+  expect(a, true, Errc::aliasing, "dweight");
+  a = good();
+  a.dx = reinterpret_cast<bf16*>(glogp);  // dx over an upstream gradient
+  a.tokens = 1;
+  expect(a, true, Errc::aliasing, "dx");
+  a = good();
+  a.dbias = lse;  // dbias over the forward's lse
+  expect(a, true, Errc::aliasing, "dbias");
+  a = good();
+  a.workspace = dw;  // the backward's logits chunk over dW
+  a.workspace_bytes = sizeof(dw);
+  expect(a, true, Errc::aliasing, "workspace");
 }

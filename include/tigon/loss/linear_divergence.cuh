@@ -143,14 +143,17 @@ Status validate(const LinearDivergenceArgs<T, I>& a, const char* op) {
                             MatrixView::of(a.teacher_weight, a.vocab, a.teacher_hidden, 0),
                             a.labels != nullptr ? MatrixView::of(a.labels, 1, a.tokens, 0) : MatrixView{}};
   const char* in_names[] = {"x", "weight", "teacher_x", "teacher_weight", "labels"};
+  // The workspace: the bytes the call uses (the two logits chunks, the count, the row sums).
+  const std::size_t ws_bytes = a.workspace != nullptr ? ldiv_layout(a).total : 0;
   const MatrixView outs[] = {
       a.dx != nullptr ? MatrixView::of(a.dx, a.tokens, a.hidden, a.dx_stride) : MatrixView{},
       a.dweight != nullptr ? MatrixView::of(a.dweight, a.vocab, a.hidden, 0) : MatrixView{},
       a.loss != nullptr ? MatrixView::of(a.loss, 1, 1, 0) : MatrixView{},
       a.loss_rows != nullptr ? MatrixView::of(a.loss_rows, 1, a.tokens, 0) : MatrixView{},
-      a.loss_elems != nullptr ? MatrixView::of(a.loss_elems, a.tokens, a.vocab, a.loss_elems_stride) : MatrixView{}};
-  const char* out_names[] = {"dx", "dweight", "loss", "loss_rows", "loss_elems"};
-  for (int i = 0; i < 5; ++i) {
+      a.loss_elems != nullptr ? MatrixView::of(a.loss_elems, a.tokens, a.vocab, a.loss_elems_stride) : MatrixView{},
+      check::vector_view(a.workspace, static_cast<std::int64_t>(ws_bytes), 1)};
+  const char* out_names[] = {"dx", "dweight", "loss", "loss_rows", "loss_elems", "workspace"};
+  for (int i = 0; i < 6; ++i) {
     if (outs[i].ptr == nullptr) continue;
     for (int j = 0; j < 5; ++j) {
       if (ins[j].ptr != nullptr) TIGON_CHECK(disjoint(outs[i], ins[j], op, out_names[i], in_names[j]));

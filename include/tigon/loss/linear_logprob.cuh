@@ -186,27 +186,28 @@ Status llp_validate(const LinearLogProbArgs<T, I>& a, bool backward, const char*
   if (a.keep_logits && a.chunk > 0 && a.chunk < a.tokens) {
     return Status::error(Errc::invalid_size, op, "chunk", "kept logits are one chunk of all the tokens: chunk 0");
   }
-  const MatrixView x = MatrixView::of(a.x, a.tokens, a.hidden, a.x_stride);
-  const MatrixView w = MatrixView::of(a.weight, a.vocab, a.hidden, 0);
-  const MatrixView row_outs[] = {MatrixView::of(a.logp, 1, a.tokens, 0), MatrixView::of(a.lse, 1, a.tokens, 0),
-                                 MatrixView::of(a.entropy, 1, a.tokens, 0),
-                                 MatrixView::of(a.logit_sum, 1, a.tokens, 0),
-                                 MatrixView::of(a.is_top1, 1, a.tokens, 0)};
-  const char* row_names[] = {"logp", "lse", "entropy", "logit_sum", "is_top1"};
+  // Aliasing: every output (the workspace's bytes the call uses included) against every input and
+  // every other output of the direction.
+  const std::size_t ws_bytes = a.workspace != nullptr ? llp_layout(a, backward).total : 0;
+  const NamedView ws{vector_view(a.workspace, static_cast<std::int64_t>(ws_bytes), 1), "workspace"};
+  const NamedView x{MatrixView::of(a.x, a.tokens, a.hidden, a.x_stride), "x"};
+  const NamedView w{MatrixView::of(a.weight, a.vocab, a.hidden, 0), "weight"};
+  const NamedView b{vector_view(a.bias, a.vocab, sizeof(T)), "bias"};
+  const NamedView t{vector_view(a.targets, a.tokens, sizeof(I)), "targets"};
   if (!backward) {
     if (a.logp == nullptr && a.lse == nullptr && a.entropy == nullptr && a.logit_sum == nullptr &&
         a.is_top1 == nullptr) {
       return Status::error(Errc::null_pointer, op, "logp", "no output: set logp, lse, entropy, logit_sum or is_top1");
     }
-    for (int i = 0; i < 5; ++i) {
-      if (row_outs[i].ptr == nullptr) continue;
-      TIGON_CHECK(disjoint(row_outs[i], x, op, row_names[i], "x"));
-      TIGON_CHECK(disjoint(row_outs[i], w, op, row_names[i], "weight"));
-      for (int j = 0; j < i; ++j) {
-        if (row_outs[j].ptr != nullptr) TIGON_CHECK(disjoint(row_outs[i], row_outs[j], op, row_names[i], row_names[j]));
-      }
-    }
-    return Status();
+    const NamedView outs[] = {{vector_view(a.logp, a.tokens, 4), "logp"},
+                              {vector_view(a.lse, a.tokens, 4), "lse"},
+                              {vector_view(a.entropy, a.tokens, 4), "entropy"},
+                              {vector_view(a.logit_sum, a.tokens, 4), "logit_sum"},
+                              {vector_view(a.is_top1, a.tokens, 1), "is_top1"},
+                              {vector_view(a.error_count, 1, sizeof(int)), "error_count"},
+                              ws};
+    const NamedView ins[] = {x, w, b, t};
+    return buffers_disjoint(outs, ins, op);
   }
   if (a.grad_logp == nullptr && a.grad_entropy == nullptr) {
     return Status::error(Errc::null_pointer, op, "grad_logp", "no upstream gradient: set grad_logp or grad_entropy");
@@ -216,17 +217,21 @@ Status llp_validate(const LinearLogProbArgs<T, I>& a, bool backward, const char*
   if (a.dx == nullptr && a.dweight == nullptr && a.dbias == nullptr) {
     return Status::error(Errc::null_pointer, op, "dx", "no gradient asked for: set dx, dweight or dbias");
   }
-  if (a.dx != nullptr) {
-    const MatrixView dx = MatrixView::of(a.dx, a.tokens, a.hidden, a.dx_stride);
-    TIGON_CHECK(disjoint(dx, x, op, "dx", "x"));
-    TIGON_CHECK(disjoint(dx, w, op, "dx", "weight"));
-  }
-  if (a.dweight != nullptr) {
-    const MatrixView dw = MatrixView::of(a.dweight, a.vocab, a.hidden, 0);
-    TIGON_CHECK(disjoint(dw, x, op, "dweight", "x"));
-    TIGON_CHECK(disjoint(dw, w, op, "dweight", "weight"));
-  }
-  return Status();
+  const NamedView outs[] = {{a.dx != nullptr ? MatrixView::of(a.dx, a.tokens, a.hidden, a.dx_stride) : MatrixView{},
+                             "dx"},
+                            {a.dweight != nullptr ? MatrixView::of(a.dweight, a.vocab, a.hidden, 0) : MatrixView{},
+                             "dweight"},
+                            {vector_view(a.dbias, a.vocab, 4), "dbias"},
+                            ws};
+  const NamedView ins[] = {x,
+                           w,
+                           b,
+                           t,
+                           {vector_view(a.lse, a.tokens, 4), "lse"},
+                           {vector_view(a.grad_entropy != nullptr ? a.entropy : nullptr, a.tokens, 4), "entropy"},
+                           {vector_view(a.grad_logp, a.tokens, 4), "grad_logp"},
+                           {vector_view(a.grad_entropy, a.tokens, 4), "grad_entropy"}};
+  return buffers_disjoint(outs, ins, op);
 }
 
 }  // namespace detail

@@ -121,6 +121,17 @@ TEST_CASE("add_rms_norm_forward rejects bad arguments by name", "[add_rms_norm][
   expect(add_rms_norm_forward<bf16, 256, OneBlockPerSm>(a, nullptr), Errc::null_pointer, "x");
 }
 
+TEST_CASE("add_rms_norm rejects a non-finite offset", "[add_rms_norm][validation]") {
+  for (const float off : {__builtin_nanf(""), __builtin_huge_valf()}) {
+    auto f = good_fwd();
+    f.offset = off;
+    expect(add_rms_norm_forward(f, nullptr), Errc::invalid_value, "offset");
+    auto b = good_bwd();
+    b.offset = off;
+    expect(add_rms_norm_backward(b, nullptr), Errc::invalid_value, "offset");
+  }
+}
+
 TEST_CASE("add_rms_norm_backward rejects a workspace over a buffer", "[add_rms_norm][validation]") {
   auto a = good_bwd();
   a.workspace = sbuf;  // the partial dW rows over the saved sum

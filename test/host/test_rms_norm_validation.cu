@@ -60,6 +60,15 @@ TEST_CASE("rms_norm_forward rejects bad arguments by name", "[rms_norm][validati
   a = good_fwd();
   a.casting = static_cast<RmsNormCasting>(7);
   expect(rms_norm_forward(a, nullptr), Errc::invalid_value, "casting");
+  // A non-finite offset (checked by its bits, so that -ffast-math keeps the check).
+  for (const float off : {__builtin_nanf(""), __builtin_huge_valf(), -__builtin_huge_valf()}) {
+    a = good_fwd();
+    a.offset = off;
+    expect(rms_norm_forward(a, nullptr), Errc::invalid_value, "offset");
+    auto b = good_bwd();
+    b.offset = off;
+    expect(rms_norm_backward(b, nullptr), Errc::invalid_value, "offset");
+  }
   a = good_fwd();
   a.y = xbuf + 3;  // overlaps x, not the same matrix
   expect(rms_norm_forward(a, nullptr), Errc::aliasing, "y");

@@ -121,7 +121,7 @@ Status validate(const AddRmsNormForwardArgs<T, W>& a, const char* op) {
                          {{a.x_stride, "x_stride"}, {a.residual_stride, "residual_stride"},
                           {a.y_stride, "y_stride"}, {a.sum_stride, "sum_stride"}},
                          op));
-  TIGON_CHECK(check_eps_casting(a.eps, true, a.casting, op));
+  TIGON_CHECK(check_eps_casting(a.eps, true, a.casting, a.offset, op));
   const Named x = matrix(a.x, a.rows, a.cols, a.x_stride, "x");
   const Named res = matrix(a.residual, a.rows, a.cols, a.residual_stride, "residual");
   const Named y = matrix(a.y, a.rows, a.cols, a.y_stride, "y");
@@ -143,7 +143,7 @@ Status validate(const AddRmsNormBackwardArgs<T, W>& a, const char* op, bool with
                          {{a.dy_stride, "dy_stride"}, {a.dsum_stride, "dsum_stride"},
                           {a.sum_stride, "sum_stride"}, {a.dx_stride, "dx_stride"}},
                          op));
-  TIGON_CHECK(check_eps_casting(a.eps, a.rstd == nullptr, a.casting, op));
+  TIGON_CHECK(check_eps_casting(a.eps, a.rstd == nullptr, a.casting, a.offset, op));
   if (a.dweight != nullptr && a.weight == nullptr) {
     return Status::error(Errc::invalid_value, op, "dweight",
                          "requested without a weight (a forward without affine has no dW)");

@@ -145,8 +145,10 @@ TIGON_HD float dweight_term(float dy, float xhat, RmsNormCasting c) {
 
 namespace detail {
 
-inline Status check_eps_casting(float eps, bool check_eps_too, RmsNormCasting casting, const char* op) {
+inline Status check_eps_casting(float eps, bool check_eps_too, RmsNormCasting casting, float offset,
+                                const char* op) {
   if (check_eps_too) TIGON_CHECK(check_eps(eps, op));
+  TIGON_CHECK(check::finite(offset, op, "offset"));
   if (casting != RmsNormCasting::llama && casting != RmsNormCasting::gemma &&
       casting != RmsNormCasting::none) {
     return Status::error(Errc::invalid_value, op, "casting", "unknown casting mode");
@@ -158,7 +160,7 @@ template <class T, class W>
 Status validate(const RmsNormForwardArgs<T, W>& a, const char* op) {
   TIGON_CHECK(check_not_null({{a.x, "x"}, {a.y, "y"}}, op));
   TIGON_CHECK(check_rows(a.rows, a.cols, {{a.x_stride, "x_stride"}, {a.y_stride, "y_stride"}}, op));
-  TIGON_CHECK(check_eps_casting(a.eps, true, a.casting, op));
+  TIGON_CHECK(check_eps_casting(a.eps, true, a.casting, a.offset, op));
   const Named x = matrix(a.x, a.rows, a.cols, a.x_stride, "x");
   const Named y = matrix(a.y, a.rows, a.cols, a.y_stride, "y");
   const Named w = row_vector(a.weight, a.cols, "weight");
@@ -175,7 +177,7 @@ Status validate(const RmsNormBackwardArgs<T, W>& a, const char* op, bool with_wo
   TIGON_CHECK(check_rows(a.rows, a.cols,
                          {{a.dy_stride, "dy_stride"}, {a.x_stride, "x_stride"}, {a.dx_stride, "dx_stride"}},
                          op));
-  TIGON_CHECK(check_eps_casting(a.eps, a.rstd == nullptr, a.casting, op));
+  TIGON_CHECK(check_eps_casting(a.eps, a.rstd == nullptr, a.casting, a.offset, op));
   if (a.dweight != nullptr && a.weight == nullptr) {
     return Status::error(Errc::invalid_value, op, "dweight",
                          "requested without a weight (a forward without affine has no dW)");

@@ -210,18 +210,20 @@ def _ce(x, target, class_weights, grad_output, ignore_index, smoothing, z, cap, 
     zrows = torch.where(valid, z * lse * lse * f, zero)
     if reduction == 2:  # the cross-entropy part over the weight sum, the z part over the token count
         denom = (wt * valid).sum() if class_weights is not None else valid.sum().float()
-        denom = torch.where(denom != 0, denom, torch.ones_like(denom))
+        # A weight sum of 0 (every target weighs 0, or all are ignored): that part and its gradient are 0.
+        ce_scale = torch.where(denom != 0, 1 / torch.where(denom != 0, denom, torch.ones_like(denom)),
+                               torch.zeros_like(denom))
         count = valid.sum().float().clamp_min(1)
         ztotal = zrows.sum() / count
-        total = (rows - zrows).sum() / denom + ztotal
+        total = (rows - zrows).sum() * ce_scale + ztotal
     else:
-        denom = count = torch.ones((), device=x.device)
+        ce_scale = count = torch.ones((), device=x.device)
         total, ztotal = rows.sum(), zrows.sum()
     grad = None
     if grad_scale is not None:
         p = torch.exp(xc - lse[:, None])
         onehot = torch.zeros_like(p).scatter_(1, t[:, None], 1.0)
-        d = ((1 - smoothing) * wt[:, None] * (p - onehot) + smoothing / vocab * (p * sum_w - w)) / denom \
+        d = ((1 - smoothing) * wt[:, None] * (p - onehot) + smoothing / vocab * (p * sum_w - w)) * ce_scale \
             + 2 * z * lse[:, None] * p / count
         if cap > 0:
             d = d * (1 - (xc / cap) ** 2)

@@ -425,6 +425,53 @@ inline bool div_input_valid(DivergenceInput k) {
 // Rows of this many columns at most (indices within a row are 32-bit).
 inline constexpr std::int64_t kDivMaxVocab = std::int64_t{1} << 30;
 
+// The streaming kernel's chunk: each block takes this many columns of one row (a row of more
+// columns takes several blocks, whose partial loss sums the finish kernel adds).
+inline constexpr std::int64_t kDivChunkCols = 8192;
+
+// The kernels compute exp and log with the hardware approximations for a 16-bit student
+// (div_math::exp_f32), accurately for an fp32 one.
+template <class T>
+inline constexpr bool kDivFastMath = sizeof(T) < 4;
+
+// Whether the call takes the streaming kernel (neither side given as logits), and the blocks (chunks)
+// a row takes: ceil(vocab / kDivChunkCols) on the streaming kernel, 1 on the row kernel.
+template <class T, class TT, class I>
+bool div_streaming(const DivergenceArgs<T, TT, I>& a) {
+  return a.student_input != DivergenceInput::logits && a.teacher_input != DivergenceInput::logits;
+}
+template <class T, class TT, class I>
+std::int64_t div_chunks(const DivergenceArgs<T, TT, I>& a) {
+  return div_streaming(a) ? ceil_div(a.vocab, kDivChunkCols) : 1;
+}
+
+// The workspace plan: the device count of non-ignored rows (labels under batchmean / mean: 16
+// bytes at byte 0), then the per-chunk partial loss sums [rows, chunks] (at byte 16) when the loss
+// or the row sums are asked for, unless the row sums go straight to loss_rows (one chunk a row); a
+// 256-byte multiple. `finish`: the finish kernel forms loss_rows and the loss from the partials.
+struct DivWorkspace {
+  bool count = false;
+  bool partials = false;
+  bool finish = false;
+  std::int64_t chunks = 1;
+  std::size_t bytes = 0;
+};
+template <class T, class TT, class I>
+DivWorkspace div_workspace(const DivergenceArgs<T, TT, I>& a) {
+  DivWorkspace w;
+  w.count = a.labels != nullptr &&
+            (a.reduction == DivergenceReduction::batchmean || a.reduction == DivergenceReduction::mean);
+  w.chunks = div_chunks(a);
+  const bool sums = a.loss != nullptr || a.loss_rows != nullptr;
+  w.partials = sums && (w.chunks > 1 || a.loss_rows == nullptr);
+  w.finish = a.loss != nullptr || (sums && w.partials);
+  if (w.count || w.partials) {
+    const std::size_t n = w.partials ? static_cast<std::size_t>(a.rows * w.chunks) : 0u;
+    w.bytes = round_up<std::size_t>(16 + n * 4u, 256u);
+  }
+  return w;
+}
+
 // Everything the functor does not decide: pointers, sizes, strides, scalars, aliasing.
 // The options every divergence op takes (the element-wise op and linear_divergence): temperature,
 // reduction, the reduced loss's absence under none, grad_scale.
@@ -471,30 +518,21 @@ Status validate_divergence_args(const DivergenceArgs<T, TT, I>& a, const char* o
   TIGON_CHECK(row_stride(a.dx_stride, a.vocab, op, "dx_stride"));
   TIGON_CHECK(row_stride(a.loss_elems_stride, a.vocab, op, "loss_elems_stride"));
   TIGON_CHECK(row_stride(a.grad_output_stride, a.vocab, op, "grad_output_stride"));
-  // Aliasing: the gradient may be the student itself; nothing else may overlap an input or another output.
-  const MatrixView x = MatrixView::of(a.student, a.rows, a.vocab, a.student_stride);
-  const MatrixView y = MatrixView::of(a.teacher, a.rows, a.vocab, a.teacher_stride);
-  const MatrixView lab = a.labels != nullptr ? MatrixView::of(a.labels, 1, a.rows, 0) : MatrixView{};
-  const MatrixView dx = a.dx != nullptr ? MatrixView::of(a.dx, a.rows, a.vocab, a.dx_stride) : MatrixView{};
-  if (a.dx != nullptr) {
-    TIGON_CHECK(same_or_disjoint(dx, x, op, "dx", "student"));
-    TIGON_CHECK(disjoint(dx, y, op, "dx", "teacher"));
-    TIGON_CHECK(disjoint(dx, lab, op, "dx", "labels"));
-  }
-  const MatrixView outs[] = {
-      a.loss != nullptr ? MatrixView::of(a.loss, 1, 1, 0) : MatrixView{},
-      a.loss_rows != nullptr ? MatrixView::of(a.loss_rows, 1, a.rows, 0) : MatrixView{},
-      a.loss_elems != nullptr ? MatrixView::of(a.loss_elems, a.rows, a.vocab, a.loss_elems_stride) : MatrixView{}};
-  const char* out_names[] = {"loss", "loss_rows", "loss_elems"};
-  for (int i = 0; i < 3; ++i) {
-    if (outs[i].ptr == nullptr) continue;
-    TIGON_CHECK(disjoint(outs[i], x, op, out_names[i], "student"));
-    TIGON_CHECK(disjoint(outs[i], y, op, out_names[i], "teacher"));
-    TIGON_CHECK(disjoint(outs[i], lab, op, out_names[i], "labels"));
-    TIGON_CHECK(disjoint(outs[i], dx, op, out_names[i], "dx"));
-    for (int j = 0; j < i; ++j) TIGON_CHECK(disjoint(outs[i], outs[j], op, out_names[i], out_names[j]));
-  }
-  return Status();
+  // Aliasing: the gradient may be the student itself; nothing else (the bytes of the workspace the
+  // call uses among the outputs) may overlap an input or another output.
+  const std::size_t ws_bytes = a.workspace != nullptr ? div_workspace(a).bytes : 0;
+  const NamedView outs[] = {
+      {a.dx != nullptr ? MatrixView::of(a.dx, a.rows, a.vocab, a.dx_stride) : MatrixView{}, "dx"},
+      {a.loss != nullptr ? MatrixView::of(a.loss, 1, 1, 0) : MatrixView{}, "loss"},
+      {a.loss_rows != nullptr ? MatrixView::of(a.loss_rows, 1, a.rows, 0) : MatrixView{}, "loss_rows"},
+      {a.loss_elems != nullptr ? MatrixView::of(a.loss_elems, a.rows, a.vocab, a.loss_elems_stride) : MatrixView{},
+       "loss_elems"},
+      {vector_view(a.workspace, static_cast<std::int64_t>(ws_bytes), 1), "workspace"}};
+  const NamedView ins[] = {
+      {MatrixView::of(a.student, a.rows, a.vocab, a.student_stride), "student"},
+      {MatrixView::of(a.teacher, a.rows, a.vocab, a.teacher_stride), "teacher"},
+      {a.labels != nullptr ? MatrixView::of(a.labels, 1, a.rows, 0) : MatrixView{}, "labels"}};
+  return buffers_disjoint(outs, ins, op, a.student);
 }
 
 // grad_output's extent: one value, one per row, or one per element (reduction none).
@@ -504,24 +542,6 @@ MatrixView div_grad_output_view(const DivergenceArgs<T, TT, I>& a) {
   if (a.reduction != DivergenceReduction::none) return MatrixView::of(a.grad_output, 1, 1, 0);
   if (div_elementwise_none<D>()) return MatrixView::of(a.grad_output, a.rows, a.vocab, a.grad_output_stride);
   return MatrixView::of(a.grad_output, 1, a.rows, 0);
-}
-
-// The bytes of the workspace a call uses against every buffer of the call.
-template <class D, class T, class TT, class I>
-Status validate_divergence_workspace(const DivergenceArgs<T, TT, I>& a, std::size_t bytes, const char* op) {
-  if (bytes == 0) return Status();
-  const check::NamedView ws[] = {{check::vector_view(a.workspace, static_cast<std::int64_t>(bytes), 1), "workspace"}};
-  const check::NamedView bufs[] = {
-      {MatrixView::of(a.student, a.rows, a.vocab, a.student_stride), "student"},
-      {MatrixView::of(a.teacher, a.rows, a.vocab, a.teacher_stride), "teacher"},
-      {a.labels != nullptr ? MatrixView::of(a.labels, 1, a.rows, 0) : MatrixView{}, "labels"},
-      {a.dx != nullptr ? MatrixView::of(a.dx, a.rows, a.vocab, a.dx_stride) : MatrixView{}, "dx"},
-      {a.loss != nullptr ? MatrixView::of(a.loss, 1, 1, 0) : MatrixView{}, "loss"},
-      {a.loss_rows != nullptr ? MatrixView::of(a.loss_rows, 1, a.rows, 0) : MatrixView{}, "loss_rows"},
-      {a.loss_elems != nullptr ? MatrixView::of(a.loss_elems, a.rows, a.vocab, a.loss_elems_stride) : MatrixView{},
-       "loss_elems"},
-      {div_grad_output_view<D>(a), "grad_output"}};
-  return check::buffers_disjoint(ws, bufs, op);
 }
 
 // What depends on the functor: the input forms it takes, its own parameters, grad_output's extent.
@@ -544,62 +564,17 @@ Status validate_divergence_call(const DivergenceArgs<T, TT, I>& a, const D& div,
   const MatrixView go = div_grad_output_view<D>(a);
   if (go.ptr != nullptr) {
     if (a.dx != nullptr) TIGON_CHECK(disjoint(MatrixView::of(a.dx, a.rows, a.vocab, a.dx_stride), go, op, "dx", "grad_output"));
-    float* const outs[] = {a.loss, a.loss_rows, a.loss_elems};
+    const std::size_t ws_bytes = a.workspace != nullptr ? div_workspace(a).bytes : 0;
+    const void* const outs[] = {a.loss, a.loss_rows, a.loss_elems, ws_bytes != 0 ? a.workspace : nullptr};
     const MatrixView views[] = {MatrixView::of(a.loss, 1, 1, 0), MatrixView::of(a.loss_rows, 1, a.rows, 0),
-                                MatrixView::of(a.loss_elems, a.rows, a.vocab, a.loss_elems_stride)};
-    const char* names[] = {"loss", "loss_rows", "loss_elems"};
-    for (int i = 0; i < 3; ++i) {
+                                MatrixView::of(a.loss_elems, a.rows, a.vocab, a.loss_elems_stride),
+                                vector_view(a.workspace, static_cast<std::int64_t>(ws_bytes), 1)};
+    const char* names[] = {"loss", "loss_rows", "loss_elems", "workspace"};
+    for (int i = 0; i < 4; ++i) {
       if (outs[i] != nullptr) TIGON_CHECK(disjoint(views[i], go, op, names[i], "grad_output"));
     }
   }
   return Status();
-}
-
-// The streaming kernel's chunk: each block takes this many columns of one row (a row of more
-// columns takes several blocks, whose partial loss sums the finish kernel adds).
-inline constexpr std::int64_t kDivChunkCols = 8192;
-
-// The kernels compute exp and log with the hardware approximations for a 16-bit student
-// (div_math::exp_f32), accurately for an fp32 one.
-template <class T>
-inline constexpr bool kDivFastMath = sizeof(T) < 4;
-
-// Whether the call takes the streaming kernel (neither side given as logits), and the blocks (chunks)
-// a row takes: ceil(vocab / kDivChunkCols) on the streaming kernel, 1 on the row kernel.
-template <class T, class TT, class I>
-bool div_streaming(const DivergenceArgs<T, TT, I>& a) {
-  return a.student_input != DivergenceInput::logits && a.teacher_input != DivergenceInput::logits;
-}
-template <class T, class TT, class I>
-std::int64_t div_chunks(const DivergenceArgs<T, TT, I>& a) {
-  return div_streaming(a) ? ceil_div(a.vocab, kDivChunkCols) : 1;
-}
-
-// The workspace plan: the device count of non-ignored rows (labels under batchmean / mean: 16
-// bytes at byte 0), then the per-chunk partial loss sums [rows, chunks] (at byte 16) when the loss
-// or the row sums are asked for, unless the row sums go straight to loss_rows (one chunk a row); a
-// 256-byte multiple. `finish`: the finish kernel forms loss_rows and the loss from the partials.
-struct DivWorkspace {
-  bool count = false;
-  bool partials = false;
-  bool finish = false;
-  std::int64_t chunks = 1;
-  std::size_t bytes = 0;
-};
-template <class T, class TT, class I>
-DivWorkspace div_workspace(const DivergenceArgs<T, TT, I>& a) {
-  DivWorkspace w;
-  w.count = a.labels != nullptr &&
-            (a.reduction == DivergenceReduction::batchmean || a.reduction == DivergenceReduction::mean);
-  w.chunks = div_chunks(a);
-  const bool sums = a.loss != nullptr || a.loss_rows != nullptr;
-  w.partials = sums && (w.chunks > 1 || a.loss_rows == nullptr);
-  w.finish = a.loss != nullptr || (sums && w.partials);
-  if (w.count || w.partials) {
-    const std::size_t n = w.partials ? static_cast<std::size_t>(a.rows * w.chunks) : 0u;
-    w.bytes = round_up<std::size_t>(16 + n * 4u, 256u);
-  }
-  return w;
 }
 
 }  // namespace detail
@@ -1467,7 +1442,6 @@ template <class P = DivergencePolicy, class D, class T, class TT, class I>
   TIGON_CHECK(detail::validate_divergence_call(args, div, kOp));
   const detail::DivWorkspace ws = detail::div_workspace(args);
   TIGON_CHECK(check::workspace(args.workspace, args.workspace_bytes, ws.bytes, kOp));
-  TIGON_CHECK(detail::validate_divergence_workspace<D>(args, ws.bytes, kOp));
   float* const base = static_cast<float*>(args.workspace);
   constexpr bool kElems = detail::div_elementwise_none<D>();
   const bool none = args.reduction == DivergenceReduction::none;

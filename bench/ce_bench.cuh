@@ -92,28 +92,6 @@ void run(benchmark::State& st, bool grad, const Opt& o, const std::string& label
              grad ? bench::Ceiling::copy : bench::Ceiling::read);
 }
 
-// Loss + gradient of logits with a bias added per column (the chunk entry point the linear
-// cross-entropy calls for each chunk of its logits; the mean's denominator given): read the logits
-// once, write the gradient once.
-template <class P>
-void run_bias(benchmark::State& st, const std::string& label = "") {
-  const Inputs in(st.range(0), st.range(1));
-  tigon::bf16* bias = bench::alloc<tigon::bf16>(static_cast<std::size_t>(in.V));
-  bench::fill_random(bias, static_cast<std::size_t>(in.V), 9, -1.0f, 1.0f);
-  const std::vector<float> den{static_cast<float>(in.rows), static_cast<float>(in.rows)};
-  const tigon::detail::CeScratch scratch = tigon::detail::ce_scratch(in.ws, in.rows);
-  BENCH_CUDA(cudaMemcpy(scratch.denom, den.data(), 2 * sizeof(float), cudaMemcpyHostToDevice));
-  const double n = static_cast<double>(in.rows * in.V);
-  const std::string name = (label.empty() ? std::string("cross_entropy ") : "  policy " + label + " ") +
-                           "loss+grad bias bf16 " + std::to_string(in.rows) + "x" + std::to_string(in.V);
-  bench::run(st, name, 2.0 * n * sizeof(tigon::bf16), [&](int i) {
-    const tigon::CrossEntropyArgs<tigon::bf16> a = in.args(i, true, Opt{});
-    check(tigon::detail::cross_entropy_chunk<P>(a, in.x[i % in.sets], bias, 0, in.rows, true, scratch, nullptr,
-                                                "bench"));
-  });
-  cudaFree(bias);
-}
-
 // The split vocabulary over two equal shards, as two ranks would run them one after the other:
 // the statistics pass (read once), or the finalize from merged statistics (read and write once).
 template <class P>

@@ -1,6 +1,7 @@
 // The cuBLASLt back end against a double-precision reference: every op_a / op_b combination in
 // row-major terms, leading dimensions larger than the rows, fp32 output accumulating with beta = 1,
-// alpha scaling, bf16 / half / float operands, and bad arguments rejected by name.
+// alpha scaling, bf16 / half / float operands, the bias epilogue (one rounding of the product plus
+// the bias), and bad arguments rejected by name.
 #include "gpu_test.cuh"
 
 #include <tigon/blas/gemm.cuh>
@@ -12,10 +13,10 @@ namespace {
 
 template <class TAB, class TD>
 void run(std::int64_t M, std::int64_t N, std::int64_t K, Op op_a, Op op_b, std::int64_t pad, float alpha,
-         float beta, CublasLtGemm& blas) {
+         float beta, CublasLtGemm& blas, bool with_bias = false) {
   INFO("M " << M << " N " << N << " K " << K << " op_a " << int(op_a) << " op_b " << int(op_b) << " pad " << pad
             << " alpha " << alpha << " beta " << beta << " AB " << dtype_traits<TAB>::name << " D "
-            << dtype_traits<TD>::name);
+            << dtype_traits<TD>::name << (with_bias ? " bias" : ""));
   const std::int64_t a_rows = op_a == Op::n ? M : K, a_cols = op_a == Op::n ? K : M;
   const std::int64_t b_rows = op_b == Op::n ? K : N, b_cols = op_b == Op::n ? N : K;
   const std::int64_t lda = a_cols + pad, ldb = b_cols + pad, ldd = N + pad;
@@ -23,14 +24,18 @@ void run(std::int64_t M, std::int64_t N, std::int64_t K, Op op_a, Op op_b, std::
   const auto ah = gpu_test::random_values<TAB>(a_rows * lda, 0, 1, &ad);
   const auto bh = gpu_test::random_values<TAB>(b_rows * ldb, 0, 1, &bd);
   const auto ch = gpu_test::random_values<TD>(M * ldd, 0, 1, &cd);
+  std::vector<double> biasd(N, 0.0);
+  const auto biash = gpu_test::random_values<TD>(N, 0, 1, &biasd);
+  if (!with_bias) std::fill(biasd.begin(), biasd.end(), 0.0);
   DeviceBuffer<TAB> a(ah.size()), b(bh.size());
-  DeviceBuffer<TD> d(ch.size());
+  DeviceBuffer<TD> d(ch.size()), bias(N);
   a.upload(ah);
   b.upload(bh);
   d.upload(ch);  // D starts as C: beta accumulates into it in place
-  GemmArgs<TAB, TD> g{.a = a.ptr, .b = b.ptr, .c = beta != 0 ? d.ptr : nullptr, .d = d.ptr, .m = M, .n = N,
-                      .k = K, .lda = lda, .ldb = ldb, .ldc = ldd, .ldd = ldd, .op_a = op_a, .op_b = op_b,
-                      .alpha = alpha, .beta = beta};
+  bias.upload(biash);
+  GemmArgs<TAB, TD> g{.a = a.ptr, .b = b.ptr, .c = beta != 0 ? d.ptr : nullptr, .d = d.ptr,
+                      .bias = with_bias ? bias.ptr : nullptr, .m = M, .n = N, .k = K, .lda = lda, .ldb = ldb,
+                      .ldc = ldd, .ldd = ldd, .op_a = op_a, .op_b = op_b, .alpha = alpha, .beta = beta};
   if (beta == 0) d.poison();
   TIGON_OK(blas.gemm(g, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
@@ -44,7 +49,7 @@ void run(std::int64_t M, std::int64_t N, std::int64_t K, Op op_a, Op op_b, std::
         const double bv = op_b == Op::n ? bd[k * ldb + j] : bd[j * ldb + k];
         s += av * bv;
       }
-      ref[i * N + j] = alpha * s + beta * cd[i * ldd + j];
+      ref[i * N + j] = alpha * s + beta * cd[i * ldd + j] + biasd[j];
     }
   const double tol = std::is_same_v<TD, float> && std::is_same_v<TAB, float> ? 1e-3 : 1e-2;
   const auto cmp = gpu_test::compare(
@@ -72,6 +77,20 @@ TEST_CASE("gemm: row-major products through cuBLASLt", "[gemm][gpu]") {
   run<bf16, bf16>(1024, 2048, 4096, Op::n, Op::t, 0, 1.0f, 0.0f, blas);  // the linear layer's shape
 }
 
+TEST_CASE("gemm: the bias epilogue adds a bias to every row", "[gemm][gpu]") {
+  DeviceBuffer<unsigned char> ws(32u << 20);
+  CublasLtGemm blas(ws.ptr, ws.count);
+  TIGON_OK(blas.status());
+  run<bf16, bf16>(96, 80, 64, Op::n, Op::t, 0, 1.0f, 0.0f, blas, true);      // the LM head's layout
+  run<bf16, bf16>(47, 123, 31, Op::n, Op::t, 0, 1.0f, 0.0f, blas, true);     // odd sizes
+  run<half, half>(64, 128, 40, Op::n, Op::n, 8, 1.0f, 0.0f, blas, true);
+  run<float, float>(40, 24, 56, Op::n, Op::t, 4, 2.0f, 0.5f, blas, true);    // with alpha, beta and C
+  run<bf16, bf16>(1024, 2048, 4096, Op::n, Op::t, 0, 1.0f, 0.0f, blas, true);
+  // A bias reused after a call without one, and the other way round (plans cached per epilogue).
+  run<bf16, bf16>(96, 80, 64, Op::n, Op::t, 0, 1.0f, 0.0f, blas, false);
+  run<bf16, bf16>(96, 80, 64, Op::n, Op::t, 0, 1.0f, 0.0f, blas, true);
+}
+
 TEST_CASE("gemm: bad arguments are rejected by name", "[gemm][gpu]") {
   DeviceBuffer<unsigned char> ws(1u << 20);
   CublasLtGemm blas(ws.ptr, ws.count);
@@ -91,6 +110,14 @@ TEST_CASE("gemm: bad arguments are rejected by name", "[gemm][gpu]") {
   CHECK(blas.gemm(bad, nullptr).code() == Errc::invalid_stride);
   bad = g;
   bad.d = a.ptr;  // D over A
+  CHECK(blas.gemm(bad, nullptr).code() == Errc::aliasing);
+  DeviceBuffer<bf16> bias(16);
+  bad = g;
+  bad.bias = bias.ptr + 1;  // not 16-byte aligned
+  CHECK(blas.gemm(bad, nullptr).code() == Errc::invalid_value);
+  CHECK(std::string(blas.gemm(bad, nullptr).argument()) == "bias");
+  bad = g;
+  bad.bias = d.ptr;  // over D
   CHECK(blas.gemm(bad, nullptr).code() == Errc::aliasing);
 }
 

@@ -31,6 +31,7 @@ struct Case {
   std::int64_t chunk = 0;
   bool grads = true;
   bool token = false;  // token scaling
+  bool bias_unaligned = false;  // the bias one element past a 16-byte boundary (the op copies it)
 };
 
 template <class T>
@@ -51,8 +52,8 @@ double rel_l2(const std::vector<double>& got, const std::vector<double>& ref) {
 template <class T>
 void run_case(const Case& c, CublasLtGemm& blas) {
   INFO("N " << c.N << " D " << c.D << " V " << c.V << (c.bias ? " bias" : "") << " eps " << c.eps << " z " << c.z
-            << " cap " << c.cap << " red " << int(c.red) << " chunk " << c.chunk << (c.grads ? "" : " forward-only") << (c.token ? " token-scaling" : "")
-            << " T=" << dtype_traits<T>::name);
+            << " cap " << c.cap << " red " << int(c.red) << " chunk " << c.chunk << (c.grads ? "" : " forward-only")  << (c.token ? " token-scaling" : "")
+            << (c.bias_unaligned ? " unaligned-bias" : "") << " T=" << dtype_traits<T>::name);
   std::vector<double> xd, wd, bd;
   const auto xh = gpu_test::random_values<T>(c.N * c.D, 0, 1, &xd);
   const auto wh = gpu_test::random_values<T>(c.V * c.D, 0, 1 / std::sqrt(double(c.D)), &wd);
@@ -60,16 +61,15 @@ void run_case(const Case& c, CublasLtGemm& blas) {
   std::vector<std::int64_t> t(c.N);
   for (std::int64_t i = 0; i < c.N; ++i) t[i] = i % 9 == 4 ? -100 : (i * 7919) % c.V;
 
-  // Reference: logits rounded to T (the GEMM's output; with the bias, the sum rounded to T again,
-  // as a logits tensor of dtype T holds it), loss and dlogits in double, dlogits rounded to T (the
-  // buffer the gradient GEMMs read), then the gradient products.
+  // Reference: logits rounded to T once (the GEMM's output, the bias added before the rounding as
+  // F.linear's epilogue adds it), loss and dlogits in double, dlogits rounded to T (the buffer the
+  // gradient GEMMs read), then the gradient products.
   std::vector<double> logits(c.N * c.V);
   for (std::int64_t n = 0; n < c.N; ++n)
     for (std::int64_t v = 0; v < c.V; ++v) {
       double s = 0;
       for (std::int64_t d = 0; d < c.D; ++d) s += xd[n * c.D + d] * wd[v * c.D + d];
-      const double r = tigon_ref_round<T>(s);
-      logits[n * c.V + v] = c.bias ? tigon_ref_round<T>(r + bd[v]) : r;
+      logits[n * c.V + v] = tigon_ref_round<T>(c.bias ? s + bd[v] : s);
     }
   tigon_ref::CeOptions o;
   o.eps = c.eps;
@@ -92,12 +92,18 @@ void run_case(const Case& c, CublasLtGemm& blas) {
       }
     }
 
-  DeviceBuffer<T> x(xh.size()), w(wh.size()), b(bh.size()), dxb(xh.size());
+  DeviceBuffer<T> x(xh.size()), w(wh.size()), b(bh.size() + 1), dxb(xh.size());
   DeviceBuffer<float> dwb(wh.size()), dbb(bh.size()), loss(1), lrows(c.N);
   DeviceBuffer<std::int64_t> tb(c.N);
   x.upload(xh);
   w.upload(wh);
-  b.upload(bh);
+  std::vector<T> bh1(1, from_float<T>(0.0f));
+  bh1.insert(bh1.end(), bh.begin(), bh.end());
+  if (c.bias_unaligned) {
+    b.upload(bh1);
+  } else {
+    b.upload(bh);
+  }
   tb.upload(t);
   dxb.poison();
   dwb.poison();
@@ -105,7 +111,7 @@ void run_case(const Case& c, CublasLtGemm& blas) {
   LinearCrossEntropyArgs<T> a;
   a.x = x.ptr;
   a.weight = w.ptr;
-  a.bias = c.bias ? b.ptr : nullptr;
+  a.bias = c.bias ? b.ptr + (c.bias_unaligned ? 1 : 0) : nullptr;
   a.hidden = c.D;
   a.loss.targets = tb.ptr;
   a.loss.rows = c.N;
@@ -166,6 +172,8 @@ TEST_CASE("linear_cross_entropy: small shapes against the double reference", "[l
   run_case<bf16>({.red = Reduction::none, .chunk = 16}, blas);
   run_case<bf16>({.grads = false}, blas);
   run_case<bf16>({.N = 1024, .D = 1024, .V = 4096, .bias = true, .chunk = 256}, blas);
+  run_case<bf16>({.V = 128, .bias = true, .chunk = 20, .bias_unaligned = true}, blas);
+  run_case<float>({.bias = true, .eps = 0.1, .chunk = 16, .bias_unaligned = true}, blas);
   run_case<float>({.N = 1024, .D = 1024, .V = 4096, .eps = 0.1}, blas);
 }
 
@@ -253,12 +261,13 @@ void check_heads(std::int64_t N, std::int64_t D, std::int64_t V, int K, Reductio
   std::vector<std::int64_t> t(static_cast<std::size_t>(K * N));
   for (int k = 0; k < K; ++k) {
     w.emplace_back(V * D);
-    b.emplace_back(V);
+    b.emplace_back(V + 1);
     w.back().upload(gpu_test::random_values<T>(V * D, 0, 1 / std::sqrt(double(D)), nullptr));
-    b.back().upload(gpu_test::random_values<T>(V, 0, 0.5, nullptr));
+    b.back().upload(gpu_test::random_values<T>(V + 1, 0, 0.5, nullptr));
     dw1.emplace_back(V * D), dw2.emplace_back(V * D), db1.emplace_back(V), db2.emplace_back(V);
     wp.push_back(w.back().ptr);
-    bp.push_back(b.back().ptr);
+    // Head 1's bias one element past a 16-byte boundary (the op copies it), head 2 without one.
+    bp.push_back(k == 2 ? nullptr : b.back().ptr + (k == 1 ? 1 : 0));
     dwp.push_back(dw2.back().ptr);
     dbp.push_back(k % 2 == 0 ? db2.back().ptr : nullptr);  // every other head without a bias gradient
     hw.push_back(std::pow(0.8f, float(k)));

@@ -187,14 +187,13 @@ def gated_bwd(dc, a, b, da, db, act, gate_multiplier, down_multiplier):
     db.copy_(gb.to(db.dtype))
 
 
-def _ce(x, target, class_weights, grad_output, ignore_index, smoothing, z, cap, reduction, grad_scale, bias=None,
+def _ce(x, target, class_weights, grad_output, ignore_index, smoothing, z, cap, reduction, grad_scale,
         token_scaling=False):
     """Rows' losses, the reduced loss and z part, lse, argmax and, when grad_scale is given, dloss/dlogits
     (times grad_scale and grad_output), from logits x [rows, vocab]; tigon's formulas in fp32. Token scaling:
     each row's loss, z part and gradient times its (constant) probability of the target."""
     x = x.float()
-    xb = (x + bias.float()).to(bias.dtype).float() if bias is not None else x  # the sum in the logits' dtype
-    xc = cap * torch.tanh(xb / cap) if cap > 0 else xb
+    xc = cap * torch.tanh(x / cap) if cap > 0 else x
     vocab = x.shape[1]
     valid = target != ignore_index
     t = torch.where(valid, target, torch.zeros_like(target)).long()
@@ -248,11 +247,14 @@ def cross_entropy(logits, target, class_weights, grad_output, dlogits, loss, los
 def linear_cross_entropy(x, weight, bias, target, class_weights, grad_output, dx, dweight, dbias, loss, loss_rows,
                          z_loss, lse, argmax, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
                          grad_scale, token_scaling, chunk):
-    logits = (x.float() @ weight.float().t()).to(x.dtype)  # the GEMM's output in the inputs' dtype
+    logits = x.float() @ weight.float().t()
+    if bias is not None:  # added in the GEMM's epilogue, before its one rounding
+        logits = logits + bias.float()
+    logits = logits.to(x.dtype)  # the GEMM's output in the inputs' dtype
     want_grad = dx is not None or dweight is not None or dbias is not None
     rows, total, ztotal, l, am, grad = _ce(logits, target, class_weights, grad_output, ignore_index, label_smoothing,
                                            z_loss_scale, softcap, reduction, grad_scale if want_grad else None,
-                                           bias=bias, token_scaling=token_scaling)
+                                           token_scaling=token_scaling)
     for out, val in ((loss, total), (loss_rows, rows), (z_loss, ztotal), (lse, l), (argmax, am)):
         if out is not None:
             out.copy_(val.reshape(out.shape))
@@ -303,11 +305,12 @@ def linear_cross_entropy_heads(x, weights, biases, targets, class_weights, grad_
 
 
 def _llp_logits(x, weight, bias, temperature):
-    """The linear log-prob op's logits in fp32: the GEMM's output in the inputs' dtype, plus the bias rounded
-    to that dtype again, over the temperature."""
-    logits = (x.float() @ weight.float().t()).to(x.dtype)
+    """The linear log-prob op's logits in fp32: the GEMM's output in the inputs' dtype (the bias added before
+    its one rounding), over the temperature."""
+    logits = x.float() @ weight.float().t()
     if bias is not None:
-        logits = (logits.float() + bias.float()).to(x.dtype)
+        logits = logits + bias.float()
+    logits = logits.to(x.dtype)
     return logits.float(), logits.float() / temperature
 
 

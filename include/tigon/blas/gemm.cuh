@@ -1,7 +1,7 @@
 // tigon/blas/gemm.cuh - the GEMM the composite ops (linear cross-entropy, the MLP example) are
 // built on, in row-major terms, with cuBLASLt as the default back end:
 //
-//   D[M, N] = alpha * op_a(A) * op_b(B) + beta * C        (fp32 accumulation)
+//   D[M, N] = alpha * op_a(A) * op_b(B) + beta * C + bias   (fp32 accumulation, one rounding to D's type)
 //
 // A and B are float / half / bfloat16; C and D share a dtype that may be fp32 (so a weight
 // gradient can accumulate in fp32 across chunks with beta = 1). A back end is any type with
@@ -37,13 +37,16 @@ enum class Op : int { n = 0, t = 1 };  // op(X) = X or X^T
 
 // Row-major operands: A is [M, K] (op_a n) or [K, M] (op_a t), rows lda elements apart; B is
 // [K, N] (op_b n) or [N, K] (op_b t); C and D are [M, N]. Leading dimensions 0 mean contiguous.
-// C may be D itself (accumulation), or null when beta is 0.
+// C may be D itself (accumulation), or null when beta is 0. `bias` (optional, [N], D's dtype,
+// 16-byte aligned) is added to every row of D in cuBLASLt's epilogue, before D is rounded: the value
+// F.linear(x, W, b) produces.
 template <class TAB, class TD = TAB>
 struct GemmArgs {
   const TAB* a = nullptr;
   const TAB* b = nullptr;
   const TD* c = nullptr;
   TD* d = nullptr;
+  const TD* bias = nullptr;
   std::int64_t m = 0, n = 0, k = 0;
   std::int64_t lda = 0, ldb = 0, ldc = 0, ldd = 0;
   Op op_a = Op::n;
@@ -118,6 +121,12 @@ Status validate(const GemmArgs<TAB, TD>& g, const char* op) {
   TIGON_CHECK(disjoint(d, MatrixView::of(g.a, g.op_a == Op::n ? g.m : g.k, a_cols, g.lda), op, "d", "a"));
   TIGON_CHECK(disjoint(d, MatrixView::of(g.b, g.op_b == Op::n ? g.k : g.n, b_cols, g.ldb), op, "d", "b"));
   if (g.c != nullptr) TIGON_CHECK(same_or_disjoint(d, MatrixView::of(g.c, g.m, g.n, g.ldc), op, "d", "c"));
+  if (g.bias != nullptr) {
+    if (reinterpret_cast<std::uintptr_t>(g.bias) % 16 != 0) {
+      return Status::error(Errc::invalid_value, op, "bias", "must be 16-byte aligned (cuBLASLt's bias epilogue)");
+    }
+    TIGON_CHECK(disjoint(d, vector_view(g.bias, g.n, sizeof(TD)), op, "d", "bias"));
+  }
   return Status();
 }
 
@@ -157,9 +166,15 @@ class CublasLtGemm {
     // operand is B (stored column-major as B^T) with op_b, its second is A with op_a.
     const Key key{static_cast<int>(detail::cuda_type<TAB>()), static_cast<int>(detail::cuda_type<TD>()),
                   g.m, g.n, g.k, lda, ldb, ldc, ldd, static_cast<int>(g.op_a), static_cast<int>(g.op_b),
-                  g.beta != 0.0f};
+                  g.beta != 0.0f, g.bias != nullptr};
     Plan* plan = nullptr;
     TIGON_CHECK((find_plan<TAB, TD>(key, g, plan)));
+    if (g.bias != nullptr) {
+      const void* bias = g.bias;
+      TIGON_CHECK(detail::from_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                                     &bias, sizeof(bias)),
+                                      kOp, "cublasLtMatmulDescSetAttribute"));
+    }
     const float alpha = g.alpha, beta = g.beta;
     const void* c = g.c != nullptr ? static_cast<const void*>(g.c) : static_cast<const void*>(g.d);
     return detail::from_cublas(
@@ -170,7 +185,7 @@ class CublasLtGemm {
 
  private:
   using Key = std::tuple<int, int, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                         std::int64_t, std::int64_t, int, int, bool>;
+                         std::int64_t, std::int64_t, int, int, bool, bool>;
   struct Plan {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t first = nullptr, second = nullptr, c = nullptr, d = nullptr;
@@ -190,7 +205,7 @@ class CublasLtGemm {
       return Status();
     }
     constexpr const char* kOp = "gemm";
-    const auto [tab, td, m, n, k, lda, ldb, ldc, ldd, opa, opb, acc] = key;
+    const auto [tab, td, m, n, k, lda, ldb, ldc, ldd, opa, opb, acc, has_bias] = key;
     (void)tab, (void)td, (void)acc;
     Plan p;
     auto fail = [&](cublasStatus_t s, const char* what) {
@@ -203,6 +218,15 @@ class CublasLtGemm {
     const cublasOperation_t t_second = opa == 1 ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &t_first, sizeof(t_first));
     cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &t_second, sizeof(t_second));
+    if (has_bias) {
+      // Column-major D^T is [n, m]: the bias runs along its rows, i.e. along D's columns.
+      const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+      const cudaDataType_t bias_type = detail::cuda_type<TD>();
+      s = cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue));
+      if (s != CUBLAS_STATUS_SUCCESS) return fail(s, "cublasLtMatmulDescSetAttribute");
+      s = cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type));
+      if (s != CUBLAS_STATUS_SUCCESS) return fail(s, "cublasLtMatmulDescSetAttribute");
+    }
     // Column-major views: B^T is [b_cols, b_rows], A^T is [a_cols, a_rows], D^T is [n, m].
     const std::uint64_t b_rows = opb == 0 ? k : n, b_cols = opb == 0 ? n : k;
     const std::uint64_t a_rows = opa == 0 ? m : k, a_cols = opa == 0 ? k : m;
@@ -256,6 +280,18 @@ template <class T>
 Status fill_ones(T* p, std::int64_t n, cudaStream_t stream, const char* op) {
   return launch(op, fill_ones_kernel<T>, {dim3(static_cast<unsigned>(ceil_div<std::int64_t>(n, 256))), dim3(256), 0, stream},
                 p, n);
+}
+
+// `bias` [n] where cuBLASLt's bias epilogue can read it: itself when 16-byte aligned, else its copy
+// in `slot` (n elements, 16-byte aligned), enqueued on `stream`.
+template <class T>
+Status epilogue_bias(const T* bias, std::int64_t n, T* slot, cudaStream_t stream, const char* op, const T*& out) {
+  out = bias;
+  if (bias == nullptr || reinterpret_cast<std::uintptr_t>(bias) % 16 == 0) return Status();
+  out = slot;
+  return Status::from_cuda(cudaMemcpyAsync(slot, bias, static_cast<std::size_t>(n) * sizeof(T),
+                                           cudaMemcpyDeviceToDevice, stream),
+                           op, "cudaMemcpyAsync");
 }
 
 }  // namespace detail

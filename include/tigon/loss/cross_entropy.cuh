@@ -274,7 +274,7 @@ constexpr bool whole_warps(int threads, int lo, int hi) { return threads % 32 ==
 // segment, the row read once); with one on sm_90+, a resident kernel (one row per thread-block
 // cluster, the row held in registers, so the logits are read once and the gradient written from
 // registers): the plain one without options or with the argmax and label smoothing alone, the
-// optioned one for class weights, softcap, bias, token scaling and the split finalize. Rows that
+// optioned one for class weights, softcap, token scaling and the split finalize. Rows that
 // need over 16 blocks, unaligned rows and GPUs before sm_90 (with a gradient) take the row kernel
 // (one row per block, a statistics pass and a gradient pass that re-reads the row, from L2 where
 // it stayed).

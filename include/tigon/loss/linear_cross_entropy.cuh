@@ -1,7 +1,8 @@
 // tigon/loss/linear_cross_entropy.cuh - the LM head's loss, CE(x W^T + b, y), without the
 // [tokens x vocabulary] logits: tokens are processed in chunks, and per chunk
 //
-//   logits = x_c W^T            one GEMM into a [chunk, vocab] buffer (bias added by the loss kernel)
+//   logits = x_c W^T + b        one GEMM into a [chunk, vocab] buffer (the bias added in its epilogue,
+//                               before the one rounding to T, as F.linear does)
 //   loss kernel                 the cross-entropy kernel overwrites the chunk with dlogits
 //   dx_c   = dlogits W          GEMM
 //   dW    += dlogits^T x_c      GEMM accumulating in fp32 (beta = 1 after the first chunk)
@@ -10,9 +11,10 @@
 // Every cross-entropy option (ignore_index, smoothing, z-loss, softcap, class weights, reductions,
 // upstream gradients, lse, argmax) comes from composing the cross-entropy op's pieces: one
 // denominator over all tokens, the cross-entropy kernels per chunk (detail::cross_entropy_chunk),
-// one reduction at the end. The GEMM back end
-// is a template parameter (CublasLtGemm by default). Extra device memory: one logits chunk
-// (chunk x vocab x sizeof(T)), a ones vector, and 8 bytes per token — what
+// one reduction at the end. The GEMM back end is a template parameter (CublasLtGemm by default; a
+// back end serves GemmArgs::bias). Extra device memory: one logits chunk (chunk x vocab x
+// sizeof(T)), 8 bytes per token, with a bias gradient a ones vector, and with a bias a 16-byte
+// aligned copy of it (used when the caller's is not aligned) — what
 // linear_cross_entropy_workspace_bytes() returns.
 //
 // linear_cross_entropy_heads(): K heads W_k (Medusa's extra LM heads, each predicting a token further
@@ -98,7 +100,7 @@ namespace detail {
 
 struct LceLayout {
   std::int64_t chunk;
-  std::size_t ce_bytes, logits_offset, ones_offset, total;
+  std::size_t ce_bytes, logits_offset, ones_offset, bias_offset, total;
 };
 
 template <class T, class I>
@@ -110,7 +112,8 @@ LceLayout lce_layout(const LinearCrossEntropyArgs<T, I>& a) {
   l.ce_bytes = ce_workspace_bytes(tokens);
   l.logits_offset = l.ce_bytes;
   l.ones_offset = l.logits_offset + round_up<std::size_t>(static_cast<std::size_t>(l.chunk * vocab) * sizeof(T), 256);
-  l.total = l.ones_offset + (a.dbias != nullptr ? round_up<std::size_t>(l.chunk * sizeof(T), 256) : 0);
+  l.bias_offset = l.ones_offset + (a.dbias != nullptr ? round_up<std::size_t>(l.chunk * sizeof(T), 256) : 0);
+  l.total = l.bias_offset + (a.bias != nullptr ? round_up<std::size_t>(vocab * sizeof(T), 256) : 0);
   return l;
 }
 
@@ -147,11 +150,11 @@ Status validate(const LinearCrossEntropyArgs<T, I>& a, const char* op) {
   return buffers_disjoint(out, in, op);
 }
 
-// The heads' layout: every head's cross-entropy scratch, one logits chunk, the ones vector, and
-// each head's reduced loss and z part.
+// The heads' layout: every head's cross-entropy scratch, one logits chunk, the ones vector, an
+// aligned copy of each head's bias, and each head's reduced loss and z part.
 struct LceHeadsLayout {
   std::int64_t chunk;
-  std::size_t ce_bytes, logits_offset, ones_offset, heads_offset, total;
+  std::size_t ce_bytes, logits_offset, ones_offset, bias_offset, heads_offset, total;
 };
 
 template <class T, class I>
@@ -165,7 +168,9 @@ LceHeadsLayout lce_heads_layout(const LinearCrossEntropyHeadsArgs<T, I>& a) {
   l.ones_offset = l.logits_offset + round_up<std::size_t>(static_cast<std::size_t>(l.chunk * vocab) * sizeof(T), 256);
   bool any_bias = false;
   for (int k = 0; a.dbiases != nullptr && k < a.heads; ++k) any_bias = any_bias || a.dbiases[k] != nullptr;
-  l.heads_offset = l.ones_offset + (any_bias ? round_up<std::size_t>(l.chunk * sizeof(T), 256) : 0);
+  l.bias_offset = l.ones_offset + (any_bias ? round_up<std::size_t>(l.chunk * sizeof(T), 256) : 0);
+  const std::size_t bias_copies = a.biases != nullptr ? static_cast<std::size_t>(a.heads) : 0;
+  l.heads_offset = l.bias_offset + bias_copies * round_up<std::size_t>(vocab * sizeof(T), 256);
   l.total = l.heads_offset + round_up<std::size_t>(2 * static_cast<std::size_t>(a.heads) * sizeof(float), 256);
   return l;
 }
@@ -223,7 +228,7 @@ Status validate(const LinearCrossEntropyHeadsArgs<T, I>& a, const char* op) {
 }  // namespace detail
 
 // Bytes of workspace linear_cross_entropy(args) needs: one logits chunk, the loss's per-token
-// scratch, and (with dbias) a vector of ones.
+// scratch, with dbias a vector of ones, and with a bias room for its aligned copy.
 template <class T, class I>
 [[nodiscard]] Status linear_cross_entropy_workspace_bytes(const LinearCrossEntropyArgs<T, I>& args,
                                                           std::size_t& bytes) {
@@ -234,7 +239,8 @@ template <class T, class I>
 }
 
 // Bytes of workspace linear_cross_entropy_heads(args) needs: every head's per-token scratch (8 bytes a
-// token), one logits chunk, a ones vector (with a bias gradient) and 8 bytes a head.
+// token), one logits chunk, a ones vector (with a bias gradient), room for an aligned copy of each
+// head's bias (with biases) and 8 bytes a head.
 template <class T, class I>
 [[nodiscard]] Status linear_cross_entropy_heads_workspace_bytes(const LinearCrossEntropyHeadsArgs<T, I>& args,
                                                                 std::size_t& bytes) {
@@ -266,18 +272,19 @@ TIGON_KERNEL void lce_heads_combine_kernel(const float* head_loss, const float* 
   if (z_loss != nullptr) z_loss[0] = z;
 }
 
-// One head on one chunk of tokens [r0, r0 + c): logits = x_c W^T into `logits`, the loss (gradient in
-// place) against the denominator in `scratch`, then dx_c (beta dx_beta), dW and db (beta `beta`).
+// One head on one chunk of tokens [r0, r0 + c): logits = x_c W^T + bias into `logits` (bias 16-byte
+// aligned, or null), the loss (gradient in place) against the denominator in `scratch`, then dx_c
+// (beta dx_beta), dW and db (beta `beta`).
 template <class Gemm, class T, class I>
 Status lce_chunk(Gemm& gemm, const CrossEntropyArgs<T, I>& ce, const T* xc, std::int64_t xs, const T* weight,
                  const T* bias, std::int64_t hidden, std::int64_t r0, std::int64_t c, T* logits, const T* ones,
                  const CeScratch& scratch, bool want_grad, T* dxc, std::int64_t dxs, float dx_beta, float* dweight,
                  float* dbias, float beta, cudaStream_t stream, const char* op) {
   const std::int64_t vocab = ce.vocab;
-  TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = xc, .b = weight, .d = logits, .m = c, .n = vocab, .k = hidden, .lda = xs,
-                                    .op_b = Op::t},
+  TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = xc, .b = weight, .d = logits, .bias = bias, .m = c, .n = vocab,
+                                    .k = hidden, .lda = xs, .op_b = Op::t},
                         stream));
-  TIGON_CHECK(cross_entropy_chunk(ce, logits, bias, r0, c, want_grad, scratch, stream, op));
+  TIGON_CHECK(cross_entropy_chunk(ce, logits, r0, c, want_grad, scratch, stream, op));
   if (!want_grad) return Status();
   if (dxc != nullptr) {
     TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = logits, .b = weight, .c = dx_beta != 0.0f ? dxc : nullptr, .d = dxc,
@@ -324,10 +331,12 @@ template <class Gemm = CublasLtGemm, class T, class I>
   if (args.dbias != nullptr) {
     TIGON_CHECK(detail::fill_ones(ones, l.chunk, stream, kOp));
   }
+  const T* bias = nullptr;
+  TIGON_CHECK(detail::epilogue_bias(args.bias, vocab, reinterpret_cast<T*>(base + l.bias_offset), stream, kOp, bias));
   for (std::int64_t r0 = 0; r0 < tokens; r0 += l.chunk) {
     const std::int64_t c = tokens - r0 < l.chunk ? tokens - r0 : l.chunk;
     const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
-    TIGON_CHECK(detail::lce_chunk(gemm, ce, args.x + r0 * xs, xs, args.weight, args.bias, hidden, r0, c, logits, ones,
+    TIGON_CHECK(detail::lce_chunk(gemm, ce, args.x + r0 * xs, xs, args.weight, bias, hidden, r0, c, logits, ones,
                                   scratch, want_grad, args.dx != nullptr ? args.dx + r0 * dxs : nullptr, dxs, 0.0f,
                                   args.dweight, args.dbias, beta, stream, kOp));
   }
@@ -359,7 +368,7 @@ template <class Gemm = CublasLtGemm, class T, class I>
   T* ones = reinterpret_cast<T*>(base + l.ones_offset);
   float* head_loss = args.head_losses != nullptr ? args.head_losses : reinterpret_cast<float*>(base + l.heads_offset);
   float* head_z = reinterpret_cast<float*>(base + l.heads_offset) + heads;
-  const bool any_bias = l.heads_offset > l.ones_offset;  // the layout holds a ones vector
+  const bool any_bias = l.bias_offset > l.ones_offset;  // the layout holds a ones vector
   bool want_grad = args.dx != nullptr || any_bias;
   for (int k = 0; k < heads; ++k) want_grad = want_grad || (args.dweights != nullptr && args.dweights[k] != nullptr);
   // Head k's loss: its targets, its per-row outputs, its upstream gradient times its factor.
@@ -382,12 +391,19 @@ template <class Gemm = CublasLtGemm, class T, class I>
                                        stream, kOp));
   }
   if (any_bias) TIGON_CHECK(detail::fill_ones(ones, l.chunk, stream, kOp));
+  // Each head's bias where the GEMM's epilogue reads it (its aligned copy when the caller's is not).
+  std::vector<const T*> biases(static_cast<std::size_t>(heads), nullptr);
+  for (int k = 0; args.biases != nullptr && k < heads; ++k) {
+    T* slot = reinterpret_cast<T*>(base + l.bias_offset + static_cast<std::size_t>(k) *
+                                              round_up<std::size_t>(vocab * sizeof(T), 256));
+    TIGON_CHECK(detail::epilogue_bias(args.biases[k], vocab, slot, stream, kOp, biases[k]));
+  }
   for (std::int64_t r0 = 0; r0 < tokens; r0 += l.chunk) {
     const std::int64_t c = tokens - r0 < l.chunk ? tokens - r0 : l.chunk;
     const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
     for (int k = 0; k < heads; ++k) {
-      TIGON_CHECK(detail::lce_chunk(gemm, head(k), args.x + r0 * xs, xs, args.weights[k],
-                                    args.biases != nullptr ? args.biases[k] : nullptr, hidden, r0, c, logits, ones,
+      TIGON_CHECK(detail::lce_chunk(gemm, head(k), args.x + r0 * xs, xs, args.weights[k], biases[k], hidden, r0, c,
+                                    logits, ones,
                                     scratch(k), want_grad, args.dx != nullptr ? args.dx + r0 * dxs : nullptr, dxs,
                                     k > 0 ? 1.0f : 0.0f, args.dweights != nullptr ? args.dweights[k] : nullptr,
                                     args.dbiases != nullptr ? args.dbiases[k] : nullptr, beta, stream, kOp));

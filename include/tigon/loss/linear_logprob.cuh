@@ -4,7 +4,8 @@
 // per-token log p weighted by advantages, with the entropy as a bonus or a metric).
 //
 // Per token n with target t_n (fp32 math; z = logits / temperature):
-//   logits_n  = x_n W^T (+ b)            the GEMM's output in T (the bias added and rounded to T again)
+//   logits_n  = x_n W^T (+ b)            the GEMM's output in T (the bias added in its epilogue, one
+//                                        rounding, as F.linear does)
 //   lse_n     = log sum_v exp(z_v)
 //   logp_n    = z_t - lse_n              log softmax(z)_t
 //   entropy_n = lse_n - sum_v p_v z_v    -sum_v p_v log p_v,   p = softmax(z)
@@ -21,8 +22,9 @@
 // linear_logprob_backward: per chunk the GEMM again (unless keep_logits: then the forward's), the gradient
 // kernel (dlogits over the chunk, in place), and the GEMMs of dx, dW (fp32, accumulated across
 // chunks) and db. Both pass through the same arguments: the backward reads the forward's lse (and
-// entropy, when h is given). No host synchronisation. Extra device memory: one logits chunk and,
-// with dbias, a ones vector — what linear_logprob_workspace_bytes() returns.
+// entropy, when h is given). No host synchronisation. Extra device memory: one logits chunk, with
+// dbias a ones vector, with a bias room for its 16-byte aligned copy (used when the caller's is not
+// aligned) — what linear_logprob_workspace_bytes() returns.
 #pragma once
 
 #include <cstddef>
@@ -148,7 +150,7 @@ namespace detail {
 
 struct LlpLayout {
   std::int64_t chunk;
-  std::size_t ones_offset, total;
+  std::size_t bias_offset, ones_offset, total;
 };
 
 template <class T, class I>
@@ -157,7 +159,8 @@ LlpLayout llp_layout(const LinearLogProbArgs<T, I>& a, bool backward) {
   l.chunk = a.keep_logits ? a.tokens
                           : (a.chunk > 0 ? (a.chunk < a.tokens ? a.chunk : a.tokens)
                                          : linear_logprob_default_chunk(a.tokens, a.vocab, sizeof(T)));
-  l.ones_offset = round_up<std::size_t>(static_cast<std::size_t>(l.chunk * a.vocab) * sizeof(T), 256);
+  l.bias_offset = round_up<std::size_t>(static_cast<std::size_t>(l.chunk * a.vocab) * sizeof(T), 256);
+  l.ones_offset = l.bias_offset + (a.bias != nullptr ? round_up<std::size_t>(a.vocab * sizeof(T), 256) : 0);
   // Kept logits: the ones vector too, so that the forward's and the backward's workspace is one.
   const bool ones = a.keep_logits || (backward && a.dbias != nullptr);
   l.total = l.ones_offset + (ones ? round_up<std::size_t>(l.chunk * sizeof(T), 256) : 0);
@@ -237,8 +240,8 @@ Status llp_validate(const LinearLogProbArgs<T, I>& a, bool backward, const char*
 }  // namespace detail
 
 // Bytes of workspace linear_logprob_forward (backward false) or linear_logprob_backward (true)
-// needs: one logits chunk and, for the backward with dbias, a ones vector (with keep_logits: all the
-// tokens' logits and the ones vector, the same for both).
+// needs: one logits chunk, with a bias room for its aligned copy, and for the backward with dbias a
+// ones vector (with keep_logits: all the tokens' logits and the ones vector, the same for both).
 template <class T, class I>
 [[nodiscard]] Status linear_logprob_workspace_bytes(const LinearLogProbArgs<T, I>& args, bool backward,
                                                     std::size_t& bytes) {
@@ -262,7 +265,6 @@ template <class T, class I>
 struct LlpParams {
   const T* logits;  // [rows, vocab], contiguous: the chunk
   T* dlogits;       // = logits (backward) or null
-  const T* bias;
   const I* targets;  // the chunk's first target
   std::int64_t rows, vocab, ignore_index;
   float inv_temp;
@@ -280,21 +282,13 @@ struct LlpMerge {
   }
 };
 
-// Raw logit (the bias added, the sum rounded to T) of kN consecutive columns from c.
+// Logits of kN consecutive columns from c, in fp32.
 template <int kN, class T>
-TIGON_DEVICE void llp_raw(const T* row, const T* bias, std::int64_t c, float (&v)[kN]) {
+TIGON_DEVICE void llp_raw(const T* row, std::int64_t c, float (&v)[kN]) {
   if constexpr (kN > 1) {
-    const AlignedVec<T, kN> a = load_vec<kN>(row + c);
-    to_floats(a, v);
-    if (bias != nullptr) {
-      float b[kN];
-      to_floats(load_vec<kN>(bias + c), b);
-#pragma unroll
-      for (int k = 0; k < kN; ++k) v[k] = round_to<T>(v[k] + b[k]);
-    }
+    to_floats(load_vec<kN>(row + c), v);
   } else {
     v[0] = to_float(row[c]);
-    if (bias != nullptr) v[0] = round_to<T>(v[0] + to_float(bias[c]));
   }
 }
 
@@ -322,7 +316,7 @@ TIGON_KERNEL void __launch_bounds__(kLlpThreads) llp_forward_kernel(const LlpPar
   float xt = 0.0f;
   if (top1) {
     float v1[1];
-    llp_raw<1>(row, p.bias, t, v1);
+    llp_raw<1>(row, t, v1);
     xt = v1[0];
   }
   bool beaten = false;
@@ -330,7 +324,7 @@ TIGON_KERNEL void __launch_bounds__(kLlpThreads) llp_forward_kernel(const LlpPar
   const std::int64_t nvec = p.vocab / kN;
   for (std::int64_t i = threadIdx.x; i < nvec; i += kLlpThreads) {
     float v[kN];
-    llp_raw<kN>(row, p.bias, i * kN, v);
+    llp_raw<kN>(row, i * kN, v);
     if (top1) {
 #pragma unroll
       for (int k = 0; k < kN; ++k) beaten = beaten || v[k] > xt || (v[k] == xt && i * kN + k < t);
@@ -360,7 +354,7 @@ TIGON_KERNEL void __launch_bounds__(kLlpThreads) llp_forward_kernel(const LlpPar
   if (threadIdx.x == 0 && !skip) {
     const float lse = llp_math::lse_of(total);
     float zt[1];
-    llp_raw<1>(row, p.bias, t, zt);
+    llp_raw<1>(row, t, zt);
     if (p.logp) p.logp[r] = zt[0] * p.inv_temp - lse;
     if (p.lse) p.lse[r] = lse;
     if (p.entropy) p.entropy[r] = llp_math::entropy_of(total);
@@ -393,7 +387,7 @@ TIGON_KERNEL void __launch_bounds__(kLlpThreads) llp_backward_kernel(const LlpPa
   const float mean_z = h != 0.0f ? lse - p.entropy_in[r] : 0.0f;
   for (std::int64_t i = threadIdx.x; i < nvec; i += kLlpThreads) {
     float v[kN];
-    llp_raw<kN>(row, p.bias, i * kN, v);
+    llp_raw<kN>(row, i * kN, v);
 #pragma unroll
     for (int k = 0; k < kN; ++k) {
       v[k] = llp_math::dz(v[k] * p.inv_temp, lse, mean_z, g, h, i * kN + k == t) * p.inv_temp;
@@ -409,7 +403,7 @@ TIGON_KERNEL void __launch_bounds__(kLlpThreads) llp_backward_kernel(const LlpPa
 template <class T, class I>
 Status llp_launch(const LlpParams<T, I>& p, bool backward, cudaStream_t stream, const char* op) {
   constexpr int kN = kVecElems<T>;
-  const bool vec = p.vocab % kN == 0 && is_aligned(p.logits, 16) && (p.bias == nullptr || is_aligned(p.bias, 16));
+  const bool vec = p.vocab % kN == 0 && is_aligned(p.logits, 16);
   const LaunchShape shape{dim3(static_cast<unsigned>(p.rows)), dim3(kLlpThreads), 0, stream};
   if (backward) {
     if (vec) return launch(op, llp_backward_kernel<T, I, kN>, shape, p);
@@ -432,15 +426,19 @@ template <class Gemm = CublasLtGemm, class T, class I>
   TIGON_CHECK(detail::llp_validate(args, false, kOp));
   const detail::LlpLayout l = detail::llp_layout(args, false);
   TIGON_CHECK(check::workspace(args.workspace, args.workspace_bytes, l.total, kOp));
-  T* logits = static_cast<T*>(args.workspace);
+  auto* base = static_cast<unsigned char*>(args.workspace);
+  T* logits = reinterpret_cast<T*>(base);
+  const T* bias = nullptr;
+  TIGON_CHECK(
+      detail::epilogue_bias(args.bias, args.vocab, reinterpret_cast<T*>(base + l.bias_offset), stream, kOp, bias));
   const std::int64_t xs = args.x_stride ? args.x_stride : args.hidden;
   for (std::int64_t r0 = 0; r0 < args.tokens; r0 += l.chunk) {
     const std::int64_t c = args.tokens - r0 < l.chunk ? args.tokens - r0 : l.chunk;
-    TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = args.x + r0 * xs, .b = args.weight, .d = logits, .m = c, .n = args.vocab,
-                                      .k = args.hidden, .lda = xs, .op_b = Op::t},
+    TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = args.x + r0 * xs, .b = args.weight, .d = logits, .bias = bias, .m = c,
+                                      .n = args.vocab, .k = args.hidden, .lda = xs, .op_b = Op::t},
                           stream));
     auto at = [&](auto* q) { return q != nullptr ? q + r0 : nullptr; };
-    const detail::LlpParams<T, I> p{.logits = logits, .dlogits = nullptr, .bias = args.bias,
+    const detail::LlpParams<T, I> p{.logits = logits, .dlogits = nullptr,
                                     .targets = args.targets + r0, .rows = c, .vocab = args.vocab,
                                     .ignore_index = args.ignore_index, .inv_temp = 1.0f / args.temperature,
                                     .logp = at(args.logp), .lse = at(args.lse), .entropy = at(args.entropy),
@@ -469,16 +467,21 @@ template <class Gemm = CublasLtGemm, class T, class I>
   if (args.dbias != nullptr) {
     TIGON_CHECK(detail::fill_ones(ones, l.chunk, stream, kOp));
   }
+  const T* bias = nullptr;
+  if (!args.keep_logits) {
+    TIGON_CHECK(
+        detail::epilogue_bias(args.bias, args.vocab, reinterpret_cast<T*>(base + l.bias_offset), stream, kOp, bias));
+  }
   for (std::int64_t r0 = 0; r0 < args.tokens; r0 += l.chunk) {
     const std::int64_t c = args.tokens - r0 < l.chunk ? args.tokens - r0 : l.chunk;
     const T* xc = args.x + r0 * xs;
     if (!args.keep_logits) {  // kept: the forward's logits are in the workspace
-      TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = xc, .b = args.weight, .d = logits, .m = c, .n = args.vocab,
-                                        .k = args.hidden, .lda = xs, .op_b = Op::t},
+      TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = xc, .b = args.weight, .d = logits, .bias = bias, .m = c,
+                                        .n = args.vocab, .k = args.hidden, .lda = xs, .op_b = Op::t},
                             stream));
     }
     auto at = [&](const float* q) { return q != nullptr ? q + r0 : nullptr; };
-    const detail::LlpParams<T, I> p{.logits = logits, .dlogits = logits, .bias = args.bias,
+    const detail::LlpParams<T, I> p{.logits = logits, .dlogits = logits,
                                     .targets = args.targets + r0, .rows = c, .vocab = args.vocab,
                                     .ignore_index = args.ignore_index, .inv_temp = 1.0f / args.temperature,
                                     .logp = nullptr, .lse = nullptr, .entropy = nullptr, .logit_sum = nullptr,

@@ -38,13 +38,12 @@ CeParams<T, I> ce_params(const CrossEntropyArgs<T, I>& a) {
   return p;
 }
 
-// Whether every row (and the bias) allows 16-byte vectors.
+// Whether every row allows 16-byte vectors.
 template <class T, class I>
 bool ce_vectorizable(const CeParams<T, I>& p) {
   constexpr int kV = kVecElems<T>;
   return p.vocab % kV == 0 && rows_aligned(p.x, p.xs, kV) &&
-         (p.dx == nullptr || rows_aligned(p.dx, p.dxs, kV)) &&
-         (p.bias == nullptr || is_aligned(p.bias, 16));
+         (p.dx == nullptr || rows_aligned(p.dx, p.dxs, kV));
 }
 
 // The row kernel: one row per resident block at a time (a gradient pass re-reads its row, from L2
@@ -106,12 +105,12 @@ Status launch_ce_resident(const CeParams<T, I>& p, cudaStream_t stream, const ch
   return Status();
 }
 
-// The optioned resident kernel with the softcap (0: none, 1: rational tanh, 2: hardware tanh) and
-// the bias as compile-time switches.
-template <class P, int kCap, bool kBias, class T, class I>
+// The optioned resident kernel with the softcap (0: none, 1: rational tanh, 2: hardware tanh) as a
+// compile-time switch.
+template <class P, int kCap, class T, class I>
 Status launch_ce_opt(const CeParams<T, I>& p, cudaStream_t stream, const char* op, bool& launched) {
   constexpr auto kernel =
-      ce_resident_opt_kernel<T, I, kVecElems<T>, P::kOptThreads, P::kOptVecs, P::kOptMinBlocks, kCap, kBias>;
+      ce_resident_opt_kernel<T, I, kVecElems<T>, P::kOptThreads, P::kOptVecs, P::kOptMinBlocks, kCap>;
   return launch_ce_resident<kernel, P::kOptThreads, P::kOptVecs, P::kOptAhead>(p, stream, op, launched);
 }
 
@@ -128,10 +127,10 @@ inline CeStreamShape ce_stream_shape(std::int64_t nvec, int seg_target) {
 }
 
 // The streaming kernel: a block a row, in launches of at most 2^31 - 1 rows.
-template <class P, int kCap, bool kBias, class T, class I>
+template <class P, int kCap, class T, class I>
 Status launch_ce_stream(const CeParams<T, I>& p, cudaStream_t stream, const char* op) {
   constexpr int kV = kVecElems<T>;
-  constexpr auto kernel = ce_stream_kernel<T, I, kV, P::kStreamUnroll, kCap, kBias>;
+  constexpr auto kernel = ce_stream_kernel<T, I, kV, P::kStreamUnroll, kCap>;
   const CeStreamShape sh = ce_stream_shape(p.vocab / kV, P::kStreamSegVecs);
   constexpr std::int64_t kMaxRows = (std::int64_t{1} << 31) - 1;
   for (std::int64_t r0 = 0; r0 < p.rows; r0 += kMaxRows) {
@@ -166,12 +165,8 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
   if constexpr (kV > 1) {
     const bool plain = ce_plain(p);
     if (vec && p.dx == nullptr && p.stats == nullptr && p.vocab >= P::kResMinCols) {
-      if (p.cap > 0.0f) {
-        constexpr int kCap = sizeof(T) == 2 ? 2 : 1;
-        return p.bias != nullptr ? launch_ce_stream<P, kCap, true>(p, stream, op)
-                                 : launch_ce_stream<P, kCap, false>(p, stream, op);
-      }
-      return p.bias != nullptr ? launch_ce_stream<P, 0, true>(p, stream, op) : launch_ce_stream<P, 0, false>(p, stream, op);
+      if (p.cap > 0.0f) return launch_ce_stream<P, sizeof(T) == 2 ? 2 : 1>(p, stream, op);
+      return launch_ce_stream<P, 0>(p, stream, op);
     }
     if (vec && p.dx != nullptr && p.vocab >= P::kResMinCols) {
       DeviceInfo dev;
@@ -196,12 +191,9 @@ Status run_ce_rows(const CeParams<T, I>& p, cudaStream_t stream, const char* op)
         } else if (PackedMax<T>::kPacked && ce_cap_only(p)) {
           if constexpr (PackedMax<T>::kPacked) TIGON_CHECK(res(kNo, kNo, kYes));
         } else if (p.cap > 0.0f) {
-          constexpr int kCap = sizeof(T) == 2 ? 2 : 1;
-          TIGON_CHECK((p.bias != nullptr ? launch_ce_opt<P, kCap, true>(p, stream, op, launched)
-                                        : launch_ce_opt<P, kCap, false>(p, stream, op, launched)));
+          TIGON_CHECK((launch_ce_opt<P, sizeof(T) == 2 ? 2 : 1>(p, stream, op, launched)));
         } else {
-          TIGON_CHECK((p.bias != nullptr ? launch_ce_opt<P, 0, true>(p, stream, op, launched)
-                                        : launch_ce_opt<P, 0, false>(p, stream, op, launched)));
+          TIGON_CHECK((launch_ce_opt<P, 0>(p, stream, op, launched)));
         }
         if (launched) return Status();
       }
@@ -260,10 +252,10 @@ Status ce_impl(const CrossEntropyArgs<T, I>& a, CeParams<T, I> p, cudaStream_t s
 
 // One chunk of a loss whose denominator and reduction the caller launches (the chunked linear
 // cross-entropy): rows [r0, r0 + rows) of `loss`, their logits [rows, loss.vocab] contiguous in
-// `logits` with `bias` added, the gradient written over them when `grad`; per-row outputs and the
-// per-row scratch offset to the chunk.
+// `logits`, the gradient written over them when `grad`; per-row outputs and the per-row scratch
+// offset to the chunk.
 template <class P = CrossEntropyPolicy, class T, class I>
-Status cross_entropy_chunk(const CrossEntropyArgs<T, I>& loss, T* logits, const T* bias, std::int64_t r0,
+Status cross_entropy_chunk(const CrossEntropyArgs<T, I>& loss, T* logits, std::int64_t r0,
                            std::int64_t rows, bool grad, const CeScratch& scratch, cudaStream_t stream,
                            const char* op) {
   CeParams<T, I> p = ce_params(loss);
@@ -273,7 +265,6 @@ Status cross_entropy_chunk(const CrossEntropyArgs<T, I>& loss, T* logits, const 
   p.dxs = loss.vocab;
   p.rows = rows;
   p.targets = loss.targets + r0;
-  p.bias = bias;
   p.denom = scratch.denom;
   p.loss_rows = (loss.loss_rows != nullptr ? loss.loss_rows : scratch.loss_rows) + r0;
   p.z_rows = scratch.z_rows + r0;

@@ -34,7 +34,6 @@ struct CeParams {
   std::int64_t col0, total_vocab;
   const CrossEntropyStats* stats;  // merged statistics (finalize), or null: compute them here
   CrossEntropyStats* stats_out;    // shard statistics (stats pass), or null
-  const T* bias;                   // [vocab] added to the logits (the sum rounded to T) before the softcap, or null
 };
 
 struct CeAcc {  // one thread's (or a block's) running statistics
@@ -63,16 +62,11 @@ struct CeShared {
   float x_t;
 };
 
-// The logits of one raw vector (with bias and softcap) in fp32. With a bias the sum is rounded to
-// T, the value a logits tensor of dtype T holds after F.linear with a bias (the unfused head).
+// The logits of one raw vector (softcap applied) in fp32.
 template <class T, int kV>
-TIGON_DEVICE void to_x(const AlignedVec<T, kV>& v, const T* bias, std::int64_t c, float cap, float* x) {
-  AlignedVec<T, kV> b;
-  if (bias != nullptr) b = load_vec<kV>(bias + c);
+TIGON_DEVICE void to_x(const AlignedVec<T, kV>& v, float cap, float* x) {
 #pragma unroll
-  for (int k = 0; k < kV; ++k) {
-    x[k] = bias != nullptr ? round_to<T>(to_float(v.v[k]) + to_float(b.v[k])) : to_float(v.v[k]);
-  }
+  for (int k = 0; k < kV; ++k) x[k] = to_float(v.v[k]);
   if (cap > 0.0f) {  // a branch per vector, not a select per element: the rational tanh costs a dozen FMAs
     const float inv = 1.0f / cap;
 #pragma unroll
@@ -121,17 +115,16 @@ TIGON_DEVICE void ce_accumulate(CeAcc& acc, const float* x, std::int64_t c0, boo
 
 // ---- The per-row steps the kernels share ----
 
-// Column c's logit from its raw value: bias (the sum rounded to T) and softcap applied.
+// A logit from its raw value: softcap applied.
 template <class T, class I>
-TIGON_DEVICE float ce_logit(const CeParams<T, I>& p, T raw, std::int64_t c) {
-  return ce_math::softcap(p.bias != nullptr ? round_to<T>(to_float(raw) + to_float(p.bias[c])) : to_float(raw),
-                          p.cap);
+TIGON_DEVICE float ce_logit(const CeParams<T, I>& p, T raw) {
+  return ce_math::softcap(to_float(raw), p.cap);
 }
 
 // The target's logit, or 0 when the target is not in this shard.
 template <class T, class I>
 TIGON_DEVICE float ce_target_logit(const CeParams<T, I>& p, const T* xr, std::int64_t t) {
-  return (t >= 0 && t < p.vocab) ? ce_logit(p, xr[t], t) : 0.0f;
+  return (t >= 0 && t < p.vocab) ? ce_logit(p, xr[t]) : 0.0f;
 }
 
 // The row's terms from its merged statistics. Merged split-vocabulary statistics carry the target's
@@ -248,7 +241,7 @@ TIGON_DEVICE void ce_grad_vec(const CeParams<T, I>& p, const AlignedVec<T, kV>& 
                               const float* wcol, std::uint64_t policy) {
   const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
   float x[kV];
-  to_x<T, kV>(raw, p.bias, c0, p.cap, x);
+  to_x<T, kV>(raw, p.cap, x);
   AlignedVec<T, kV> g;
 #pragma unroll
   for (int k = 0; k < kV; ++k) {
@@ -328,14 +321,14 @@ TIGON_DEVICE void ce_stats_range(const CeParams<T, I>& p, const T* xr, int lo, i
     for (int u = 0; u < kU; ++u) {
       const std::int64_t c0 = static_cast<std::int64_t>(i + u * kThreads) * kV;
       float x[kV];
-      to_x<T, kV>(raw[u], p.bias, c0, p.cap, x);
+      to_x<T, kV>(raw[u], p.cap, x);
       ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
     }
   }
   for (; i < hi; i += kThreads) {
     const std::int64_t c0 = static_cast<std::int64_t>(i) * kV;
     float x[kV];
-    to_x<T, kV>(load_vec_policy<kV>(xr + c0, keep), p.bias, c0, p.cap, x);
+    to_x<T, kV>(load_vec_policy<kV>(xr + c0, keep), p.cap, x);
     ce_accumulate<kV>(acc, x, c0, want_arg, smooth, wcol);
   }
 }
@@ -370,7 +363,6 @@ enum CeOption : unsigned {
   kCeWeights = 1u,
   kCeSmooth = 2u,
   kCeCap = 4u,
-  kCeBias = 8u,
   kCeArgmax = 16u,
   kCeToken = 32u,
   kCeStats = 64u,  // the split vocabulary: statistics in (finalize) or out (statistics pass)
@@ -378,11 +370,11 @@ enum CeOption : unsigned {
 template <class T, class I>
 TIGON_HD unsigned ce_options(const CeParams<T, I>& p) {
   return (p.weights != nullptr ? kCeWeights : 0u) | (p.eps > 0.0f ? kCeSmooth : 0u) | (p.cap > 0.0f ? kCeCap : 0u) |
-         (p.bias != nullptr ? kCeBias : 0u) | (p.argmax != nullptr ? kCeArgmax : 0u) |
+         (p.argmax != nullptr ? kCeArgmax : 0u) |
          (p.token_scaling ? kCeToken : 0u) | (p.stats != nullptr || p.stats_out != nullptr ? kCeStats : 0u);
 }
 
-// The common case (no class weights, smoothing, softcap, bias, argmax or split-vocabulary
+// The common case (no class weights, smoothing, softcap, argmax or split-vocabulary
 // statistics): those fields as compile-time constants, so their per-element work and registers
 // drop out of the instance.
 template <class T, class I>
@@ -396,7 +388,6 @@ TIGON_DEVICE CeParams<T, I> ce_specialise(CeParams<T, I> p) {
     p.weights = nullptr;
     p.eps = 0.0f;
     p.cap = 0.0f;
-    p.bias = nullptr;
     p.argmax = nullptr;
     p.token_scaling = false;
     p.stats = nullptr;
@@ -555,7 +546,7 @@ TIGON_DEVICE void ce_argmax_lanes(int lane, int n, float& v, unsigned& c) {
 }
 
 // The warp's first column holding wmax, its largest raw value (bfloat16 / half vectors of a
-// resident kernel, no bias; 0xffffffff when wmax is -inf): the first vector index j holding it, by
+// resident kernel; 0xffffffff when wmax is -inf): the first vector index j holding it, by
 // ballot (a warp's columns run j-major, lane-minor), each lane testing a vector with packed max and
 // one packed compare; the first lane of that ballot finds the element. Every lane gets the column.
 template <class T, int kV, int kVecs, int kThreads>
@@ -899,19 +890,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
 }
 
 
-// A half's bits as a 16-bit T, and back (the optioned kernel keeps tanh values as half in its
-// registers of T).
-template <class T>
-TIGON_DEVICE T ce_half_bits(__half h) {
-  if constexpr (std::is_same_v<T, __half>) {
-    return h;
-  } else {
-    return __ushort_as_bfloat16(__half_as_ushort(h));
-  }
-}
-TIGON_DEVICE __half ce_bits_half(__half h) { return h; }
-TIGON_DEVICE __half ce_bits_half(__nv_bfloat16 b) { return __ushort_as_half(__bfloat16_as_ushort(b)); }
-
 
 // The optioned kernel's row outputs from the row's merged statistics (total.best_i: the argmax's
 // column within the shard, 0xffffffff for none): the shard statistics, or the loss outputs; w_t
@@ -942,16 +920,16 @@ TIGON_DEVICE void ce_opt_row_out(const CeParams<T, I>& p, std::int64_t row, CeAc
 }
 
 // The resident kernel for every option with a gradient (class weights, label smoothing, softcap,
-// bias, argmax, token scaling, and the split-vocabulary finalize; the default for them on sm_90+
-// with 16-byte rows, but for the argmax and smoothing alone): the plain kernel's structure and registers, the raw 16-byte vectors held, and the logits
-// formed from them (bias added, softcap applied) each time a pass needs them, in fp32. kCap (0:
-// none, 1: rational tanh for fp32 logits, 2: hardware tanh for 16-bit ones) and kBias are
-// compile-time, so that a call without them pays nothing; smoothing, weights and argmax are
-// uniform branches per thread. A block's
+// argmax, token scaling, and the split-vocabulary finalize; the default for them on sm_90+ with
+// 16-byte rows, but for the argmax and smoothing alone): the plain kernel's structure and
+// registers, the raw 16-byte vectors held, and the logits formed from them (softcap applied) each
+// time a pass needs them, in fp32. kCap (0: none, 1: rational tanh for fp32 logits, 2: hardware
+// tanh for 16-bit ones) is compile-time, so that a call without the softcap pays nothing;
+// smoothing, weights and argmax are uniform branches per thread. A block's
 // message is one 16-byte store (max, sum of exp, the target's logit), and a second (sum of w_i x_i,
 // sum of w_i, the block's largest logit and its first column) when smoothing or argmax needs it.
 // Given merged statistics (finalize), a block writes its slice's gradient with no exchange.
-template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks, int kCap, bool kBias>
+template <class T, class I, int kV, int kThreads, int kVecs, int kMinBlocks, int kCap>
 TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel(const CeParams<T, I> p,
                                                                                   std::int64_t row0, int slice,
                                                                                   int ahead) {
@@ -998,24 +976,18 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   const bool wvec = is_aligned(wcol, 16);  // the class weights in 16-byte loads
   const float cap = kCap ? p.cap : 0.0f;
   const float inv_cap = kCap ? 1.0f / p.cap : 0.0f;
-  // Vector j's logits over xs: bias added (the sum rounded to T), and with the softcap the tanh
-  // values u = tanh(x / cap), the capped logit being cap * u; the passes fold xs into their
+  // Vector j's logits over xs: with the softcap the tanh values u = tanh(x / cap), the capped logit being cap * u; the passes fold xs into their
   // constants (l2s = log2(e) * xs) instead of multiplying each element by it.
   const float xs = kCap ? cap : 1.0f;
   const float l2s = kLog2e * xs;
   auto pre = [&](int j, float (&x)[kV]) {
     to_floats(raw[j], x);
-    if constexpr (kBias) {
-      const AlignedVec<T, kV> b = load_vec<kV>(p.bias + static_cast<std::int64_t>(first + j * kThreads) * kV);
-#pragma unroll
-      for (int k = 0; k < kV; ++k) x[k] = round_to<T>(x[k] + to_float(b.v[k]));
-    }
     if constexpr (kCap != 0) {
 #pragma unroll
       for (int k = 0; k < kV; ++k) x[k] = ce_tanh<kCap>(x[k] * inv_cap);
     }
   };
-  // Vector j's logits (bias added, softcap applied).
+  // Vector j's logits (softcap applied).
   auto logits = [&](int j, float (&x)[kV]) {
     pre(j, x);
     if constexpr (kCap != 0) {
@@ -1035,27 +1007,22 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
   // derivative (one exp2 an element). The loss and the statistics use the fp32 values.
   constexpr bool kKeepTanh = kCap == 2 && sizeof(T) == 2 && kV % 2 == 0;
   constexpr float kGTermLog2 = 14.0f;
-  // Whether the argmax is found per warp by ballot on the raw values (16-bit, no bias; with the
-  // softcap its registers spill the tanh values kept across the exchange, so there the lanes
-  // holding the warp's max find their columns).
-  constexpr bool kWarpArg = !kBias && kCap == 0 && PackedMax<T>::kPacked && kV % 2 == 0;
-  // With a bias they replace the raw values in raw[j]; without, they go to tk and raw dies: the two
-  // layouts under which ptxas fits each instance in 64 registers without spills.
-  __half2 tk[(kKeepTanh && !kBias) ? kVecs : 1][kV / 2];
+  // Whether the argmax is found per warp by ballot on the raw values (16-bit; with the softcap its
+  // registers spill the tanh values kept across the exchange, so there the lanes holding the warp's
+  // max find their columns).
+  constexpr bool kWarpArg = kCap == 0 && PackedMax<T>::kPacked && kV % 2 == 0;
+  // The kept values go to tk and raw dies: the layout under which ptxas fits each instance in 64
+  // registers without spills.
+  __half2 tk[kKeepTanh ? kVecs : 1][kV / 2];
   auto keep = [&](int j, const float (&u)[kV]) {  // u: the values kept (tanh values or terms)
-    if constexpr (kKeepTanh && kBias) {
-#pragma unroll
-      for (int k = 0; k < kV; ++k) raw[j].v[k] = ce_half_bits<T>(__float2half_rn(u[k]));
-    } else if constexpr (kKeepTanh) {
+    if constexpr (kKeepTanh) {
 #pragma unroll
       for (int k = 0; k < kV; k += 2) tk[j][k / 2] = __floats2half2_rn(u[k], u[k + 1]);
     }
   };
   // Element k of vector j's kept tanh values.
   auto kept = [&](int j, int k) -> float {
-    if constexpr (kKeepTanh && kBias) {
-      return __half2float(ce_bits_half(raw[j].v[k]));
-    } else if constexpr (kKeepTanh) {
+    if constexpr (kKeepTanh) {
       return (k & 1) ? __high2float(tk[j][k / 2]) : __low2float(tk[j][k / 2]);
     } else {
       return 0.0f;
@@ -1094,16 +1061,15 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
     float xt = 0.0f;
     if (rank == 0 && tid == 0 && in_row) {
       xt = to_float(p.x[row * p.xs + t]);
-      if constexpr (kBias) xt = round_to<T>(xt + to_float(p.bias[t]));
       if constexpr (kCap != 0) xt = cap * ce_tanh<kCap>(xt * inv_cap);
     }
-    // The thread's largest logit (and, for argmax, its first column). Without a bias the raw
-    // values order the logits (the softcap is monotonic), so the max is taken on them, packed.
+    // The thread's largest logit (and, for argmax, its first column). The raw values order the
+    // logits (the softcap is monotonic), so the max is taken on them, packed.
     float tmax;
-    float wm_all = kNegInf;  // with the argmax and no bias: the warp's largest raw value
+    float wm_all = kNegInf;  // with the argmax: the warp's largest raw value
     float av = kNegInf;
     unsigned ac = kNoCol;
-    if constexpr (!kBias) {
+    {
       PackedMax<T> mx;
 #pragma unroll
       for (int j = 0; j < kVecs; ++j) {
@@ -1154,26 +1120,9 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
         }
         av = ac == kNoCol ? kNegInf : tmax;
       }
-    } else {
-      tmax = kNegInf;
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) {
-        if (j * kThreads < mine) {
-          float x[kV];
-          logits(j, x);
-#pragma unroll
-          for (int k = 0; k < kV; ++k) {
-            if (x[k] > tmax) {
-              tmax = x[k];
-              ac = static_cast<unsigned>((first + j * kThreads) * kV + k);
-            }
-          }
-        }
-      }
-      av = tmax;
     }
     float m[1] = {tmax};
-    if (kBias || kCap != 0 || !want_arg) {
+    if (kCap != 0 || !want_arg) {
       warp_allreduce<32>(m, MaxOp{});
     } else {
       m[0] = wm_all;  // the argmax's warp max of the raw values, which are the logits here
@@ -1454,10 +1403,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_opt_kernel
 // argmax each lane notes the trip that set its largest value, and after the walk the lanes holding
 // the warp's largest read that trip again to find its column. Each warp's lanes merge in a fixed
 // butterfly order, then warp 0 merges the segments in order and writes the row's outputs (the
-// loss's or its CrossEntropyStats): deterministic, one barrier a row, no workspace. kCap and kBias
-// as in the optioned resident kernel. Registers: 64 a thread (two 512-thread blocks per SM).
+// loss's or its CrossEntropyStats): deterministic, one barrier a row, no workspace. kCap as in the
+// optioned resident kernel. Registers: 64 a thread (two 512-thread blocks per SM).
 inline constexpr int kCeStreamMaxWarps = 16;
-template <class T, class I, int kV, int kU, int kCap, bool kBias>
+template <class T, class I, int kV, int kU, int kCap>
 TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
     ce_stream_kernel(const CeParams<T, I> p, std::int64_t row0, int seg_vecs) {
   detail::grid_dependency_sync();
@@ -1481,8 +1430,7 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
   const float inv_cap = kCap ? 1.0f / p.cap : 0.0f;
   const float xs = kCap ? cap : 1.0f;  // a logit is xs * y, y the value the passes take (tanh with the softcap)
   const float l2s = kLog2e * xs;
-  // z: the logit before the softcap (with a bias, the sum rounded to T, which the raw vector then
-  // holds); y = ycap(z): what the exponent takes.
+  // z: the logit before the softcap; y = ycap(z): what the exponent takes.
   auto ycap = [&](float z) {
     if constexpr (kCap != 0) {
       return ce_tanh<kCap>(z * inv_cap);
@@ -1496,7 +1444,6 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
   float xt = 0.0f;
   if (g == 0 && lane == 0 && t >= 0 && t < p.vocab) {
     xt = to_float(xr[t]);
-    if constexpr (kBias) xt = round_to<T>(xt + to_float(p.bias[t]));
     if constexpr (kCap != 0) xt = cap * ce_tanh<kCap>(xt * inv_cap);
   }
   float mz = kNegInf;    // the lane's largest z
@@ -1504,8 +1451,7 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
   float s = 0.0f;        // sum of exp2(y * l2s - mb)
   float swx = 0.0f, sw = 0.0f;  // smoothing: sum of w_i y_i, sum of w_i (with class weights)
   int bi = -1;           // argmax: the first trip (its first vector) that held the lane's largest z
-  // A trip's kN vectors i, i + 32, ..., i + 32 (kN - 1) of the segment, as z (with a bias, the sum
-  // rounded to T): with streamed_c true the walk's evict-first loads, else plain loads (the
+  // A trip's kN vectors i, i + 32, ..., i + 32 (kN - 1) of the segment: with streamed_c true the walk's evict-first loads, else plain loads (the
   // argmax's second read).
   auto fetch = [&](int i, auto n_c, auto streamed_c, AlignedVec<T, kV>(&raw)[decltype(n_c)::value]) {
     constexpr int kN = decltype(n_c)::value;
@@ -1516,17 +1462,6 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
         raw[u] = load_vec_policy<kV>(xp + u * 32 * kV, drop);
       } else {
         raw[u] = load_vec<kV>(xp + u * 32 * kV);
-      }
-    }
-    if constexpr (kBias) {
-#pragma unroll
-      for (int u = 0; u < kN; ++u) {
-        const AlignedVec<T, kV> b = load_vec<kV>(p.bias + static_cast<std::int64_t>(i + u * 32) * kV);
-        float z[kV];
-        to_floats(raw[u], z);
-#pragma unroll
-        for (int k = 0; k < kV; ++k) z[k] += to_float(b.v[k]);
-        raw[u] = from_floats<T>(z);
       }
     }
   };
@@ -1574,12 +1509,10 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
       }
     }
   };
-  // With a bias or class weights, half the vectors a trip: the bias vectors or the weights take the
-  // registers of the other half.
+  // With class weights, half the vectors a trip: the weights take the registers of the other half.
   constexpr int kHalf = kU > 1 ? kU / 2 : kU;
-  constexpr int kTrip = kBias ? kHalf : kU;
   auto walk = [&](auto smooth_c, auto weights_c) {
-    constexpr int kN = decltype(weights_c)::value ? kHalf : kTrip;
+    constexpr int kN = decltype(weights_c)::value ? kHalf : kU;
     int i = v0 + lane;
     for (; i + (kN - 1) * 32 < v1; i += kN * 32) trip(i, std::integral_constant<int, kN>{}, smooth_c, weights_c);
     for (; i < v1; i += 32) trip(i, std::integral_constant<int, 1>{}, smooth_c, weights_c);
@@ -1630,13 +1563,13 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
         }
         return c;
       };
-      // The walk's trip: a full one of kTrip (kHalf with class weights) vectors, or one of the
+      // The walk's trip: a full one of kU (kHalf with class weights) vectors, or one of the
       // segment's tail.
-      const int n = (smooth && wcol != nullptr) ? kHalf : kTrip;
+      const int n = (smooth && wcol != nullptr) ? kHalf : kU;
       if (bi + (n - 1) * 32 >= v1) {
         bc = find(std::integral_constant<int, 1>{});
-      } else if (n == kTrip) {
-        bc = find(std::integral_constant<int, kTrip>{});
+      } else if (n == kU) {
+        bc = find(std::integral_constant<int, kU>{});
       } else {
         bc = find(std::integral_constant<int, kHalf>{});
       }

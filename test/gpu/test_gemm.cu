@@ -91,6 +91,60 @@ TEST_CASE("gemm: the bias epilogue adds a bias to every row", "[gemm][gpu]") {
   run<bf16, bf16>(96, 80, 64, Op::n, Op::t, 0, 1.0f, 0.0f, blas, true);
 }
 
+// Operands on a coarse grid (multiples of 1/8 in [-2, 2]) make every fp32 product and sum exact, so
+// the product plus a bfloat16 bias is exact in fp32 too: D must be that value rounded to bfloat16
+// once (F.linear's rounding), element for element, not the product rounded and the sum rounded again.
+TEST_CASE("gemm: the bias epilogue rounds the product plus the bias once", "[gemm][gpu]") {
+  const std::int64_t M = 64, N = 256, K = 64;
+  DeviceBuffer<unsigned char> ws(32u << 20);
+  CublasLtGemm blas(ws.ptr, ws.count);
+  TIGON_OK(blas.status());
+  std::vector<bf16> ah(M * K), bh(N * K), biash(N);
+  std::vector<float> af(M * K), bf(N * K), biasf(N);
+  std::uint32_t state = 12345;
+  auto next = [&] {
+    state = state * 1664525u + 1013904223u;
+    return state >> 8;
+  };
+  auto grid = [&](std::vector<bf16>& h, std::vector<float>& f) {
+    for (std::size_t i = 0; i < h.size(); ++i) {
+      f[i] = (static_cast<int>(next() % 33) - 16) / 8.0f;
+      h[i] = from_float<bf16>(f[i]);
+    }
+  };
+  grid(ah, af);
+  grid(bh, bf);
+  for (std::int64_t j = 0; j < N; ++j) {  // bfloat16 values with 8 significant bits, in [-1, 1]
+    biash[j] = from_float<bf16>((static_cast<int>(next() % 4096) - 2048) / 2048.0f);
+    biasf[j] = to_float(biash[j]);
+  }
+  DeviceBuffer<bf16> a(ah.size()), b(bh.size()), d(M * N), bias(N);
+  a.upload(ah);
+  b.upload(bh);
+  bias.upload(biash);
+  TIGON_OK(blas.gemm(GemmArgs<bf16>{.a = a.ptr, .b = b.ptr, .d = d.ptr, .bias = bias.ptr, .m = M, .n = N, .k = K,
+                                    .op_b = Op::t},
+                     nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto out = d.download();
+  int once = 0, twice = 0, differ = 0;
+  for (std::int64_t i = 0; i < M; ++i)
+    for (std::int64_t j = 0; j < N; ++j) {
+      float acc = 0.0f;  // exact: every partial sum is a multiple of 1/64 below 2^8
+      for (std::int64_t k = 0; k < K; ++k) acc += af[i * K + k] * bf[j * K + k];
+      const float single = to_float(from_float<bf16>(acc + biasf[j]));
+      const float dbl = to_float(from_float<bf16>(to_float(from_float<bf16>(acc)) + biasf[j]));
+      const float got = to_float(out[i * N + j]);
+      once += got == single;
+      twice += got == dbl;
+      differ += single != dbl;
+    }
+  INFO(once << " of " << M * N << " equal the single rounding, " << twice << " the double; the two differ in "
+            << differ);
+  CHECK(differ > 0);  // the case tells the two apart
+  CHECK(once == M * N);
+}
+
 TEST_CASE("gemm: bad arguments are rejected by name", "[gemm][gpu]") {
   DeviceBuffer<unsigned char> ws(1u << 20);
   CublasLtGemm blas(ws.ptr, ws.count);

@@ -4,8 +4,11 @@
 //   forward:  read a and b, write c                  (3 x rows x cols elements)
 //   backward: read dc, a and b, write da and db      (5 x rows x cols elements)
 // Each with a and b as separate tensors, and as the two halves of one fused gate||up buffer
-// [rows, 2 cols] (da and db then into a fused gradient buffer the same way). The policy variants
-// and tensor placements are in bench/tuning/bench_gated_tuning.cu.
+// [rows, 2 cols] (da and db then into a fused gradient buffer the same way). The ungated squared
+// ReLU (Nemotron's MLP, activation_forward / activation_backward) at Nemotron-4-15B's MLP (16384
+// tokens x 24576): forward reads a, writes c (2 x rows x cols); backward reads dc and a, writes da
+// (3 x rows x cols). The policy variants and tensor placements are in
+// bench/tuning/bench_gated_tuning.cu.
 #include "harness.cuh"
 
 #include <tigon/activation/gated.cuh>
@@ -93,6 +96,26 @@ void BM_swiglu_bwd_fused(benchmark::State& st) { BM_backward<tigon::Silu>(st, "s
 void BM_geglu_fwd_fused(benchmark::State& st) { BM_forward<tigon::GeluTanh>(st, "geglu", true); }
 void BM_geglu_bwd_fused(benchmark::State& st) { BM_backward<tigon::GeluTanh>(st, "geglu", true); }
 
+// The ungated squared ReLU: separate tensors, the same rotation of input sets.
+void BM_relu2_fwd(benchmark::State& st) {
+  Data d(st.range(0), st.range(1), false, false);
+  bench::run(st, "relu2 (ungated) fwd bf16 " + shape(d.rows, d.cols), 2.0 * d.rows * d.cols * sizeof(bf16), [&](int i) {
+    const int s = i % d.sets;
+    check(tigon::relu2_forward(tigon::ActivationForwardArgs<bf16>{.a = d.a[s], .c = d.c[s], .rows = d.rows,
+                                                                  .cols = d.cols},
+                               nullptr));
+  });
+}
+void BM_relu2_bwd(benchmark::State& st) {
+  Data d(st.range(0), st.range(1), false, true);
+  bench::run(st, "relu2 (ungated) bwd bf16 " + shape(d.rows, d.cols), 3.0 * d.rows * d.cols * sizeof(bf16), [&](int i) {
+    const int s = i % d.sets;
+    check(tigon::relu2_backward(tigon::ActivationBackwardArgs<bf16>{.dc = d.dc[s], .a = d.a[s], .da = d.da[s],
+                                                                    .rows = d.rows, .cols = d.cols},
+                                nullptr));
+  });
+}
+
 // What a launcher costs the host (validation, plan, launch): 1 x 14336, 2000 calls.
 void BM_host_overhead(benchmark::State& st) {
   Data f(1, 14336, false, false), b(1, 14336, false, true);
@@ -117,6 +140,8 @@ BENCHMARK(BM_swiglu_bwd) GATED_SHAPES;
 BENCHMARK(BM_swiglu_bwd_fused) GATED_SHAPES;
 BENCHMARK(BM_geglu_fwd_fused) GATED_SHAPES;
 BENCHMARK(BM_geglu_bwd_fused) GATED_SHAPES;
+BENCHMARK(BM_relu2_fwd)->Args({16384, 24576})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_relu2_bwd)->Args({16384, 24576})->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 // Single calls (bench::single): each alone on the device, as between a training step's GEMMs.
 BENCHMARK(bench::single<BM_swiglu_fwd>) GATED_SHAPES;
 BENCHMARK(bench::single<BM_swiglu_bwd>) GATED_SHAPES;

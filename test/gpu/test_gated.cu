@@ -1,7 +1,8 @@
 // Gated activations on the GPU against the double-precision reference: every activation (the three
 // built-ins and a user-defined functor) x dtype x shape, multipliers, strided rows, the fused
 // gate||up layout, misaligned pointers, in place; outputs poisoned first and every element outside
-// the outputs checked untouched; CUDA-graph capture; invalid calls write nothing.
+// the outputs checked untouched; CUDA-graph capture; invalid calls write nothing; the ungated
+// activation (squared ReLU, SiLU, GELU) forward and backward.
 #include "gpu_test.cuh"
 
 #include <algorithm>
@@ -497,6 +498,104 @@ TEST_CASE("gated: an invalid call launches nothing and writes nothing", "[gated]
   CHECK(gpu_test::all_bytes_ff(ch.data(), n * sizeof(bf16)));
   CHECK(gpu_test::all_bytes_ff(dah.data(), n * sizeof(bf16)));
   CHECK(gpu_test::all_bytes_ff(dbh.data(), n * sizeof(bf16)));
+}
+
+namespace {
+
+// The ungated activation (activation_forward / activation_backward) over [rows, cols] with row
+// strides cols + pad and base pointers shifted by misalign elements, optionally in place (c over a,
+// da over dc): every element against the host functor rounded to T (bitwise for the squared ReLU,
+// whose fp32 math is exact up to its rounding; within one rounding of T for the others, whose
+// device expf / tanhf / erff may differ from the host's by an ulp), the padding untouched.
+template <class Act, class T>
+void run_ungated(std::int64_t rows, std::int64_t cols, std::int64_t pad, std::int64_t misalign, bool in_place) {
+  INFO("ungated " << rows << " x " << cols << " pad " << pad << " misalign " << misalign
+                  << (in_place ? " in place" : "") << " T=" << dtype_traits<T>::name);
+  const std::int64_t ld = cols + pad;
+  const std::size_t n = static_cast<std::size_t>(rows * ld + misalign);
+  const auto ah = gpu_test::random_values<T>(n, 0, 2, nullptr);
+  const auto dch = gpu_test::random_values<T>(n, 0, 1, nullptr);
+  DeviceBuffer<T> a(n), c(n), dc(n), da(n);
+  a.upload(ah);
+  dc.upload(dch);
+  c.poison();
+  da.poison();
+  T* cp = in_place ? a.ptr + misalign : c.ptr + misalign;
+  TIGON_OK(activation_forward<Act>(ActivationForwardArgs<T>{.a = a.ptr + misalign, .c = cp, .rows = rows,
+                                                            .cols = cols, .a_stride = ld, .c_stride = ld},
+                                   nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto ch = in_place ? a.download() : c.download();
+  a.upload(ah);  // the backward reads the forward's input
+  T* dap = in_place ? dc.ptr + misalign : da.ptr + misalign;
+  TIGON_OK(activation_backward<Act>(ActivationBackwardArgs<T>{.dc = dc.ptr + misalign, .a = a.ptr + misalign,
+                                                              .da = dap, .rows = rows, .cols = cols,
+                                                              .dc_stride = ld, .a_stride = ld, .da_stride = ld},
+                                    nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto dah = in_place ? dc.download() : da.download();
+  const bool exact = std::is_same_v<Act, ReluSquared>;
+  const double ulp = std::is_same_v<T, float> ? 0x1p-23 : std::is_same_v<T, bf16> ? 0x1p-8 : 0x1p-11;
+  int bad_c = 0, bad_da = 0, bad_pad = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t j = 0; j < ld; ++j) {
+      const std::size_t i = static_cast<std::size_t>(misalign + r * ld + j);
+      if (j >= cols) {  // padding: untouched (the poison, or the input for in-place buffers)
+        if (!in_place) bad_pad += !gpu_test::all_bytes_ff(&ch[i], sizeof(T)) || !gpu_test::all_bytes_ff(&dah[i], sizeof(T));
+        continue;
+      }
+      const float x = to_float(ah[i]);
+      const float rc = round_to<T>(Act::value(x));
+      const float rd = round_to<T>(to_float(dch[i]) * Act::derivative(x));
+      const float gc = to_float(ch[i]), gd = to_float(dah[i]);
+      auto off = [&](float g, float want) {
+        if (exact) return !(g == want || (std::isnan(g) && std::isnan(want)));
+        return !(std::abs(g - want) <= 2 * ulp * std::abs(want) + 1e-30);
+      };
+      bad_c += off(gc, rc);
+      bad_da += off(gd, rd);
+    }
+  }
+  INFO("bad c " << bad_c << ", bad da " << bad_da << ", padding written " << bad_pad);
+  CHECK(bad_c == 0);
+  CHECK(bad_da == 0);
+  CHECK(bad_pad == 0);
+}
+
+template <class Act>
+void ungated_shapes() {
+  run_ungated<Act, bf16>(64, 4096, 0, 0, false);    // flat grid, 16-byte vectors
+  run_ungated<Act, bf16>(33, 1000, 8, 0, false);    // row grid (strided)
+  run_ungated<Act, bf16>(17, 200, 3, 1, false);     // scalar kernel (misaligned)
+  run_ungated<Act, bf16>(64, 4096, 0, 0, true);     // in place
+  run_ungated<Act, half>(40, 512, 0, 0, false);
+  run_ungated<Act, float>(40, 515, 5, 0, false);
+  run_ungated<Act, float>(8, 1024, 0, 0, true);
+}
+
+}  // namespace
+
+TEST_CASE("activation: the ungated forward and backward (squared ReLU, SiLU, GELU)", "[gated][gpu]") {
+  ungated_shapes<ReluSquared>();
+  ungated_shapes<Silu>();
+  ungated_shapes<GeluTanh>();
+  // relu2_* name the squared ReLU.
+  const std::int64_t rows = 4, cols = 64;
+  DeviceBuffer<bf16> a(rows * cols), c(rows * cols), c2(rows * cols);
+  a.upload(gpu_test::random_values<bf16>(rows * cols, 0, 2, nullptr));
+  TIGON_OK(relu2_forward(ActivationForwardArgs<bf16>{.a = a.ptr, .c = c.ptr, .rows = rows, .cols = cols}, nullptr));
+  TIGON_OK(activation_forward<ReluSquared>(
+      ActivationForwardArgs<bf16>{.a = a.ptr, .c = c2.ptr, .rows = rows, .cols = cols}, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto h1 = c.download(), h2 = c2.download();
+  CHECK(std::memcmp(h1.data(), h2.data(), h1.size() * sizeof(bf16)) == 0);
+  // An invalid call writes nothing.
+  c.poison();
+  CHECK(relu2_forward(ActivationForwardArgs<bf16>{.a = a.ptr, .c = a.ptr + 1, .rows = rows, .cols = cols}, nullptr)
+            .code() == Errc::aliasing);
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto h3 = c.download();
+  CHECK(gpu_test::all_bytes_ff(h3.data(), h3.size() * sizeof(bf16)));
 }
 
 GPU_TEST_MAIN

@@ -302,3 +302,48 @@ TEST_CASE("gated launch shape: every element once, limits, balance", "[gated][sh
   CHECK(big.bx * kU >= 8);
   CHECK(big.by == detail::kGatedThreads / big.bx);
 }
+
+TEST_CASE("gated math: the squared ReLU and the ungated activation", "[gated][math]") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  CHECK(ReluSquared::value(3.0f) == 9.0f);
+  CHECK(ReluSquared::derivative(3.0f) == 6.0f);
+  CHECK(ReluSquared::value(-3.0f) == 0.0f);
+  CHECK(ReluSquared::derivative(-3.0f) == 0.0f);
+  CHECK(ReluSquared::value(0.0f) == 0.0f);
+  CHECK(ReluSquared::derivative(0.0f) == 0.0f);
+  CHECK(ReluSquared::value(-0.0f) == 0.0f);
+  CHECK(!std::signbit(ReluSquared::value(-0.0f)));
+  // As PyTorch's relu then square: a NaN propagates forward; relu's backward passes nothing for it.
+  CHECK(std::isnan(ReluSquared::value(nan)));
+  CHECK(ReluSquared::derivative(nan) == 0.0f);
+  CHECK(std::isinf(ReluSquared::value(3e38f)));
+  float v = 0, d = 0;
+  activation_value_and_derivative<ReluSquared>(1.5f, v, d);
+  CHECK(v == 2.25f);
+  CHECK(d == 3.0f);
+  // Finite differences away from the kink.
+  for (double x = -4.0; x <= 4.0; x += 0.37) {
+    if (std::abs(x) < 1e-3) continue;
+    const float xf = static_cast<float>(x);
+    const double h = 1e-3;
+    auto f = [](double t) { return t > 0 ? t * t : 0.0; };
+    CHECK(std::abs(ReluSquared::derivative(xf) - (f(xf + h) - f(xf - h)) / (2 * h)) < 1e-5);
+  }
+  // The ungated op's math: c = act(a), da = dc * act'(a); in bfloat16 each rounds once, the value
+  // relu then square gives in bfloat16 (relu exact, the square rounded once).
+  CHECK(gated_math::activation_forward<ReluSquared>(-2.0f) == 0.0f);
+  CHECK(gated_math::activation_forward<ReluSquared>(2.0f) == 4.0f);
+  CHECK(gated_math::activation_backward<ReluSquared>(0.5f, 3.0f) == 3.0f);
+  CHECK(gated_math::activation_backward<Silu>(2.0f, 1.0f) == 2.0f * Silu::derivative(1.0f));
+  std::mt19937 gen(7);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  int mismatches = 0;
+  for (int i = 0; i < 10000; ++i) {
+    const float a = round_to<bf16>(dist(gen)), dc = round_to<bf16>(dist(gen));
+    const float r = a > 0.0f ? a : 0.0f;
+    mismatches += round_to<bf16>(gated_math::activation_forward<ReluSquared>(a)) != round_to<bf16>(r * r);
+    // autograd: square's backward dc * (2 r) (2 r exact), rounded once; relu's passes it where r > 0
+    mismatches += round_to<bf16>(gated_math::activation_backward<ReluSquared>(dc, a)) != round_to<bf16>(dc * (2.0f * r));
+  }
+  CHECK(mismatches == 0);
+}

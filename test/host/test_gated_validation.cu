@@ -309,3 +309,48 @@ TEST_CASE("gated: interleaved matrices and the vector path", "[gated][validation
   CHECK(params.bs == kCols);
   CHECK(params.cs == kCols);
 }
+
+TEST_CASE("activation_forward / activation_backward reject bad arguments by name", "[gated][validation]") {
+  alignas(16) static bf16 a[64], c[64], dc[64], da[64];
+  ActivationForwardArgs<bf16> f{.a = a, .c = c, .rows = 4, .cols = 16};
+  CHECK(detail::validate(f, "activation_forward").ok());
+  auto bad = f;
+  bad.a = nullptr;
+  CHECK(std::string(detail::validate(bad, "activation_forward").argument()) == "a");
+  bad = f;
+  bad.c = nullptr;
+  CHECK(std::string(detail::validate(bad, "activation_forward").argument()) == "c");
+  bad = f;
+  bad.cols = 0;
+  CHECK(detail::validate(bad, "activation_forward").code() == Errc::invalid_size);
+  bad = f;
+  bad.a_stride = 8;
+  CHECK(detail::validate(bad, "activation_forward").code() == Errc::invalid_stride);
+  bad = f;
+  bad.c = a + 1;  // overlaps a, shifted by one element
+  CHECK(detail::validate(bad, "activation_forward").code() == Errc::aliasing);
+  bad = f;
+  bad.c = a;  // in place
+  CHECK(detail::validate(bad, "activation_forward").ok());
+
+  ActivationBackwardArgs<bf16> b{.dc = dc, .a = a, .da = da, .rows = 4, .cols = 16};
+  CHECK(detail::validate(b, "activation_backward").ok());
+  auto badb = b;
+  badb.dc = nullptr;
+  CHECK(std::string(detail::validate(badb, "activation_backward").argument()) == "dc");
+  badb = b;
+  badb.da = nullptr;
+  CHECK(std::string(detail::validate(badb, "activation_backward").argument()) == "da");
+  badb = b;
+  badb.da = dc;  // over the upstream gradient
+  CHECK(detail::validate(badb, "activation_backward").ok());
+  badb = b;
+  badb.da = a;  // over the input
+  CHECK(detail::validate(badb, "activation_backward").ok());
+  badb = b;
+  badb.da = a + 8;  // half a row off
+  CHECK(detail::validate(badb, "activation_backward").code() == Errc::aliasing);
+  badb = b;
+  badb.da_stride = 4;
+  CHECK(detail::validate(badb, "activation_backward").code() == Errc::invalid_stride);
+}

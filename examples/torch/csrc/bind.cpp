@@ -22,6 +22,8 @@ TORCH_LIBRARY(tigon, m) {
         "float down_multiplier) -> ()");
   m.def("gated_bwd(Tensor dc, Tensor a, Tensor b, Tensor(a!) da, Tensor(b!) db, int act, "
         "float gate_multiplier, float down_multiplier) -> ()");
+  m.def("relu2_fwd(Tensor a, Tensor(a!) c) -> ()");
+  m.def("relu2_bwd(Tensor dc, Tensor a, Tensor(a!) da) -> ()");
   m.def("cross_entropy(Tensor logits, Tensor target, Tensor? class_weights, Tensor? grad_output, "
         "Tensor(a!)? dlogits, Tensor(b!)? loss, Tensor(c!)? loss_rows, Tensor(d!)? z_loss, Tensor(e!)? lse, "
         "Tensor(f!)? argmax, int ignore_index, float label_smoothing, float z_loss_scale, float softcap, "

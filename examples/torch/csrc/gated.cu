@@ -1,5 +1,5 @@
-// Gated activations (SwiGLU, GeGLU tanh / erf) forward and backward through
-// tigon/activation/gated.cuh.
+// Gated activations (SwiGLU, GeGLU tanh / erf) and the ungated squared ReLU, forward and backward,
+// through tigon/activation/gated.cuh.
 #include "common.h"
 
 #include <torch/library.h>
@@ -72,11 +72,47 @@ void gated_bwd(const Tensor& dc, const Tensor& a, const Tensor& b, const Tensor&
   });
 }
 
+// c = relu(a)^2 (Nemotron's MLP activation).
+void relu2_fwd(const Tensor& a, const Tensor& c) {
+  constexpr const char* op = "tigon.relu2_fwd";
+  const c10::cuda::CUDAGuard guard(a.device());
+  const Rows A = rows_of(a, a, a.scalar_type(), op, "a");
+  const Rows Cm = rows_of(c, a, a.scalar_type(), op, "c");
+  same_shape(A, Cm, op, "a", "c");
+  dispatch_float(a.scalar_type(), op, "a", [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    tigon::ActivationForwardArgs<T> args{.a = static_cast<const T*>(A.ptr), .c = static_cast<T*>(Cm.ptr),
+                                         .rows = A.rows, .cols = A.cols, .a_stride = A.stride,
+                                         .c_stride = Cm.stride};
+    check_status(tigon::relu2_forward(args, current_stream(a)));
+  });
+}
+
+// da = dc * 2 relu(a).
+void relu2_bwd(const Tensor& dc, const Tensor& a, const Tensor& da) {
+  constexpr const char* op = "tigon.relu2_bwd";
+  const c10::cuda::CUDAGuard guard(a.device());
+  const Rows DC = rows_of(dc, a, a.scalar_type(), op, "dc");
+  const Rows A = rows_of(a, a, a.scalar_type(), op, "a");
+  const Rows DA = rows_of(da, a, a.scalar_type(), op, "da");
+  same_shape(A, DC, op, "a", "dc");
+  same_shape(A, DA, op, "a", "da");
+  dispatch_float(a.scalar_type(), op, "a", [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    tigon::ActivationBackwardArgs<T> args{.dc = static_cast<const T*>(DC.ptr), .a = static_cast<const T*>(A.ptr),
+                                          .da = static_cast<T*>(DA.ptr), .rows = A.rows, .cols = A.cols,
+                                          .dc_stride = DC.stride, .a_stride = A.stride, .da_stride = DA.stride};
+    check_status(tigon::relu2_backward(args, current_stream(a)));
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tigon, CUDA, m) {
   m.impl("gated_fwd", &gated_fwd);
   m.impl("gated_bwd", &gated_bwd);
+  m.impl("relu2_fwd", &relu2_fwd);
+  m.impl("relu2_bwd", &relu2_bwd);
 }
 
 }  // namespace tigon_torch

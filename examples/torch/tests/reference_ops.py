@@ -187,6 +187,15 @@ def gated_bwd(dc, a, b, da, db, act, gate_multiplier, down_multiplier):
     db.copy_(gb.to(db.dtype))
 
 
+def relu2_fwd(a, c):
+    r = torch.relu(a.float())
+    c.copy_((r * r).to(c.dtype))
+
+
+def relu2_bwd(dc, a, da):
+    da.copy_((dc.float() * (2 * torch.relu(a.float()))).to(da.dtype))
+
+
 def _ce(x, target, class_weights, grad_output, ignore_index, smoothing, z, cap, reduction, grad_scale,
         token_scaling=False):
     """Rows' losses, the reduced loss and z part, lse, argmax and, when grad_scale is given, dloss/dlogits
@@ -454,7 +463,7 @@ def divergence(student, teacher, labels, grad_output, dx, loss, loss_rows, loss_
 
 
 OPS = [rms_norm_fwd, rms_norm_bwd, layer_norm_fwd, layer_norm_bwd, add_rms_norm_fwd, add_rms_norm_bwd, rope,
-       gated_fwd, gated_bwd, cross_entropy, linear_cross_entropy, linear_cross_entropy_heads, linear_logprob, linear_logprob_bwd, scale_rows,
+       gated_fwd, gated_bwd, relu2_fwd, relu2_bwd, cross_entropy, linear_cross_entropy, linear_cross_entropy_heads, linear_logprob, linear_logprob_bwd, scale_rows,
        divergence]
 
 

@@ -171,10 +171,11 @@ _LN = (patch._layer_norm_forward,)
 _GATED = (patch._gated_mlp_forward, patch._scaled_gated_mlp_forward)
 _GATE_UP = (patch._fused_gate_up_mlp_forward,)
 _EXPERTS = (patch._routed_experts_forward, patch._bmm_experts_forward)
+_RELU2 = (patch._relu2_mlp_forward,)
 
 
 # What each family's default patch replaces: (RMSNorm, gated MLP, fused gate_up MLP, experts, LayerNorm,
-# RoPE); anything else stays on Hugging Face's code.
+# RoPE, squared-ReLU MLP); anything else stays on Hugging Face's code.
 EXPECTED = {
     "mixtral": dict(norm=True, experts=True, rope=True),
     "qwen3_moe": dict(norm=True, gated=True, experts=True, rope=True),
@@ -190,7 +191,7 @@ EXPECTED = {
     "qwen2_5_vl": dict(norm=True, gated=True, rope=True),
     "qwen3_vl": dict(norm=True, rope=True),  # swiglu=False by default, as in Liger
     "phi": dict(ln=True, rope=True),  # GELU MLP (not gated): Hugging Face's
-    "nemotron": dict(ln=True, rope=True),  # squared-ReLU MLP: Hugging Face's
+    "nemotron": dict(ln=True, rope=True, relu2=True),
     "gemma3": dict(norm=True, gated=True, ln=True, rope=True),
 }
 
@@ -202,6 +203,7 @@ def _check_patched(family, model, switches=None):
     assert bool(_forwards(model, *_GATE_UP)) == want.get("gate_up", False)
     assert bool(_forwards(model, *_EXPERTS)) == want.get("experts", False)
     assert bool(_forwards(model, *_LN)) == want.get("ln", False)
+    assert bool(_forwards(model, *_RELU2)) == want.get("relu2", False)
 
 
 def _rope_name(spec):
@@ -272,7 +274,7 @@ def test_class_patch(family, monkeypatch):
             assert getattr(mod, spec.norm) is not classes[spec.norm]
             norms = [m for m in model.modules() if isinstance(m, classes[spec.norm])]
             assert norms and all(type(m).__name__ == f"Tigon{spec.norm}" for m in norms)
-        if on.get("gated") or on.get("gate_up"):
+        if on.get("gated") or on.get("gate_up") or on.get("relu2"):
             assert any(type(m).__name__ == f"Tigon{spec.mlp}" for m in model.modules())
         if on.get("experts"):
             assert any(type(m).__name__ == f"Tigon{spec.experts}" for m in model.modules())
@@ -345,7 +347,7 @@ def test_llama4_vision_layer_norm():
     ("gpt_oss", dict(swiglu=True), {}),  # nothing tigon computes: the experts stay Hugging Face's
     ("qwen3_vl", dict(swiglu=True), dict(gated=True)),
     ("glm4", dict(rope=True), dict(rope=True)),  # GLM-4's interleaved pairs
-    ("nemotron", dict(relu_squared=False, rope=False, layer_norm=False), dict(ln=False, rope=False)),
+    ("nemotron", dict(relu_squared=False, rope=False, layer_norm=False), dict(ln=False, rope=False, relu2=False)),
     ("phi", dict(layer_norm=False), dict(ln=False)),
     ("falcon_h1", dict(rms_norm=False, swiglu=False), dict(norm=False, gated=False)),
 ])
@@ -553,6 +555,7 @@ _COUNTED = {
     "rope_mrope": functions.TigonQwen2VLMRopeFunction,
     "gated_mul": functions.TigonGatedMulFunction,
     "gate_up": functions.TigonFusedGateUpMulFunction,
+    "relu2": functions.TigonReLUSquaredFunction,
     "gated_mlp": functions.TigonGatedMLPFunction,
     "flce": functions.TigonFusedLinearCrossEntropyFunction,
     "ce": functions.TigonCrossEntropyFP32Function,
@@ -603,6 +606,7 @@ def _expected_calls(family, model, switches):
         scaled = m.forward.__func__ is patch._scaled_gated_mlp_forward and float(m.gate_multiplier) != 1.0
         n["gated_mlp" if fused and plain and not scaled and m._tigon_fused_mlp else "gated_mul"] += 1
     n["gate_up"] = len(_forwards(model, *_GATE_UP)) + len(_forwards(model, *_EXPERTS))
+    n["relu2"] = len(_forwards(model, *_RELU2))
     loss = "fused_linear_cross_entropy" if switches.get("fused_linear_cross_entropy", dict(
         spec.params).get("fused_linear_cross_entropy")) else "cross_entropy"
     if patch._hf_loss_kind(patch._pre_tigon(type(model).forward)) != "own":  # else Hugging Face's loss runs
@@ -627,7 +631,7 @@ def test_patched_model_matches_hf(ext, seed, calls, run, dtype):
     expected = _expected_calls(family, model, switches)
     fused_loss = expected["flce"] == 1
     assert (out.logits is None) == fused_loss
-    for name in ("rms_norm", "layer_norm", "gated_mlp", "gated_mul", "flce", "ce"):
+    for name in ("rms_norm", "layer_norm", "gated_mlp", "gated_mul", "relu2", "flce", "ce"):
         assert got.get(name, 0) == expected[name], f"{name}: {got}"
     if any(m.forward.__func__ is patch._routed_experts_forward for m in _forwards(model, *_EXPERTS)) and \
             experts == "eager":

@@ -916,3 +916,31 @@ def test_linear_cross_entropy_fp16_sum_gradients_past_fp16_range(ext, heads):
         assert got is not None and got.dtype == torch.float16, got
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 7, 128), (3, 1000), (4, 24576), (5, 0)])
+def test_relu_squared_matches_hf_bitwise(ext, seed, dtype, shape):
+    """Nemotron's activation (transformers' ReLUSquaredActivation: relu, then square): the value and
+    the gradient equal autograd's through those two ops bit for bit in every dtype."""
+    from transformers.activations import ReLUSquaredActivation
+
+    x = (torch.randn(shape, device=DEV) * 3).to(dtype)
+    x[..., :1] = 0.0  # the kink
+    dy = torch.randn(shape, device=DEV).to(dtype)
+    a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    want = ReLUSquaredActivation()(a)
+    got = tt.tigon_relu_squared(b)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got, want)
+    want.backward(dy)
+    got.backward(dy)
+    assert torch.equal(b.grad, a.grad)
+
+
+def test_relu_squared_strided_input(ext, seed):
+    """A column slice (rows apart by more than their width) reads through its strides."""
+    base = torch.randn(6, 300, device=DEV, dtype=torch.bfloat16)
+    x = base[:, 20:276].requires_grad_(False)
+    got = tt.tigon_relu_squared(x)
+    assert torch.equal(got, torch.square(torch.relu(x)))

@@ -24,6 +24,7 @@ from .functions import (
     TigonLayerNormFunction,
     TigonLlama4RopeFunction,
     TigonQwen2VLMRopeFunction,
+    TigonReLUSquaredFunction,
     TigonRMSNormFunction,
     TigonRopeFunction,
     TigonSiLUMulFunction,
@@ -208,6 +209,11 @@ def tigon_swiglu(a, b, gate_multiplier=1.0, down_multiplier=1.0):
 
 def tigon_geglu(a, b):
     return TigonGELUMulFunction.apply(a, b)
+
+
+def tigon_relu_squared(x):
+    """relu(x)^2 (Nemotron's MLP activation), one kernel each way."""
+    return TigonReLUSquaredFunction.apply(x)
 
 
 def tigon_fused_gate_up(gate_up, activation="silu"):

@@ -522,6 +522,33 @@ class TigonGELUMulFunction(torch.autograd.Function):
         return _gated_backward(ctx, dc)
 
 
+class TigonReLUSquaredFunction(torch.autograd.Function):
+    """relu(a)^2, Nemotron's MLP activation (transformers' ReLUSquaredActivation), in one pass each way:
+    the square rounded once to a's dtype, the gradient dc * 2 relu(a) rounded once, so bf16 / fp16
+    results equal relu-then-square's bit for bit. Saves a for the backward."""
+
+    @staticmethod
+    def forward(ctx, a):
+        _check_cuda(a)
+        ctx.save_for_backward(a)
+        if a.numel() == 0:
+            return torch.empty_like(a)
+        order = row_order(a)
+        c2, c = empty_rows(a.shape, order, a.dtype, a.device)
+        ops().relu2_fwd(as_rows(a, order), c2)
+        ctx.order = order
+        return c
+
+    @staticmethod
+    def backward(ctx, dc):
+        (a,) = ctx.saved_tensors
+        if a.numel() == 0:
+            return torch.empty_like(a)
+        da2, da = empty_rows(a.shape, ctx.order, a.dtype, a.device)
+        ops().relu2_bwd(as_rows(dc, ctx.order), as_rows(a, ctx.order), da2)
+        return da
+
+
 class TigonGatedMulFunction(torch.autograd.Function):
     """down_multiplier * act(gate_multiplier * a) * b for activation "silu", "gelu_tanh" or "gelu" (exact,
     erf): the general form behind TigonSiLUMulFunction and TigonGELUMulFunction."""

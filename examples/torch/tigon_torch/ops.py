@@ -45,6 +45,8 @@ def _register_fakes() -> None:
         "rope",
         "gated_fwd",
         "gated_bwd",
+        "relu2_fwd",
+        "relu2_bwd",
         "cross_entropy",
         "linear_cross_entropy",
         "linear_cross_entropy_heads",

@@ -32,6 +32,8 @@ What each switch replaces:
                               gate_up projection, Phi-3's and GLM-4's, is read in place; Falcon-H1's
                               gate multiplier goes into the kernel), and the routed experts'
                               act(gate) * up (Mixtral, Qwen3-MoE, Llama 4): the router is left alone
+  relu_squared                Nemotron's MLP activation, the squared ReLU of up_proj (not gated), one
+                              kernel each way (TigonReLUSquaredFunction)
   layer_norm                  torch.nn.LayerNorm modules (Gemma 3's SigLIP tower, Llama 4's vision
                               tower, Phi's every norm) and Nemotron's LayerNorm1P (weight + 1)
   fused_mlp                   with swiglu / geglu, a gate / up / down MLP of plain bias-free nn.Linear
@@ -81,7 +83,7 @@ from torch import nn
 
 from . import functional as F
 from . import ops as _ops
-from .functions import TigonFusedGateUpMulFunction, TigonGatedMulFunction
+from .functions import TigonFusedGateUpMulFunction, TigonGatedMulFunction, TigonReLUSquaredFunction
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +214,24 @@ def _fused_gate_up_mlp_forward(self, hidden_states):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(up * _act(self)(gate))
     return self.down_proj(TigonFusedGateUpMulFunction.apply(gate_up, kind))
+
+
+def _relu2_mlp_forward(self, x):
+    """Nemotron's MLP, down_proj(relu(up_proj(x))^2), the squared ReLU in one tigon kernel each way
+    when the module's activation is transformers' ReLUSquaredActivation."""
+    if not _is_relu2(_act(self)) or not _ops.on_device(x):
+        return self._tigon_fallback(x)
+    up = self.up_proj(x)
+    if up.dtype not in _FLOAT_TYPES:
+        return self._tigon_fallback(x)
+    return self.down_proj(TigonReLUSquaredFunction.apply(up))
+
+
+def _is_relu2(act) -> bool:
+    from transformers import activations as A
+
+    cls = getattr(A, "ReLUSquaredActivation", None)
+    return cls is not None and type(act) is cls
 
 
 def _experts_gate_supported(self, gate_up) -> bool:
@@ -596,6 +616,7 @@ class _Family:
     norm_in_place: bool = True
     fused_gate_up: bool = False
     mlp_multipliers: bool = False
+    mlp_kind: str = "gated"
     experts: str | None = None
     experts_kind: str = "routed"
     rope: str | None = "rotate_half"
@@ -616,7 +637,7 @@ class _Family:
     @property
     def mlp_switch(self) -> str | None:
         names = [n for n, _ in self.params + self.extras]
-        return next((n for n in ("swiglu", "geglu") if n in names), None)
+        return next((n for n in ("swiglu", "geglu", "relu_squared") if n in names), None)
 
 
 def _f(name, module, norm, mlp, heads, **kw) -> _Family:
@@ -699,15 +720,13 @@ _FAMILIES = {
               layer_norm_modules=("transformers.models.phi.modeling_phi",),
               params=_P[:3] + (("layer_norm", True), ("model", None)), extras=(),
               keeps=((None, "the MLP (fc1, GELU, fc2: not gated) stays Hugging Face's"),)),
-    # Nemotron: Liger's function takes relu_squared (the MLP's squared ReLU, not gated: it stays
-    # Hugging Face's); tigon adds rope (partial rotary) and layer_norm (LayerNorm1P), keyword-only.
-    "nemotron": _f("nemotron", "nemotron", None, None, "NemotronForCausalLM", layer_norm="NemotronLayerNorm1P",
-                   layer_norm_offset=1.0,
+    # Nemotron: Liger's function takes relu_squared (the MLP's squared ReLU, not gated: tigon's
+    # relu2 kernels); tigon adds rope (partial rotary) and layer_norm (LayerNorm1P), keyword-only.
+    "nemotron": _f("nemotron", "nemotron", None, "NemotronMLP", "NemotronForCausalLM",
+                   layer_norm="NemotronLayerNorm1P", layer_norm_offset=1.0, mlp_kind="relu2",
                    params=(("relu_squared", True), ("cross_entropy", False), ("fused_linear_cross_entropy", True),
                            ("model", None)),
-                   extras=(("rope", True), ("layer_norm", True)), var_kw=True,
-                   keeps=(("relu_squared", "the MLP's squared ReLU (up, relu^2, down: not gated) stays "
-                                           "Hugging Face's"),)),
+                   extras=(("rope", True), ("layer_norm", True)), var_kw=True),
 }
 
 
@@ -734,6 +753,8 @@ def _norm_class(mod, fam: _Family):
 
 
 def _mlp_forward(fam: _Family):
+    if fam.mlp_kind == "relu2":
+        return _relu2_mlp_forward
     if fam.fused_gate_up:
         return _fused_gate_up_mlp_forward
     return _scaled_gated_mlp_forward if fam.mlp_multipliers else _gated_mlp_forward
@@ -881,10 +902,10 @@ def _patch_classes(fam: _Family, mod, sw: dict) -> None:
             _set(mod, fam.layer_norm, _layer_norm_subclass(ln_cls, fam.layer_norm_offset))
 
 
-# The switches _apply reads, and the one each parameter name sets (swiglu / geglu: the MLP; any other
-# name, e.g. relu_squared, only its own, which nothing tigon computes reads).
+# The switches _apply reads, and the one each parameter name sets (swiglu / geglu / relu_squared: the
+# MLP; any other name only its own).
 _SWITCHES = ("rope", "rms_norm", "mlp", "layer_norm", "fused_mlp", "cross_entropy", "fused_linear_cross_entropy")
-_SWITCH = {"swiglu": "mlp", "geglu": "mlp"}
+_SWITCH = {"swiglu": "mlp", "geglu": "mlp", "relu_squared": "mlp"}
 
 
 def _apply(fam: _Family, sw: dict, model) -> None:
@@ -977,7 +998,7 @@ def _doc(fam: _Family) -> str:
     if fam.norm:
         parts.append(f"{fam.norm} (offset {fam.offset}, casting '{fam.casting}')")
     if fam.mlp:
-        act = "GeGLU" if fam.mlp_switch == "geglu" else "SwiGLU"
+        act = {"geglu": "GeGLU", "relu_squared": "squared ReLU"}.get(fam.mlp_switch, "SwiGLU")
         parts.append(f"{fam.mlp} ({act}, switch {fam.mlp_switch})")
     if fam.experts and fam.mlp_switch:
         parts.append(f"{fam.experts} (each expert's act(gate) * up, switch {fam.mlp_switch})")

@@ -1,5 +1,5 @@
-// tigon/activation/activations.hpp - activation functors of the gated ops (SwiGLU, GeGLU), usable
-// on host and device.
+// tigon/activation/activations.hpp - activation functors of the gated ops (SwiGLU, GeGLU) and of
+// the ungated activation op (squared ReLU, GELU), usable on host and device.
 //
 // An activation is a struct with two static functions of one fp32 value:
 //
@@ -95,6 +95,24 @@ struct GeluErf {
     const float c = cdf(a);
     v = a * c;
     d = c + a * pdf(a);
+  }
+};
+
+// Squared ReLU, as Nemotron's MLP (transformers' ReLUSquaredActivation: relu, then square):
+//   act(a) = max(a, 0)^2,   d/da = 2 max(a, 0)
+// Both are exact in fp32 up to the square's one rounding, so a 16-bit result rounded from them is
+// the module's bit for bit (2 max(a, 0) is exact, so dc * act'(a) rounds once, as autograd's does).
+// As PyTorch's: a NaN input gives a NaN value (relu propagates it) and a zero derivative (relu's
+// backward passes the gradient only where its output is > 0).
+struct ReluSquared {
+  static TIGON_HD float value(float a) {
+    const float r = a < 0.0f ? 0.0f : a;
+    return r * r;
+  }
+  static TIGON_HD float derivative(float a) { return a > 0.0f ? 2.0f * a : 0.0f; }
+  static TIGON_HD void value_and_derivative(float a, float& v, float& d) {
+    v = value(a);
+    d = derivative(a);
   }
 };
 

@@ -10,6 +10,13 @@
 // dc * b) is rounded to the dtype before its product, as a Hugging Face MLP of that dtype computes
 // it. The backward recomputes act from a (the forward saves nothing).
 //
+// The ungated activation of an MLP without a gate (Nemotron's squared ReLU, Phi's GELU) is the same
+// op with no b: activation_forward / activation_backward compute
+//
+//   c  = act(a),   da = dc * act'(a)
+//
+// each rounded to the dtype once, as that module computes them.
+//
 // The header reads in four layers: arguments, math (host + device), kernels, launchers. The first
 // two compile under any C++20 compiler; kernels and launchers need nvcc.
 #pragma once
@@ -79,6 +86,29 @@ struct GatedBackwardArgs {
   float down_multiplier = 1.0f;
 };
 
+// The ungated activation: c = act(a), da = dc * act'(a). c may be a itself, da may be a or dc.
+template <class T>
+struct ActivationForwardArgs {
+  const T* a = nullptr;  // [rows, cols]
+  T* c = nullptr;        // [rows, cols]
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t a_stride = 0;
+  std::int64_t c_stride = 0;
+};
+
+template <class T>
+struct ActivationBackwardArgs {
+  const T* dc = nullptr;  // [rows, cols] upstream gradient (of c)
+  const T* a = nullptr;   // [rows, cols] the forward's a
+  T* da = nullptr;        // [rows, cols]
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t dc_stride = 0;
+  std::int64_t a_stride = 0;
+  std::int64_t da_stride = 0;
+};
+
 // ------------------------------------------------------------------------------------------------
 // 2. Math: one element at a time, in fp32, on host and device
 // ------------------------------------------------------------------------------------------------
@@ -105,6 +135,17 @@ TIGON_HD void backward(float dc, float a, float b, float gate_mult, float down_m
   const float g = dc * down_mult;
   db = g * round_to<T>(v);
   da = round_to<T>(g * b) * gate_mult * d;
+}
+
+// The ungated activation (b = 1, no multipliers): c = act(a) and da = dc * act'(a), each rounded
+// once (the roundings of the gated formulas at b = 1 are exact).
+template <Activation Act>
+TIGON_HD float activation_forward(float a) {
+  return Act::value(a);
+}
+template <Activation Act>
+TIGON_HD float activation_backward(float dc, float a) {
+  return dc * Act::derivative(a);
 }
 
 }  // namespace gated_math
@@ -247,6 +288,37 @@ Status validate(const GatedBackwardArgs<T>& x, const char* op) {
   return Status();
 }
 
+template <class T>
+Status validate(const ActivationForwardArgs<T>& x, const char* op) {
+  using namespace check;
+  TIGON_CHECK(not_null(x.a, op, "a"));
+  TIGON_CHECK(not_null(x.c, op, "c"));
+  TIGON_CHECK(positive(x.rows, op, "rows"));
+  TIGON_CHECK(positive(x.cols, op, "cols"));
+  TIGON_CHECK(row_stride(x.a_stride, x.cols, op, "a_stride"));
+  TIGON_CHECK(row_stride(x.c_stride, x.cols, op, "c_stride"));
+  TIGON_CHECK(same_or_disjoint(MatrixView::of(x.c, x.rows, x.cols, x.c_stride),
+                               MatrixView::of(x.a, x.rows, x.cols, x.a_stride), op, "c", "a"));
+  return Status();
+}
+
+template <class T>
+Status validate(const ActivationBackwardArgs<T>& x, const char* op) {
+  using namespace check;
+  TIGON_CHECK(not_null(x.dc, op, "dc"));
+  TIGON_CHECK(not_null(x.a, op, "a"));
+  TIGON_CHECK(not_null(x.da, op, "da"));
+  TIGON_CHECK(positive(x.rows, op, "rows"));
+  TIGON_CHECK(positive(x.cols, op, "cols"));
+  TIGON_CHECK(row_stride(x.dc_stride, x.cols, op, "dc_stride"));
+  TIGON_CHECK(row_stride(x.a_stride, x.cols, op, "a_stride"));
+  TIGON_CHECK(row_stride(x.da_stride, x.cols, op, "da_stride"));
+  const MatrixView da = MatrixView::of(x.da, x.rows, x.cols, x.da_stride);
+  TIGON_CHECK(same_or_disjoint(da, MatrixView::of(x.dc, x.rows, x.cols, x.dc_stride), op, "da", "dc"));
+  TIGON_CHECK(same_or_disjoint(da, MatrixView::of(x.a, x.rows, x.cols, x.a_stride), op, "da", "a"));
+  return Status();
+}
+
 }  // namespace detail
 
 #if defined(__CUDACC__)
@@ -283,8 +355,8 @@ struct GatedBwdParams {
 // strides or cols do not allow 16-byte accesses). Rows: threadIdx.y + blockDim.y * blockIdx.y,
 // then every blockDim.y * gridDim.y; column vectors: threadIdx.x + blockDim.x * blockIdx.x, then
 // every blockDim.x * gridDim.x. Each loop trip loads one vector of every input, then computes and
-// stores. Offsets are 64-bit.
-template <class T, class Act, int kV>
+// stores. Offsets are 64-bit. kGated false: the ungated activation (no b; c = act(a)).
+template <class T, class Act, int kV, bool kGated = true>
 TIGON_KERNEL void __launch_bounds__(kGatedThreads, 1) gated_fwd_kernel(const GatedFwdParams<T> p) {
   detail::grid_dependency_sync();
   const std::int64_t nvec = p.cols / kV;
@@ -293,16 +365,21 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, 1) gated_fwd_kernel(const Gat
   for (std::int64_t row = static_cast<std::int64_t>(blockIdx.y) * blockDim.y + threadIdx.y;
        row < p.rows; row += static_cast<std::int64_t>(blockDim.y) * gridDim.y) {
     const T* ar = p.a + row * p.as;
-    const T* br = p.b + row * p.bs;
+    const T* br = kGated ? p.b + row * p.bs : nullptr;
     T* cr = p.c + row * p.cs;
     for (std::int64_t i = first; i < nvec; i += step) {
       const AlignedVec<T, kV> av = load_vec_stream<kV>(ar + i * kV);
-      const AlignedVec<T, kV> bv = load_vec_stream<kV>(br + i * kV);
+      AlignedVec<T, kV> bv;
+      if constexpr (kGated) bv = load_vec_stream<kV>(br + i * kV);
       AlignedVec<T, kV> cv;
 #pragma unroll
       for (int k = 0; k < kV; ++k) {
-        cv.v[k] = from_float<T>(gated_math::forward<Act, T>(to_float(av.v[k]), to_float(bv.v[k]),
-                                                         p.gate_mult, p.down_mult));
+        if constexpr (kGated) {
+          cv.v[k] = from_float<T>(gated_math::forward<Act, T>(to_float(av.v[k]), to_float(bv.v[k]),
+                                                           p.gate_mult, p.down_mult));
+        } else {
+          cv.v[k] = from_float<T>(gated_math::activation_forward<Act>(to_float(av.v[k])));
+        }
       }
       store_vec_hinted<true>(cr + i * kV, cv);
     }
@@ -312,18 +389,18 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, 1) gated_fwd_kernel(const Gat
 // The flat forward grid over dense tensors (every row cols apart): vector v (v < 2^31) is handled
 // by thread v % 256 of block v / (256 * kN) as its (v / 256) % kN-th vector; each thread issues
 // all its loads, then computes and stores.
-template <class T, class Act, int kV, int kN>
+template <class T, class Act, int kV, int kN, bool kGated = true>
 TIGON_KERNEL void __launch_bounds__(kGatedThreads) gated_fwd_flat_kernel(const GatedFwdParams<T> p) {
   detail::grid_dependency_sync();
   const unsigned total = static_cast<unsigned>(p.cols / kV) * static_cast<unsigned>(p.rows);
   const unsigned base = blockIdx.x * (kGatedThreads * kN) + threadIdx.x;
-  AlignedVec<T, kV> av[kN], bv[kN];
+  AlignedVec<T, kV> av[kN], bv[kGated ? kN : 1];
 #pragma unroll
   for (int u = 0; u < kN; ++u) {
     const unsigned v = base + u * kGatedThreads;
     if (v < total) {
       av[u] = load_vec_stream<kV>(p.a + static_cast<std::int64_t>(v) * kV);
-      bv[u] = load_vec_stream<kV>(p.b + static_cast<std::int64_t>(v) * kV);
+      if constexpr (kGated) bv[u] = load_vec_stream<kV>(p.b + static_cast<std::int64_t>(v) * kV);
     }
   }
 #pragma unroll
@@ -333,15 +410,19 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads) gated_fwd_flat_kernel(const G
       AlignedVec<T, kV> cv;
 #pragma unroll
       for (int k = 0; k < kV; ++k) {
-        cv.v[k] = from_float<T>(
-            gated_math::forward<Act, T>(to_float(av[u].v[k]), to_float(bv[u].v[k]), p.gate_mult, p.down_mult));
+        if constexpr (kGated) {
+          cv.v[k] = from_float<T>(
+              gated_math::forward<Act, T>(to_float(av[u].v[k]), to_float(bv[u].v[k]), p.gate_mult, p.down_mult));
+        } else {
+          cv.v[k] = from_float<T>(gated_math::activation_forward<Act>(to_float(av[u].v[k])));
+        }
       }
       store_vec_hinted<true>(p.c + static_cast<std::int64_t>(v) * kV, cv);
     }
   }
 }
 
-template <class T, class Act, int kV>
+template <class T, class Act, int kV, bool kGated = true>
 TIGON_KERNEL void __launch_bounds__(kGatedThreads, 1) gated_bwd_kernel(const GatedBwdParams<T> p) {
   detail::grid_dependency_sync();
   const std::int64_t nvec = p.cols / kV;
@@ -351,26 +432,31 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, 1) gated_bwd_kernel(const Gat
        row < p.rows; row += static_cast<std::int64_t>(blockDim.y) * gridDim.y) {
     const T* dcr = p.dc + row * p.dcs;
     const T* ar = p.a + row * p.as;
-    const T* br = p.b + row * p.bs;
+    const T* br = kGated ? p.b + row * p.bs : nullptr;
     T* dar = p.da + row * p.das;
-    T* dbr = p.db + row * p.dbs;
+    T* dbr = kGated ? p.db + row * p.dbs : nullptr;
     for (std::int64_t i = first; i < nvec; i += step) {
       // Every load of this trip is issued before the first store, and a thread's stores touch only
       // the elements it loaded: in-place outputs (da over a, db over b, ...) are safe.
       const AlignedVec<T, kV> dcv = load_vec_stream<kV>(dcr + i * kV);
       const AlignedVec<T, kV> av = load_vec_stream<kV>(ar + i * kV);
-      const AlignedVec<T, kV> bv = load_vec_stream<kV>(br + i * kV);
+      AlignedVec<T, kV> bv;
+      if constexpr (kGated) bv = load_vec_stream<kV>(br + i * kV);
       AlignedVec<T, kV> dav, dbv;
 #pragma unroll
       for (int k = 0; k < kV; ++k) {
-        float da = 0.0f, db = 0.0f;
-        gated_math::backward<Act, T>(to_float(dcv.v[k]), to_float(av.v[k]), to_float(bv.v[k]), p.gate_mult,
-                                  p.down_mult, da, db);
-        dav.v[k] = from_float<T>(da);
-        dbv.v[k] = from_float<T>(db);
+        if constexpr (kGated) {
+          float da = 0.0f, db = 0.0f;
+          gated_math::backward<Act, T>(to_float(dcv.v[k]), to_float(av.v[k]), to_float(bv.v[k]), p.gate_mult,
+                                    p.down_mult, da, db);
+          dav.v[k] = from_float<T>(da);
+          dbv.v[k] = from_float<T>(db);
+        } else {
+          dav.v[k] = from_float<T>(gated_math::activation_backward<Act>(to_float(dcv.v[k]), to_float(av.v[k])));
+        }
       }
       store_vec_hinted<true>(dar + i * kV, dav);
-      store_vec_hinted<true>(dbr + i * kV, dbv);
+      if constexpr (kGated) store_vec_hinted<true>(dbr + i * kV, dbv);
     }
   }
 }
@@ -405,11 +491,12 @@ GatedBwdParams<T> gated_bwd_params(const GatedBackwardArgs<T>& x) {
 }
 
 // The flat forward grid (dense tensors, fewer than 2^31 vectors): one block per 256 x kN vectors.
-template <class T, class Act, int kV, int kN>
+template <class T, class Act, int kV, int kN, bool kGated = true>
 Status gated_flat_launch(const GatedFwdParams<T>& p, cudaStream_t stream, const char* op) {
   const std::int64_t total = p.rows * (p.cols / kV);
   const auto grid = static_cast<unsigned>(ceil_div<std::int64_t>(total, std::int64_t{kGatedThreads} * kN));
-  return launch(op, gated_fwd_flat_kernel<T, Act, kV, kN>, {dim3(grid), dim3(kGatedThreads), 0, stream}, p);
+  return launch(op, gated_fwd_flat_kernel<T, Act, kV, kN, kGated>, {dim3(grid), dim3(kGatedThreads), 0, stream},
+                p);
 }
 
 // Plan (occupancy, cached per device and instance) and launch one row-grid kernel instance:
@@ -427,6 +514,31 @@ Status gated_launch(const Params& p, cudaStream_t stream, const char* op) {
   return launch(op, Kernel, {grid, block, 0, stream}, p);
 }
 
+// The gated forward's plan for either form: the flat grid over dense tensors of fewer than 2^31
+// vectors, else the persistent row grid; 16-byte vectors where every pointer and row stride allows.
+template <class T, class Act, int kN, bool kGated>
+Status gated_forward_run(const GatedFwdParams<T>& p, cudaStream_t stream, const char* op) {
+  constexpr int kV = kVecElems<T>;
+  const bool vec = gated_vectorizable<T, kV>(p);
+  const std::int64_t total = p.rows * (p.cols / (vec ? kV : 1));
+  const bool dense = p.as == p.cols && (!kGated || p.bs == p.cols) && p.cs == p.cols;
+  if (dense && total < (std::int64_t{1} << 31) - kGatedThreads * kN) {
+    return vec ? gated_flat_launch<T, Act, kV, kN, kGated>(p, stream, op)
+               : gated_flat_launch<T, Act, 1, kN, kGated>(p, stream, op);
+  }
+  if (vec) return gated_launch<gated_fwd_kernel<T, Act, kV, kGated>, kV, true>(p, stream, op);
+  return gated_launch<gated_fwd_kernel<T, Act, 1, kGated>, 1, true>(p, stream, op);
+}
+
+template <class T, class Act, bool kGated>
+Status gated_backward_run(const GatedBwdParams<T>& p, cudaStream_t stream, const char* op) {
+  constexpr int kV = kVecElems<T>;
+  if (gated_vectorizable<T, kV>(p)) {
+    return gated_launch<gated_bwd_kernel<T, Act, kV, kGated>, kV, false>(p, stream, op);
+  }
+  return gated_launch<gated_bwd_kernel<T, Act, 1, kGated>, 1, false>(p, stream, op);
+}
+
 }  // namespace detail
 
 // ------------------------------------------------------------------------------------------------
@@ -435,7 +547,8 @@ Status gated_launch(const Params& p, cudaStream_t stream, const char* op) {
 //
 // gated_forward<Act>(args, stream) and gated_backward<Act>(args, stream) for any activation functor
 // (activations.hpp), optionally with a GatedPolicy as second template argument; swiglu_* and
-// geglu_* name the common ones. Each call validates its arguments (an invalid call launches nothing
+// geglu_* name the common ones; activation_forward / activation_backward (relu2_* for the squared
+// ReLU) the ungated form. Each call validates its arguments (an invalid call launches nothing
 // and writes nothing), picks the 16-byte vector kernel when every pointer and row stride is aligned
 // to 16 bytes and cols is a multiple of the vector width, the scalar kernel otherwise, and enqueues
 // one kernel on `stream`. None of them allocates, synchronises or copies to the host: all are
@@ -446,20 +559,7 @@ template <Activation Act, class Policy = GatedPolicy, class T>
   static_assert(detail::check_gated_policy<Policy>());
   constexpr const char* kOp = "gated_forward";
   TIGON_CHECK(detail::validate(args, kOp));
-  const detail::GatedFwdParams<T> p = detail::gated_fwd_params(args);
-  constexpr int kV = kVecElems<T>;
-  constexpr int kN = Policy::kFlat;
-  const bool vec = detail::gated_vectorizable<T, kV>(p);
-  const std::int64_t total = p.rows * (p.cols / (vec ? kV : 1));
-  const bool dense = p.as == p.cols && p.bs == p.cols && p.cs == p.cols;
-  if (dense && total < (std::int64_t{1} << 31) - detail::kGatedThreads * kN) {
-    return vec ? detail::gated_flat_launch<T, Act, kV, kN>(p, stream, kOp)
-               : detail::gated_flat_launch<T, Act, 1, kN>(p, stream, kOp);
-  }
-  if (vec) {
-    return detail::gated_launch<detail::gated_fwd_kernel<T, Act, kV>, kV, true>(p, stream, kOp);
-  }
-  return detail::gated_launch<detail::gated_fwd_kernel<T, Act, 1>, 1, true>(p, stream, kOp);
+  return detail::gated_forward_run<T, Act, Policy::kFlat, true>(detail::gated_fwd_params(args), stream, kOp);
 }
 
 template <Activation Act, class Policy = GatedPolicy, class T>
@@ -467,12 +567,32 @@ template <Activation Act, class Policy = GatedPolicy, class T>
   static_assert(detail::check_gated_policy<Policy>());
   constexpr const char* kOp = "gated_backward";
   TIGON_CHECK(detail::validate(args, kOp));
-  const detail::GatedBwdParams<T> p = detail::gated_bwd_params(args);
-  constexpr int kV = kVecElems<T>;
-  if (detail::gated_vectorizable<T, kV>(p)) {
-    return detail::gated_launch<detail::gated_bwd_kernel<T, Act, kV>, kV, false>(p, stream, kOp);
-  }
-  return detail::gated_launch<detail::gated_bwd_kernel<T, Act, 1>, 1, false>(p, stream, kOp);
+  return detail::gated_backward_run<T, Act, true>(detail::gated_bwd_params(args), stream, kOp);
+}
+
+// The ungated activation: c = act(a) (activation_forward), da = dc * act'(a) (activation_backward),
+// through the gated kernels' instances without b: the same grids, 16-byte vectors where allowed.
+template <Activation Act, class Policy = GatedPolicy, class T>
+[[nodiscard]] Status activation_forward(const ActivationForwardArgs<T>& args, cudaStream_t stream) {
+  static_assert(detail::check_gated_policy<Policy>());
+  constexpr const char* kOp = "activation_forward";
+  TIGON_CHECK(detail::validate(args, kOp));
+  const detail::GatedFwdParams<T> p{args.a, nullptr, args.c, args.rows, args.cols,
+                                    args.a_stride != 0 ? args.a_stride : args.cols, args.cols,
+                                    args.c_stride != 0 ? args.c_stride : args.cols, 1.0f, 1.0f};
+  return detail::gated_forward_run<T, Act, Policy::kFlat, false>(p, stream, kOp);
+}
+
+template <Activation Act, class Policy = GatedPolicy, class T>
+[[nodiscard]] Status activation_backward(const ActivationBackwardArgs<T>& args, cudaStream_t stream) {
+  static_assert(detail::check_gated_policy<Policy>());
+  constexpr const char* kOp = "activation_backward";
+  TIGON_CHECK(detail::validate(args, kOp));
+  auto s = [&](std::int64_t v) { return v != 0 ? v : args.cols; };
+  const detail::GatedBwdParams<T> p{args.dc, args.a, nullptr, args.da, nullptr, args.rows, args.cols,
+                                    s(args.dc_stride), s(args.a_stride), args.cols, s(args.da_stride), args.cols,
+                                    1.0f, 1.0f};
+  return detail::gated_backward_run<T, Act, false>(p, stream, kOp);
 }
 
 // SwiGLU: c = down * silu(gate * a) * b.
@@ -494,6 +614,16 @@ template <class T>
 template <class T>
 [[nodiscard]] Status geglu_backward(const GatedBackwardArgs<T>& args, cudaStream_t stream) {
   return gated_backward<GeluTanh>(args, stream);
+}
+
+// Squared ReLU, ungated (Nemotron's MLP): c = relu(a)^2.
+template <class T>
+[[nodiscard]] Status relu2_forward(const ActivationForwardArgs<T>& args, cudaStream_t stream) {
+  return activation_forward<ReluSquared>(args, stream);
+}
+template <class T>
+[[nodiscard]] Status relu2_backward(const ActivationBackwardArgs<T>& args, cudaStream_t stream) {
+  return activation_backward<ReluSquared>(args, stream);
 }
 
 #endif  // __CUDACC__

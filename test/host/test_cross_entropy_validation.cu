@@ -306,3 +306,81 @@ TEST_CASE("cross_entropy's streaming kernel cuts rows into whole-warp segments",
     }
   }
 }
+
+namespace {
+// A back end that cannot run products with m == reject_m: its check() says so, and gemm() counts
+// the products it was asked to run.
+struct RejectingGemm {
+  std::int64_t reject_m = 0;
+  int calls = 0, checks = 0;
+  template <class A, class B>
+  Status check(const GemmArgs<A, B>& g) {
+    ++checks;
+    if (g.m == reject_m) return Status::error(Errc::unsupported, "gemm", "", "no algorithm for this shape");
+    return Status();
+  }
+  template <class A, class B>
+  Status gemm(const GemmArgs<A, B>&, cudaStream_t) {
+    ++calls;
+    return Status();
+  }
+};
+}  // namespace
+
+TEST_CASE("linear_cross_entropy checks every GEMM with the back end before its first write", "[lce][validation]") {
+  alignas(256) static unsigned char arena[1 << 16];
+  auto at = [](std::size_t off) { return static_cast<void*>(arena + off); };
+  LinearCrossEntropyArgs<bf16> c;
+  c.x = static_cast<const bf16*>(at(0));
+  c.weight = static_cast<const bf16*>(at(256));
+  c.hidden = 8;
+  c.loss.targets = static_cast<const std::int64_t*>(at(512));
+  c.loss.rows = 8;
+  c.loss.vocab = 8;
+  c.loss.loss = static_cast<float*>(at(4608));
+  c.dx = static_cast<bf16*>(at(1024));
+  c.dweight = static_cast<float*>(at(2048));
+  c.dbias = static_cast<float*>(at(4096));
+  c.bias = static_cast<const bf16*>(at(4352 + 2));  // not 16-byte aligned: the op would copy it
+  c.chunk = 3;  // chunks of 3, 3 and 2 tokens
+  c.accumulate = true;
+  std::size_t bytes = 0;
+  REQUIRE(linear_cross_entropy_workspace_bytes(c, bytes).ok());
+  REQUIRE(bytes <= 16384);
+  c.workspace = at(32768);
+  c.workspace_bytes = bytes;
+  for (std::int64_t m : {std::int64_t{2}, std::int64_t{1}}) {  // the last chunk's logits / dx GEMM, db's GEMM
+    std::fill(arena + 1024, arena + 4352, static_cast<unsigned char>(0x5a));
+    RejectingGemm g{.reject_m = m};
+    const Status s = linear_cross_entropy(c, g, nullptr);
+    INFO(s.message());
+    CHECK(s.code() == Errc::unsupported);  // not a CUDA error: nothing was launched before the check
+    CHECK(g.calls == 0);
+    CHECK(std::all_of(arena + 1024, arena + 4352, [](unsigned char b) { return b == 0x5a; }));
+  }
+  // The heads: two heads over the same x, head 1's last chunk rejected.
+  LinearCrossEntropyHeadsArgs<bf16> h;
+  const bf16* weights[2] = {static_cast<const bf16*>(at(256)), static_cast<const bf16*>(at(384))};
+  float* dweights[2] = {static_cast<float*>(at(2048)), static_cast<float*>(at(2304))};
+  h.x = c.x;
+  h.hidden = 8;
+  h.heads = 2;
+  h.weights = weights;
+  h.dweights = dweights;
+  h.dx = c.dx;
+  h.loss.targets = static_cast<const std::int64_t*>(at(512));
+  h.loss.rows = 8;
+  h.loss.vocab = 8;
+  h.loss.loss = c.loss.loss;
+  h.chunk = 3;
+  REQUIRE(linear_cross_entropy_heads_workspace_bytes(h, bytes).ok());
+  h.workspace = at(32768);
+  h.workspace_bytes = bytes;
+  std::fill(arena + 1024, arena + 4352, static_cast<unsigned char>(0x5a));
+  RejectingGemm g{.reject_m = 2};
+  const Status s = linear_cross_entropy_heads(h, g, nullptr);
+  INFO(s.message());
+  CHECK(s.code() == Errc::unsupported);
+  CHECK(g.calls == 0);
+  CHECK(std::all_of(arena + 1024, arena + 4352, [](unsigned char b) { return b == 0x5a; }));
+}

@@ -176,3 +176,43 @@ TEST_CASE("linear_divergence rejects bad arguments by name and runs nothing", "[
   a.tokens = 1;
   expect(a, kl, Errc::aliasing, "loss_rows");
 }
+
+namespace {
+// A back end that cannot run products with m == reject_m: its check() says so, and gemm() counts
+// the products it was asked to run.
+struct RejectingGemm {
+  std::int64_t reject_m = 0;
+  int calls = 0, checks = 0;
+  template <class A, class B>
+  Status check(const GemmArgs<A, B>& g) {
+    ++checks;
+    if (g.m == reject_m) return Status::error(Errc::unsupported, "gemm", "", "no algorithm for this shape");
+    return Status();
+  }
+  template <class A, class B>
+  Status gemm(const GemmArgs<A, B>&, cudaStream_t) {
+    ++calls;
+    return Status();
+  }
+};
+}  // namespace
+
+TEST_CASE("linear_divergence checks every GEMM with the back end before its first write", "[ldiv][validation]") {
+  auto a = good();
+  a.chunk = 3;  // chunks of 3, 3 and 2 tokens
+  for (bool grad : {true, false}) {
+    INFO((grad ? "with gradients" : "loss only"));
+    auto b = a;
+    if (!grad) b.dx = nullptr, b.dweight = nullptr;
+    poison_outputs();
+    RejectingGemm g{.reject_m = 2};
+    const Status s = linear_divergence(b, ForwardKL{}, g, nullptr);
+    INFO(s.message());
+    CHECK(s.code() == Errc::unsupported);  // not a CUDA error: nothing was launched before the check
+    CHECK(g.calls == 0);
+    CHECK(untouched(dx, sizeof(dx)));
+    CHECK(untouched(dw, sizeof(dw)));
+    CHECK(untouched(loss, sizeof(loss)));
+    CHECK(untouched(loss_rows, sizeof(loss_rows)));
+  }
+}

@@ -187,3 +187,46 @@ TEST_CASE("linear_logprob rejects bad arguments by name and runs nothing", "[llp
   a.workspace_bytes = sizeof(dw);
   expect(a, true, Errc::aliasing, "workspace");
 }
+
+namespace {
+// A back end that cannot run products with m == reject_m (the last chunk's logits or dx GEMM here):
+// its check() says so, and gemm() counts the products it was asked to run.
+struct RejectingGemm {
+  std::int64_t reject_m = 0;
+  int calls = 0, checks = 0;
+  template <class A, class B>
+  Status check(const GemmArgs<A, B>& g) {
+    ++checks;
+    if (g.m == reject_m) return Status::error(Errc::unsupported, "gemm", "", "no algorithm for this shape");
+    return Status();
+  }
+  template <class A, class B>
+  Status gemm(const GemmArgs<A, B>&, cudaStream_t) {
+    ++calls;
+    return Status();
+  }
+};
+}  // namespace
+
+TEST_CASE("linear_logprob checks every GEMM with the back end before its first write", "[llp][validation]") {
+  // 10 tokens in chunks of 4: the last chunk (2 tokens) has a shape the back end cannot run.
+  for (bool backward : {false, true}) {
+    for (bool keep : {false, true}) {
+      INFO((backward ? "backward" : "forward") << (keep ? " kept" : ""));
+      auto a = good();
+      a.tokens = 8;
+      a.chunk = keep ? 0 : 3;  // chunks 3, 3, 2 (kept: one chunk of 8)
+      a.keep_logits = keep;
+      poison_outputs();
+      RejectingGemm g{.reject_m = keep ? 8 : 2};
+      const Status s = backward ? linear_logprob_backward(a, g, nullptr) : linear_logprob_forward(a, g, nullptr);
+      INFO(s.message());
+      CHECK(s.code() == Errc::unsupported);  // not a CUDA error: nothing was launched before the check
+      CHECK(g.calls == 0);
+      CHECK(g.checks > 0);
+      CHECK(untouched(dx, sizeof(dx)));
+      CHECK(untouched(dw, sizeof(dw)));
+      CHECK(untouched(logp, sizeof(logp)));
+    }
+  }
+}

@@ -6,7 +6,11 @@
 // A and B are float / half / bfloat16; C and D share a dtype that may be fp32 (so a weight
 // gradient can accumulate in fp32 across chunks with beta = 1). A back end is any type with
 // `Status gemm(const GemmArgs<TAB, TD>&, cudaStream_t)`; templates that compose GEMMs take it as a
-// parameter so a trainer can plug in its own.
+// parameter so a trainer can plug in its own. A back end may also have
+// `Status check(const GemmArgs<TAB, TD>&)`: whether it can run that product (arguments, an
+// algorithm for the shape) without running it. The composite ops check every GEMM of a call that
+// way before their first write, so that a product the back end cannot run fails the call while
+// every output is still untouched; a back end without check() is trusted to run what it is given.
 //
 // Link CUDA::cublasLt (the CMake target tigon::blas does).
 #pragma once
@@ -130,6 +134,24 @@ Status validate(const GemmArgs<TAB, TD>& g, const char* op) {
   return Status();
 }
 
+// Whether the back end can run g, without running it: its check() where it has one (CublasLtGemm
+// does), else only the arguments' validation.
+template <class Gemm, class TAB, class TD>
+Status gemm_check(Gemm& gemm, const GemmArgs<TAB, TD>& g) {
+  if constexpr (requires { gemm.check(g); }) {
+    return gemm.check(g);
+  } else {
+    return validate(g, "gemm");
+  }
+}
+
+// The aligned bias pointer the epilogue reads: `bias` itself when 16-byte aligned, else `slot`
+// (which epilogue_bias fills).
+template <class T>
+const T* epilogue_bias_ptr(const T* bias, T* slot) {
+  return bias == nullptr || reinterpret_cast<std::uintptr_t>(bias) % 16 == 0 ? bias : slot;
+}
+
 }  // namespace detail
 
 // The default back end: cuBLASLt with fp32 accumulation. Owns a cuBLASLt handle and borrows the
@@ -153,22 +175,24 @@ class CublasLtGemm {
   // The handle's creation status: check it once after construction.
   const Status& status() const { return status_; }
 
+  // Whether gemm(g, ...) can run: the arguments are valid and cuBLASLt has an algorithm for the
+  // shape (found once and cached, as gemm() finds it). Enqueues nothing.
+  template <class TAB, class TD>
+  [[nodiscard]] Status check(const GemmArgs<TAB, TD>& g) {
+    constexpr const char* kOp = "gemm";
+    TIGON_CHECK(status_);
+    TIGON_CHECK(detail::validate(g, kOp));
+    Plan* plan = nullptr;
+    return find_plan<TAB, TD>(key_of(g), g, plan);
+  }
+
   template <class TAB, class TD>
   [[nodiscard]] Status gemm(const GemmArgs<TAB, TD>& g, cudaStream_t stream) {
     constexpr const char* kOp = "gemm";
     TIGON_CHECK(status_);
     TIGON_CHECK(detail::validate(g, kOp));
-    const std::int64_t a_cols = g.op_a == Op::n ? g.k : g.m;
-    const std::int64_t b_cols = g.op_b == Op::n ? g.n : g.k;
-    const std::int64_t lda = g.lda ? g.lda : a_cols, ldb = g.ldb ? g.ldb : b_cols;
-    const std::int64_t ldc = g.ldc ? g.ldc : g.n, ldd = g.ldd ? g.ldd : g.n;
-    // Row-major D = op_a(A) op_b(B) is column-major D^T = op_b(B)^T op_a(A)^T: cuBLASLt's first
-    // operand is B (stored column-major as B^T) with op_b, its second is A with op_a.
-    const Key key{static_cast<int>(detail::cuda_type<TAB>()), static_cast<int>(detail::cuda_type<TD>()),
-                  g.m, g.n, g.k, lda, ldb, ldc, ldd, static_cast<int>(g.op_a), static_cast<int>(g.op_b),
-                  g.beta != 0.0f, g.bias != nullptr};
     Plan* plan = nullptr;
-    TIGON_CHECK((find_plan<TAB, TD>(key, g, plan)));
+    TIGON_CHECK((find_plan<TAB, TD>(key_of(g), g, plan)));
     if (g.bias != nullptr) {
       const void* bias = g.bias;
       TIGON_CHECK(detail::from_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
@@ -196,6 +220,19 @@ class CublasLtGemm {
         if (l) cublasLtMatrixLayoutDestroy(l);
     }
   };
+
+  // Row-major D = op_a(A) op_b(B) is column-major D^T = op_b(B)^T op_a(A)^T: cuBLASLt's first
+  // operand is B (stored column-major as B^T) with op_b, its second is A with op_a.
+  template <class TAB, class TD>
+  static Key key_of(const GemmArgs<TAB, TD>& g) {
+    const std::int64_t a_cols = g.op_a == Op::n ? g.k : g.m;
+    const std::int64_t b_cols = g.op_b == Op::n ? g.n : g.k;
+    const std::int64_t lda = g.lda ? g.lda : a_cols, ldb = g.ldb ? g.ldb : b_cols;
+    const std::int64_t ldc = g.ldc ? g.ldc : g.n, ldd = g.ldd ? g.ldd : g.n;
+    return Key{static_cast<int>(detail::cuda_type<TAB>()), static_cast<int>(detail::cuda_type<TD>()),
+               g.m, g.n, g.k, lda, ldb, ldc, ldd, static_cast<int>(g.op_a), static_cast<int>(g.op_b),
+               g.beta != 0.0f, g.bias != nullptr};
+  }
 
   template <class TAB, class TD>
   Status find_plan(const Key& key, const GemmArgs<TAB, TD>& g, Plan*& out) {
@@ -282,13 +319,11 @@ Status fill_ones(T* p, std::int64_t n, cudaStream_t stream, const char* op) {
                 p, n);
 }
 
-// `bias` [n] where cuBLASLt's bias epilogue can read it: itself when 16-byte aligned, else its copy
-// in `slot` (n elements, 16-byte aligned), enqueued on `stream`.
+// Copies `bias` [n] into `slot` (n elements, 16-byte aligned) on `stream` when epilogue_bias_ptr
+// chose the slot: a bias that is not 16-byte aligned, which cuBLASLt's bias epilogue cannot read.
 template <class T>
-Status epilogue_bias(const T* bias, std::int64_t n, T* slot, cudaStream_t stream, const char* op, const T*& out) {
-  out = bias;
-  if (bias == nullptr || reinterpret_cast<std::uintptr_t>(bias) % 16 == 0) return Status();
-  out = slot;
+Status epilogue_bias_copy(const T* bias, std::int64_t n, T* slot, cudaStream_t stream, const char* op) {
+  if (epilogue_bias_ptr(bias, slot) != slot) return Status();
   return Status::from_cuda(cudaMemcpyAsync(slot, bias, static_cast<std::size_t>(n) * sizeof(T),
                                            cudaMemcpyDeviceToDevice, stream),
                            op, "cudaMemcpyAsync");

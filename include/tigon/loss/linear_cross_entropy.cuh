@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../blas/gemm.cuh"
@@ -274,32 +275,36 @@ TIGON_KERNEL void lce_heads_combine_kernel(const float* head_loss, const float* 
 
 // One head on one chunk of tokens [r0, r0 + c): logits = x_c W^T + bias into `logits` (bias 16-byte
 // aligned, or null), the loss (gradient in place) against the denominator in `scratch`, then dx_c
-// (beta dx_beta), dW and db (beta `beta`).
-template <class Gemm, class T, class I>
+// (beta dx_beta), dW and db (beta `beta`). kRun false: only asks the back end whether it can run
+// each of the chunk's GEMMs (detail::gemm_check), launching nothing.
+template <bool kRun, class Gemm, class T, class I>
 Status lce_chunk(Gemm& gemm, const CrossEntropyArgs<T, I>& ce, const T* xc, std::int64_t xs, const T* weight,
                  const T* bias, std::int64_t hidden, std::int64_t r0, std::int64_t c, T* logits, const T* ones,
                  const CeScratch& scratch, bool want_grad, T* dxc, std::int64_t dxs, float dx_beta, float* dweight,
                  float* dbias, float beta, cudaStream_t stream, const char* op) {
+  auto run = [&](const auto& g) {
+    if constexpr (kRun) {
+      return gemm.gemm(g, stream);
+    } else {
+      return gemm_check(gemm, g);
+    }
+  };
   const std::int64_t vocab = ce.vocab;
-  TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = xc, .b = weight, .d = logits, .bias = bias, .m = c, .n = vocab,
-                                    .k = hidden, .lda = xs, .op_b = Op::t},
-                        stream));
-  TIGON_CHECK(cross_entropy_chunk(ce, logits, r0, c, want_grad, scratch, stream, op));
+  TIGON_CHECK(run(GemmArgs<T>{.a = xc, .b = weight, .d = logits, .bias = bias, .m = c, .n = vocab, .k = hidden,
+                              .lda = xs, .op_b = Op::t}));
+  if constexpr (kRun) TIGON_CHECK(cross_entropy_chunk(ce, logits, r0, c, want_grad, scratch, stream, op));
   if (!want_grad) return Status();
   if (dxc != nullptr) {
-    TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = logits, .b = weight, .c = dx_beta != 0.0f ? dxc : nullptr, .d = dxc,
-                                      .m = c, .n = hidden, .k = vocab, .ldc = dxs, .ldd = dxs, .beta = dx_beta},
-                          stream));
+    TIGON_CHECK(run(GemmArgs<T>{.a = logits, .b = weight, .c = dx_beta != 0.0f ? dxc : nullptr, .d = dxc, .m = c,
+                                .n = hidden, .k = vocab, .ldc = dxs, .ldd = dxs, .beta = dx_beta}));
   }
   if (dweight != nullptr) {
-    TIGON_CHECK(gemm.gemm(GemmArgs<T, float>{.a = logits, .b = xc, .c = dweight, .d = dweight, .m = vocab,
-                                             .n = hidden, .k = c, .ldb = xs, .op_a = Op::t, .beta = beta},
-                          stream));
+    TIGON_CHECK(run(GemmArgs<T, float>{.a = logits, .b = xc, .c = dweight, .d = dweight, .m = vocab, .n = hidden,
+                                       .k = c, .ldb = xs, .op_a = Op::t, .beta = beta}));
   }
   if (dbias != nullptr) {
-    TIGON_CHECK(gemm.gemm(GemmArgs<T, float>{.a = ones, .b = logits, .c = dbias, .d = dbias, .m = 1, .n = vocab,
-                                             .k = c, .beta = beta},
-                          stream));
+    TIGON_CHECK(run(GemmArgs<T, float>{.a = ones, .b = logits, .c = dbias, .d = dbias, .m = 1, .n = vocab, .k = c,
+                                       .beta = beta}));
   }
   return Status();
 }
@@ -324,6 +329,20 @@ template <class Gemm = CublasLtGemm, class T, class I>
   T* logits = reinterpret_cast<T*>(base + l.logits_offset);
   T* ones = reinterpret_cast<T*>(base + l.ones_offset);
 
+  T* bias_slot = reinterpret_cast<T*>(base + l.bias_offset);
+  const T* bias = detail::epilogue_bias_ptr(args.bias, bias_slot);
+  // Every chunk's GEMMs checked (kRun false) before anything is written, then run.
+  auto chunks = [&](auto run_c) {
+    for (std::int64_t r0 = 0; r0 < tokens; r0 += l.chunk) {
+      const std::int64_t c = tokens - r0 < l.chunk ? tokens - r0 : l.chunk;
+      const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
+      TIGON_CHECK(detail::lce_chunk<decltype(run_c)::value>(
+          gemm, ce, args.x + r0 * xs, xs, args.weight, bias, hidden, r0, c, logits, ones, scratch, want_grad,
+          args.dx != nullptr ? args.dx + r0 * dxs : nullptr, dxs, 0.0f, args.dweight, args.dbias, beta, stream, kOp));
+    }
+    return Status();
+  };
+  TIGON_CHECK(chunks(std::false_type{}));
   if (ce.reduction == Reduction::mean) {
     TIGON_CHECK(detail::ce_denominator(ce.targets, tokens, ce.ignore_index, ce.class_weights, vocab,
                                        scratch.denom, stream, kOp));
@@ -331,15 +350,8 @@ template <class Gemm = CublasLtGemm, class T, class I>
   if (args.dbias != nullptr) {
     TIGON_CHECK(detail::fill_ones(ones, l.chunk, stream, kOp));
   }
-  const T* bias = nullptr;
-  TIGON_CHECK(detail::epilogue_bias(args.bias, vocab, reinterpret_cast<T*>(base + l.bias_offset), stream, kOp, bias));
-  for (std::int64_t r0 = 0; r0 < tokens; r0 += l.chunk) {
-    const std::int64_t c = tokens - r0 < l.chunk ? tokens - r0 : l.chunk;
-    const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
-    TIGON_CHECK(detail::lce_chunk(gemm, ce, args.x + r0 * xs, xs, args.weight, bias, hidden, r0, c, logits, ones,
-                                  scratch, want_grad, args.dx != nullptr ? args.dx + r0 * dxs : nullptr, dxs, 0.0f,
-                                  args.dweight, args.dbias, beta, stream, kOp));
-  }
+  TIGON_CHECK(detail::epilogue_bias_copy(args.bias, vocab, bias_slot, stream, kOp));
+  TIGON_CHECK(chunks(std::true_type{}));
   if (ce.reduction != Reduction::none) {
     TIGON_CHECK(detail::ce_reduce(ce.loss_rows != nullptr ? ce.loss_rows : scratch.loss_rows, scratch.z_rows,
                                   tokens, scratch.denom, ce.reduction == Reduction::mean, ce.loss, ce.z_loss,
@@ -384,6 +396,31 @@ template <class Gemm = CublasLtGemm, class T, class I>
     return h;
   };
   auto scratch = [&](int k) { return detail::ce_scratch(base + l.ce_bytes * static_cast<std::size_t>(k), tokens); };
+  // Each head's bias where the GEMM's epilogue reads it (its aligned copy when the caller's is not).
+  std::vector<const T*> biases(static_cast<std::size_t>(heads), nullptr);
+  auto bias_slot = [&](int k) {
+    return reinterpret_cast<T*>(base + l.bias_offset +
+                                static_cast<std::size_t>(k) * round_up<std::size_t>(vocab * sizeof(T), 256));
+  };
+  for (int k = 0; args.biases != nullptr && k < heads; ++k) {
+    biases[k] = detail::epilogue_bias_ptr(args.biases[k], bias_slot(k));
+  }
+  // Every chunk's GEMMs of every head checked (kRun false) before anything is written, then run.
+  auto chunks = [&](auto run_c) {
+    for (std::int64_t r0 = 0; r0 < tokens; r0 += l.chunk) {
+      const std::int64_t c = tokens - r0 < l.chunk ? tokens - r0 : l.chunk;
+      const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
+      for (int k = 0; k < heads; ++k) {
+        TIGON_CHECK(detail::lce_chunk<decltype(run_c)::value>(
+            gemm, head(k), args.x + r0 * xs, xs, args.weights[k], biases[k], hidden, r0, c, logits, ones, scratch(k),
+            want_grad, args.dx != nullptr ? args.dx + r0 * dxs : nullptr, dxs, k > 0 ? 1.0f : 0.0f,
+            args.dweights != nullptr ? args.dweights[k] : nullptr, args.dbiases != nullptr ? args.dbiases[k] : nullptr,
+            beta, stream, kOp));
+      }
+    }
+    return Status();
+  };
+  TIGON_CHECK(chunks(std::false_type{}));
   for (int k = 0; k < heads; ++k) {
     if (ce.reduction != Reduction::mean) break;
     const CrossEntropyArgs<T, I> h = head(k);
@@ -391,24 +428,10 @@ template <class Gemm = CublasLtGemm, class T, class I>
                                        stream, kOp));
   }
   if (any_bias) TIGON_CHECK(detail::fill_ones(ones, l.chunk, stream, kOp));
-  // Each head's bias where the GEMM's epilogue reads it (its aligned copy when the caller's is not).
-  std::vector<const T*> biases(static_cast<std::size_t>(heads), nullptr);
   for (int k = 0; args.biases != nullptr && k < heads; ++k) {
-    T* slot = reinterpret_cast<T*>(base + l.bias_offset + static_cast<std::size_t>(k) *
-                                              round_up<std::size_t>(vocab * sizeof(T), 256));
-    TIGON_CHECK(detail::epilogue_bias(args.biases[k], vocab, slot, stream, kOp, biases[k]));
+    TIGON_CHECK(detail::epilogue_bias_copy(args.biases[k], vocab, bias_slot(k), stream, kOp));
   }
-  for (std::int64_t r0 = 0; r0 < tokens; r0 += l.chunk) {
-    const std::int64_t c = tokens - r0 < l.chunk ? tokens - r0 : l.chunk;
-    const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
-    for (int k = 0; k < heads; ++k) {
-      TIGON_CHECK(detail::lce_chunk(gemm, head(k), args.x + r0 * xs, xs, args.weights[k], biases[k], hidden, r0, c,
-                                    logits, ones,
-                                    scratch(k), want_grad, args.dx != nullptr ? args.dx + r0 * dxs : nullptr, dxs,
-                                    k > 0 ? 1.0f : 0.0f, args.dweights != nullptr ? args.dweights[k] : nullptr,
-                                    args.dbiases != nullptr ? args.dbiases[k] : nullptr, beta, stream, kOp));
-    }
-  }
+  TIGON_CHECK(chunks(std::true_type{}));
   if (ce.reduction == Reduction::none) return Status();
   for (int k = 0; k < heads; ++k) {
     const detail::CeScratch sk = scratch(k);

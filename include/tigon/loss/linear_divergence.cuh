@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "../blas/gemm.cuh"
 #include "../core/config.hpp"
@@ -259,19 +260,48 @@ template <class Gemm = CublasLtGemm, class P = DivergencePolicy, class D, class 
   p.chunks = 1;
   float* const row_sums = l.partials ? partials : args.loss_rows;
 
+  // One chunk's GEMMs, the two logits products (grad false) or the student's gradients (grad
+  // true); kRun false only asks the back end whether it can run each.
+  auto chunk_gemms = [&](auto run_c, std::int64_t r0, std::int64_t c, bool grad) -> Status {
+    auto run = [&](const auto& g) {
+      if constexpr (decltype(run_c)::value) {
+        return gemm.gemm(g, stream);
+      } else {
+        return detail::gemm_check(gemm, g);
+      }
+    };
+    const T* xc = args.x + r0 * xs;
+    if (!grad) {
+      TIGON_CHECK(run(GemmArgs<T>{.a = xc, .b = args.weight, .d = s, .m = c, .n = vocab, .k = args.hidden, .lda = xs,
+                                  .op_b = Op::t}));
+      return run(GemmArgs<T>{.a = args.teacher_x + r0 * txs, .b = args.teacher_weight, .d = t, .m = c, .n = vocab,
+                             .k = args.teacher_hidden, .lda = txs, .op_b = Op::t});
+    }
+    if (args.dx != nullptr) {
+      TIGON_CHECK(run(GemmArgs<T>{.a = s, .b = args.weight, .d = args.dx + r0 * dxs, .m = c, .n = args.hidden,
+                                  .k = vocab, .ldd = dxs}));
+    }
+    if (args.dweight != nullptr) {
+      const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
+      TIGON_CHECK(run(GemmArgs<T, float>{.a = s, .b = xc, .c = args.dweight, .d = args.dweight, .m = vocab,
+                                         .n = args.hidden, .k = c, .ldb = xs, .op_a = Op::t, .beta = beta}));
+    }
+    return Status();
+  };
+  // Every GEMM of the call checked before anything is written.
+  for (std::int64_t r0 = 0; r0 < tokens; r0 += l.chunk) {
+    const std::int64_t c = tokens - r0 < l.chunk ? tokens - r0 : l.chunk;
+    TIGON_CHECK(chunk_gemms(std::false_type{}, r0, c, false));
+    if (want_grad) TIGON_CHECK(chunk_gemms(std::false_type{}, r0, c, true));
+  }
+
   if (l.count) {
     TIGON_CHECK(detail::launch(kOp, detail::div_count_kernel<I>, {dim3(1), dim3(1024), 0, stream}, args.labels,
                                tokens, args.ignore_index, count));
   }
   for (std::int64_t r0 = 0; r0 < tokens; r0 += l.chunk) {
     const std::int64_t c = tokens - r0 < l.chunk ? tokens - r0 : l.chunk;
-    const T* xc = args.x + r0 * xs;
-    TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = xc, .b = args.weight, .d = s, .m = c, .n = vocab, .k = args.hidden,
-                                      .lda = xs, .op_b = Op::t},
-                          stream));
-    TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = args.teacher_x + r0 * txs, .b = args.teacher_weight, .d = t, .m = c,
-                                      .n = vocab, .k = args.teacher_hidden, .lda = txs, .op_b = Op::t},
-                          stream));
+    TIGON_CHECK(chunk_gemms(std::true_type{}, r0, c, false));
     // The divergence over this chunk (the student's gradient in place), against the denominator
     // of all tokens; the row sums go to their place among all tokens'.
     p.x = s;
@@ -291,18 +321,7 @@ template <class Gemm = CublasLtGemm, class P = DivergencePolicy, class D, class 
     p.partials = row_sums != nullptr ? row_sums + r0 : nullptr;
     p.loss_elems = args.loss_elems != nullptr ? args.loss_elems + r0 * les : nullptr;
     TIGON_CHECK((detail::div_rows<P>(p, div, DivergenceInput::logits, DivergenceInput::logits, stream, kOp)));
-    if (!want_grad) continue;
-    if (args.dx != nullptr) {
-      TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = s, .b = args.weight, .d = args.dx + r0 * dxs, .m = c, .n = args.hidden,
-                                        .k = vocab, .ldd = dxs},
-                            stream));
-    }
-    if (args.dweight != nullptr) {
-      const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
-      TIGON_CHECK(gemm.gemm(GemmArgs<T, float>{.a = s, .b = xc, .c = args.dweight, .d = args.dweight, .m = vocab,
-                                               .n = args.hidden, .k = c, .ldb = xs, .op_a = Op::t, .beta = beta},
-                            stream));
-    }
+    if (want_grad) TIGON_CHECK(chunk_gemms(std::true_type{}, r0, c, true));
   }
   if (l.finish) {
     TIGON_CHECK(detail::launch(kOp, detail::div_finish_kernel<1024>, {dim3(1), dim3(1024), 0, stream},

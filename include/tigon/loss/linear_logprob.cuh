@@ -420,6 +420,7 @@ Status llp_launch(const LlpParams<T, I>& p, bool backward, cudaStream_t stream, 
 // ------------------------------------------------------------------------------------------------
 
 // Per-token logp, lse, entropy, logit sums and is_top1 (those asked for), one chunk of tokens at a time.
+// Every chunk's GEMM is checked with the back end (detail::gemm_check) before anything is written.
 template <class Gemm = CublasLtGemm, class T, class I>
 [[nodiscard]] Status linear_logprob_forward(const LinearLogProbArgs<T, I>& args, Gemm& gemm, cudaStream_t stream) {
   constexpr const char* kOp = "linear_logprob_forward";
@@ -428,15 +429,20 @@ template <class Gemm = CublasLtGemm, class T, class I>
   TIGON_CHECK(check::workspace(args.workspace, args.workspace_bytes, l.total, kOp));
   auto* base = static_cast<unsigned char*>(args.workspace);
   T* logits = reinterpret_cast<T*>(base);
-  const T* bias = nullptr;
-  TIGON_CHECK(
-      detail::epilogue_bias(args.bias, args.vocab, reinterpret_cast<T*>(base + l.bias_offset), stream, kOp, bias));
+  T* bias_slot = reinterpret_cast<T*>(base + l.bias_offset);
+  const T* bias = detail::epilogue_bias_ptr(args.bias, bias_slot);
   const std::int64_t xs = args.x_stride ? args.x_stride : args.hidden;
+  auto logits_gemm = [&](std::int64_t r0, std::int64_t c) {
+    return GemmArgs<T>{.a = args.x + r0 * xs, .b = args.weight, .d = logits, .bias = bias, .m = c, .n = args.vocab,
+                       .k = args.hidden, .lda = xs, .op_b = Op::t};
+  };
+  for (std::int64_t r0 = 0; r0 < args.tokens; r0 += l.chunk) {
+    TIGON_CHECK(detail::gemm_check(gemm, logits_gemm(r0, args.tokens - r0 < l.chunk ? args.tokens - r0 : l.chunk)));
+  }
+  TIGON_CHECK(detail::epilogue_bias_copy(args.bias, args.vocab, bias_slot, stream, kOp));
   for (std::int64_t r0 = 0; r0 < args.tokens; r0 += l.chunk) {
     const std::int64_t c = args.tokens - r0 < l.chunk ? args.tokens - r0 : l.chunk;
-    TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = args.x + r0 * xs, .b = args.weight, .d = logits, .bias = bias, .m = c,
-                                      .n = args.vocab, .k = args.hidden, .lda = xs, .op_b = Op::t},
-                          stream));
+    TIGON_CHECK(gemm.gemm(logits_gemm(r0, c), stream));
     auto at = [&](auto* q) { return q != nullptr ? q + r0 : nullptr; };
     const detail::LlpParams<T, I> p{.logits = logits, .dlogits = nullptr,
                                     .targets = args.targets + r0, .rows = c, .vocab = args.vocab,
@@ -453,6 +459,7 @@ template <class Gemm = CublasLtGemm, class T, class I>
 
 // dx, dW (fp32) and db (fp32) from grad_logp / grad_entropy, the logits recomputed chunk by chunk
 // (kept: read from the workspace the forward left them in, and overwritten with their gradient).
+// Every chunk's GEMMs are checked with the back end before anything is written.
 template <class Gemm = CublasLtGemm, class T, class I>
 [[nodiscard]] Status linear_logprob_backward(const LinearLogProbArgs<T, I>& args, Gemm& gemm, cudaStream_t stream) {
   constexpr const char* kOp = "linear_logprob_backward";
@@ -462,23 +469,52 @@ template <class Gemm = CublasLtGemm, class T, class I>
   auto* base = static_cast<unsigned char*>(args.workspace);
   T* logits = reinterpret_cast<T*>(base);
   T* ones = reinterpret_cast<T*>(base + l.ones_offset);
+  T* bias_slot = reinterpret_cast<T*>(base + l.bias_offset);
+  const T* bias = args.keep_logits ? nullptr : detail::epilogue_bias_ptr(args.bias, bias_slot);
   const std::int64_t xs = args.x_stride ? args.x_stride : args.hidden;
   const std::int64_t dxs = args.dx_stride ? args.dx_stride : args.hidden;
+  // One chunk's GEMMs: kRun false only asks the back end whether it can run each.
+  auto chunk_gemms = [&](auto run_c, std::int64_t r0, std::int64_t c, bool logits_gemm) -> Status {
+    auto run = [&](const auto& g) {
+      if constexpr (decltype(run_c)::value) {
+        return gemm.gemm(g, stream);
+      } else {
+        return detail::gemm_check(gemm, g);
+      }
+    };
+    const T* xc = args.x + r0 * xs;
+    if (logits_gemm) {
+      return run(GemmArgs<T>{.a = xc, .b = args.weight, .d = logits, .bias = bias, .m = c, .n = args.vocab,
+                             .k = args.hidden, .lda = xs, .op_b = Op::t});
+    }
+    const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
+    if (args.dx != nullptr) {
+      TIGON_CHECK(run(GemmArgs<T>{.a = logits, .b = args.weight, .d = args.dx + r0 * dxs, .m = c, .n = args.hidden,
+                                  .k = args.vocab, .ldd = dxs}));
+    }
+    if (args.dweight != nullptr) {
+      TIGON_CHECK(run(GemmArgs<T, float>{.a = logits, .b = xc, .c = args.dweight, .d = args.dweight, .m = args.vocab,
+                                         .n = args.hidden, .k = c, .ldb = xs, .op_a = Op::t, .beta = beta}));
+    }
+    if (args.dbias != nullptr) {
+      TIGON_CHECK(run(GemmArgs<T, float>{.a = ones, .b = logits, .c = args.dbias, .d = args.dbias, .m = 1,
+                                         .n = args.vocab, .k = c, .beta = beta}));
+    }
+    return Status();
+  };
+  for (std::int64_t r0 = 0; r0 < args.tokens; r0 += l.chunk) {
+    const std::int64_t c = args.tokens - r0 < l.chunk ? args.tokens - r0 : l.chunk;
+    if (!args.keep_logits) TIGON_CHECK(chunk_gemms(std::false_type{}, r0, c, true));
+    TIGON_CHECK(chunk_gemms(std::false_type{}, r0, c, false));
+  }
   if (args.dbias != nullptr) {
     TIGON_CHECK(detail::fill_ones(ones, l.chunk, stream, kOp));
   }
-  const T* bias = nullptr;
-  if (!args.keep_logits) {
-    TIGON_CHECK(
-        detail::epilogue_bias(args.bias, args.vocab, reinterpret_cast<T*>(base + l.bias_offset), stream, kOp, bias));
-  }
+  if (!args.keep_logits) TIGON_CHECK(detail::epilogue_bias_copy(args.bias, args.vocab, bias_slot, stream, kOp));
   for (std::int64_t r0 = 0; r0 < args.tokens; r0 += l.chunk) {
     const std::int64_t c = args.tokens - r0 < l.chunk ? args.tokens - r0 : l.chunk;
-    const T* xc = args.x + r0 * xs;
     if (!args.keep_logits) {  // kept: the forward's logits are in the workspace
-      TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = xc, .b = args.weight, .d = logits, .bias = bias, .m = c,
-                                        .n = args.vocab, .k = args.hidden, .lda = xs, .op_b = Op::t},
-                            stream));
+      TIGON_CHECK(chunk_gemms(std::true_type{}, r0, c, true));
     }
     auto at = [&](const float* q) { return q != nullptr ? q + r0 : nullptr; };
     const detail::LlpParams<T, I> p{.logits = logits, .dlogits = logits,
@@ -489,23 +525,7 @@ template <class Gemm = CublasLtGemm, class T, class I>
                                     .entropy_in = at(args.entropy), .grad_logp = at(args.grad_logp),
                                     .grad_entropy = at(args.grad_entropy)};
     TIGON_CHECK(detail::llp_launch(p, true, stream, kOp));
-    const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
-    if (args.dx != nullptr) {
-      TIGON_CHECK(gemm.gemm(GemmArgs<T>{.a = logits, .b = args.weight, .d = args.dx + r0 * dxs, .m = c,
-                                        .n = args.hidden, .k = args.vocab, .ldd = dxs},
-                            stream));
-    }
-    if (args.dweight != nullptr) {
-      TIGON_CHECK(gemm.gemm(GemmArgs<T, float>{.a = logits, .b = xc, .c = args.dweight, .d = args.dweight,
-                                               .m = args.vocab, .n = args.hidden, .k = c, .ldb = xs,
-                                               .op_a = Op::t, .beta = beta},
-                            stream));
-    }
-    if (args.dbias != nullptr) {
-      TIGON_CHECK(gemm.gemm(GemmArgs<T, float>{.a = ones, .b = logits, .c = args.dbias, .d = args.dbias,
-                                               .m = 1, .n = args.vocab, .k = c, .beta = beta},
-                            stream));
-    }
+    TIGON_CHECK(chunk_gemms(std::true_type{}, r0, c, false));
   }
   return Status();
 }

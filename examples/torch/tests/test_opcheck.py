@@ -106,3 +106,29 @@ def test_opcheck(ext, seed, name):
     args = _cases()[name]
     op = getattr(ops.ops(), name).default
     torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("name,args,error,arg", [
+    ("rms_norm_fwd", lambda: (_e(4, 64), None, _e(4, 32), None, 1e-6, 0.0, 0), ValueError, "'y'"),
+    ("rms_norm_fwd", lambda: (_e(4, 64), None, _e(4, 64, dtype=F32), None, 1e-6, 0.0, 0), TypeError, "'y'"),
+    ("gated_fwd", lambda: (_e(4, 64), _e(4, 64), _e(2, 64), 0, 1.0, 1.0), ValueError, "'c'"),
+    ("relu2_bwd", lambda: (_e(4, 64), _e(4, 64), _e(4, 64, dtype=F32)), TypeError, "'da'"),
+    ("cross_entropy", lambda: (_e(4, 96), torch.zeros(4, dtype=torch.int64, device=DEVICE), None, None,
+                               _e(4, 95), None, None, None, None, None, -100, 0.0, 0.0, 0.0, 2, 1.0), ValueError,
+     "'dlogits'"),
+    ("add_rms_norm_fwd", lambda: (_e(4, 64), _e(4, 64)[:, :32], None, _e(4, 64), _e(4, 64), None, 1e-6, 0.0, 0),
+     ValueError, "'residual'"),
+])
+def test_fake_kernels_check_what_the_operator_checks(ext, name, args, error, arg):
+    """Under FakeTensorMode (what torch.compile traces with) an operator's fake kernel rejects the
+    shapes and dtypes its CUDA implementation rejects, naming the argument; a good call passes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = getattr(ops.ops(), name).default
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        bad = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args())
+        with pytest.raises(error, match=arg):
+            op(*bad)
+    good = _cases()[name]
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        op(*tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in good))

@@ -30,8 +30,57 @@ def on_device(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+def _rows(op: str, name: str, t, dtype) -> None:
+    """The checks of the C++ rows_of(): a 2-D [rows, cols] tensor of dtype, unit column stride, rows
+    at least cols apart."""
+    if t.dim() != 2:
+        raise ValueError(f"{op}: '{name}' must be 2-D [rows, cols], got {t.dim()}-D")
+    if t.dtype != dtype:
+        raise TypeError(f"{op}: '{name}' has dtype {t.dtype}, expected {dtype}")
+    if t.size(1) > 1 and t.stride(1) != 1:
+        raise ValueError(f"{op}: '{name}' must have unit column stride, got stride {t.stride(1)}")
+    if t.size(0) > 1 and t.stride(0) < t.size(1):
+        raise ValueError(f"{op}: '{name}' has row stride {t.stride(0)} < cols {t.size(1)}")
+
+
+def _like(op: str, ref_name: str, ref, *named) -> None:
+    """Each (name, tensor) of named (None skipped) a [rows, cols] matrix of ref's shape and dtype."""
+    _rows(op, ref_name, ref, ref.dtype)
+    for name, t in zip(named[::2], named[1::2]):
+        if t is None:
+            continue
+        _rows(op, name, t, ref.dtype)
+        if tuple(t.shape) != tuple(ref.shape):
+            raise ValueError(f"{op}: '{name}' has shape {tuple(t.shape)}, '{ref_name}' {tuple(ref.shape)}")
+
+
+def _fake_checks():
+    """Per operator, the shape and dtype checks its CUDA implementation makes before it launches,
+    so that torch.compile and FakeTensorMode reject a bad call when they trace it."""
+    return {
+        "rms_norm_fwd": lambda x, w, y, rstd, *a: _like("tigon.rms_norm_fwd", "x", x, "y", y),
+        "rms_norm_bwd": lambda dy, x, w, rstd, dx, dw, *a: _like("tigon.rms_norm_bwd", "x", x, "dy", dy, "dx", dx),
+        "layer_norm_fwd": lambda x, w, b, y, *a: _like("tigon.layer_norm_fwd", "x", x, "y", y),
+        "layer_norm_bwd": lambda dy, x, w, m, r, dx, *a: _like("tigon.layer_norm_bwd", "x", x, "dy", dy, "dx", dx),
+        "add_rms_norm_fwd": lambda x, res, w, y, s, *a: _like("tigon.add_rms_norm_fwd", "x", x, "residual", res,
+                                                             "y", y, "sum", s),
+        "add_rms_norm_bwd": lambda dy, ds, s, w, r, dx, *a: _like("tigon.add_rms_norm_bwd", "sum", s, "dsum", ds,
+                                                                 "dy", dy, "dx", dx),
+        "gated_fwd": lambda a, b, c, *r: _like("tigon.gated_fwd", "a", a, "b", b, "c", c),
+        "gated_bwd": lambda dc, a, b, da, db, *r: _like("tigon.gated_bwd", "a", a, "b", b, "dc", dc, "da", da,
+                                                        "db", db),
+        "relu2_fwd": lambda a, c: _like("tigon.relu2_fwd", "a", a, "c", c),
+        "relu2_bwd": lambda dc, a, da: _like("tigon.relu2_bwd", "a", a, "dc", dc, "da", da),
+        "cross_entropy": lambda logits, target, cw, go, dlogits, *r: _like("tigon.cross_entropy", "logits", logits,
+                                                                           "dlogits", dlogits),
+        "divergence": lambda s, t, labels, go, dx, *r: _like("tigon.divergence", "student", s, "dx", dx),
+    }
+
+
 def _register_fakes() -> None:
-    """Shape functions for torch.compile: every operator writes only into its arguments."""
+    """Fake (meta) kernels for torch.compile and FakeTensorMode: every operator writes only into its
+    arguments, so each returns None after the shape and dtype checks of its CUDA implementation
+    (_fake_checks) where it has them."""
     global _fakes_registered
     if _fakes_registered:
         return
@@ -55,9 +104,12 @@ def _register_fakes() -> None:
         "scale_rows",
         "divergence",
     ]
+    checks = _fake_checks()
     for name in names:
 
-        def fake(*args, **kwargs):
+        def fake(*args, _check=checks.get(name), **kwargs):
+            if _check is not None:
+                _check(*args)
             return None
 
         torch.library.register_fake(f"tigon::{name}", fake)

@@ -18,6 +18,7 @@
 #include "loss/linear_cross_entropy.cuh"
 #include "loss/linear_divergence.cuh"
 #include "loss/linear_logprob.cuh"
+#include "optim/adamw.cuh"
 
 #if defined(__CUDACC__)
 #include "core/colsum.cuh"

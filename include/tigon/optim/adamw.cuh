@@ -1,0 +1,497 @@
+// tigon/optim/adamw.cuh - the optimizer step as one op: a multi-tensor AdamW (or Adam) over a fixed
+// list of parameters, in one launch a step, with everything that changes between steps (the
+// learning rate, the step count, a gradient scale, a clip factor, the found-inf flag) read from
+// device memory, so that one CUDA graph serves every step.
+//
+// Per element, in fp32 (torch.optim.AdamW(fused=True)'s order of operations), at step t:
+//
+//   g  = grad / grad_scale * clip_factor          (each factor when given)
+//   p -= lr * weight_decay * p                    (AdamW: decoupled; Adam: g += weight_decay * p)
+//   m  = beta1 * m + (1 - beta1) * g
+//   v  = beta2 * v + (1 - beta2) * g * g
+//   p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//
+// p is the parameter (bfloat16, half or float), or its fp32 master copy when one is given (the
+// parameter then receives the master rounded to its dtype); m and v are stored in fp32 or in the
+// parameter's dtype. The rule is a template parameter (AdamWRule by default): a trainer swaps in its
+// own at compile time. Bfloat16 parameters without a master may be rounded stochastically (a hash of
+// the seed, the step and the element's index: deterministic for a given seed).
+//
+// Use: adamw_plan() once for a parameter list (it writes the list into the caller's workspace; run
+// it outside any graph capture), then adamw_step() every step (graph-capturable: no allocation, no
+// host synchronisation, no copy from the host). The step count lives in device memory; adamw_step
+// adds one to it before the update, as torch does. With found_inf set and nonzero (AMP's
+// GradScaler), the step writes nothing and leaves the step count as it was.
+//
+// The header reads in four layers: arguments, math (host + device), kernels, launchers.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "../core/config.hpp"
+#include "../core/dtype.hpp"
+#include "../core/math.hpp"
+#include "../core/status.hpp"
+#include "../core/validate.hpp"
+
+#if defined(__CUDACC__)
+#include "../core/launch.cuh"
+#include "../core/vector.cuh"
+#endif
+
+TIGON_NAMESPACE_BEGIN
+
+// ------------------------------------------------------------------------------------------------
+// 1. Arguments
+// ------------------------------------------------------------------------------------------------
+
+// One parameter tensor: numel contiguous elements of each buffer. S, the moments' dtype: float or P.
+template <class P, class S = float>
+struct AdamWTensor {
+  P* param = nullptr;             // updated in place
+  const P* grad = nullptr;        // the gradient, in the parameter's dtype
+  S* exp_avg = nullptr;           // first moment m
+  S* exp_avg_sq = nullptr;        // second moment v
+  float* master = nullptr;        // fp32 master weights, or null
+  std::int64_t numel = 0;
+};
+
+// The step's constants and the device scalars it reads.
+struct AdamWHyper {
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 1e-2f;
+  bool decoupled = true;  // AdamW; false: Adam with L2 weight decay added to the gradient
+  const float* lr = nullptr;           // device scalar, required
+  float* step = nullptr;               // device scalar, required: the steps taken; the launch adds 1
+  const float* grad_scale = nullptr;   // device scalar or null: gradients are divided by it
+  const float* clip_factor = nullptr;  // device scalar or null: gradients are multiplied by it
+  const float* found_inf = nullptr;    // device scalar or null: nonzero skips the step
+  bool stochastic_rounding = false;    // bfloat16 parameters without a master: round stochastically
+  std::uint64_t seed = 0;              // of the stochastic rounding
+};
+
+// What adamw_plan() wrote and adamw_step() reads: the parameter list in device memory.
+struct AdamWPlan {
+  const void* tensors = nullptr;  // device: AdamWTensor entries with their vector flags
+  const void* chunks = nullptr;   // device: one (tensor, first element) entry per chunk
+  std::int64_t num_chunks = 0;
+  int num_tensors = 0;
+  std::int64_t numel = 0;         // the parameters' total element count
+  int param_dtype = -1, state_dtype = -1;  // what the plan was made for (dtype_traits ids)
+};
+
+// ------------------------------------------------------------------------------------------------
+// 2. Math: one element, in fp32, on host and device
+// ------------------------------------------------------------------------------------------------
+
+// The per-step coefficients every element shares.
+struct AdamWCoeffs {
+  float lr, beta1, beta2, eps, weight_decay;
+  float step_size;     // lr / (1 - beta1^t)
+  float bc2_sqrt;      // sqrt(1 - beta2^t)
+  float grad_factor;   // clip_factor / grad_scale
+  bool decoupled;
+};
+
+namespace adamw_math {
+
+// The coefficients of step t (t >= 1).
+TIGON_HD AdamWCoeffs coeffs(float lr, float beta1, float beta2, float eps, float weight_decay, float t,
+                                   float grad_factor, bool decoupled) {
+  const float bc1 = 1.0f - ::powf(beta1, t);
+  const float bc2 = 1.0f - ::powf(beta2, t);
+  return {lr, beta1, beta2, eps, weight_decay, lr / bc1, ::sqrtf(bc2), grad_factor, decoupled};
+}
+
+}  // namespace adamw_math
+
+// The default rule: AdamW (or Adam) as above. A rule is a struct with
+//   static TIGON_HD void apply(float& p, float g, float& m, float& v, const AdamWCoeffs& c);
+// g already carries the gradient scale and the clip factor.
+struct AdamWRule {
+  static TIGON_HD void apply(float& p, float g, float& m, float& v, const AdamWCoeffs& c) {
+    if (c.weight_decay != 0.0f) {
+      if (c.decoupled) {
+        p -= c.lr * c.weight_decay * p;
+      } else {
+        g += c.weight_decay * p;
+      }
+    }
+    m = c.beta1 * m + (1.0f - c.beta1) * g;
+    v = c.beta2 * v + (1.0f - c.beta2) * g * g;
+    const float denom = ::sqrtf(v) / c.bc2_sqrt + c.eps;
+    p -= c.step_size * m / denom;
+  }
+};
+
+template <class R>
+concept AdamWUpdateRule = requires(float& p, float g, float& m, float& v, const AdamWCoeffs& c) {
+  R::apply(p, g, m, v, c);
+};
+
+namespace adamw_math {
+
+// A 64-bit mix (splitmix64's finaliser) of the seed, the step and the element's index.
+TIGON_HD std::uint32_t hash(std::uint64_t seed, std::uint64_t step, std::uint64_t index) {
+  std::uint64_t z = seed + 0x9e3779b97f4a7c15ull * (step + 1) + 0xbf58476d1ce4e5b9ull * index;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return static_cast<std::uint32_t>(z ^ (z >> 31));
+}
+
+// v rounded to bfloat16 stochastically: up with probability (v - down) / (up - down), with the 16
+// low bits of r as the draw. Infinities and NaN round as to nearest.
+TIGON_HD float stochastic_bf16(float v, std::uint32_t r) {
+  std::uint32_t b;
+  __builtin_memcpy(&b, &v, 4);
+  if ((b & 0x7f800000u) == 0x7f800000u) return round_to<bf16>(v);
+  b = (b + (r & 0xffffu)) & 0xffff0000u;
+  float out;
+  __builtin_memcpy(&out, &b, 4);
+  return out;
+}
+
+}  // namespace adamw_math
+
+// ------------------------------------------------------------------------------------------------
+// Validation and the plan's layout (host)
+// ------------------------------------------------------------------------------------------------
+
+namespace detail {
+
+// Elements per chunk (one block of 256 threads, 16 elements each per trip, 8 trips).
+inline constexpr std::int64_t kAdamWChunk = 32768;
+
+// A tensor as the kernel reads it: the pointers and whether all of them allow 16-byte vectors.
+struct AdamWTensorEntry {
+  void* param;
+  const void* grad;
+  void* exp_avg;
+  void* exp_avg_sq;
+  float* master;
+  std::int64_t numel;
+  int vec;
+  int pad_;
+};
+
+struct AdamWChunkEntry {
+  std::int32_t tensor;
+  std::int32_t chunk;  // the chunk's index within its tensor
+};
+
+inline std::size_t adamw_tensors_bytes(int n) { return round_up<std::size_t>(n * sizeof(AdamWTensorEntry), 256); }
+
+template <class P, class S>
+Status validate_adamw_tensors(const AdamWTensor<P, S>* t, int n, const char* op, std::int64_t& chunks) {
+  static_assert(Element<P>, "parameters are float, half or bfloat16");
+  static_assert(std::is_same_v<S, float> || std::is_same_v<S, P>, "moments are fp32 or the parameters' dtype");
+  using namespace check;
+  chunks = 0;
+  TIGON_CHECK(not_null(t, op, "tensors"));
+  if (n <= 0 || n > (1 << 30)) return Status::error(Errc::invalid_size, op, "num_tensors", "must be in [1, 2^30]");
+  // Every written buffer apart from every other buffer, the gradients included: the byte ranges
+  // sorted and swept (n log n; the tensors of a model number in the thousands).
+  struct Range {
+    std::uintptr_t begin, end;
+    bool written;
+    int tensor;
+    const char* name;
+  };
+  std::vector<Range> ranges;
+  auto add = [&](const void* ptr, std::int64_t elems, std::size_t bytes, bool written, int i, const char* name) {
+    if (ptr == nullptr) return;
+    const auto b = reinterpret_cast<std::uintptr_t>(ptr);
+    ranges.push_back({b, b + static_cast<std::uintptr_t>(elems) * bytes, written, i, name});
+  };
+  for (int i = 0; i < n; ++i) {
+    const AdamWTensor<P, S>& x = t[i];
+    TIGON_CHECK(not_null(x.param, op, "tensors[i].param"));
+    TIGON_CHECK(not_null(x.grad, op, "tensors[i].grad"));
+    TIGON_CHECK(not_null(x.exp_avg, op, "tensors[i].exp_avg"));
+    TIGON_CHECK(not_null(x.exp_avg_sq, op, "tensors[i].exp_avg_sq"));
+    TIGON_CHECK(positive(x.numel, op, "tensors[i].numel"));
+    if (x.numel > (std::int64_t{1} << 46)) {
+      return Status::error(Errc::invalid_size, op, "tensors[i].numel", "must be below 2^46");
+    }
+    chunks += ceil_div<std::int64_t>(x.numel, kAdamWChunk);
+    add(x.param, x.numel, sizeof(P), true, i, "tensors[i].param");
+    add(x.grad, x.numel, sizeof(P), false, i, "tensors[i].grad");
+    add(x.exp_avg, x.numel, sizeof(S), true, i, "tensors[i].exp_avg");
+    add(x.exp_avg_sq, x.numel, sizeof(S), true, i, "tensors[i].exp_avg_sq");
+    add(x.master, x.numel, 4, true, i, "tensors[i].master");
+  }
+  if (chunks > (std::int64_t{1} << 31) - 1) {
+    return Status::error(Errc::invalid_size, op, "tensors", "more than 2^31 - 1 chunks of 32768 elements in all");
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  const Range* last_any = nullptr;      // of the ranges so far, the one reaching furthest
+  const Range* last_written = nullptr;  // of the written ones so far, the one reaching furthest
+  for (const Range& r : ranges) {
+    const Range* hit = (last_written != nullptr && r.begin < last_written->end) ? last_written
+                       : (r.written && last_any != nullptr && r.begin < last_any->end) ? last_any
+                                                                                        : nullptr;
+    if (hit != nullptr) {
+      return Status::error(Errc::aliasing, op, r.written ? r.name : hit->name,
+                           std::string("tensor ") + std::to_string(r.tensor) + "'s " + (r.name + 11) + " overlaps tensor " +
+                               std::to_string(hit->tensor) + "'s " + (hit->name + 11));
+    }
+    if (last_any == nullptr || r.end > last_any->end) last_any = &r;
+    if (r.written && (last_written == nullptr || r.end > last_written->end)) last_written = &r;
+  }
+  return Status();
+}
+
+}  // namespace detail
+
+// Bytes of workspace adamw_plan() needs for a parameter list: the tensor table and one 8-byte
+// entry per chunk of 32768 elements (about 250 KB per billion parameters).
+template <class P, class S>
+[[nodiscard]] Status adamw_workspace_bytes(const AdamWTensor<P, S>* tensors, int num_tensors, std::size_t& bytes) {
+  bytes = 0;
+  std::int64_t chunks = 0;
+  TIGON_CHECK(detail::validate_adamw_tensors(tensors, num_tensors, "adamw_workspace_bytes", chunks));
+  bytes = detail::adamw_tensors_bytes(num_tensors) +
+          round_up<std::size_t>(static_cast<std::size_t>(chunks) * sizeof(detail::AdamWChunkEntry), 256);
+  return Status();
+}
+
+namespace detail {
+
+inline Status validate_adamw_hyper(const AdamWHyper& h, bool stochastic_allowed, const char* op) {
+  using namespace check;
+  TIGON_CHECK(not_null(h.lr, op, "lr"));
+  TIGON_CHECK(not_null(h.step, op, "step"));
+  if (!finite_in(h.beta1, 0.0f, 1.0f) || h.beta1 >= 1.0f) {
+    return Status::error(Errc::invalid_value, op, "beta1", "must be in [0, 1)");
+  }
+  if (!finite_in(h.beta2, 0.0f, 1.0f) || h.beta2 >= 1.0f) {
+    return Status::error(Errc::invalid_value, op, "beta2", "must be in [0, 1)");
+  }
+  if (!finite_in(h.eps, 0.0f)) return Status::error(Errc::invalid_value, op, "eps", "must be finite and >= 0");
+  if (!finite_in(h.weight_decay, 0.0f)) {
+    return Status::error(Errc::invalid_value, op, "weight_decay", "must be finite and >= 0");
+  }
+  if (h.stochastic_rounding && !stochastic_allowed) {
+    return Status::error(Errc::unsupported, op, "stochastic_rounding", "only for bfloat16 parameters");
+  }
+  return Status();
+}
+
+}  // namespace detail
+
+#if defined(__CUDACC__)
+
+// ------------------------------------------------------------------------------------------------
+// 3. Kernels
+// ------------------------------------------------------------------------------------------------
+
+namespace detail {
+
+inline constexpr int kAdamWThreads = 256;
+
+struct AdamWStepParams {
+  const AdamWTensorEntry* tensors;
+  const AdamWChunkEntry* chunks;
+  float beta1, beta2, eps, weight_decay;
+  bool decoupled, stochastic;
+  std::uint64_t seed;
+  const float* lr;
+  const float* step;  // already advanced by adamw_advance_kernel
+  const float* grad_scale;
+  const float* clip_factor;
+  const float* found_inf;
+};
+
+// Adds one to the step count unless found_inf is set: the one launch before the update.
+template <int kDummy = 0>  // a template: a header's kernel needs one definition per program
+TIGON_KERNEL void adamw_advance_kernel(float* step, const float* found_inf) {
+  grid_dependency_sync();
+  if (threadIdx.x == 0 && (found_inf == nullptr || *found_inf == 0.0f)) *step += 1.0f;
+}
+
+// Eight elements from / to 16-byte aligned memory with the streaming hint: one 16-byte access for
+// 16-bit types, two for fp32.
+template <class T>
+TIGON_DEVICE void adamw_load8(const T* p, float (&f)[8]) {
+  if constexpr (sizeof(T) == 2) {
+    to_floats(load_vec_stream<8>(p), f);
+  } else {
+    float lo[4], hi[4];
+    to_floats(load_vec_stream<4>(p), lo);
+    to_floats(load_vec_stream<4>(p + 4), hi);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) f[k] = lo[k], f[k + 4] = hi[k];
+  }
+}
+template <class T>
+TIGON_DEVICE void adamw_store8(T* p, const float (&f)[8]) {
+  if constexpr (sizeof(T) == 2) {
+    store_vec_stream(p, from_floats<T, 8>(f));
+  } else {
+    const float lo[4] = {f[0], f[1], f[2], f[3]}, hi[4] = {f[4], f[5], f[6], f[7]};
+    store_vec_stream(p, from_floats<T, 4>(lo));
+    store_vec_stream(p + 4, from_floats<T, 4>(hi));
+  }
+}
+
+template <class P, class S, class Rule, int kV>
+TIGON_DEVICE void adamw_elements(const AdamWTensorEntry& t, std::int64_t i0, std::int64_t n, const AdamWCoeffs& c,
+                                 bool stochastic, std::uint64_t seed, std::uint64_t step) {
+  P* param = static_cast<P*>(t.param);
+  const P* grad = static_cast<const P*>(t.grad);
+  S* m_ptr = static_cast<S*>(t.exp_avg);
+  S* v_ptr = static_cast<S*>(t.exp_avg_sq);
+  const bool has_master = t.master != nullptr;
+  for (std::int64_t i = i0 + static_cast<std::int64_t>(threadIdx.x) * kV; i < i0 + n;
+       i += static_cast<std::int64_t>(kAdamWThreads) * kV) {
+    float p[kV], g[kV], m[kV], v[kV];
+    if constexpr (kV > 1) {
+      adamw_load8(grad + i, g);
+      adamw_load8(m_ptr + i, m);
+      adamw_load8(v_ptr + i, v);
+      if (has_master) {
+        adamw_load8(t.master + i, p);
+      } else {
+        adamw_load8(param + i, p);
+      }
+    } else {
+      g[0] = to_float(grad[i]);
+      m[0] = to_float(m_ptr[i]);
+      v[0] = to_float(v_ptr[i]);
+      p[0] = has_master ? t.master[i] : to_float(param[i]);
+    }
+#pragma unroll
+    for (int k = 0; k < kV; ++k) Rule::apply(p[k], g[k] * c.grad_factor, m[k], v[k], c);
+    float out[kV];
+#pragma unroll
+    for (int k = 0; k < kV; ++k) {
+      out[k] = p[k];
+      if constexpr (std::is_same_v<P, bf16>) {
+        if (stochastic && !has_master) {
+          out[k] = adamw_math::stochastic_bf16(p[k], adamw_math::hash(seed, step, static_cast<std::uint64_t>(i + k)));
+        }
+      }
+    }
+    if constexpr (kV > 1) {
+      adamw_store8(m_ptr + i, m);
+      adamw_store8(v_ptr + i, v);
+      if (has_master) adamw_store8(t.master + i, p);
+      adamw_store8(param + i, out);
+    } else {
+      m_ptr[i] = from_float<S>(m[0]);
+      v_ptr[i] = from_float<S>(v[0]);
+      if (has_master) t.master[i] = p[0];
+      param[i] = from_float<P>(out[0]);
+    }
+  }
+}
+
+// One block per chunk of kAdamWChunk elements of one tensor; 8 elements per thread per trip
+// (16-bit buffers in one 16-byte access, fp32 ones in two), or one where a pointer of the tensor
+// is not 16-byte aligned; every element is computed once, in the same way: deterministic.
+template <class P, class S, class Rule>
+TIGON_KERNEL void __launch_bounds__(kAdamWThreads) adamw_step_kernel(const AdamWStepParams p) {
+  grid_dependency_sync();
+  if (p.found_inf != nullptr && *p.found_inf != 0.0f) return;
+  const AdamWChunkEntry ce = p.chunks[blockIdx.x];
+  const AdamWTensorEntry t = p.tensors[ce.tensor];
+  const std::int64_t i0 = static_cast<std::int64_t>(ce.chunk) * kAdamWChunk;
+  const std::int64_t n = t.numel - i0 < kAdamWChunk ? t.numel - i0 : kAdamWChunk;
+  const float step = *p.step;
+  float factor = 1.0f;
+  if (p.grad_scale != nullptr) factor /= *p.grad_scale;
+  if (p.clip_factor != nullptr) factor *= *p.clip_factor;
+  const AdamWCoeffs c = adamw_math::coeffs(*p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, step, factor, p.decoupled);
+  const auto step_u = static_cast<std::uint64_t>(step);
+  constexpr int kV = 8;
+  if (t.vec) {
+    const std::int64_t nv = n / kV * kV;
+    adamw_elements<P, S, Rule, kV>(t, i0, nv, c, p.stochastic, p.seed, step_u);
+    adamw_elements<P, S, Rule, 1>(t, i0 + nv, n - nv, c, p.stochastic, p.seed, step_u);
+  } else {
+    adamw_elements<P, S, Rule, 1>(t, i0, n, c, p.stochastic, p.seed, step_u);
+  }
+}
+
+}  // namespace detail
+
+// ------------------------------------------------------------------------------------------------
+// 4. Launchers
+// ------------------------------------------------------------------------------------------------
+
+// Writes the parameter list into `workspace` (adamw_workspace_bytes() of them, 16-byte aligned) with
+// one host-to-device copy on `stream`, and fills `plan`. Run it once per parameter list, outside
+// any graph capture; `tensors` need not outlive the call (the copy is made from a staging buffer
+// that the call waits for).
+template <class P, class S>
+[[nodiscard]] Status adamw_plan(const AdamWTensor<P, S>* tensors, int num_tensors, void* workspace,
+                                std::size_t workspace_bytes, cudaStream_t stream, AdamWPlan& plan) {
+  constexpr const char* kOp = "adamw_plan";
+  plan = AdamWPlan{};
+  std::size_t need = 0;
+  TIGON_CHECK(adamw_workspace_bytes(tensors, num_tensors, need));
+  TIGON_CHECK(check::workspace(workspace, workspace_bytes, need, kOp));
+  const std::size_t tbytes = detail::adamw_tensors_bytes(num_tensors);
+  std::vector<unsigned char> host(need, 0);
+  auto* te = reinterpret_cast<detail::AdamWTensorEntry*>(host.data());
+  auto* ch = reinterpret_cast<detail::AdamWChunkEntry*>(host.data() + tbytes);
+  std::int64_t k = 0, numel = 0;
+  for (int i = 0; i < num_tensors; ++i) {
+    const AdamWTensor<P, S>& t = tensors[i];
+    const bool vec = is_aligned(t.param, 16) && is_aligned(t.grad, 16) && is_aligned(t.exp_avg, 16) &&
+                     is_aligned(t.exp_avg_sq, 16) && is_aligned(t.master, 16);
+    te[i] = {t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.master, t.numel, vec ? 1 : 0, 0};
+    for (std::int64_t c = 0; c * detail::kAdamWChunk < t.numel; ++c) {
+      ch[k++] = {static_cast<std::int32_t>(i), static_cast<std::int32_t>(c)};
+    }
+    numel += t.numel;
+  }
+  TIGON_CHECK(Status::from_cuda(cudaMemcpyAsync(workspace, host.data(), need, cudaMemcpyHostToDevice, stream), kOp,
+                                "cudaMemcpyAsync"));
+  // The staging buffer dies with this call: wait for the copy.
+  TIGON_CHECK(Status::from_cuda(cudaStreamSynchronize(stream), kOp, "cudaStreamSynchronize"));
+  plan.tensors = workspace;
+  plan.chunks = static_cast<const unsigned char*>(workspace) + tbytes;
+  plan.num_chunks = k;
+  plan.num_tensors = num_tensors;
+  plan.numel = numel;
+  plan.param_dtype = static_cast<int>(dtype_traits<P>::id);
+  plan.state_dtype = static_cast<int>(dtype_traits<S>::id);
+  return Status();
+}
+
+
+// One optimizer step over the plan's parameters: the step count advanced, then every element
+// updated with Rule (AdamWRule by default). Two launches; graph-capturable.
+template <class P, class S = float, AdamWUpdateRule Rule = AdamWRule>
+[[nodiscard]] Status adamw_step(const AdamWPlan& plan, const AdamWHyper& h, cudaStream_t stream) {
+  constexpr const char* kOp = "adamw_step";
+  if (plan.tensors == nullptr || plan.chunks == nullptr || plan.num_chunks <= 0) {
+    return Status::error(Errc::invalid_value, kOp, "plan", "is empty: make it with adamw_plan()");
+  }
+  if (plan.param_dtype != static_cast<int>(dtype_traits<P>::id) ||
+      plan.state_dtype != static_cast<int>(dtype_traits<S>::id)) {
+    return Status::error(Errc::invalid_value, kOp, "plan", "was made for other parameter or moment dtypes");
+  }
+  TIGON_CHECK(detail::validate_adamw_hyper(h, std::is_same_v<P, bf16>, kOp));
+  TIGON_CHECK(detail::launch(kOp, detail::adamw_advance_kernel<0>, {dim3(1), dim3(32), 0, stream}, h.step,
+                             h.found_inf));
+  const detail::AdamWStepParams p{static_cast<const detail::AdamWTensorEntry*>(plan.tensors),
+                                  static_cast<const detail::AdamWChunkEntry*>(plan.chunks),
+                                  h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled, h.stochastic_rounding,
+                                  h.seed, h.lr, h.step, h.grad_scale, h.clip_factor, h.found_inf};
+  return detail::launch(kOp, detail::adamw_step_kernel<P, S, Rule>,
+                        {dim3(static_cast<unsigned>(plan.num_chunks)), dim3(detail::kAdamWThreads), 0, stream}, p);
+}
+
+#endif  // __CUDACC__
+
+TIGON_NAMESPACE_END

@@ -1,0 +1,114 @@
+// Argument validation of the AdamW step, its plan and its workspace query; runs without a GPU.
+// Every rejection names its argument and happens before anything touches the device.
+#include <catch2/catch.hpp>
+
+#include <string>
+
+#include <tigon/optim/adamw.cuh>
+
+using namespace tigon;
+
+namespace {
+alignas(256) bf16 param[3][1000];
+alignas(256) bf16 grad[3][1000];
+alignas(256) float m[3][1000];
+alignas(256) float v[3][1000];
+alignas(256) float master[3][1000];
+
+AdamWTensor<bf16> tensor(int i, std::int64_t n = 1000) {
+  return {.param = param[i], .grad = grad[i], .exp_avg = m[i], .exp_avg_sq = v[i], .numel = n};
+}
+
+void expect(const Status& s, Errc code, const char* arg) {
+  INFO(s.message());
+  CHECK(s.code() == code);
+  CHECK(std::string(s.argument()) == arg);
+}
+}  // namespace
+
+TEST_CASE("adamw: the workspace of a parameter list", "[adamw][validation]") {
+  alignas(256) static bf16 bp[40000], bg[40000];
+  alignas(256) static float bm[40000], bv[40000];
+  AdamWTensor<bf16> t[3] = {tensor(0), tensor(1),
+                            {.param = bp, .grad = bg, .exp_avg = bm, .exp_avg_sq = bv, .numel = 40000}};
+  std::size_t bytes = 0;
+  REQUIRE(adamw_workspace_bytes(t, 2, bytes).ok());
+  // Two tensor entries (256 bytes rounded) and two chunks of 8 bytes (256 rounded).
+  CHECK(bytes == 256 + 256);
+  REQUIRE(adamw_workspace_bytes(t, 3, bytes).ok());
+  CHECK(bytes == 256 + 256);  // 40000 elements: two chunks of 32768; four chunks in all
+}
+
+TEST_CASE("adamw: a parameter list is rejected by name", "[adamw][validation]") {
+  std::size_t bytes = 0;
+  AdamWTensor<bf16> t[2] = {tensor(0), tensor(1)};
+  expect(adamw_workspace_bytes(t, 0, bytes), Errc::invalid_size, "num_tensors");
+  expect(adamw_workspace_bytes<bf16, float>(nullptr, 1, bytes), Errc::null_pointer, "tensors");
+  auto bad = t[1];
+  bad.grad = nullptr;
+  AdamWTensor<bf16> u[2] = {t[0], bad};
+  expect(adamw_workspace_bytes(u, 2, bytes), Errc::null_pointer, "tensors[i].grad");
+  bad = t[1];
+  bad.numel = 0;
+  u[1] = bad;
+  expect(adamw_workspace_bytes(u, 2, bytes), Errc::invalid_size, "tensors[i].numel");
+  // Tensor 1's parameter inside tensor 0's first moment.
+  bad = t[1];
+  bad.param = reinterpret_cast<bf16*>(m[0] + 10);
+  u[1] = bad;
+  expect(adamw_workspace_bytes(u, 2, bytes), Errc::aliasing, "tensors[i].param");
+  // A moment over a gradient (read only, but the step writes the moment).
+  bad = t[1];
+  bad.exp_avg_sq = reinterpret_cast<float*>(grad[0]);
+  u[1] = bad;
+  expect(adamw_workspace_bytes(u, 2, bytes), Errc::aliasing, "tensors[i].exp_avg_sq");
+  // The master copy over the second moment of the same tensor.
+  bad = t[1];
+  bad.master = v[1] + 500;
+  u[1] = bad;
+  expect(adamw_workspace_bytes(u, 2, bytes), Errc::aliasing, "tensors[i].master");
+  // Two tensors sharing one gradient is fine (nothing writes it); masters of their own are fine.
+  bad = t[1];
+  bad.grad = grad[0];
+  bad.master = master[1];
+  u[1] = bad;
+  CHECK(adamw_workspace_bytes(u, 2, bytes).ok());
+  // The plan wants its workspace.
+  AdamWPlan plan;
+  expect(adamw_plan(t, 2, nullptr, 0, nullptr, plan), Errc::null_pointer, "workspace");
+  alignas(16) static unsigned char ws[256];
+  expect(adamw_plan(t, 2, ws, sizeof(ws), nullptr, plan), Errc::workspace_too_small, "workspace_bytes");
+  CHECK(plan.num_chunks == 0);
+}
+
+TEST_CASE("adamw: the step's constants and device scalars are rejected by name", "[adamw][validation]") {
+  alignas(16) static float lr = 1e-3f, step = 0.0f;
+  AdamWHyper h{.lr = &lr, .step = &step};
+  CHECK(detail::validate_adamw_hyper(h, true, "adamw_step").ok());
+  auto bad = h;
+  bad.lr = nullptr;
+  expect(detail::validate_adamw_hyper(bad, true, "adamw_step"), Errc::null_pointer, "lr");
+  bad = h;
+  bad.step = nullptr;
+  expect(detail::validate_adamw_hyper(bad, true, "adamw_step"), Errc::null_pointer, "step");
+  bad = h;
+  bad.beta1 = 1.0f;
+  expect(detail::validate_adamw_hyper(bad, true, "adamw_step"), Errc::invalid_value, "beta1");
+  bad = h;
+  bad.beta2 = -0.5f;
+  expect(detail::validate_adamw_hyper(bad, true, "adamw_step"), Errc::invalid_value, "beta2");
+  bad = h;
+  bad.eps = __builtin_nanf("");
+  expect(detail::validate_adamw_hyper(bad, true, "adamw_step"), Errc::invalid_value, "eps");
+  bad = h;
+  bad.weight_decay = -1.0f;
+  expect(detail::validate_adamw_hyper(bad, true, "adamw_step"), Errc::invalid_value, "weight_decay");
+  bad = h;
+  bad.stochastic_rounding = true;
+  expect(detail::validate_adamw_hyper(bad, false, "adamw_step"), Errc::unsupported, "stochastic_rounding");
+  // A step on an empty plan, or on a plan made for other dtypes, is rejected before any launch.
+  expect(adamw_step<bf16>(AdamWPlan{}, h, nullptr), Errc::invalid_value, "plan");
+  AdamWPlan other{.tensors = m, .chunks = v, .num_chunks = 1, .num_tensors = 1, .numel = 1,
+                  .param_dtype = static_cast<int>(DType::f32), .state_dtype = static_cast<int>(DType::f32)};
+  expect(adamw_step<bf16>(other, h, nullptr), Errc::invalid_value, "plan");
+}

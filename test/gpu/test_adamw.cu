@@ -252,4 +252,42 @@ TEST_CASE("adamw: a captured step replays as the eager step", "[adamw][gpu][grap
   delete wb;
 }
 
+TEST_CASE("adamw: grad_norm_clip's norm, factor and determinism; the clipped step", "[adamw][gpu]") {
+  Model<bf16, float> model({5, 1000, 40003, 70000}, false, 1);
+  std::size_t bytes = 0;
+  TIGON_OK(adamw_workspace_bytes(model.tensors.data(), 4, bytes));
+  DeviceBuffer<unsigned char> ws(bytes);
+  AdamWPlan plan;
+  TIGON_OK(adamw_plan(model.tensors.data(), 4, ws.ptr, bytes, nullptr, plan));
+  DeviceBuffer<unsigned char> nws(grad_norm_workspace_bytes(plan));
+  DeviceBuffer<float> out(4);  // norm, factor, lr, step
+  out.upload(std::vector<float>{0.0f, 0.0f, 1e-2f, 0.0f});
+  double sq = 0;
+  for (const auto& g : model.hg)
+    for (float x : g) sq += double(x) * x;
+  const double norm = std::sqrt(sq);
+  const float max_norm = static_cast<float>(norm / 4);
+  TIGON_OK((grad_norm_clip<bf16, float>(plan, max_norm, out.ptr, out.ptr + 1, nws.ptr, nws.count, nullptr)));
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto first = out.download();
+  CHECK(std::abs(first[0] - norm) <= 1e-5 * norm);
+  CHECK(first[1] == Approx(max_norm / (first[0] + 1e-6f)).epsilon(1e-6));
+  TIGON_OK((grad_norm_clip<bf16, float>(plan, max_norm, out.ptr, out.ptr + 1, nws.ptr, nws.count, nullptr)));
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto second = out.download();
+  CHECK(std::memcmp(first.data(), second.data(), 2 * sizeof(float)) == 0);  // deterministic
+  // A norm under max_norm: factor 1.
+  TIGON_OK((grad_norm_clip<bf16, float>(plan, static_cast<float>(norm * 4), nullptr, out.ptr + 1, nws.ptr, nws.count,
+                                        nullptr)));
+  CUDA_OK(cudaDeviceSynchronize());
+  CHECK(out.download()[1] == 1.0f);
+  // The step with the clip factor of the first call.
+  out.upload(first);
+  const AdamWHyper h{.lr = out.ptr + 2, .step = out.ptr + 3, .clip_factor = out.ptr + 1};
+  TIGON_OK((adamw_step<bf16, float>(plan, h, nullptr)));
+  model.host_step(h, 1e-2f, 1.0f, first[1]);
+  CUDA_OK(cudaDeviceSynchronize());
+  CHECK(model.compare(1.0 / 128) == 0);
+}
+
 GPU_TEST_MAIN

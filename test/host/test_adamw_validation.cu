@@ -112,3 +112,22 @@ TEST_CASE("adamw: the step's constants and device scalars are rejected by name",
                   .param_dtype = static_cast<int>(DType::f32), .state_dtype = static_cast<int>(DType::f32)};
   expect(adamw_step<bf16>(other, h, nullptr), Errc::invalid_value, "plan");
 }
+
+TEST_CASE("grad_norm_clip: bad arguments are rejected by name", "[adamw][validation]") {
+  alignas(256) static unsigned char table[1024];
+  alignas(256) static unsigned char ws[1024];
+  alignas(16) static float out[2];
+  const AdamWPlan plan{.tensors = table, .chunks = table + 256, .num_chunks = 3, .num_tensors = 1, .numel = 70000,
+                       .param_dtype = static_cast<int>(DType::bf16), .state_dtype = static_cast<int>(DType::f32)};
+  CHECK(grad_norm_workspace_bytes(plan) == 256);
+  expect(grad_norm_clip<bf16>(AdamWPlan{}, 1.0f, out, out + 1, ws, sizeof(ws), nullptr), Errc::invalid_value, "plan");
+  expect(grad_norm_clip<float>(plan, 1.0f, out, out + 1, ws, sizeof(ws), nullptr), Errc::invalid_value, "plan");
+  expect(grad_norm_clip<bf16>(plan, 0.0f, out, out + 1, ws, sizeof(ws), nullptr), Errc::invalid_value, "max_norm");
+  expect(grad_norm_clip<bf16>(plan, __builtin_nanf(""), out, out + 1, ws, sizeof(ws), nullptr), Errc::invalid_value,
+         "max_norm");
+  expect(grad_norm_clip<bf16>(plan, 1.0f, nullptr, nullptr, ws, sizeof(ws), nullptr), Errc::null_pointer, "norm");
+  expect(grad_norm_clip<bf16>(plan, 1.0f, out, out + 1, ws, 16, nullptr), Errc::workspace_too_small,
+         "workspace_bytes");
+  expect(grad_norm_clip<bf16>(plan, 1.0f, out, out + 1, table + 256, 256, nullptr), Errc::aliasing, "workspace");
+  expect(grad_norm_clip<bf16>(plan, 1.0f, out, out, ws, sizeof(ws), nullptr), Errc::aliasing, "factor");
+}

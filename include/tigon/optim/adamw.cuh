@@ -19,7 +19,10 @@
 //
 // Use: adamw_plan() once for a parameter list (it writes the list into the caller's workspace; run
 // it outside any graph capture), then adamw_step() every step (graph-capturable: no allocation, no
-// host synchronisation, no copy from the host). The step count lives in device memory; adamw_step
+// host synchronisation, no copy from the host). grad_norm_clip() before it computes the gradients'
+// global L2 norm and the clip factor min(1, max_norm / (norm + 1e-6)) into device memory, which
+// the step applies through AdamWHyper::clip_factor: the clip costs one read of the gradients and
+// no pass of its own over them. The step count lives in device memory; adamw_step
 // adds one to it before the update, as torch does. With found_inf set and nonzero (AMP's
 // GradScaler), the step writes nothing and leaves the step count as it was.
 //
@@ -41,6 +44,8 @@
 #include "../core/validate.hpp"
 
 #if defined(__CUDACC__)
+#include <cub/block/block_reduce.cuh>
+
 #include "../core/launch.cuh"
 #include "../core/vector.cuh"
 #endif
@@ -287,6 +292,11 @@ inline Status validate_adamw_hyper(const AdamWHyper& h, bool stochastic_allowed,
 
 }  // namespace detail
 
+// Bytes of workspace grad_norm_clip() needs for a plan: one float per chunk.
+inline std::size_t grad_norm_workspace_bytes(const AdamWPlan& plan) {
+  return round_up<std::size_t>(static_cast<std::size_t>(plan.num_chunks > 0 ? plan.num_chunks : 0) * 4, 256);
+}
+
 #if defined(__CUDACC__)
 
 // ------------------------------------------------------------------------------------------------
@@ -421,6 +431,56 @@ TIGON_KERNEL void __launch_bounds__(kAdamWThreads) adamw_step_kernel(const AdamW
   }
 }
 
+// The sum of the squares of one chunk's gradient elements, in fp32 per thread and a fixed block
+// reduction (deterministic), into partials[chunk].
+template <class P>
+TIGON_KERNEL void __launch_bounds__(kAdamWThreads) grad_sq_sum_kernel(const AdamWTensorEntry* tensors,
+                                                                       const AdamWChunkEntry* chunks,
+                                                                       float* partials) {
+  grid_dependency_sync();
+  const AdamWChunkEntry ce = chunks[blockIdx.x];
+  const AdamWTensorEntry t = tensors[ce.tensor];
+  const std::int64_t i0 = static_cast<std::int64_t>(ce.chunk) * kAdamWChunk;
+  const std::int64_t n = t.numel - i0 < kAdamWChunk ? t.numel - i0 : kAdamWChunk;
+  const P* g = static_cast<const P*>(t.grad) + i0;
+  float s = 0.0f;
+  std::int64_t done = 0;
+  if (t.vec) {
+    done = n / 8 * 8;
+    for (std::int64_t i = static_cast<std::int64_t>(threadIdx.x) * 8; i < done; i += kAdamWThreads * 8) {
+      float f[8];
+      adamw_load8(g + i, f);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) s = fmaf(f[k], f[k], s);
+    }
+  }
+  for (std::int64_t i = done + threadIdx.x; i < n; i += kAdamWThreads) {
+    const float f = to_float(g[i]);
+    s = fmaf(f, f, s);
+  }
+  using Reduce = cub::BlockReduce<float, kAdamWThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const float total = Reduce(tmp).Sum(s);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
+// The chunks' partial sums added in a fixed order (fp64), the norm and the clip factor written.
+template <int kThreads>
+TIGON_KERNEL void __launch_bounds__(kThreads) grad_norm_finish_kernel(const float* partials, std::int64_t n,
+                                                                      float max_norm, float* norm, float* factor) {
+  grid_dependency_sync();
+  double s = 0.0;
+  for (std::int64_t i = threadIdx.x; i < n; i += kThreads) s += partials[i];
+  using Reduce = cub::BlockReduce<double, kThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const double total = Reduce(tmp).Sum(s);
+  if (threadIdx.x == 0) {
+    const float nv = static_cast<float>(::sqrt(total));
+    if (norm != nullptr) *norm = nv;
+    if (factor != nullptr) *factor = fminf(1.0f, max_norm / (nv + 1e-6f));
+  }
+}
+
 }  // namespace detail
 
 // ------------------------------------------------------------------------------------------------
@@ -490,6 +550,50 @@ template <class P, class S = float, AdamWUpdateRule Rule = AdamWRule>
                                   h.seed, h.lr, h.step, h.grad_scale, h.clip_factor, h.found_inf};
   return detail::launch(kOp, detail::adamw_step_kernel<P, S, Rule>,
                         {dim3(static_cast<unsigned>(plan.num_chunks)), dim3(detail::kAdamWThreads), 0, stream}, p);
+}
+
+// The global L2 norm of the plan's gradients into *norm, and the clip factor
+// min(1, max_norm / (norm + 1e-6)) (torch.nn.utils.clip_grad_norm_'s) into *factor (either may be
+// null), both device scalars: pass factor to adamw_step as AdamWHyper::clip_factor. Two launches,
+// deterministic (a fixed reduction order), graph-capturable; grad_norm_workspace_bytes(plan) of
+// workspace. A non-finite gradient gives a non-finite norm and factor (a NaN factor makes the step
+// write NaN: check the norm, or use found_inf, to skip such a step).
+template <class P, class S = float>
+[[nodiscard]] Status grad_norm_clip(const AdamWPlan& plan, float max_norm, float* norm, float* factor,
+                                    void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+  constexpr const char* kOp = "grad_norm_clip";
+  if (plan.tensors == nullptr || plan.chunks == nullptr || plan.num_chunks <= 0) {
+    return Status::error(Errc::invalid_value, kOp, "plan", "is empty: make it with adamw_plan()");
+  }
+  if (plan.param_dtype != static_cast<int>(dtype_traits<P>::id) ||
+      plan.state_dtype != static_cast<int>(dtype_traits<S>::id)) {
+    return Status::error(Errc::invalid_value, kOp, "plan", "was made for other parameter or moment dtypes");
+  }
+  if (!check::finite_in(max_norm, 0.0f, __builtin_huge_valf(), true)) {
+    return Status::error(Errc::invalid_value, kOp, "max_norm", "must be finite and > 0");
+  }
+  if (norm == nullptr && factor == nullptr) {
+    return Status::error(Errc::null_pointer, kOp, "norm", "nothing to compute: give norm or factor");
+  }
+  TIGON_CHECK(check::workspace(workspace, workspace_bytes, grad_norm_workspace_bytes(plan), kOp));
+  {  // the norm, the factor and the workspace apart from each other and from the plan's table
+    using namespace check;
+    const auto table = static_cast<std::int64_t>(detail::adamw_tensors_bytes(plan.num_tensors) +
+                                                 static_cast<std::size_t>(plan.num_chunks) *
+                                                     sizeof(detail::AdamWChunkEntry));
+    const NamedView outs[] = {{vector_view(workspace, static_cast<std::int64_t>(workspace_bytes), 1), "workspace"},
+                              {vector_view(norm, 1, 4), "norm"},
+                              {vector_view(factor, 1, 4), "factor"}};
+    const NamedView ins[] = {{vector_view(plan.tensors, table, 1), "plan"}};
+    TIGON_CHECK(buffers_disjoint(outs, ins, kOp));
+  }
+  auto* partials = static_cast<float*>(workspace);
+  TIGON_CHECK(detail::launch(kOp, detail::grad_sq_sum_kernel<P>,
+                             {dim3(static_cast<unsigned>(plan.num_chunks)), dim3(detail::kAdamWThreads), 0, stream},
+                             static_cast<const detail::AdamWTensorEntry*>(plan.tensors),
+                             static_cast<const detail::AdamWChunkEntry*>(plan.chunks), partials));
+  return detail::launch(kOp, detail::grad_norm_finish_kernel<1024>, {dim3(1), dim3(1024), 0, stream},
+                        static_cast<const float*>(partials), plan.num_chunks, max_norm, norm, factor);
 }
 
 #endif  // __CUDACC__

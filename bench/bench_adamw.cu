@@ -54,7 +54,8 @@ void BM_adamw(benchmark::State& st) {
   const float init[2] = {1e-4f, 0.0f};
   BENCH_CUDA(cudaMemcpy(scalars, init, sizeof(init), cudaMemcpyHostToDevice));
   const tigon::AdamWHyper h{.lr = scalars, .step = scalars + 1};
-  const double per_elem = 2.0 * (2 * sizeof(bf16)) + 3.0 * 2 * sizeof(S) - 2.0 * sizeof(bf16);  // 22 or 14
+  // p, g read and p written (bf16); m, v read and written (S): 22 bytes with fp32 moments, 14 with bf16.
+  const double per_elem = 3.0 * sizeof(bf16) + 4.0 * sizeof(S);
   const std::string name = std::string("adamw step, bf16 params, ") + (sizeof(S) == 4 ? "fp32" : "bf16") +
                            " moments, LLaMA-3-8B with " + std::to_string(st.range(0)) + " layers (" +
                            std::to_string(total / 1000000) + " M params)";

@@ -546,7 +546,7 @@ void run_ungated(std::int64_t rows, std::int64_t cols, std::int64_t pad, std::in
       }
       const float x = to_float(ah[i]);
       const float rc = round_to<T>(Act::value(x));
-      const float rd = round_to<T>(to_float(dch[i]) * Act::derivative(x));
+      const float rd = round_to<T>(gated_math::activation_backward<Act>(to_float(dch[i]), x));
       const float gc = to_float(ch[i]), gd = to_float(dah[i]);
       auto off = [&](float g, float want) {
         if (exact) return !(g == want || (std::isnan(g) && std::isnan(want)));

@@ -35,9 +35,9 @@ TEST_CASE("adamw math: the rule follows torch's AdamW and Adam over many steps",
   std::mt19937 gen(3);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (bool decoupled : {true, false}) {
-    for (float wd : {0.0f, 0.1f}) {
+    for (double wd : {0.0, 0.1}) {
       INFO((decoupled ? "AdamW" : "Adam") << " weight decay " << wd);
-      const float lr = 1e-2f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
+      const double lr = 1e-2, b1 = 0.9, b2 = 0.999, eps = 1e-8;
       float p = 0.5f, m = 0.0f, v = 0.0f;
       Ref r{0.5};
       double worst = 0;
@@ -56,17 +56,17 @@ TEST_CASE("adamw math: the rule follows torch's AdamW and Adam over many steps",
 }
 
 TEST_CASE("adamw math: the coefficients and the gradient factor", "[adamw][math]") {
-  const AdamWCoeffs c = adamw_math::coeffs(1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 1.0f, 0.25f, true);
+  const AdamWCoeffs c = adamw_math::coeffs(1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0f, 0.25f, true);
   CHECK(c.step_size == Approx(1e-3 / 0.1).epsilon(1e-5));
   CHECK(c.bc2_sqrt == Approx(std::sqrt(0.001)).epsilon(1e-4));
   CHECK(c.grad_factor == 0.25f);
   // The first step moves every parameter by about lr (m / sqrt(v) = sign(g) after bias correction).
   float p = 1.0f, m = 0.0f, v = 0.0f;
-  AdamWRule::apply(p, 3.0f, m, v, adamw_math::coeffs(1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 1.0f, 1.0f, true));
+  AdamWRule::apply(p, 3.0f, m, v, adamw_math::coeffs(1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0f, 1.0f, true));
   CHECK(p == Approx(1.0 - 1e-3).epsilon(1e-6));
   // A zero gradient with zero moments leaves a parameter unchanged (no 0 / 0).
   p = 2.0f, m = 0.0f, v = 0.0f;
-  AdamWRule::apply(p, 0.0f, m, v, adamw_math::coeffs(1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 1.0f, 1.0f, true));
+  AdamWRule::apply(p, 0.0f, m, v, adamw_math::coeffs(1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0f, 1.0f, true));
   CHECK(p == 2.0f);
 }
 

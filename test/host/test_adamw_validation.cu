@@ -98,7 +98,7 @@ TEST_CASE("adamw: the step's constants and device scalars are rejected by name",
   bad.beta2 = -0.5f;
   expect(detail::validate_adamw_hyper(bad, true, "adamw_step"), Errc::invalid_value, "beta2");
   bad = h;
-  bad.eps = __builtin_nanf("");
+  bad.eps = __builtin_nan("");
   expect(detail::validate_adamw_hyper(bad, true, "adamw_step"), Errc::invalid_value, "eps");
   bad = h;
   bad.weight_decay = -1.0f;

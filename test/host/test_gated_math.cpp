@@ -313,9 +313,13 @@ TEST_CASE("gated math: the squared ReLU and the ungated activation", "[gated][ma
   CHECK(ReluSquared::derivative(0.0f) == 0.0f);
   CHECK(ReluSquared::value(-0.0f) == 0.0f);
   CHECK(!std::signbit(ReluSquared::value(-0.0f)));
-  // As PyTorch's relu then square: a NaN propagates forward; relu's backward passes nothing for it.
+  // As PyTorch's relu then square: a NaN propagates forward and backward (relu's backward passes
+  // the gradient where its output is not <= 0); a dead unit passes nothing, even an infinite dc.
   CHECK(std::isnan(ReluSquared::value(nan)));
-  CHECK(ReluSquared::derivative(nan) == 0.0f);
+  CHECK(std::isnan(gated_math::activation_backward<ReluSquared>(1.0f, nan)));
+  CHECK(gated_math::activation_backward<ReluSquared>(INFINITY, -1.0f) == 0.0f);
+  CHECK(gated_math::activation_backward<ReluSquared>(INFINITY, 0.0f) == 0.0f);
+  CHECK(gated_math::activation_backward<ReluSquared>(-INFINITY, 2.0f) == -INFINITY);
   CHECK(std::isinf(ReluSquared::value(3e38f)));
   float v = 0, d = 0;
   activation_value_and_derivative<ReluSquared>(1.5f, v, d);

@@ -230,3 +230,18 @@ TEST_CASE("linear_logprob checks every GEMM with the back end before its first w
     }
   }
 }
+
+TEST_CASE("a GEMM back end without check() is refused products with a bias", "[llp][validation]") {
+  // CountingGemm predates GemmArgs::bias: it would run the logits GEMM without adding the bias.
+  alignas(256) static bf16 bias[kV];
+  auto a = good();
+  a.bias = bias;
+  poison_outputs();
+  CountingGemm g;
+  const Status s = linear_logprob_forward(a, g, nullptr);
+  INFO(s.message());
+  CHECK(s.code() == Errc::unsupported);
+  CHECK(std::string(s.argument()) == "bias");
+  CHECK(g.calls == 0);
+  CHECK(untouched(logp, sizeof(logp)));
+}

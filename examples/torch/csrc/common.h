@@ -70,6 +70,9 @@ inline Rows rows_of(const Tensor& t, const Tensor& ref, at::ScalarType dtype, co
   TORCH_CHECK_VALUE(t.size(1) <= 1 || t.stride(1) == 1, op, ": '", name,
                     "' must have unit column stride, got stride ", t.stride(1));
   Rows r{t.data_ptr(), t.size(0), t.size(1), t.size(0) <= 1 ? 0 : t.stride(0)};
+  // A multi-row tensor with row stride 0 (expanded rows) would read as contiguous: rejected.
+  TORCH_CHECK_VALUE(t.size(0) <= 1 || t.stride(0) != 0, op, ": '", name,
+                    "' has row stride 0 (expanded rows); make it contiguous");
   TORCH_CHECK_VALUE(r.stride == 0 || r.stride >= r.cols, op, ": '", name, "' has row stride ",
                     r.stride, " < cols ", r.cols);
   return r;

@@ -193,7 +193,8 @@ def relu2_fwd(a, c):
 
 
 def relu2_bwd(dc, a, da):
-    da.copy_((dc.float() * (2 * torch.relu(a.float()))).to(da.dtype))
+    r = torch.relu(a.float())  # autograd's relu then square: the gradient passes where r is not <= 0
+    da.copy_(torch.where(r <= 0, torch.zeros_like(r), dc.float() * (2 * r)).to(da.dtype))
 
 
 def _ce(x, target, class_weights, grad_output, ignore_index, smoothing, z, cap, reduction, grad_scale,

@@ -93,12 +93,13 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps=None, ref_rejected_l
 _PAIR_CHUNK_TOKENS = 2048
 
 
-def _kept_bytes(tokens, vocab, elem):
+def _kept_bytes(tokens, vocab, elem, bias=False):
     """The workspace tigon.linear_logprob keeps its logits in (linear_logprob_workspace_bytes with
-    keep_logits: all the tokens' logits and a ones vector, each rounded up to 256 bytes)."""
+    keep_logits: all the tokens' logits, with a bias a slot for its aligned copy, and a ones vector,
+    each rounded up to 256 bytes)."""
     def up(n):
         return (n + 255) // 256 * 256
-    return up(tokens * vocab * elem) + up(tokens * elem)
+    return up(tokens * vocab * elem) + (up(vocab * elem) if bias else 0) + up(tokens * elem)
 
 
 class _FusedPairPreference(torch.autograd.Function):
@@ -136,7 +137,7 @@ class _FusedPairPreference(torch.autograd.Function):
             xc = torch.cat([x[i0:i1], x[n + i0:n + i1]]).reshape(-1, H).contiguous()
             tc = torch.cat([target[i0:i1], target[n + i0:n + i1]]).reshape(-1).contiguous()
             rows = xc.shape[0]
-            need = _kept_bytes(rows, vocab, x.element_size())
+            need = _kept_bytes(rows, vocab, x.element_size(), b is not None)
             if kept is None or kept.numel() < need:
                 kept = torch.empty(need, dtype=torch.uint8, device=dev)
             logp = torch.empty(rows, dtype=torch.float32, device=dev)

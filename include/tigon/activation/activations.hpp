@@ -14,7 +14,11 @@
 //     static TIGON_HD void value_and_derivative(float a, float& v, float& d);
 //
 // which the backward then calls instead of the two functions, to share their common part (the
-// built-in functors do: the sigmoid of SiLU, the tanh or erf of GELU).
+// built-in functors do: the sigmoid of SiLU, the tanh or erf of GELU), and
+//
+//     static TIGON_HD float backward(float dc, float a);   // dc * act'(a), as autograd composes it
+//
+// which the ungated backward (activation_backward) then calls instead of dc * derivative(a).
 //
 // The built-ins use the precise single-precision functions (expf, tanhf, erff), never the fast
 // intrinsics, so that results do not depend on -use_fast_math.
@@ -102,17 +106,22 @@ struct GeluErf {
 //   act(a) = max(a, 0)^2,   d/da = 2 max(a, 0)
 // Both are exact in fp32 up to the square's one rounding, so a 16-bit result rounded from them is
 // the module's bit for bit (2 max(a, 0) is exact, so dc * act'(a) rounds once, as autograd's does).
-// As PyTorch's: a NaN input gives a NaN value (relu propagates it) and a zero derivative (relu's
-// backward passes the gradient only where its output is > 0).
+// backward() is that gradient as autograd composes it, edge cases included: relu's backward passes
+// dc * 2r only where r = relu(a) > 0 or is NaN (a NaN input gives a NaN gradient, a dead unit a zero
+// one even for an infinite dc); the ungated op uses it.
 struct ReluSquared {
   static TIGON_HD float value(float a) {
-    const float r = a < 0.0f ? 0.0f : a;
+    const float r = a < 0.0f ? 0.0f : a;  // relu; NaN stays NaN
     return r * r;
   }
   static TIGON_HD float derivative(float a) { return a > 0.0f ? 2.0f * a : 0.0f; }
   static TIGON_HD void value_and_derivative(float a, float& v, float& d) {
     v = value(a);
     d = derivative(a);
+  }
+  static TIGON_HD float backward(float dc, float a) {
+    const float r = a < 0.0f ? 0.0f : a;
+    return r <= 0.0f ? 0.0f : dc * (2.0f * r);
   }
 };
 

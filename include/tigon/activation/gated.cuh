@@ -145,7 +145,11 @@ TIGON_HD float activation_forward(float a) {
 }
 template <Activation Act>
 TIGON_HD float activation_backward(float dc, float a) {
-  return dc * Act::derivative(a);
+  if constexpr (requires(float x) { Act::backward(x, x); }) {
+    return Act::backward(dc, a);  // the functor's own composition (the squared ReLU's edge cases)
+  } else {
+    return dc * Act::derivative(a);
+  }
 }
 
 }  // namespace gated_math

@@ -8,9 +8,10 @@
 // `Status gemm(const GemmArgs<TAB, TD>&, cudaStream_t)`; templates that compose GEMMs take it as a
 // parameter so a trainer can plug in its own. A back end may also have
 // `Status check(const GemmArgs<TAB, TD>&)`: whether it can run that product (arguments, an
-// algorithm for the shape) without running it. The composite ops check every GEMM of a call that
+// algorithm for the shape, the bias epilogue when GemmArgs::bias is set) without running it. The composite ops check every GEMM of a call that
 // way before their first write, so that a product the back end cannot run fails the call while
-// every output is still untouched; a back end without check() is trusted to run what it is given.
+// every output is still untouched; a back end without check() is trusted to run what it is given,
+// but for products with a bias, which it is not known to support.
 //
 // Link CUDA::cublasLt (the CMake target tigon::blas does).
 #pragma once
@@ -135,12 +136,19 @@ Status validate(const GemmArgs<TAB, TD>& g, const char* op) {
 }
 
 // Whether the back end can run g, without running it: its check() where it has one (CublasLtGemm
-// does), else only the arguments' validation.
+// does), else the arguments' validation. A back end without check() is not known to add
+// GemmArgs::bias (a back end written before the field would drop it silently): a product with a
+// bias is refused there.
 template <class Gemm, class TAB, class TD>
 Status gemm_check(Gemm& gemm, const GemmArgs<TAB, TD>& g) {
   if constexpr (requires { gemm.check(g); }) {
     return gemm.check(g);
   } else {
+    if (g.bias != nullptr) {
+      return Status::error(Errc::unsupported, "gemm", "bias",
+                           "the GEMM back end has no check(): give it one, which declares that its gemm() adds "
+                           "GemmArgs::bias");
+    }
     return validate(g, "gemm");
   }
 }

@@ -3,7 +3,9 @@
 // learning rate, the step count, a gradient scale, a clip factor, the found-inf flag) read from
 // device memory, so that one CUDA graph serves every step.
 //
-// Per element, in fp32 (torch.optim.AdamW(fused=True)'s order of operations), at step t:
+// Per element, at step t, in torch.optim.AdamW(fused=True)'s order of operations and precision (the
+// hyper-parameters in fp64, the products with them in fp64 and rounded to fp32 where torch keeps
+// fp32, the bias corrections in fp64 rounded to fp32):
 //
 //   g  = grad / grad_scale * clip_factor          (each factor when given)
 //   p -= lr * weight_decay * p                    (AdamW: decoupled; Adam: g += weight_decay * p)
@@ -69,10 +71,10 @@ struct AdamWTensor {
 
 // The step's constants and the device scalars it reads.
 struct AdamWHyper {
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 1e-2f;
+  double beta1 = 0.9;  // in fp64, as torch passes them
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
   bool decoupled = true;  // AdamW; false: Adam with L2 weight decay added to the gradient
   const float* lr = nullptr;           // device scalar, required
   float* step = nullptr;               // device scalar, required: the steps taken; the launch adds 1
@@ -97,9 +99,10 @@ struct AdamWPlan {
 // 2. Math: one element, in fp32, on host and device
 // ------------------------------------------------------------------------------------------------
 
-// The per-step coefficients every element shares.
+// The per-step coefficients every element shares: the hyper-parameters in fp64 (torch passes them
+// as doubles), the bias corrections rounded to fp32 (torch's opmath type).
 struct AdamWCoeffs {
-  float lr, beta1, beta2, eps, weight_decay;
+  double lr, beta1, beta2, eps, weight_decay;
   float step_size;     // lr / (1 - beta1^t)
   float bc2_sqrt;      // sqrt(1 - beta2^t)
   float grad_factor;   // clip_factor / grad_scale
@@ -108,12 +111,13 @@ struct AdamWCoeffs {
 
 namespace adamw_math {
 
-// The coefficients of step t (t >= 1).
-TIGON_HD AdamWCoeffs coeffs(float lr, float beta1, float beta2, float eps, float weight_decay, float t,
-                                   float grad_factor, bool decoupled) {
-  const float bc1 = 1.0f - ::powf(beta1, t);
-  const float bc2 = 1.0f - ::powf(beta2, t);
-  return {lr, beta1, beta2, eps, weight_decay, lr / bc1, ::sqrtf(bc2), grad_factor, decoupled};
+// The coefficients of step t (t >= 1), as torch's fused AdamW forms them: 1 - beta^t in fp64 rounded
+// to fp32, lr / bc1 in fp64 rounded to fp32, sqrt of the fp32 bc2 in fp32.
+TIGON_HD AdamWCoeffs coeffs(double lr, double beta1, double beta2, double eps, double weight_decay, float t,
+                            float grad_factor, bool decoupled) {
+  const auto bc1 = static_cast<float>(1.0 - ::pow(beta1, static_cast<double>(t)));
+  const auto bc2 = static_cast<float>(1.0 - ::pow(beta2, static_cast<double>(t)));
+  return {lr, beta1, beta2, eps, weight_decay, static_cast<float>(lr / bc1), ::sqrtf(bc2), grad_factor, decoupled};
 }
 
 }  // namespace adamw_math
@@ -123,16 +127,16 @@ TIGON_HD AdamWCoeffs coeffs(float lr, float beta1, float beta2, float eps, float
 // g already carries the gradient scale and the clip factor.
 struct AdamWRule {
   static TIGON_HD void apply(float& p, float g, float& m, float& v, const AdamWCoeffs& c) {
-    if (c.weight_decay != 0.0f) {
+    if (c.weight_decay != 0.0) {
       if (c.decoupled) {
-        p -= c.lr * c.weight_decay * p;
+        p = static_cast<float>(p - c.lr * c.weight_decay * p);
       } else {
-        g += c.weight_decay * p;
+        g = static_cast<float>(g + p * c.weight_decay);
       }
     }
-    m = c.beta1 * m + (1.0f - c.beta1) * g;
-    v = c.beta2 * v + (1.0f - c.beta2) * g * g;
-    const float denom = ::sqrtf(v) / c.bc2_sqrt + c.eps;
+    m = static_cast<float>(c.beta1 * m + (1.0 - c.beta1) * g);
+    v = static_cast<float>(c.beta2 * v + (1.0 - c.beta2) * g * g);
+    const auto denom = static_cast<float>(::sqrtf(v) / c.bc2_sqrt + c.eps);
     p -= c.step_size * m / denom;
   }
 };
@@ -144,9 +148,11 @@ concept AdamWUpdateRule = requires(float& p, float g, float& m, float& v, const 
 
 namespace adamw_math {
 
-// A 64-bit mix (splitmix64's finaliser) of the seed, the step and the element's index.
+// A 64-bit mix (splitmix64's finaliser) of the seed, the step and the element's index (the tensor's
+// number in the high bits: tensors of one shape draw differently).
 TIGON_HD std::uint32_t hash(std::uint64_t seed, std::uint64_t step, std::uint64_t index) {
   std::uint64_t z = seed + 0x9e3779b97f4a7c15ull * (step + 1) + 0xbf58476d1ce4e5b9ull * index;
+  z ^= z >> 29;
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return static_cast<std::uint32_t>(z ^ (z >> 31));
@@ -172,7 +178,7 @@ TIGON_HD float stochastic_bf16(float v, std::uint32_t r) {
 
 namespace detail {
 
-// Elements per chunk (one block of 256 threads, 16 elements each per trip, 8 trips).
+// Elements per chunk (one block of 256 threads, 8 elements each per trip, 16 trips).
 inline constexpr std::int64_t kAdamWChunk = 32768;
 
 // A tensor as the kernel reads it: the pointers and whether all of them allow 16-byte vectors.
@@ -274,14 +280,19 @@ inline Status validate_adamw_hyper(const AdamWHyper& h, bool stochastic_allowed,
   using namespace check;
   TIGON_CHECK(not_null(h.lr, op, "lr"));
   TIGON_CHECK(not_null(h.step, op, "step"));
-  if (!finite_in(h.beta1, 0.0f, 1.0f) || h.beta1 >= 1.0f) {
+  // The fp64 values checked through fp32 (bit tests, which hold under -ffast-math); a value that
+  // overflows fp32 is out of range anyway.
+  auto in = [](double v, float lo, float hi) { return finite_in(static_cast<float>(v), lo, hi); };
+  if (!in(h.beta1, 0.0f, 1.0f) || h.beta1 >= 1.0) {
     return Status::error(Errc::invalid_value, op, "beta1", "must be in [0, 1)");
   }
-  if (!finite_in(h.beta2, 0.0f, 1.0f) || h.beta2 >= 1.0f) {
+  if (!in(h.beta2, 0.0f, 1.0f) || h.beta2 >= 1.0) {
     return Status::error(Errc::invalid_value, op, "beta2", "must be in [0, 1)");
   }
-  if (!finite_in(h.eps, 0.0f)) return Status::error(Errc::invalid_value, op, "eps", "must be finite and >= 0");
-  if (!finite_in(h.weight_decay, 0.0f)) {
+  if (!in(h.eps, 0.0f, __builtin_huge_valf())) {
+    return Status::error(Errc::invalid_value, op, "eps", "must be finite and >= 0");
+  }
+  if (!in(h.weight_decay, 0.0f, __builtin_huge_valf())) {
     return Status::error(Errc::invalid_value, op, "weight_decay", "must be finite and >= 0");
   }
   if (h.stochastic_rounding && !stochastic_allowed) {
@@ -310,7 +321,7 @@ inline constexpr int kAdamWThreads = 256;
 struct AdamWStepParams {
   const AdamWTensorEntry* tensors;
   const AdamWChunkEntry* chunks;
-  float beta1, beta2, eps, weight_decay;
+  double beta1, beta2, eps, weight_decay;
   bool decoupled, stochastic;
   std::uint64_t seed;
   const float* lr;
@@ -354,7 +365,7 @@ TIGON_DEVICE void adamw_store8(T* p, const float (&f)[8]) {
 
 template <class P, class S, class Rule, int kV>
 TIGON_DEVICE void adamw_elements(const AdamWTensorEntry& t, std::int64_t i0, std::int64_t n, const AdamWCoeffs& c,
-                                 bool stochastic, std::uint64_t seed, std::uint64_t step) {
+                                 bool stochastic, std::uint64_t seed, std::uint64_t step, std::uint64_t tensor) {
   P* param = static_cast<P*>(t.param);
   const P* grad = static_cast<const P*>(t.grad);
   S* m_ptr = static_cast<S*>(t.exp_avg);
@@ -386,7 +397,8 @@ TIGON_DEVICE void adamw_elements(const AdamWTensorEntry& t, std::int64_t i0, std
       out[k] = p[k];
       if constexpr (std::is_same_v<P, bf16>) {
         if (stochastic && !has_master) {
-          out[k] = adamw_math::stochastic_bf16(p[k], adamw_math::hash(seed, step, static_cast<std::uint64_t>(i + k)));
+          out[k] = adamw_math::stochastic_bf16(
+              p[k], adamw_math::hash(seed, step, (tensor << 46) | static_cast<std::uint64_t>(i + k)));
         }
       }
     }
@@ -424,10 +436,10 @@ TIGON_KERNEL void __launch_bounds__(kAdamWThreads) adamw_step_kernel(const AdamW
   constexpr int kV = 8;
   if (t.vec) {
     const std::int64_t nv = n / kV * kV;
-    adamw_elements<P, S, Rule, kV>(t, i0, nv, c, p.stochastic, p.seed, step_u);
-    adamw_elements<P, S, Rule, 1>(t, i0 + nv, n - nv, c, p.stochastic, p.seed, step_u);
+    adamw_elements<P, S, Rule, kV>(t, i0, nv, c, p.stochastic, p.seed, step_u, ce.tensor);
+    adamw_elements<P, S, Rule, 1>(t, i0 + nv, n - nv, c, p.stochastic, p.seed, step_u, ce.tensor);
   } else {
-    adamw_elements<P, S, Rule, 1>(t, i0, n, c, p.stochastic, p.seed, step_u);
+    adamw_elements<P, S, Rule, 1>(t, i0, n, c, p.stochastic, p.seed, step_u, ce.tensor);
   }
 }
 
@@ -464,10 +476,12 @@ TIGON_KERNEL void __launch_bounds__(kAdamWThreads) grad_sq_sum_kernel(const Adam
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
-// The chunks' partial sums added in a fixed order (fp64), the norm and the clip factor written.
+// The chunks' partial sums added in a fixed order (fp64), divided by the gradient scale's square
+// when there is one, the norm and the clip factor written (NaN stays NaN, as torch's clamp keeps it).
 template <int kThreads>
 TIGON_KERNEL void __launch_bounds__(kThreads) grad_norm_finish_kernel(const float* partials, std::int64_t n,
-                                                                      float max_norm, float* norm, float* factor) {
+                                                                      const float* grad_scale, float max_norm,
+                                                                      float* norm, float* factor) {
   grid_dependency_sync();
   double s = 0.0;
   for (std::int64_t i = threadIdx.x; i < n; i += kThreads) s += partials[i];
@@ -475,9 +489,12 @@ TIGON_KERNEL void __launch_bounds__(kThreads) grad_norm_finish_kernel(const floa
   __shared__ typename Reduce::TempStorage tmp;
   const double total = Reduce(tmp).Sum(s);
   if (threadIdx.x == 0) {
-    const float nv = static_cast<float>(::sqrt(total));
+    double sq = total;
+    if (grad_scale != nullptr) sq /= static_cast<double>(*grad_scale) * static_cast<double>(*grad_scale);
+    const float nv = static_cast<float>(::sqrt(sq));
+    const float f = max_norm / (nv + 1e-6f);
     if (norm != nullptr) *norm = nv;
-    if (factor != nullptr) *factor = fminf(1.0f, max_norm / (nv + 1e-6f));
+    if (factor != nullptr) *factor = f < 1.0f ? f : (f >= 1.0f ? 1.0f : f);  // NaN passes
   }
 }
 
@@ -554,13 +571,16 @@ template <class P, class S = float, AdamWUpdateRule Rule = AdamWRule>
 
 // The global L2 norm of the plan's gradients into *norm, and the clip factor
 // min(1, max_norm / (norm + 1e-6)) (torch.nn.utils.clip_grad_norm_'s) into *factor (either may be
-// null), both device scalars: pass factor to adamw_step as AdamWHyper::clip_factor. Two launches,
-// deterministic (a fixed reduction order), graph-capturable; grad_norm_workspace_bytes(plan) of
-// workspace. A non-finite gradient gives a non-finite norm and factor (a NaN factor makes the step
-// write NaN: check the norm, or use found_inf, to skip such a step).
+// null), both device scalars: pass factor to adamw_step as AdamWHyper::clip_factor. With grad_scale
+// (a device scalar, the one the step divides the gradients by: AMP's scale) the norm is that of the
+// unscaled gradients. Two launches, deterministic (a fixed reduction order), graph-capturable;
+// grad_norm_workspace_bytes(plan) of workspace. A non-finite gradient gives a non-finite norm and
+// factor (the step then writes non-finite values: check the norm, or use found_inf, to skip it). A
+// gradient that two plan entries share counts twice.
 template <class P, class S = float>
 [[nodiscard]] Status grad_norm_clip(const AdamWPlan& plan, float max_norm, float* norm, float* factor,
-                                    void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+                                    void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+                                    const float* grad_scale = nullptr) {
   constexpr const char* kOp = "grad_norm_clip";
   if (plan.tensors == nullptr || plan.chunks == nullptr || plan.num_chunks <= 0) {
     return Status::error(Errc::invalid_value, kOp, "plan", "is empty: make it with adamw_plan()");
@@ -593,7 +613,7 @@ template <class P, class S = float>
                              static_cast<const detail::AdamWTensorEntry*>(plan.tensors),
                              static_cast<const detail::AdamWChunkEntry*>(plan.chunks), partials));
   return detail::launch(kOp, detail::grad_norm_finish_kernel<1024>, {dim3(1), dim3(1024), 0, stream},
-                        static_cast<const float*>(partials), plan.num_chunks, max_norm, norm, factor);
+                        static_cast<const float*>(partials), plan.num_chunks, grad_scale, max_norm, norm, factor);
 }
 
 #endif  // __CUDACC__

@@ -8,7 +8,11 @@
 #include <tigon/loss/cross_entropy.cuh>
 #include <tigon/loss/linear_cross_entropy.cuh>
 
+#include "gemm_fakes.hpp"
+
 using namespace tigon;
+using tigon_test::CountingGemm;
+using tigon_test::RejectingGemm;
 
 namespace {
 alignas(256) bf16 logits[8 * 64];
@@ -306,26 +310,6 @@ TEST_CASE("cross_entropy's streaming kernel cuts rows into whole-warp segments",
     }
   }
 }
-
-namespace {
-// A back end that cannot run products with m == reject_m: its check() says so, and gemm() counts
-// the products it was asked to run.
-struct RejectingGemm {
-  std::int64_t reject_m = 0;
-  int calls = 0, checks = 0;
-  template <class A, class B>
-  Status check(const GemmArgs<A, B>& g) {
-    ++checks;
-    if (g.m == reject_m) return Status::error(Errc::unsupported, "gemm", "", "no algorithm for this shape");
-    return Status();
-  }
-  template <class A, class B>
-  Status gemm(const GemmArgs<A, B>&, cudaStream_t) {
-    ++calls;
-    return Status();
-  }
-};
-}  // namespace
 
 TEST_CASE("linear_cross_entropy checks every GEMM with the back end before its first write", "[lce][validation]") {
   alignas(256) static unsigned char arena[1 << 16];

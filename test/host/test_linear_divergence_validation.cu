@@ -8,7 +8,11 @@
 
 #include <tigon/loss/linear_divergence.cuh>
 
+#include "gemm_fakes.hpp"
+
 using namespace tigon;
+using tigon_test::CountingGemm;
+using tigon_test::RejectingGemm;
 
 namespace {
 constexpr std::int64_t kTok = 8, kH = 16, kHt = 24, kV = 64;
@@ -22,15 +26,6 @@ alignas(256) float dw[kV * kH];
 alignas(256) float loss[1];
 alignas(256) float loss_rows[kTok];
 alignas(256) unsigned char ws[1 << 16];
-
-struct CountingGemm {
-  int calls = 0;
-  template <class A, class B>
-  Status gemm(const GemmArgs<A, B>&, cudaStream_t) {
-    ++calls;
-    return Status();
-  }
-};
 
 LinearDivergenceArgs<bf16> good() {
   return {.x = x, .weight = w, .hidden = kH, .teacher_x = tx, .teacher_weight = tw, .teacher_hidden = kHt,
@@ -176,26 +171,6 @@ TEST_CASE("linear_divergence rejects bad arguments by name and runs nothing", "[
   a.tokens = 1;
   expect(a, kl, Errc::aliasing, "loss_rows");
 }
-
-namespace {
-// A back end that cannot run products with m == reject_m: its check() says so, and gemm() counts
-// the products it was asked to run.
-struct RejectingGemm {
-  std::int64_t reject_m = 0;
-  int calls = 0, checks = 0;
-  template <class A, class B>
-  Status check(const GemmArgs<A, B>& g) {
-    ++checks;
-    if (g.m == reject_m) return Status::error(Errc::unsupported, "gemm", "", "no algorithm for this shape");
-    return Status();
-  }
-  template <class A, class B>
-  Status gemm(const GemmArgs<A, B>&, cudaStream_t) {
-    ++calls;
-    return Status();
-  }
-};
-}  // namespace
 
 TEST_CASE("linear_divergence checks every GEMM with the back end before its first write", "[ldiv][validation]") {
   auto a = good();

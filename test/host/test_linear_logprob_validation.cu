@@ -8,7 +8,11 @@
 
 #include <tigon/loss/linear_logprob.cuh>
 
+#include "gemm_fakes.hpp"
+
 using namespace tigon;
+using tigon_test::CountingGemm;
+using tigon_test::RejectingGemm;
 
 namespace {
 constexpr std::int64_t kTok = 8, kH = 16, kV = 64;
@@ -23,15 +27,6 @@ alignas(256) bf16 dx[kTok * kH];
 alignas(256) float dw[kV * kH];
 alignas(256) float db[kV];
 alignas(256) unsigned char ws[1 << 16];
-
-struct CountingGemm {
-  int calls = 0;
-  template <class A, class B>
-  Status gemm(const GemmArgs<A, B>&, cudaStream_t) {
-    ++calls;
-    return Status();
-  }
-};
 
 LinearLogProbArgs<bf16> good() {
   return {.x = x, .weight = w, .hidden = kH, .targets = targets, .tokens = kTok, .vocab = kV, .logp = logp,
@@ -187,26 +182,6 @@ TEST_CASE("linear_logprob rejects bad arguments by name and runs nothing", "[llp
   a.workspace_bytes = sizeof(dw);
   expect(a, true, Errc::aliasing, "workspace");
 }
-
-namespace {
-// A back end that cannot run products with m == reject_m (the last chunk's logits or dx GEMM here):
-// its check() says so, and gemm() counts the products it was asked to run.
-struct RejectingGemm {
-  std::int64_t reject_m = 0;
-  int calls = 0, checks = 0;
-  template <class A, class B>
-  Status check(const GemmArgs<A, B>& g) {
-    ++checks;
-    if (g.m == reject_m) return Status::error(Errc::unsupported, "gemm", "", "no algorithm for this shape");
-    return Status();
-  }
-  template <class A, class B>
-  Status gemm(const GemmArgs<A, B>&, cudaStream_t) {
-    ++calls;
-    return Status();
-  }
-};
-}  // namespace
 
 TEST_CASE("linear_logprob checks every GEMM with the back end before its first write", "[llp][validation]") {
   // 10 tokens in chunks of 4: the last chunk (2 tokens) has a shape the back end cannot run.

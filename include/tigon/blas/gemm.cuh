@@ -153,6 +153,17 @@ Status gemm_check(Gemm& gemm, const GemmArgs<TAB, TD>& g) {
   }
 }
 
+// g run on the back end (kRun) or only checked (gemm_check): the composite ops walk their GEMMs
+// twice, checking every one, then running them.
+template <bool kRun, class Gemm, class TAB, class TD>
+Status gemm_run_or_check(Gemm& gemm, const GemmArgs<TAB, TD>& g, cudaStream_t stream) {
+  if constexpr (kRun) {
+    return gemm.gemm(g, stream);
+  } else {
+    return gemm_check(gemm, g);
+  }
+}
+
 // The aligned bias pointer the epilogue reads: `bias` itself when 16-byte aligned, else `slot`
 // (which epilogue_bias fills).
 template <class T>

@@ -282,13 +282,7 @@ Status lce_chunk(Gemm& gemm, const CrossEntropyArgs<T, I>& ce, const T* xc, std:
                  const T* bias, std::int64_t hidden, std::int64_t r0, std::int64_t c, T* logits, const T* ones,
                  const CeScratch& scratch, bool want_grad, T* dxc, std::int64_t dxs, float dx_beta, float* dweight,
                  float* dbias, float beta, cudaStream_t stream, const char* op) {
-  auto run = [&](const auto& g) {
-    if constexpr (kRun) {
-      return gemm.gemm(g, stream);
-    } else {
-      return gemm_check(gemm, g);
-    }
-  };
+  auto run = [&](const auto& g) { return gemm_run_or_check<kRun>(gemm, g, stream); };
   const std::int64_t vocab = ce.vocab;
   TIGON_CHECK(run(GemmArgs<T>{.a = xc, .b = weight, .d = logits, .bias = bias, .m = c, .n = vocab, .k = hidden,
                               .lda = xs, .op_b = Op::t}));

@@ -263,13 +263,7 @@ template <class Gemm = CublasLtGemm, class P = DivergencePolicy, class D, class 
   // One chunk's GEMMs, the two logits products (grad false) or the student's gradients (grad
   // true); kRun false only asks the back end whether it can run each.
   auto chunk_gemms = [&](auto run_c, std::int64_t r0, std::int64_t c, bool grad) -> Status {
-    auto run = [&](const auto& g) {
-      if constexpr (decltype(run_c)::value) {
-        return gemm.gemm(g, stream);
-      } else {
-        return detail::gemm_check(gemm, g);
-      }
-    };
+    auto run = [&](const auto& g) { return detail::gemm_run_or_check<decltype(run_c)::value>(gemm, g, stream); };
     const T* xc = args.x + r0 * xs;
     if (!grad) {
       TIGON_CHECK(run(GemmArgs<T>{.a = xc, .b = args.weight, .d = s, .m = c, .n = vocab, .k = args.hidden, .lda = xs,

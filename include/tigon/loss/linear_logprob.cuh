@@ -475,13 +475,7 @@ template <class Gemm = CublasLtGemm, class T, class I>
   const std::int64_t dxs = args.dx_stride ? args.dx_stride : args.hidden;
   // One chunk's GEMMs: kRun false only asks the back end whether it can run each.
   auto chunk_gemms = [&](auto run_c, std::int64_t r0, std::int64_t c, bool logits_gemm) -> Status {
-    auto run = [&](const auto& g) {
-      if constexpr (decltype(run_c)::value) {
-        return gemm.gemm(g, stream);
-      } else {
-        return detail::gemm_check(gemm, g);
-      }
-    };
+    auto run = [&](const auto& g) { return detail::gemm_run_or_check<decltype(run_c)::value>(gemm, g, stream); };
     const T* xc = args.x + r0 * xs;
     if (logits_gemm) {
       return run(GemmArgs<T>{.a = xc, .b = args.weight, .d = logits, .bias = bias, .m = c, .n = args.vocab,

@@ -276,6 +276,19 @@ template <class P, class S>
 
 namespace detail {
 
+// A plan adamw_plan() made for parameters P and moments S.
+template <class P, class S>
+Status check_adamw_plan(const AdamWPlan& plan, const char* op) {
+  if (plan.tensors == nullptr || plan.chunks == nullptr || plan.num_chunks <= 0) {
+    return Status::error(Errc::invalid_value, op, "plan", "is empty: make it with adamw_plan()");
+  }
+  if (plan.param_dtype != static_cast<int>(dtype_traits<P>::id) ||
+      plan.state_dtype != static_cast<int>(dtype_traits<S>::id)) {
+    return Status::error(Errc::invalid_value, op, "plan", "was made for other parameter or moment dtypes");
+  }
+  return Status();
+}
+
 inline Status validate_adamw_hyper(const AdamWHyper& h, bool stochastic_allowed, const char* op) {
   using namespace check;
   TIGON_CHECK(not_null(h.lr, op, "lr"));
@@ -551,13 +564,7 @@ template <class P, class S>
 template <class P, class S = float, AdamWUpdateRule Rule = AdamWRule>
 [[nodiscard]] Status adamw_step(const AdamWPlan& plan, const AdamWHyper& h, cudaStream_t stream) {
   constexpr const char* kOp = "adamw_step";
-  if (plan.tensors == nullptr || plan.chunks == nullptr || plan.num_chunks <= 0) {
-    return Status::error(Errc::invalid_value, kOp, "plan", "is empty: make it with adamw_plan()");
-  }
-  if (plan.param_dtype != static_cast<int>(dtype_traits<P>::id) ||
-      plan.state_dtype != static_cast<int>(dtype_traits<S>::id)) {
-    return Status::error(Errc::invalid_value, kOp, "plan", "was made for other parameter or moment dtypes");
-  }
+  TIGON_CHECK((detail::check_adamw_plan<P, S>(plan, kOp)));
   TIGON_CHECK(detail::validate_adamw_hyper(h, std::is_same_v<P, bf16>, kOp));
   TIGON_CHECK(detail::launch(kOp, detail::adamw_advance_kernel<0>, {dim3(1), dim3(32), 0, stream}, h.step,
                              h.found_inf));
@@ -582,13 +589,7 @@ template <class P, class S = float>
                                     void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
                                     const float* grad_scale = nullptr) {
   constexpr const char* kOp = "grad_norm_clip";
-  if (plan.tensors == nullptr || plan.chunks == nullptr || plan.num_chunks <= 0) {
-    return Status::error(Errc::invalid_value, kOp, "plan", "is empty: make it with adamw_plan()");
-  }
-  if (plan.param_dtype != static_cast<int>(dtype_traits<P>::id) ||
-      plan.state_dtype != static_cast<int>(dtype_traits<S>::id)) {
-    return Status::error(Errc::invalid_value, kOp, "plan", "was made for other parameter or moment dtypes");
-  }
+  TIGON_CHECK((detail::check_adamw_plan<P, S>(plan, kOp)));
   if (!check::finite_in(max_norm, 0.0f, __builtin_huge_valf(), true)) {
     return Status::error(Errc::invalid_value, kOp, "max_norm", "must be finite and > 0");
   }

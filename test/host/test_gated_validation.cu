@@ -6,6 +6,8 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <tigon/activation/gated.cuh>
 
@@ -353,4 +355,87 @@ TEST_CASE("activation_forward / activation_backward reject bad arguments by name
   badb = b;
   badb.da_stride = 4;
   CHECK(detail::validate(badb, "activation_backward").code() == Errc::invalid_stride);
+}
+
+namespace {
+
+// The aliasing matrix of an op's buffers, generated: every output placed exactly over every other
+// buffer (allowed only where the op's contract names the pair in place) and one element past its
+// start (a partial overlap: always rejected), on one arena whose layout the test fixes.
+struct Slot {
+  const char* name;
+  bool output;
+};
+
+template <class Args, class Set, class Call>
+void alias_matrix(const std::vector<Slot>& slots, const std::vector<std::pair<int, int>>& in_place, Set set,
+                  Call call) {
+  alignas(256) static bf16 arena[8][4096];  // one region per buffer, 4 x 1000 elements used
+  for (std::size_t o = 0; o < slots.size(); ++o) {
+    if (!slots[o].output) continue;
+    for (std::size_t x = 0; x < slots.size(); ++x) {
+      if (x == o) continue;
+      for (int shift : {0, 1}) {
+        Args a{};
+        for (std::size_t k = 0; k < slots.size(); ++k) set(a, static_cast<int>(k), arena[k]);
+        set(a, static_cast<int>(o), arena[x] + shift);
+        bool allowed = false;
+        for (auto [po, px] : in_place) allowed = allowed || (po == static_cast<int>(o) && px == static_cast<int>(x));
+        const Status s = call(a);
+        INFO(slots[o].name << " placed " << (shift ? "one element into " : "over ") << slots[x].name << ": "
+                           << s.message());
+        if (shift == 0 && allowed) {
+          CHECK(s.ok());
+        } else {
+          CHECK(s.code() == Errc::aliasing);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("gated and ungated ops: the generated aliasing matrix", "[gated][validation]") {
+  // gated_backward: dc, a, b in; da, db out; each output may be any input itself, never the other.
+  alias_matrix<GatedBackwardArgs<bf16>>(
+      {{"dc", false}, {"a", false}, {"b", false}, {"da", true}, {"db", true}},
+      {{3, 0}, {3, 1}, {3, 2}, {4, 0}, {4, 1}, {4, 2}},
+      [](GatedBackwardArgs<bf16>& g, int k, bf16* p) {
+        g.rows = 4, g.cols = 1000;
+        if (k == 0) g.dc = p;
+        if (k == 1) g.a = p;
+        if (k == 2) g.b = p;
+        if (k == 3) g.da = p;
+        if (k == 4) g.db = p;
+      },
+      [](const GatedBackwardArgs<bf16>& g) { return detail::validate(g, "gated_backward"); });
+  // gated_forward: c may be a or b itself.
+  alias_matrix<GatedForwardArgs<bf16>>(
+      {{"a", false}, {"b", false}, {"c", true}}, {{2, 0}, {2, 1}},
+      [](GatedForwardArgs<bf16>& g, int k, bf16* p) {
+        g.rows = 4, g.cols = 1000;
+        if (k == 0) g.a = p;
+        if (k == 1) g.b = p;
+        if (k == 2) g.c = p;
+      },
+      [](const GatedForwardArgs<bf16>& g) { return detail::validate(g, "gated_forward"); });
+  // activation_backward: da may be dc or a itself; activation_forward: c may be a.
+  alias_matrix<ActivationBackwardArgs<bf16>>(
+      {{"dc", false}, {"a", false}, {"da", true}}, {{2, 0}, {2, 1}},
+      [](ActivationBackwardArgs<bf16>& g, int k, bf16* p) {
+        g.rows = 4, g.cols = 1000;
+        if (k == 0) g.dc = p;
+        if (k == 1) g.a = p;
+        if (k == 2) g.da = p;
+      },
+      [](const ActivationBackwardArgs<bf16>& g) { return detail::validate(g, "activation_backward"); });
+  alias_matrix<ActivationForwardArgs<bf16>>(
+      {{"a", false}, {"c", true}}, {{1, 0}},
+      [](ActivationForwardArgs<bf16>& g, int k, bf16* p) {
+        g.rows = 4, g.cols = 1000;
+        if (k == 0) g.a = p;
+        if (k == 1) g.c = p;
+      },
+      [](const ActivationForwardArgs<bf16>& g) { return detail::validate(g, "activation_forward"); });
 }

@@ -8,10 +8,11 @@
 // `Status gemm(const GemmArgs<TAB, TD>&, cudaStream_t)`; templates that compose GEMMs take it as a
 // parameter so a trainer can plug in its own. A back end may also have
 // `Status check(const GemmArgs<TAB, TD>&)`: whether it can run that product (arguments, an
-// algorithm for the shape, the bias epilogue when GemmArgs::bias is set) without running it. The composite ops check every GEMM of a call that
-// way before their first write, so that a product the back end cannot run fails the call while
-// every output is still untouched; a back end without check() is trusted to run what it is given,
-// but for products with a bias, which it is not known to support.
+// algorithm for the shape, the bias epilogue when GemmArgs::bias is set) without running it. The
+// composite ops check every GEMM of a call that way before their first write, so that a product
+// the back end cannot run fails the call while every output is still untouched; a back end without
+// check() is trusted to run what it is given, but for products with a bias, which it is not known
+// to support.
 //
 // Link CUDA::cublasLt (the CMake target tigon::blas does).
 #pragma once
@@ -165,7 +166,7 @@ Status gemm_run_or_check(Gemm& gemm, const GemmArgs<TAB, TD>& g, cudaStream_t st
 }
 
 // The aligned bias pointer the epilogue reads: `bias` itself when 16-byte aligned, else `slot`
-// (which epilogue_bias fills).
+// (which epilogue_bias_copy fills).
 template <class T>
 const T* epilogue_bias_ptr(const T* bias, T* slot) {
   return bias == nullptr || reinterpret_cast<std::uintptr_t>(bias) % 16 == 0 ? bias : slot;

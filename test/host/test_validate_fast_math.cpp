@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include <tigon/core/validate.hpp>
+#include <tigon/optim/adamw.cuh>
 
 namespace {
 float from_bits(std::uint32_t u) {  // NaN and infinity made from bits the compiler cannot see through
@@ -39,4 +40,20 @@ TEST_CASE("scalar checks hold under -ffast-math", "[validate][fast-math]") {
   CHECK_FALSE(finite_in(-from_bits(0x00000001u), 0.0f));       // the negative subnormal nearest 0
   CHECK(finite_bits(from_bits(0x7f7fffffu)));                   // the largest finite float
   CHECK(finite(-3.5f, "op", "grad_scale").ok());
+}
+
+TEST_CASE("the AdamW step's constants are checked under -ffast-math", "[validate][fast-math][adamw]") {
+  volatile std::uint64_t bits = 0x7ff8000000000000ull;  // a double NaN the compiler cannot see
+  const std::uint64_t b = bits;
+  double nan;
+  std::memcpy(&nan, &b, sizeof(nan));
+  static float lr = 1e-3f, step = 0.0f;
+  const tigon::AdamWHyper good{.lr = &lr, .step = &step};
+  CHECK(tigon::detail::validate_adamw_hyper(good, true, "adamw_step").ok());
+  for (int field = 0; field < 4; ++field) {
+    tigon::AdamWHyper h = good;
+    (field == 0 ? h.beta1 : field == 1 ? h.beta2 : field == 2 ? h.eps : h.weight_decay) = nan;
+    INFO("field " << field);
+    CHECK(tigon::detail::validate_adamw_hyper(h, true, "adamw_step").code() == tigon::Errc::invalid_value);
+  }
 }

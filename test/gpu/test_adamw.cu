@@ -3,7 +3,7 @@
 // fp32 master weights, tensor sizes around the vector width and the chunk, a misaligned tensor (the
 // scalar path), the gradient scale and clip factor, Adam's L2 decay, several steps; found_inf skips
 // the step; stochastic rounding lands on a neighbour and repeats for a seed; a captured step
-// replays as the eager one does.
+// replays as the eager one does; the gradient-norm clip (with and without the gradient scale).
 #include "gpu_test.cuh"
 
 #include <cstring>
@@ -276,6 +276,13 @@ TEST_CASE("adamw: grad_norm_clip's norm, factor and determinism; the clipped ste
   CUDA_OK(cudaDeviceSynchronize());
   const auto second = out.download();
   CHECK(std::memcmp(first.data(), second.data(), 2 * sizeof(float)) == 0);  // deterministic
+  // With the step's gradient scale (AMP): the norm of the unscaled gradients.
+  DeviceBuffer<float> scale(1);
+  scale.upload(std::vector<float>{4.0f});
+  TIGON_OK((grad_norm_clip<bf16, float>(plan, max_norm, out.ptr, out.ptr + 1, nws.ptr, nws.count, nullptr,
+                                        scale.ptr)));
+  CUDA_OK(cudaDeviceSynchronize());
+  CHECK(std::abs(out.download()[0] - norm / 4) <= 1e-5 * norm / 4);
   // A norm under max_norm: factor 1.
   TIGON_OK((grad_norm_clip<bf16, float>(plan, static_cast<float>(norm * 4), nullptr, out.ptr + 1, nws.ptr, nws.count,
                                         nullptr)));

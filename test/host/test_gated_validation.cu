@@ -11,7 +11,10 @@
 
 #include <tigon/activation/gated.cuh>
 
+#include "alias_matrix.hpp"
+
 using namespace tigon;
+using tigon_test::alias_matrix;
 
 // A user activation. At namespace scope with external linkage, not in an anonymous namespace: a
 // kernel instantiated on an internal-linkage type cannot carry tigon's hidden visibility (nvcc
@@ -356,45 +359,6 @@ TEST_CASE("activation_forward / activation_backward reject bad arguments by name
   badb.da_stride = 4;
   CHECK(detail::validate(badb, "activation_backward").code() == Errc::invalid_stride);
 }
-
-namespace {
-
-// The aliasing matrix of an op's buffers, generated: every output placed exactly over every other
-// buffer (allowed only where the op's contract names the pair in place) and one element past its
-// start (a partial overlap: always rejected), on one arena whose layout the test fixes.
-struct Slot {
-  const char* name;
-  bool output;
-};
-
-template <class Args, class Set, class Call>
-void alias_matrix(const std::vector<Slot>& slots, const std::vector<std::pair<int, int>>& in_place, Set set,
-                  Call call) {
-  alignas(256) static bf16 arena[8][4096];  // one region per buffer, 4 x 1000 elements used
-  for (std::size_t o = 0; o < slots.size(); ++o) {
-    if (!slots[o].output) continue;
-    for (std::size_t x = 0; x < slots.size(); ++x) {
-      if (x == o) continue;
-      for (int shift : {0, 1}) {
-        Args a{};
-        for (std::size_t k = 0; k < slots.size(); ++k) set(a, static_cast<int>(k), arena[k]);
-        set(a, static_cast<int>(o), arena[x] + shift);
-        bool allowed = false;
-        for (auto [po, px] : in_place) allowed = allowed || (po == static_cast<int>(o) && px == static_cast<int>(x));
-        const Status s = call(a);
-        INFO(slots[o].name << " placed " << (shift ? "one element into " : "over ") << slots[x].name << ": "
-                           << s.message());
-        if (shift == 0 && allowed) {
-          CHECK(s.ok());
-        } else {
-          CHECK(s.code() == Errc::aliasing);
-        }
-      }
-    }
-  }
-}
-
-}  // namespace
 
 TEST_CASE("gated and ungated ops: the generated aliasing matrix", "[gated][validation]") {
   // gated_backward: dc, a, b in; da, db out; each output may be any input itself, never the other.

@@ -7,7 +7,10 @@
 
 #include <tigon/norm/rms_norm.cuh>
 
+#include "alias_matrix.hpp"
+
 using namespace tigon;
+using tigon_test::alias_matrix;
 
 namespace {
 alignas(256) bf16 xbuf[8 * 256];
@@ -164,4 +167,32 @@ TEST_CASE("in-place calls are valid arguments", "[rms_norm][validation]") {
   CHECK(detail::validate(b, "rms_norm_backward", true).ok());
   b.dx = xbuf;
   CHECK(detail::validate(b, "rms_norm_backward", true).ok());
+}
+
+TEST_CASE("rms_norm: the generated aliasing matrix", "[rms_norm][validation]") {
+  // Forward: x, weight in; y, rstd out; y may be x itself.
+  alias_matrix<RmsNormForwardArgs<bf16, bf16>>(
+      {{"x", false}, {"weight", false}, {"y", true}, {"rstd", true}}, {{2, 0}},
+      [](RmsNormForwardArgs<bf16, bf16>& a, int k, bf16* p) {
+        a.rows = 4, a.cols = 1000;
+        if (k == 0) a.x = p;
+        if (k == 1) a.weight = p;
+        if (k == 2) a.y = p;
+        if (k == 3) a.rstd = reinterpret_cast<float*>(p);
+      },
+      [](const RmsNormForwardArgs<bf16, bf16>& a) { return detail::validate(a, "rms_norm_forward"); });
+  // Backward: dy, x, weight, rstd in; dx, dweight out; dx may be dy or x itself.
+  alias_matrix<RmsNormBackwardArgs<bf16, bf16>>(
+      {{"dy", false}, {"x", false}, {"weight", false}, {"rstd", false}, {"dx", true}, {"dweight", true}},
+      {{4, 0}, {4, 1}},
+      [](RmsNormBackwardArgs<bf16, bf16>& a, int k, bf16* p) {
+        a.rows = 4, a.cols = 1000;
+        if (k == 0) a.dy = p;
+        if (k == 1) a.x = p;
+        if (k == 2) a.weight = p;
+        if (k == 3) a.rstd = reinterpret_cast<const float*>(p);
+        if (k == 4) a.dx = p;
+        if (k == 5) a.dweight = p;
+      },
+      [](const RmsNormBackwardArgs<bf16, bf16>& a) { return detail::validate(a, "rms_norm_backward", false); });
 }

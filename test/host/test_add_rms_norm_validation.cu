@@ -8,7 +8,10 @@
 
 #include <tigon/norm/add_rms_norm.cuh>
 
+#include "alias_matrix.hpp"
+
 using namespace tigon;
+using tigon_test::alias_matrix;
 
 namespace {
 alignas(256) bf16 xbuf[8 * 256];
@@ -248,4 +251,37 @@ TEST_CASE("add_rms_norm: in-place and optional arguments are valid", "[add_rms_n
   b.workspace = nullptr;
   b.workspace_bytes = 0;
   CHECK(detail::validate(b, "add_rms_norm_backward_workspace_bytes", false).ok());
+}
+
+TEST_CASE("add_rms_norm: the generated aliasing matrix", "[add_rms_norm][validation]") {
+  // Forward: x, residual, weight in; y, sum, rstd out; y and sum may each be x or residual itself.
+  alias_matrix<AddRmsNormForwardArgs<bf16, bf16>>(
+      {{"x", false}, {"residual", false}, {"weight", false}, {"y", true}, {"sum", true}, {"rstd", true}},
+      {{3, 0}, {3, 1}, {4, 0}, {4, 1}},
+      [](AddRmsNormForwardArgs<bf16, bf16>& a, int k, bf16* p) {
+        a.rows = 4, a.cols = 1000;
+        if (k == 0) a.x = p;
+        if (k == 1) a.residual = p;
+        if (k == 2) a.weight = p;
+        if (k == 3) a.y = p;
+        if (k == 4) a.sum = p;
+        if (k == 5) a.rstd = reinterpret_cast<float*>(p);
+      },
+      [](const AddRmsNormForwardArgs<bf16, bf16>& a) { return detail::validate(a, "add_rms_norm_forward"); });
+  // Backward: dy, dsum, sum, weight, rstd in; dx, dweight out; dx may be dy, dsum or sum itself.
+  alias_matrix<AddRmsNormBackwardArgs<bf16, bf16>>(
+      {{"dy", false}, {"dsum", false}, {"sum", false}, {"weight", false}, {"rstd", false}, {"dx", true},
+       {"dweight", true}},
+      {{5, 0}, {5, 1}, {5, 2}},
+      [](AddRmsNormBackwardArgs<bf16, bf16>& a, int k, bf16* p) {
+        a.rows = 4, a.cols = 1000;
+        if (k == 0) a.dy = p;
+        if (k == 1) a.dsum = p;
+        if (k == 2) a.sum = p;
+        if (k == 3) a.weight = p;
+        if (k == 4) a.rstd = reinterpret_cast<const float*>(p);
+        if (k == 5) a.dx = p;
+        if (k == 6) a.dweight = p;
+      },
+      [](const AddRmsNormBackwardArgs<bf16, bf16>& a) { return detail::validate(a, "add_rms_norm_backward", false); });
 }

@@ -8,7 +8,10 @@
 
 #include <tigon/norm/layer_norm.cuh>
 
+#include "alias_matrix.hpp"
+
 using namespace tigon;
+using tigon_test::alias_matrix;
 
 namespace {
 alignas(256) bf16 xbuf[8 * 256];
@@ -235,4 +238,37 @@ TEST_CASE("layer_norm: in-place and optional arguments are valid", "[layer_norm]
   b.weight = nullptr;
   b.dweight = nullptr;
   CHECK(detail::validate(b, "layer_norm_backward", true).ok());
+}
+
+TEST_CASE("layer_norm: the generated aliasing matrix", "[layer_norm][validation]") {
+  // Forward: x, weight, bias in; y, mean, rstd out; y may be x itself.
+  alias_matrix<LayerNormForwardArgs<bf16, bf16>>(
+      {{"x", false}, {"weight", false}, {"bias", false}, {"y", true}, {"mean", true}, {"rstd", true}}, {{3, 0}},
+      [](LayerNormForwardArgs<bf16, bf16>& a, int k, bf16* p) {
+        a.rows = 4, a.cols = 1000;
+        if (k == 0) a.x = p;
+        if (k == 1) a.weight = p;
+        if (k == 2) a.bias = p;
+        if (k == 3) a.y = p;
+        if (k == 4) a.mean = reinterpret_cast<float*>(p);
+        if (k == 5) a.rstd = reinterpret_cast<float*>(p);
+      },
+      [](const LayerNormForwardArgs<bf16, bf16>& a) { return detail::validate(a, "layer_norm_forward"); });
+  // Backward: dy, x, weight, mean, rstd in; dx, dweight, dbias out; dx may be dy or x itself.
+  alias_matrix<LayerNormBackwardArgs<bf16, bf16>>(
+      {{"dy", false}, {"x", false}, {"weight", false}, {"mean", false}, {"rstd", false}, {"dx", true},
+       {"dweight", true}, {"dbias", true}},
+      {{5, 0}, {5, 1}},
+      [](LayerNormBackwardArgs<bf16, bf16>& a, int k, bf16* p) {
+        a.rows = 4, a.cols = 1000;
+        if (k == 0) a.dy = p;
+        if (k == 1) a.x = p;
+        if (k == 2) a.weight = p;
+        if (k == 3) a.mean = reinterpret_cast<const float*>(p);
+        if (k == 4) a.rstd = reinterpret_cast<const float*>(p);
+        if (k == 5) a.dx = p;
+        if (k == 6) a.dweight = p;
+        if (k == 7) a.dbias = p;
+      },
+      [](const LayerNormBackwardArgs<bf16, bf16>& a) { return detail::validate(a, "layer_norm_backward", false); });
 }

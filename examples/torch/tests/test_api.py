@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEVICE
+from conftest import DEVICE, REFERENCE
 
 import tigon_torch as tt
 from tigon_torch import ops, patch
@@ -78,6 +78,8 @@ def test_transposed_view_is_not_copied():
     assert rows.stride(0) == 16 and rows.data_ptr() == gate.data_ptr()
 
 
+@pytest.mark.skipif(REFERENCE, reason="the CPU reference mode routes CPU tensors to its operators once they are "
+                    "installed, so whether this raises depends on the order the tests run in")
 def test_functions_reject_cpu_tensors_before_loading_anything():
     with pytest.raises(ValueError, match="CUDA"):
         tt.TigonRMSNormFunction.apply(torch.randn(2, 8), None, 1e-6)

@@ -390,15 +390,14 @@ template <class Gemm = CublasLtGemm, class T, class I>
     return h;
   };
   auto scratch = [&](int k) { return detail::ce_scratch(base + l.ce_bytes * static_cast<std::size_t>(k), tokens); };
-  // Each head's bias where the GEMM's epilogue reads it (its aligned copy when the caller's is not).
-  std::vector<const T*> biases(static_cast<std::size_t>(heads), nullptr);
+  // Head k's bias where the GEMM's epilogue reads it (its aligned copy when the caller's is not).
   auto bias_slot = [&](int k) {
     return reinterpret_cast<T*>(base + l.bias_offset +
                                 static_cast<std::size_t>(k) * round_up<std::size_t>(vocab * sizeof(T), 256));
   };
-  for (int k = 0; args.biases != nullptr && k < heads; ++k) {
-    biases[k] = detail::epilogue_bias_ptr(args.biases[k], bias_slot(k));
-  }
+  auto bias_of = [&](int k) -> const T* {
+    return args.biases != nullptr ? detail::epilogue_bias_ptr(args.biases[k], bias_slot(k)) : nullptr;
+  };
   // Every chunk's GEMMs of every head checked (kRun false) before anything is written, then run.
   auto chunks = [&](auto run_c) {
     for (std::int64_t r0 = 0; r0 < tokens; r0 += l.chunk) {
@@ -406,7 +405,7 @@ template <class Gemm = CublasLtGemm, class T, class I>
       const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
       for (int k = 0; k < heads; ++k) {
         TIGON_CHECK(detail::lce_chunk<decltype(run_c)::value>(
-            gemm, head(k), args.x + r0 * xs, xs, args.weights[k], biases[k], hidden, r0, c, logits, ones, scratch(k),
+            gemm, head(k), args.x + r0 * xs, xs, args.weights[k], bias_of(k), hidden, r0, c, logits, ones, scratch(k),
             want_grad, args.dx != nullptr ? args.dx + r0 * dxs : nullptr, dxs, k > 0 ? 1.0f : 0.0f,
             args.dweights != nullptr ? args.dweights[k] : nullptr, args.dbiases != nullptr ? args.dbiases[k] : nullptr,
             beta, stream, kOp));

@@ -200,6 +200,12 @@ struct AdamWChunkEntry {
 
 inline std::size_t adamw_tensors_bytes(int n) { return round_up<std::size_t>(n * sizeof(AdamWTensorEntry), 256); }
 
+// The plan's bytes: the tensor table, then one entry per chunk.
+inline std::size_t adamw_plan_bytes(int tensors, std::int64_t chunks) {
+  return adamw_tensors_bytes(tensors) +
+         round_up<std::size_t>(static_cast<std::size_t>(chunks) * sizeof(AdamWChunkEntry), 256);
+}
+
 template <class P, class S>
 Status validate_adamw_tensors(const AdamWTensor<P, S>* t, int n, const char* op, std::int64_t& chunks) {
   static_assert(Element<P>, "parameters are float, half or bfloat16");
@@ -269,8 +275,7 @@ template <class P, class S>
   bytes = 0;
   std::int64_t chunks = 0;
   TIGON_CHECK(detail::validate_adamw_tensors(tensors, num_tensors, "adamw_workspace_bytes", chunks));
-  bytes = detail::adamw_tensors_bytes(num_tensors) +
-          round_up<std::size_t>(static_cast<std::size_t>(chunks) * sizeof(detail::AdamWChunkEntry), 256);
+  bytes = detail::adamw_plan_bytes(num_tensors, chunks);
   return Status();
 }
 
@@ -432,14 +437,26 @@ TIGON_DEVICE void adamw_elements(const AdamWTensorEntry& t, std::int64_t i0, std
 // One block per chunk of kAdamWChunk elements of one tensor; 8 elements per thread per trip
 // (16-bit buffers in one 16-byte access, fp32 ones in two), or one where a pointer of the tensor
 // is not 16-byte aligned; every element is computed once, in the same way: deterministic.
+// Block blockIdx.x's chunk: its tensor, first element and element count.
+struct AdamWSpan {
+  AdamWTensorEntry t;
+  std::int64_t i0, n;
+  std::int32_t tensor;
+};
+TIGON_DEVICE AdamWSpan adamw_span(const AdamWTensorEntry* tensors, const AdamWChunkEntry* chunks) {
+  const AdamWChunkEntry ce = chunks[blockIdx.x];
+  const AdamWTensorEntry t = tensors[ce.tensor];
+  const std::int64_t i0 = static_cast<std::int64_t>(ce.chunk) * kAdamWChunk;
+  return {t, i0, t.numel - i0 < kAdamWChunk ? t.numel - i0 : kAdamWChunk, ce.tensor};
+}
+
 template <class P, class S, class Rule>
 TIGON_KERNEL void __launch_bounds__(kAdamWThreads) adamw_step_kernel(const AdamWStepParams p) {
   grid_dependency_sync();
   if (p.found_inf != nullptr && *p.found_inf != 0.0f) return;
-  const AdamWChunkEntry ce = p.chunks[blockIdx.x];
-  const AdamWTensorEntry t = p.tensors[ce.tensor];
-  const std::int64_t i0 = static_cast<std::int64_t>(ce.chunk) * kAdamWChunk;
-  const std::int64_t n = t.numel - i0 < kAdamWChunk ? t.numel - i0 : kAdamWChunk;
+  const AdamWSpan sp = adamw_span(p.tensors, p.chunks);
+  const AdamWTensorEntry& t = sp.t;
+  const std::int64_t i0 = sp.i0, n = sp.n;
   const float step = *p.step;
   float factor = 1.0f;
   if (p.grad_scale != nullptr) factor /= *p.grad_scale;
@@ -449,10 +466,10 @@ TIGON_KERNEL void __launch_bounds__(kAdamWThreads) adamw_step_kernel(const AdamW
   constexpr int kV = 8;
   if (t.vec) {
     const std::int64_t nv = n / kV * kV;
-    adamw_elements<P, S, Rule, kV>(t, i0, nv, c, p.stochastic, p.seed, step_u, ce.tensor);
-    adamw_elements<P, S, Rule, 1>(t, i0 + nv, n - nv, c, p.stochastic, p.seed, step_u, ce.tensor);
+    adamw_elements<P, S, Rule, kV>(t, i0, nv, c, p.stochastic, p.seed, step_u, sp.tensor);
+    adamw_elements<P, S, Rule, 1>(t, i0 + nv, n - nv, c, p.stochastic, p.seed, step_u, sp.tensor);
   } else {
-    adamw_elements<P, S, Rule, 1>(t, i0, n, c, p.stochastic, p.seed, step_u, ce.tensor);
+    adamw_elements<P, S, Rule, 1>(t, i0, n, c, p.stochastic, p.seed, step_u, sp.tensor);
   }
 }
 
@@ -463,11 +480,10 @@ TIGON_KERNEL void __launch_bounds__(kAdamWThreads) grad_sq_sum_kernel(const Adam
                                                                        const AdamWChunkEntry* chunks,
                                                                        float* partials) {
   grid_dependency_sync();
-  const AdamWChunkEntry ce = chunks[blockIdx.x];
-  const AdamWTensorEntry t = tensors[ce.tensor];
-  const std::int64_t i0 = static_cast<std::int64_t>(ce.chunk) * kAdamWChunk;
-  const std::int64_t n = t.numel - i0 < kAdamWChunk ? t.numel - i0 : kAdamWChunk;
-  const P* g = static_cast<const P*>(t.grad) + i0;
+  const AdamWSpan sp = adamw_span(tensors, chunks);
+  const AdamWTensorEntry& t = sp.t;
+  const std::int64_t n = sp.n;
+  const P* g = static_cast<const P*>(t.grad) + sp.i0;
   float s = 0.0f;
   std::int64_t done = 0;
   if (t.vec) {
@@ -599,9 +615,7 @@ template <class P, class S = float>
   TIGON_CHECK(check::workspace(workspace, workspace_bytes, grad_norm_workspace_bytes(plan), kOp));
   {  // the norm, the factor and the workspace apart from each other and from the plan's table
     using namespace check;
-    const auto table = static_cast<std::int64_t>(detail::adamw_tensors_bytes(plan.num_tensors) +
-                                                 static_cast<std::size_t>(plan.num_chunks) *
-                                                     sizeof(detail::AdamWChunkEntry));
+    const auto table = static_cast<std::int64_t>(detail::adamw_plan_bytes(plan.num_tensors, plan.num_chunks));
     const NamedView outs[] = {{vector_view(workspace, static_cast<std::int64_t>(workspace_bytes), 1), "workspace"},
                               {vector_view(norm, 1, 4), "norm"},
                               {vector_view(factor, 1, 4), "factor"}};

@@ -477,5 +477,20 @@ def install() -> None:
 
     ops.ops()  # the schemas
     _LIB = torch.library.Library("tigon", "IMPL")
+    checks = ops._fake_checks()
     for fn in OPS:
-        _LIB.impl(fn.__name__, fn, "CPU")
+        _LIB.impl(fn.__name__, _checked(fn, checks.get(fn.__name__)), "CPU")
+
+
+def _checked(fn, check):
+    """fn after the shape and dtype checks the CUDA operator makes first (ops._fake_checks), so that a
+    call the GPU refuses fails here too."""
+    if check is None:
+        return fn
+
+    def run(*args):
+        check(*args)
+        return fn(*args)
+
+    run.__name__ = fn.__name__
+    return run

@@ -48,13 +48,13 @@ def _cases():
     }
     # The backward ops read the statistics their forward wrote.
     ops.ops().rms_norm_fwd(x, w, _e(N, H), rstd, 1e-6, 0.0, 0)
-    cases["rms_norm_bwd"] = (dy, x, w, rstd, _e(N, H), _e(H, dtype=F32), 1e-6, 0.0, 0)
+    cases["rms_norm_bwd"] = (dy, x, w, rstd, _e(N, H), torch.empty_like(w), 1e-6, 0.0, 0)
     mean, rstd2 = _e(N, dtype=F32), _e(N, dtype=F32)
     ops.ops().layer_norm_fwd(x, w, None, _e(N, H), mean, rstd2, 1e-5)
-    cases["layer_norm_bwd"] = (dy, x, w, mean, rstd2, _e(N, H), _e(H, dtype=F32), _e(H, dtype=F32))
+    cases["layer_norm_bwd"] = (dy, x, w, mean, rstd2, _e(N, H), torch.empty_like(w), torch.empty_like(w))
     s, rstd3 = _e(N, H), _e(N, dtype=F32)
     ops.ops().add_rms_norm_fwd(x, dy, w, _e(N, H), s, rstd3, 1e-6, 0.0, 0)
-    cases["add_rms_norm_bwd"] = (dy, _r(N, H), s, w, rstd3, _e(N, H), _e(H, dtype=F32), 1e-6, 0.0, 0)
+    cases["add_rms_norm_bwd"] = (dy, _r(N, H), s, w, rstd3, _e(N, H), torch.empty_like(w), 1e-6, 0.0, 0)
     # RoPE: q [B, T, Hq, D], k [B, T, Hk, D], tables [1, T, D].
     B, T, D = 2, 5, 16
     ang = torch.rand(1, T, D // 2, device=DEVICE).repeat(1, 1, 2)
@@ -82,7 +82,7 @@ def _cases():
                              None)
     cases["linear_logprob_bwd"] = (xw, W, None, t, lse, ent, torch.randn(N, device=DEVICE), None, _e(N, H),
                                    _e(V, H, dtype=F32), None, -100, 1.0, 4, False, None)
-    cases["divergence"] = (_r(N, V), _r(N, V), None, None, _e(N, V), _e((), dtype=F32), None, None, 0, 2, 2, 0,
+    cases["divergence"] = (_r(N, V), _r(N, V), None, None, _e(N, V), _e((), dtype=F32), None, None, 0, 2, 2, 3,
                            -100, 0.5, 0.0, 1.0, 1.0)
     return cases
 

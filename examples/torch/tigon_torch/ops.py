@@ -54,18 +54,46 @@ def _like(op: str, ref_name: str, ref, *named) -> None:
             raise ValueError(f"{op}: '{name}' has shape {tuple(t.shape)}, '{ref_name}' {tuple(ref.shape)}")
 
 
+def _vector(op: str, name: str, t, ref_name: str, ref) -> None:
+    """t (None skipped) a vector of ref's shape and dtype (a norm's dweight / dbias against its weight)."""
+    if t is None or ref is None:
+        return
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{op}: '{name}' has dtype {t.dtype}, expected {ref.dtype} (the dtype of '{ref_name}')")
+    if tuple(t.shape) != tuple(ref.shape):
+        raise ValueError(f"{op}: '{name}' has shape {tuple(t.shape)}, '{ref_name}' {tuple(ref.shape)}")
+
+
+def _norm_bwd(op: str, lead: str, x, named, w, grads) -> None:
+    _like(op, lead, x, *named)
+    for name, t in grads:
+        _vector(op, name, t, "weight", w)
+
+
+def _divergence(s, t, labels, go, dx, loss, loss_rows, loss_elems, kind, student_input, teacher_input, red,
+                *r) -> None:
+    op = "tigon.divergence"
+    _like(op, "student", s, "dx", dx)
+    if red == 0 and loss is not None:
+        raise ValueError(f"{op}: reduction none has no reduced loss: use loss_rows or loss_elems")
+
+
 def _fake_checks():
     """Per operator, the shape and dtype checks its CUDA implementation makes before it launches,
     so that torch.compile and FakeTensorMode reject a bad call when they trace it."""
     return {
         "rms_norm_fwd": lambda x, w, y, rstd, *a: _like("tigon.rms_norm_fwd", "x", x, "y", y),
-        "rms_norm_bwd": lambda dy, x, w, rstd, dx, dw, *a: _like("tigon.rms_norm_bwd", "x", x, "dy", dy, "dx", dx),
+        "rms_norm_bwd": lambda dy, x, w, rstd, dx, dw, *a: _norm_bwd("tigon.rms_norm_bwd", "x", x,
+                                                                     ("dy", dy, "dx", dx), w, [("dweight", dw)]),
         "layer_norm_fwd": lambda x, w, b, y, *a: _like("tigon.layer_norm_fwd", "x", x, "y", y),
-        "layer_norm_bwd": lambda dy, x, w, m, r, dx, *a: _like("tigon.layer_norm_bwd", "x", x, "dy", dy, "dx", dx),
+        "layer_norm_bwd": lambda dy, x, w, m, r, dx, dw, db: _norm_bwd("tigon.layer_norm_bwd", "x", x,
+                                                                       ("dy", dy, "dx", dx), w,
+                                                                       [("dweight", dw), ("dbias", db)]),
         "add_rms_norm_fwd": lambda x, res, w, y, s, *a: _like("tigon.add_rms_norm_fwd", "x", x, "residual", res,
                                                              "y", y, "sum", s),
-        "add_rms_norm_bwd": lambda dy, ds, s, w, r, dx, *a: _like("tigon.add_rms_norm_bwd", "sum", s, "dsum", ds,
-                                                                 "dy", dy, "dx", dx),
+        "add_rms_norm_bwd": lambda dy, ds, s, w, r, dx, dw, *a: _norm_bwd("tigon.add_rms_norm_bwd", "sum", s,
+                                                                          ("dsum", ds, "dy", dy, "dx", dx), w,
+                                                                          [("dweight", dw)]),
         "gated_fwd": lambda a, b, c, *r: _like("tigon.gated_fwd", "a", a, "b", b, "c", c),
         "gated_bwd": lambda dc, a, b, da, db, *r: _like("tigon.gated_bwd", "a", a, "b", b, "dc", dc, "da", da,
                                                         "db", db),
@@ -73,7 +101,7 @@ def _fake_checks():
         "relu2_bwd": lambda dc, a, da: _like("tigon.relu2_bwd", "a", a, "dc", dc, "da", da),
         "cross_entropy": lambda logits, target, cw, go, dlogits, *r: _like("tigon.cross_entropy", "logits", logits,
                                                                            "dlogits", dlogits),
-        "divergence": lambda s, t, labels, go, dx, *r: _like("tigon.divergence", "student", s, "dx", dx),
+        "divergence": _divergence,
     }
 
 

@@ -2,6 +2,7 @@
 // Every rejection names its argument and happens before anything touches the device.
 #include <catch2/catch.hpp>
 
+#include <cstring>
 #include <string>
 
 #include <tigon/optim/adamw.cuh>
@@ -37,6 +38,42 @@ TEST_CASE("adamw: the workspace of a parameter list", "[adamw][validation]") {
   CHECK(bytes == 256 + 256);
   REQUIRE(adamw_workspace_bytes(t, 3, bytes).ok());
   CHECK(bytes == 256 + 256);  // 40000 elements: two chunks of 32768; four chunks in all
+}
+
+TEST_CASE("adamw: the staged plan and its view", "[adamw][validation]") {
+  alignas(256) static bf16 bp[40000], bg[40000];
+  alignas(256) static float bm[40000], bv[40000];
+  AdamWTensor<bf16> t[2] = {tensor(0), {.param = bp, .grad = bg + 1, .exp_avg = bm, .exp_avg_sq = bv, .numel = 39999}};
+  std::size_t bytes = 0;
+  REQUIRE(adamw_workspace_bytes(t, 2, bytes).ok());
+  alignas(256) static unsigned char staging[1024], device_ws[1024];
+  std::memset(staging, 0xff, sizeof staging);
+  REQUIRE(adamw_plan_stage(t, 2, staging, bytes).ok());
+  // The table: each tensor's pointers and whether all of them allow 16-byte vectors (the second's
+  // gradient is one element in), then one (tensor, chunk) entry per chunk: 1 + 2 chunks.
+  const auto* te = reinterpret_cast<const detail::AdamWTensorEntry*>(staging);
+  CHECK(te[0].param == param[0]);
+  CHECK(te[0].numel == 1000);
+  CHECK(te[0].vec == 1);
+  CHECK(te[1].grad == bg + 1);
+  CHECK(te[1].vec == 0);
+  const auto* ch = reinterpret_cast<const detail::AdamWChunkEntry*>(staging + detail::adamw_tensors_bytes(2));
+  CHECK((ch[0].tensor == 0 && ch[0].chunk == 0 && ch[1].tensor == 1 && ch[1].chunk == 0 && ch[2].tensor == 1 &&
+         ch[2].chunk == 1));
+  expect(adamw_plan_stage(t, 2, staging, bytes - 1), Errc::workspace_too_small, "workspace_bytes");
+  AdamWPlan plan;
+  REQUIRE(adamw_plan_view(t, 2, device_ws, bytes, plan).ok());
+  CHECK(plan.tensors == device_ws);
+  CHECK(plan.chunks == device_ws + detail::adamw_tensors_bytes(2));
+  CHECK(plan.num_chunks == 3);
+  CHECK(plan.num_tensors == 2);
+  CHECK(plan.numel == 40999);
+  CHECK(plan.param_dtype == static_cast<int>(dtype_traits<bf16>::id));
+  CHECK(plan.state_dtype == static_cast<int>(dtype_traits<float>::id));
+  expect(adamw_plan_view(t, 2, device_ws, bytes - 1, plan), Errc::workspace_too_small, "workspace_bytes");
+  CHECK(plan.tensors == nullptr);  // a rejected view leaves the plan empty
+  t[1].exp_avg = bv;               // over the second moment
+  CHECK(adamw_plan_view(t, 2, device_ws, bytes, plan).code() == Errc::aliasing);
 }
 
 TEST_CASE("adamw: a parameter list is rejected by name", "[adamw][validation]") {

@@ -49,6 +49,15 @@ TORCH_LIBRARY(tigon, m) {
         "Tensor(b!)? loss, Tensor(c!)? loss_rows, Tensor(d!)? loss_elems, int kind, int student_input, "
         "int teacher_input, int reduction, int ignore_index, float beta, float eps, float temperature, "
         "float grad_scale) -> ()");
+  m.def("adamw_plan(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
+        "Tensor[] masters) -> Tensor");
+  m.def("adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "Tensor(d!)[] masters, Tensor plan, Tensor lr, Tensor(e!) step, float beta1, float beta2, float eps, "
+        "float weight_decay, bool decoupled, Tensor? grad_scale, Tensor? clip_factor, Tensor? found_inf, "
+        "bool stochastic_rounding, int seed) -> ()");
+  m.def("adamw_grad_norm(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
+        "Tensor[] masters, Tensor plan, float max_norm, Tensor(a!)? norm, Tensor(b!)? factor, "
+        "Tensor? grad_scale) -> ()");
 }
 
 #if defined(TIGON_TORCH_PYTHON_MODULE)

@@ -463,9 +463,91 @@ def divergence(student, teacher, labels, grad_output, dx, loss, loss_rows, loss_
         dx.copy_(g.to(dx.dtype))
 
 
+def adamw_plan(params, grads, exp_avgs, exp_avg_sqs, masters):
+    """tigon.adamw_plan: the plan's bytes (its contents only the CUDA step reads)."""
+    from tigon_torch.optim import plan_bytes
+
+    _adamw_lists("tigon.adamw_plan", params, grads, exp_avgs, exp_avg_sqs, masters)
+    return torch.zeros(plan_bytes([p.numel() for p in params]), dtype=torch.uint8, device=params[0].device)
+
+
+def _adamw_lists(op, params, grads, exp_avgs, exp_avg_sqs, masters):
+    n = len(params)
+    if n == 0:
+        raise ValueError(f"{op}: the parameter list is empty")
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n) or len(masters) not in (0, n):
+        raise ValueError(f"{op}: the lists must have one entry each per parameter")
+    pt, st = params[0].dtype, exp_avgs[0].dtype
+    if st not in (pt, torch.float32):
+        raise TypeError(f"{op}: the moments' dtype ({st}) must be float32 or the parameters' ({pt})")
+    for i, p in enumerate(params):
+        for name, t, dt in (("params", p, pt), ("grads", grads[i], pt), ("exp_avgs", exp_avgs[i], st),
+                            ("exp_avg_sqs", exp_avg_sqs[i], st)) + ((("masters", masters[i], torch.float32),)
+                                                                     if masters else ()):
+            if t.dtype != dt:
+                raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype}, expected {dt}")
+            if t.numel() != p.numel():
+                raise ValueError(f"{op}: {name}[{i}] has {t.numel()} elements, its parameter {p.numel()}")
+
+
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, masters, plan, lr, step, beta1, beta2, eps, weight_decay,
+               decoupled, grad_scale, clip_factor, found_inf, stochastic_rounding, seed):
+    """tigon.adamw_step: AdamWRule per element (tigon/optim/adamw.cuh) in torch ops, fp64 where the
+    kernel computes in fp64 and rounded to fp32 where it rounds."""
+    _adamw_lists("tigon.adamw_step", params, grads, exp_avgs, exp_avg_sqs, masters)
+    if stochastic_rounding:
+        raise NotImplementedError("tigon.adamw_step: the CPU reference has no stochastic rounding")
+    if found_inf is not None and float(found_inf) != 0.0:
+        return
+    step.add_(1)
+    t = float(step)
+    lr_d = float(lr)
+    bc1 = torch.tensor(1.0 - beta1 ** t, dtype=torch.float64).float()
+    bc2 = torch.tensor(1.0 - beta2 ** t, dtype=torch.float64).float()
+    step_size = (lr_d / bc1.double()).float()
+    bc2_sqrt = torch.sqrt(bc2)
+    factor = torch.tensor(1.0, dtype=torch.float32)
+    if clip_factor is not None:
+        factor = factor * clip_factor.float().reshape(())
+    if grad_scale is not None:
+        factor = factor / grad_scale.float().reshape(())
+    for i, p in enumerate(params):
+        w = masters[i] if masters else p.float()
+        g = grads[i].float() * factor
+        if weight_decay != 0.0:
+            if decoupled:
+                w = (w.double() - lr_d * weight_decay * w.double()).float()
+            else:
+                g = (g.double() + w.double() * weight_decay).float()
+        m = (beta1 * exp_avgs[i].double() + (1.0 - beta1) * g.double()).float()
+        v = (beta2 * exp_avg_sqs[i].double() + (1.0 - beta2) * g.double() * g.double()).float()
+        denom = ((torch.sqrt(v) / bc2_sqrt).double() + eps).float()
+        w = w - step_size * m / denom
+        exp_avgs[i].copy_(m)
+        exp_avg_sqs[i].copy_(v)
+        if masters:
+            masters[i].copy_(w)
+        p.copy_(w)
+
+
+def adamw_grad_norm(params, grads, exp_avgs, exp_avg_sqs, masters, plan, max_norm, norm, factor, grad_scale):
+    """tigon.adamw_grad_norm: the gradients' global L2 norm (squares in fp32 per tensor, summed in fp64),
+    unscaled by grad_scale, and torch's clip factor min(1, max_norm / (norm + 1e-6))."""
+    _adamw_lists("tigon.adamw_grad_norm", params, grads, exp_avgs, exp_avg_sqs, masters)
+    sq = sum(g.float().square().sum().double() for g in grads)
+    if grad_scale is not None:
+        sq = sq / grad_scale.double().reshape(()) ** 2
+    nv = torch.sqrt(sq).float()
+    f = (max_norm / (nv + 1e-6)).float()
+    if norm is not None:
+        norm.copy_(nv)
+    if factor is not None:
+        factor.copy_(torch.where(f < 1.0, f, torch.where(f >= 1.0, torch.ones_like(f), f)))
+
+
 OPS = [rms_norm_fwd, rms_norm_bwd, layer_norm_fwd, layer_norm_bwd, add_rms_norm_fwd, add_rms_norm_bwd, rope,
        gated_fwd, gated_bwd, relu2_fwd, relu2_bwd, cross_entropy, linear_cross_entropy, linear_cross_entropy_heads, linear_logprob, linear_logprob_bwd, scale_rows,
-       divergence]
+       divergence, adamw_plan, adamw_step, adamw_grad_norm]
 
 
 def install() -> None:

@@ -84,6 +84,16 @@ def _cases():
                                    _e(V, H, dtype=F32), None, -100, 1.0, 4, False, None)
     cases["divergence"] = (_r(N, V), _r(N, V), None, None, _e(N, V), _e((), dtype=F32), None, None, 0, 2, 2, 3,
                            -100, 0.5, 0.0, 1.0, 1.0)
+    # The AdamW step over two bf16 tensors (one across a chunk boundary) with fp32 moments and masters.
+    ps = [_r(3, 7), _r(40000, scale=0.1)]
+    lists = (ps, [_r(*p.shape, scale=0.01) for p in ps], [torch.zeros_like(p, dtype=F32) for p in ps],
+             [torch.zeros_like(p, dtype=F32) for p in ps], [p.float() for p in ps])
+    plan = ops.ops().adamw_plan(*lists)
+    scalar = lambda v: torch.full((), v, dtype=F32, device=DEVICE)  # noqa: E731
+    cases["adamw_plan"] = lists
+    cases["adamw_step"] = lists + (plan, scalar(1e-3), scalar(0.0), 0.9, 0.999, 1e-8, 0.01, True, scalar(2.0),
+                                   scalar(0.5), scalar(0.0), False, 0)
+    cases["adamw_grad_norm"] = lists + (plan, 1.0, scalar(0.0), scalar(0.0), None)
     return cases
 
 
@@ -98,7 +108,7 @@ def test_every_operator_has_a_case(ext):
 _CASE_NAMES = ["rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd", "add_rms_norm_fwd",
                "add_rms_norm_bwd", "rope", "gated_fwd", "gated_bwd", "relu2_fwd", "relu2_bwd", "cross_entropy",
                "linear_cross_entropy", "linear_cross_entropy_heads", "linear_logprob", "linear_logprob_bwd",
-               "scale_rows", "divergence"]
+               "scale_rows", "divergence", "adamw_plan", "adamw_step", "adamw_grad_norm"]
 
 
 @pytest.mark.parametrize("name", _CASE_NAMES)

@@ -34,6 +34,7 @@ SOURCES = [
     "gated.cu",
     "loss.cu",
     "divergence.cu",
+    "optim.cu",
 ]
 DEFAULT_ARCH = "9.0"
 

@@ -131,6 +131,8 @@ def _register_fakes() -> None:
         "linear_logprob_bwd",
         "scale_rows",
         "divergence",
+        "adamw_step",
+        "adamw_grad_norm",
     ]
     checks = _fake_checks()
     for name in names:
@@ -141,6 +143,13 @@ def _register_fakes() -> None:
             return None
 
         torch.library.register_fake(f"tigon::{name}", fake)
+
+    def adamw_plan_fake(params, grads, exp_avgs, exp_avg_sqs, masters):
+        from .optim import plan_bytes
+
+        return torch.empty(plan_bytes([p.numel() for p in params]), dtype=torch.uint8, device=params[0].device)
+
+    torch.library.register_fake("tigon::adamw_plan", adamw_plan_fake)
     _fakes_registered = True
 
 

@@ -21,7 +21,9 @@
 //
 // Use: adamw_plan() once for a parameter list (it writes the list into the caller's workspace; run
 // it outside any graph capture), then adamw_step() every step (graph-capturable: no allocation, no
-// host synchronisation, no copy from the host). grad_norm_clip() before it computes the gradients'
+// host synchronisation, no copy from the host). A trainer whose buffers move between steps re-plans
+// without a synchronisation: adamw_plan_stage() into pinned host memory, its own asynchronous copy
+// into the workspace, adamw_plan_view(). grad_norm_clip() before it computes the gradients'
 // global L2 norm and the clip factor min(1, max_norm / (norm + 1e-6)) into device memory, which
 // the step applies through AdamWHyper::clip_factor: the clip costs one read of the gradients and
 // no pass of its own over them. The step count lives in device memory; adamw_step
@@ -35,6 +37,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -529,9 +532,65 @@ TIGON_KERNEL void __launch_bounds__(kThreads) grad_norm_finish_kernel(const floa
 
 }  // namespace detail
 
+#endif  // __CUDACC__
+
 // ------------------------------------------------------------------------------------------------
 // 4. Launchers
 // ------------------------------------------------------------------------------------------------
+
+// Writes the plan's bytes for a parameter list (adamw_workspace_bytes() of them) into `staging`,
+// host memory: copy them into a device workspace in your stream's order (from pinned memory, with
+// the staging buffer kept until the copy is done), then adamw_plan_view() makes the plan. This is
+// how a trainer whose gradients move between steps re-plans without a host synchronisation.
+template <class P, class S>
+[[nodiscard]] Status adamw_plan_stage(const AdamWTensor<P, S>* tensors, int num_tensors, void* staging,
+                                      std::size_t staging_bytes) {
+  constexpr const char* kOp = "adamw_plan_stage";
+  std::size_t need = 0;
+  TIGON_CHECK(adamw_workspace_bytes(tensors, num_tensors, need));
+  TIGON_CHECK(check::workspace(staging, staging_bytes, need, kOp));
+  auto* host = static_cast<unsigned char*>(staging);
+  std::memset(host, 0, need);
+  const std::size_t tbytes = detail::adamw_tensors_bytes(num_tensors);
+  auto* te = reinterpret_cast<detail::AdamWTensorEntry*>(host);
+  auto* ch = reinterpret_cast<detail::AdamWChunkEntry*>(host + tbytes);
+  std::int64_t k = 0;
+  for (int i = 0; i < num_tensors; ++i) {
+    const AdamWTensor<P, S>& t = tensors[i];
+    const bool vec = is_aligned(t.param, 16) && is_aligned(t.grad, 16) && is_aligned(t.exp_avg, 16) &&
+                     is_aligned(t.exp_avg_sq, 16) && is_aligned(t.master, 16);
+    te[i] = {t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.master, t.numel, vec ? 1 : 0, 0};
+    for (std::int64_t c = 0; c * detail::kAdamWChunk < t.numel; ++c) {
+      ch[k++] = {static_cast<std::int32_t>(i), static_cast<std::int32_t>(c)};
+    }
+  }
+  return Status();
+}
+
+// The plan of a parameter list whose bytes (adamw_plan_stage()'s) `workspace` holds or will hold
+// by the time the stream reaches the step: the list is validated and counted, nothing is read or
+// copied. The list must be the one staged (the same pointers, in the same order).
+template <class P, class S>
+[[nodiscard]] Status adamw_plan_view(const AdamWTensor<P, S>* tensors, int num_tensors, const void* workspace,
+                                     std::size_t workspace_bytes, AdamWPlan& plan) {
+  constexpr const char* kOp = "adamw_plan_view";
+  plan = AdamWPlan{};
+  std::int64_t chunks = 0;
+  TIGON_CHECK(detail::validate_adamw_tensors(tensors, num_tensors, kOp, chunks));
+  TIGON_CHECK(check::workspace(workspace, workspace_bytes, detail::adamw_plan_bytes(num_tensors, chunks), kOp));
+  std::int64_t numel = 0;
+  for (int i = 0; i < num_tensors; ++i) numel += tensors[i].numel;
+  plan.tensors = workspace;
+  plan.chunks = static_cast<const unsigned char*>(workspace) + detail::adamw_tensors_bytes(num_tensors);
+  plan.num_chunks = chunks;
+  plan.num_tensors = num_tensors;
+  plan.numel = numel;
+  plan.param_dtype = static_cast<int>(dtype_traits<P>::id);
+  plan.state_dtype = static_cast<int>(dtype_traits<S>::id);
+  return Status();
+}
+
+#if defined(__CUDACC__)
 
 // Writes the parameter list into `workspace` (adamw_workspace_bytes() of them, 16-byte aligned) with
 // one host-to-device copy on `stream`, and fills `plan`. Run it once per parameter list, outside
@@ -545,35 +604,14 @@ template <class P, class S>
   std::size_t need = 0;
   TIGON_CHECK(adamw_workspace_bytes(tensors, num_tensors, need));
   TIGON_CHECK(check::workspace(workspace, workspace_bytes, need, kOp));
-  const std::size_t tbytes = detail::adamw_tensors_bytes(num_tensors);
-  std::vector<unsigned char> host(need, 0);
-  auto* te = reinterpret_cast<detail::AdamWTensorEntry*>(host.data());
-  auto* ch = reinterpret_cast<detail::AdamWChunkEntry*>(host.data() + tbytes);
-  std::int64_t k = 0, numel = 0;
-  for (int i = 0; i < num_tensors; ++i) {
-    const AdamWTensor<P, S>& t = tensors[i];
-    const bool vec = is_aligned(t.param, 16) && is_aligned(t.grad, 16) && is_aligned(t.exp_avg, 16) &&
-                     is_aligned(t.exp_avg_sq, 16) && is_aligned(t.master, 16);
-    te[i] = {t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.master, t.numel, vec ? 1 : 0, 0};
-    for (std::int64_t c = 0; c * detail::kAdamWChunk < t.numel; ++c) {
-      ch[k++] = {static_cast<std::int32_t>(i), static_cast<std::int32_t>(c)};
-    }
-    numel += t.numel;
-  }
+  std::vector<unsigned char> host(need);
+  TIGON_CHECK(adamw_plan_stage(tensors, num_tensors, host.data(), need));
   TIGON_CHECK(Status::from_cuda(cudaMemcpyAsync(workspace, host.data(), need, cudaMemcpyHostToDevice, stream), kOp,
                                 "cudaMemcpyAsync"));
   // The staging buffer dies with this call: wait for the copy.
   TIGON_CHECK(Status::from_cuda(cudaStreamSynchronize(stream), kOp, "cudaStreamSynchronize"));
-  plan.tensors = workspace;
-  plan.chunks = static_cast<const unsigned char*>(workspace) + tbytes;
-  plan.num_chunks = k;
-  plan.num_tensors = num_tensors;
-  plan.numel = numel;
-  plan.param_dtype = static_cast<int>(dtype_traits<P>::id);
-  plan.state_dtype = static_cast<int>(dtype_traits<S>::id);
-  return Status();
+  return adamw_plan_view(tensors, num_tensors, workspace, workspace_bytes, plan);
 }
-
 
 // One optimizer step over the plan's parameters: the step count advanced, then every element
 // updated with Rule (AdamWRule by default). Two launches; graph-capturable.

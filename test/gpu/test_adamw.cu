@@ -120,9 +120,9 @@ struct Model {
 };
 
 template <class P, class S>
-void run(bool with_master, bool decoupled, bool scaled) {
+void run(bool with_master, bool decoupled, bool scaled, bool lr_const = false) {
   INFO("P=" << dtype_traits<P>::name << " S=" << dtype_traits<S>::name << (with_master ? " master" : "")
-            << (decoupled ? " AdamW" : " Adam") << (scaled ? " scale+clip" : ""));
+            << (decoupled ? " AdamW" : " Adam") << (scaled ? " scale+clip" : "") << (lr_const ? " lr_value" : ""));
   Model<P, S> model({1, 7, 8, 1000, 32768, 40003, 70000}, with_master, 3);
   std::size_t bytes = 0;
   TIGON_OK(adamw_workspace_bytes(model.tensors.data(), static_cast<int>(model.tensors.size()), bytes));
@@ -136,9 +136,13 @@ void run(bool with_master, bool decoupled, bool scaled) {
     h.grad_scale = scalars.ptr + 2;
     h.clip_factor = scalars.ptr + 3;
   }
+  if (lr_const) {  // the learning rate as a constant in fp64 (0.01 exactly, not its fp32 rounding)
+    h.lr = nullptr;
+    h.lr_value = 1e-2;
+  }
   for (int t = 1; t <= 3; ++t) {
     TIGON_OK((adamw_step<P, S>(plan, h, nullptr)));
-    model.host_step(h, 1e-2f, static_cast<float>(t), scaled ? 0.5f / 4.0f : 1.0f);
+    model.host_step(h, lr_const ? 1e-2 : static_cast<double>(1e-2f), static_cast<float>(t), scaled ? 0.5f / 4.0f : 1.0f);
   }
   CUDA_OK(cudaDeviceSynchronize());
   CHECK(scalars.download()[1] == 3.0f);
@@ -160,6 +164,8 @@ TEST_CASE("adamw: the step against the host rule", "[adamw][gpu]") {
   run<half, float>(false, false, true);
   run<float, float>(false, true, false);
   run<float, float>(false, false, false);
+  run<float, float>(false, true, false, true);
+  run<bf16, bf16>(false, true, true, true);
 }
 
 TEST_CASE("adamw: found_inf skips the step, writes nothing and keeps the count", "[adamw][gpu]") {

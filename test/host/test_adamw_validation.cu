@@ -125,6 +125,15 @@ TEST_CASE("adamw: the step's constants and device scalars are rejected by name",
   auto bad = h;
   bad.lr = nullptr;
   expect(detail::validate_adamw_hyper(bad, true, "adamw_step"), Errc::null_pointer, "lr");
+  bad.lr_value = 1e-2;  // a constant learning rate instead of the device scalar
+  CHECK(detail::validate_adamw_hyper(bad, true, "adamw_step").ok());
+  bad.lr_value = -1e-2;
+  expect(detail::validate_adamw_hyper(bad, true, "adamw_step"), Errc::invalid_value, "lr_value");
+  bad.lr_value = __builtin_nan("");
+  expect(detail::validate_adamw_hyper(bad, true, "adamw_step"), Errc::invalid_value, "lr_value");
+  bad = h;
+  bad.lr_value = 1e-2;  // both
+  expect(detail::validate_adamw_hyper(bad, true, "adamw_step"), Errc::invalid_value, "lr_value");
   bad = h;
   bad.step = nullptr;
   expect(detail::validate_adamw_hyper(bad, true, "adamw_step"), Errc::null_pointer, "step");

@@ -52,9 +52,9 @@ TORCH_LIBRARY(tigon, m) {
   m.def("adamw_plan(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
         "Tensor[] masters) -> Tensor");
   m.def("adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        "Tensor(d!)[] masters, Tensor plan, Tensor lr, Tensor(e!) step, float beta1, float beta2, float eps, "
-        "float weight_decay, bool decoupled, Tensor? grad_scale, Tensor? clip_factor, Tensor? found_inf, "
-        "bool stochastic_rounding, int seed) -> ()");
+        "Tensor(d!)[] masters, Tensor plan, Tensor? lr, float lr_value, Tensor(e!) step, float beta1, float beta2, "
+        "float eps, float weight_decay, bool decoupled, Tensor? grad_scale, Tensor? clip_factor, "
+        "Tensor? found_inf, bool stochastic_rounding, int seed) -> ()");
   m.def("adamw_grad_norm(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
         "Tensor[] masters, Tensor plan, float max_norm, Tensor(a!)? norm, Tensor(b!)? factor, "
         "Tensor? grad_scale) -> ()");

@@ -1,5 +1,8 @@
 // The multi-tensor AdamW / Adam step and the gradients' global norm, through tigon/optim/adamw.cuh.
 //
+// The learning rate is a device scalar (a Tensor lr: read at every step, graph replays included) or a
+// constant passed in fp64 (a float lr, as torch's fused AdamW takes it).
+//
 // adamw_plan stages a parameter list's table into pinned host memory and copies it into a new device
 // workspace in the stream's order (no host synchronisation; torch's pinned-memory allocator keeps the
 // staging buffer until the copy is done) and returns that workspace: the plan. adamw_step and
@@ -122,8 +125,8 @@ Tensor adamw_plan(const TensorList& params, const TensorList& grads, const Tenso
 }
 
 void adamw_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-                const TensorList& exp_avg_sqs, const TensorList& masters, const Tensor& plan, const Tensor& lr,
-                const Tensor& step, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
+                const TensorList& exp_avg_sqs, const TensorList& masters, const Tensor& plan, const OptTensor& lr,
+                double lr_value, const Tensor& step, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
                 const OptTensor& grad_scale, const OptTensor& clip_factor, const OptTensor& found_inf,
                 bool stochastic_rounding, std::int64_t seed) {
   constexpr const char* op = "tigon.adamw_step";
@@ -136,6 +139,7 @@ void adamw_step(const TensorList& params, const TensorList& grads, const TensorL
     const tigon::AdamWPlan view = plan_view(list, plan, ref, op);
     tigon::AdamWHyper h{.beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay,
                         .decoupled = decoupled, .lr = scalar_of(lr, ref, op, "lr"),
+                        .lr_value = lr.has_value() ? std::nullopt : std::optional<double>(lr_value),
                         .step = scalar_of(step, ref, op, "step"),
                         .grad_scale = scalar_of(grad_scale, ref, op, "grad_scale"),
                         .clip_factor = scalar_of(clip_factor, ref, op, "clip_factor"),

@@ -490,7 +490,8 @@ def _adamw_lists(op, params, grads, exp_avgs, exp_avg_sqs, masters):
                 raise ValueError(f"{op}: {name}[{i}] has {t.numel()} elements, its parameter {p.numel()}")
 
 
-def adamw_step(params, grads, exp_avgs, exp_avg_sqs, masters, plan, lr, step, beta1, beta2, eps, weight_decay,
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, masters, plan, lr, lr_value, step, beta1, beta2, eps,
+               weight_decay,
                decoupled, grad_scale, clip_factor, found_inf, stochastic_rounding, seed):
     """tigon.adamw_step: AdamWRule per element (tigon/optim/adamw.cuh) in torch ops, fp64 where the
     kernel computes in fp64 and rounded to fp32 where it rounds."""
@@ -501,7 +502,7 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, masters, plan, lr, step, be
         return
     step.add_(1)
     t = float(step)
-    lr_d = float(lr)
+    lr_d = float(lr) if lr is not None else float(lr_value)
     bc1 = torch.tensor(1.0 - beta1 ** t, dtype=torch.float64).float()
     bc2 = torch.tensor(1.0 - beta2 ** t, dtype=torch.float64).float()
     step_size = (lr_d / bc1.double()).float()

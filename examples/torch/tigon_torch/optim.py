@@ -98,7 +98,6 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.seed = int(seed)
         self._buckets: dict = {}
-        self._lr_cache: dict = {}
         self._clip_factor = None
 
     def __setstate__(self, state):
@@ -106,7 +105,7 @@ class AdamW(torch.optim.Optimizer):
         for g in self.param_groups:
             self._group_defaults(g)
         self.__dict__.setdefault("seed", 0)
-        self._buckets, self._lr_cache, self._clip_factor = {}, {}, None
+        self._buckets, self._clip_factor = {}, None
         self._merge_steps()
 
     def load_state_dict(self, state_dict):
@@ -169,22 +168,16 @@ class AdamW(torch.optim.Optimizer):
             st.pop("master", None)
         return st
 
-    def _lr_tensor(self, g, device):
+    @staticmethod
+    def _lr_args(g, device):
+        """(lr tensor or None, lr value): a Tensor lr as a device fp32 scalar the step reads; a float lr
+        as a constant in fp64, as torch's fused AdamW takes it."""
         lr = g["lr"]
         if isinstance(lr, torch.Tensor):
-            if lr.device == device and lr.dtype == torch.float32:
-                return lr
-            return lr.to(device=device, dtype=torch.float32)
-        key = (id(g), device)
-        t = self._lr_cache.get(key)
-        if t is None:
-            t = torch.full((), float(lr), dtype=torch.float32, device=device)
-            self._lr_cache[key] = [t, float(lr)]
-            return t
-        if t[1] != float(lr):  # an enqueued fill: no host synchronisation
-            t[0].fill_(float(lr))
-            t[1] = float(lr)
-        return t[0]
+            if not (lr.device == device and lr.dtype == torch.float32):
+                lr = lr.to(device=device, dtype=torch.float32)
+            return lr, 0.0
+        return None, float(lr)
 
     def _collect(self):
         """The launches of this step: per group, the parameters with a gradient, by device, dtype, moment
@@ -273,7 +266,7 @@ class AdamW(torch.optim.Optimizer):
             beta1, beta2 = g["betas"]
             stochastic = bool(g["stochastic_rounding"]) and b.params[0].dtype == torch.bfloat16 and not b.masters
             ops().adamw_step(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.masters, b.plan,
-                             self._lr_tensor(g, dev), b.step, float(beta1), float(beta2), float(g["eps"]),
+                             *self._lr_args(g, dev), b.step, float(beta1), float(beta2), float(g["eps"]),
                              float(g["weight_decay"]), self._decoupled, _on(grad_scale, dev), _on(clip, dev),
                              _on(found_inf, dev), stochastic, self.seed)
         return loss

@@ -38,6 +38,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -79,7 +80,8 @@ struct AdamWHyper {
   double eps = 1e-8;
   double weight_decay = 1e-2;
   bool decoupled = true;  // AdamW; false: Adam with L2 weight decay added to the gradient
-  const float* lr = nullptr;           // device scalar, required
+  const float* lr = nullptr;           // device scalar: the learning rate; or null and lr_value
+  std::optional<double> lr_value;      // a constant learning rate, in fp64 as torch passes a float lr
   float* step = nullptr;               // device scalar, required: the steps taken; the launch adds 1
   const float* grad_scale = nullptr;   // device scalar or null: gradients are divided by it
   const float* clip_factor = nullptr;  // device scalar or null: gradients are multiplied by it
@@ -299,7 +301,16 @@ Status check_adamw_plan(const AdamWPlan& plan, const char* op) {
 
 inline Status validate_adamw_hyper(const AdamWHyper& h, bool stochastic_allowed, const char* op) {
   using namespace check;
-  TIGON_CHECK(not_null(h.lr, op, "lr"));
+  if (h.lr == nullptr && !h.lr_value.has_value()) {
+    return Status::error(Errc::null_pointer, op, "lr", "give the learning rate: lr (a device scalar) or lr_value");
+  }
+  if (h.lr != nullptr && h.lr_value.has_value()) {
+    return Status::error(Errc::invalid_value, op, "lr_value", "give lr or lr_value, not both");
+  }
+  if (h.lr_value.has_value() && (!finite_in(static_cast<float>(*h.lr_value), 0.0f, __builtin_huge_valf()) ||
+                                 *h.lr_value < 0.0)) {
+    return Status::error(Errc::invalid_value, op, "lr_value", "must be finite and >= 0");
+  }
   TIGON_CHECK(not_null(h.step, op, "step"));
   // The fp64 values checked through fp32 (bit tests, which hold under -ffast-math); a value that
   // overflows fp32 is out of range anyway.
@@ -345,7 +356,8 @@ struct AdamWStepParams {
   double beta1, beta2, eps, weight_decay;
   bool decoupled, stochastic;
   std::uint64_t seed;
-  const float* lr;
+  const float* lr;    // or null: lr_value
+  double lr_value;
   const float* step;  // already advanced by adamw_advance_kernel
   const float* grad_scale;
   const float* clip_factor;
@@ -464,7 +476,8 @@ TIGON_KERNEL void __launch_bounds__(kAdamWThreads) adamw_step_kernel(const AdamW
   float factor = 1.0f;
   if (p.grad_scale != nullptr) factor /= *p.grad_scale;
   if (p.clip_factor != nullptr) factor *= *p.clip_factor;
-  const AdamWCoeffs c = adamw_math::coeffs(*p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, step, factor, p.decoupled);
+  const double lr = p.lr != nullptr ? static_cast<double>(*p.lr) : p.lr_value;
+  const AdamWCoeffs c = adamw_math::coeffs(lr, p.beta1, p.beta2, p.eps, p.weight_decay, step, factor, p.decoupled);
   const auto step_u = static_cast<std::uint64_t>(step);
   constexpr int kV = 8;
   if (t.vec) {
@@ -625,7 +638,8 @@ template <class P, class S = float, AdamWUpdateRule Rule = AdamWRule>
   const detail::AdamWStepParams p{static_cast<const detail::AdamWTensorEntry*>(plan.tensors),
                                   static_cast<const detail::AdamWChunkEntry*>(plan.chunks),
                                   h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled, h.stochastic_rounding,
-                                  h.seed, h.lr, h.step, h.grad_scale, h.clip_factor, h.found_inf};
+                                  h.seed, h.lr, h.lr_value.value_or(0.0), h.step, h.grad_scale, h.clip_factor,
+                                  h.found_inf};
   return detail::launch(kOp, detail::adamw_step_kernel<P, S, Rule>,
                         {dim3(static_cast<unsigned>(plan.num_chunks)), dim3(detail::kAdamWThreads), 0, stream}, p);
 }

@@ -124,48 +124,60 @@ Tensor adamw_plan(const TensorList& params, const TensorList& grads, const Tenso
   return out;
 }
 
-void adamw_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-                const TensorList& exp_avg_sqs, const TensorList& masters, const Tensor& plan, const OptTensor& lr,
-                double lr_value, const Tensor& step, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
-                const OptTensor& grad_scale, const OptTensor& clip_factor, const OptTensor& found_inf,
-                bool stochastic_rounding, std::int64_t seed) {
-  constexpr const char* op = "tigon.adamw_step";
+// Calls f(tag<P>, tag<S>, the plan's view, the first parameter) for the validated lists and their plan,
+// under the parameters' device guard.
+template <class F>
+void with_plan(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+               const TensorList& exp_avg_sqs, const TensorList& masters, const Tensor& plan, const char* op, F&& f) {
   dispatch_ps(params, exp_avgs, op, [&](auto tp, auto ts) {
     using P = typename decltype(tp)::type;
     using S = typename decltype(ts)::type;
     const Tensor& ref = params[0];
     const c10::cuda::CUDAGuard guard(ref.device());
     const auto list = tensor_list<P, S>(params, grads, exp_avgs, exp_avg_sqs, masters, op);
-    const tigon::AdamWPlan view = plan_view(list, plan, ref, op);
-    tigon::AdamWHyper h{.beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay,
-                        .decoupled = decoupled, .lr = scalar_of(lr, ref, op, "lr"),
-                        .lr_value = lr.has_value() ? std::nullopt : std::optional<double>(lr_value),
-                        .step = scalar_of(step, ref, op, "step"),
-                        .grad_scale = scalar_of(grad_scale, ref, op, "grad_scale"),
-                        .clip_factor = scalar_of(clip_factor, ref, op, "clip_factor"),
-                        .found_inf = scalar_of(found_inf, ref, op, "found_inf"),
-                        .stochastic_rounding = stochastic_rounding, .seed = static_cast<std::uint64_t>(seed)};
-    check_status(tigon::adamw_step<P, S>(view, h, current_stream(ref)));
+    f(tp, ts, plan_view(list, plan, ref, op), ref);
   });
+}
+
+void adamw_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                const TensorList& exp_avg_sqs, const TensorList& masters, const Tensor& plan, const OptTensor& lr,
+                double lr_value, const Tensor& step, double beta1, double beta2, double eps, double weight_decay,
+                bool decoupled, const OptTensor& grad_scale, const OptTensor& clip_factor, const OptTensor& found_inf,
+                bool stochastic_rounding, std::int64_t seed) {
+  constexpr const char* op = "tigon.adamw_step";
+  with_plan(params, grads, exp_avgs, exp_avg_sqs, masters, plan, op,
+            [&](auto tp, auto ts, const tigon::AdamWPlan& view, const Tensor& ref) {
+              using P = typename decltype(tp)::type;
+              using S = typename decltype(ts)::type;
+              tigon::AdamWHyper h{.beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay,
+                                  .decoupled = decoupled, .lr = scalar_of(lr, ref, op, "lr"),
+                                  .lr_value = lr.has_value() ? std::nullopt : std::optional<double>(lr_value),
+                                  .step = scalar_of(step, ref, op, "step"),
+                                  .grad_scale = scalar_of(grad_scale, ref, op, "grad_scale"),
+                                  .clip_factor = scalar_of(clip_factor, ref, op, "clip_factor"),
+                                  .found_inf = scalar_of(found_inf, ref, op, "found_inf"),
+                                  .stochastic_rounding = stochastic_rounding,
+                                  .seed = static_cast<std::uint64_t>(seed)};
+              check_status(tigon::adamw_step<P, S>(view, h, current_stream(ref)));
+            });
 }
 
 void adamw_grad_norm(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                      const TensorList& exp_avg_sqs, const TensorList& masters, const Tensor& plan, double max_norm,
                      const OptTensor& norm, const OptTensor& factor, const OptTensor& grad_scale) {
   constexpr const char* op = "tigon.adamw_grad_norm";
-  dispatch_ps(params, exp_avgs, op, [&](auto tp, auto ts) {
-    using P = typename decltype(tp)::type;
-    using S = typename decltype(ts)::type;
-    const Tensor& ref = params[0];
-    const c10::cuda::CUDAGuard guard(ref.device());
-    const auto list = tensor_list<P, S>(params, grads, exp_avgs, exp_avg_sqs, masters, op);
-    const tigon::AdamWPlan view = plan_view(list, plan, ref, op);
-    const std::size_t bytes = tigon::grad_norm_workspace_bytes(view);
-    const Tensor ws = workspace(bytes, ref);
-    check_status(tigon::grad_norm_clip<P, S>(view, static_cast<float>(max_norm), scalar_of(norm, ref, op, "norm"),
-                                             scalar_of(factor, ref, op, "factor"), ws.data_ptr(), bytes,
-                                             current_stream(ref), scalar_of(grad_scale, ref, op, "grad_scale")));
-  });
+  with_plan(params, grads, exp_avgs, exp_avg_sqs, masters, plan, op,
+            [&](auto tp, auto ts, const tigon::AdamWPlan& view, const Tensor& ref) {
+              using P = typename decltype(tp)::type;
+              using S = typename decltype(ts)::type;
+              const std::size_t bytes = tigon::grad_norm_workspace_bytes(view);
+              const Tensor ws = workspace(bytes, ref);
+              check_status(tigon::grad_norm_clip<P, S>(view, static_cast<float>(max_norm),
+                                                       scalar_of(norm, ref, op, "norm"),
+                                                       scalar_of(factor, ref, op, "factor"), ws.data_ptr(), bytes,
+                                                       current_stream(ref),
+                                                       scalar_of(grad_scale, ref, op, "grad_scale")));
+            });
 }
 
 }  // namespace

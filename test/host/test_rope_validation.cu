@@ -5,6 +5,8 @@
 
 #include <tigon/rope/rope.cuh>
 
+#include "alias_matrix.hpp"
+
 using namespace tigon;
 
 namespace {
@@ -12,6 +14,7 @@ alignas(256) bf16 qbuf[2 * 4 * 4 * 64];
 alignas(256) bf16 kbuf[2 * 4 * 2 * 64];
 alignas(256) bf16 cbuf[4 * 64];
 alignas(256) bf16 sbuf[4 * 64];
+alignas(256) bf16 mbuf[3 * 4 * 64];  // M-RoPE's three planes of a shared table
 
 RopeArgs<bf16> good() {
   RopeArgs<bf16> a;
@@ -101,6 +104,7 @@ TEST_CASE("rope rejects bad arguments by name", "[rope][validation]") {
   a.table_stride_t = 10;
   expect(rope_forward(a, nullptr), Errc::invalid_stride, "table_stride_t");
   a = good();
+  a.cos = a.sin = mbuf;
   a.sections[0] = 8;  // M-RoPE sections must cover the 32 pairs
   a.sections[1] = 12;
   a.sections[2] = 8;
@@ -111,6 +115,7 @@ TEST_CASE("rope rejects bad arguments by name", "[rope][validation]") {
   a.sections[1] = 24;
   expect(rope_backward(a, nullptr), Errc::invalid_size, "sections");
   a = good();
+  a.cos = a.sin = mbuf;
   a.sections[0] = 32;
   a.table_stride_plane = -1;
   expect(rope_forward(a, nullptr), Errc::invalid_stride, "table_stride_plane");
@@ -159,4 +164,36 @@ TEST_CASE("rope accepts odd head and rotary dims", "[rope][validation]") {
   CHECK((detail::rope_vec<bf16, bf16, RopeInterleaved>(detail::rope_params(a, false))) == 1);
   a = good();
   CHECK((detail::rope_vec<bf16, bf16, RopeHalfSplit>(detail::rope_params(a, false))) == kVecElems<bf16>);
+}
+
+TEST_CASE("rope: the generated aliasing matrix", "[rope][validation]") {
+  // q.in, k.in, cos, sin, position_ids in; q.out, k.out out; each output may be its own input
+  // itself (in place), and nothing else: not the other tensor, the tables or the position ids.
+  tigon_test::alias_matrix<RopeArgs<bf16>>(
+      {{"q.in", false}, {"k.in", false}, {"cos", false}, {"sin", false}, {"position_ids", false}, {"q.out", true},
+       {"k.out", true}},
+      {{5, 0}, {6, 1}},
+      [](RopeArgs<bf16>& a, int k, bf16* p) {
+        a.batch = 1, a.seq = 4, a.head_dim = 64, a.table_rows = 4;
+        a.q.heads = 2, a.q.stride_b = 4 * 2 * 64, a.q.stride_t = 2 * 64, a.q.stride_h = 64;
+        a.k.heads = 1, a.k.stride_b = 4 * 64, a.k.stride_t = 64, a.k.stride_h = 64;
+        if (k == 0) a.q.in = p;
+        if (k == 1) a.k.in = p;
+        if (k == 2) a.cos = p;
+        if (k == 3) a.sin = p;
+        if (k == 4) a.position_ids = reinterpret_cast<const std::int64_t*>(p);
+        if (k == 5) a.q.out = p;
+        if (k == 6) a.k.out = p;
+      },
+      [](const RopeArgs<bf16>& a) { return detail::validate(a, "rope_forward"); });
+  // M-RoPE's three planes of per-batch tables: an output over the last plane is rejected too.
+  RopeArgs<bf16> a = good();
+  alignas(256) static bf16 planes[3 * 2 * 4 * 64];
+  a.cos = a.sin = planes;
+  a.table_stride_b = 4 * 64;
+  a.sections[0] = 16, a.sections[1] = 8, a.sections[2] = 8;
+  CHECK(detail::validate(a, "rope_forward").ok());
+  a.k.out = planes + 2 * 2 * 4 * 64;  // the third plane
+  a.k.out_stride_b = 4 * 2 * 64, a.k.out_stride_t = 2 * 64, a.k.out_stride_h = 64;
+  expect(detail::validate(a, "rope_forward"), Errc::aliasing, "k.out");
 }

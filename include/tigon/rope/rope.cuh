@@ -216,6 +216,44 @@ Status validate_tensor(const RopeArgs<T, C>& a, const RopeTensor<T>& x, const ch
   return Status();
 }
 
+// Byte range [begin, end) of the cos (or sin) tables a call reads: every plane, batch entry and row
+// up to the rotary width.
+template <class T, class C>
+std::pair<std::uintptr_t, std::uintptr_t> rope_table_range(const RopeArgs<T, C>& a, const C* table) {
+  const std::int64_t rd = a.rotary_dim == 0 ? a.head_dim : a.rotary_dim;
+  const std::int64_t row = a.table_stride_t != 0 ? a.table_stride_t : rd + (rd & 1);
+  std::int64_t last = (a.batch - 1) * a.table_stride_b + (a.table_rows - 1) * row + rd;
+  if (a.sections[0] != 0 || a.sections[1] != 0 || a.sections[2] != 0) {
+    const std::int64_t plane = a.table_stride_plane != 0 ? a.table_stride_plane
+                               : a.table_stride_b != 0   ? a.batch * a.table_stride_b
+                                                         : a.table_rows * row;
+    last += 2 * plane;
+  }
+  const auto begin = reinterpret_cast<std::uintptr_t>(table);
+  return {begin, begin + static_cast<std::uintptr_t>(last) * sizeof(C)};
+}
+
+// An output (q.out or k.out) apart from the tables and the position ids the kernel reads.
+template <class T, class C>
+Status rope_output_apart(const RopeArgs<T, C>& a, const RopeTensor<T>& x, const char* op, const char* out_name) {
+  const RopeResolved<T> r = resolve(x);
+  const auto out = rope_range(x.out, a.batch, a.seq, x.heads, a.head_dim, r.osb, r.ost, r.osh, sizeof(T));
+  const void* ids = a.position_ids != nullptr ? static_cast<const void*>(a.position_ids)
+                                              : static_cast<const void*>(a.position_ids_i32);
+  const auto id_begin = reinterpret_cast<std::uintptr_t>(ids);
+  const std::uintptr_t id_bytes = a.position_ids != nullptr ? 8 : 4;
+  const std::pair<std::uintptr_t, std::uintptr_t> read[] = {
+      rope_table_range(a, a.cos), rope_table_range(a, a.sin),
+      {id_begin, ids == nullptr ? id_begin : id_begin + static_cast<std::uintptr_t>(a.batch * a.seq) * id_bytes}};
+  const char* names[] = {"cos", "sin", "position_ids"};
+  for (int i = 0; i < 3; ++i) {
+    if (read[i].first < out.second && out.first < read[i].second) {
+      return Status::error(Errc::aliasing, op, out_name, std::string("overlaps '") + names[i] + "', which the call reads");
+    }
+  }
+  return Status();
+}
+
 template <class T, class C>
 Status validate(const RopeArgs<T, C>& a, const char* op) {
   using namespace check;
@@ -257,8 +295,10 @@ Status validate(const RopeArgs<T, C>& a, const char* op) {
     }
   }
   TIGON_CHECK(validate_tensor(a, a.q, op, "q.in", "q.out", "q.heads", "q.stride"));
+  TIGON_CHECK(rope_output_apart(a, a.q, op, "q.out"));
   if (a.k.in != nullptr || a.k.out != nullptr) {
     TIGON_CHECK(validate_tensor(a, a.k, op, "k.in", "k.out", "k.heads", "k.stride"));
+    TIGON_CHECK(rope_output_apart(a, a.k, op, "k.out"));
     const RopeResolved<T> rq = resolve(a.q), rk = resolve(a.k);
     const auto qo = rope_range(a.q.out, a.batch, a.seq, a.q.heads, a.head_dim, rq.osb, rq.ost, rq.osh, sizeof(T));
     const auto ko = rope_range(a.k.out, a.batch, a.seq, a.k.heads, a.head_dim, rk.osb, rk.ost, rk.osh, sizeof(T));

@@ -8,6 +8,7 @@
 #include <tigon/loss/cross_entropy.cuh>
 #include <tigon/loss/linear_cross_entropy.cuh>
 
+#include "alias_matrix.hpp"
 #include "gemm_fakes.hpp"
 
 using namespace tigon;
@@ -153,6 +154,43 @@ TEST_CASE("cross_entropy rejects every output that shares bytes with another buf
   a.error_count = static_cast<int*>(at(8192 + 128));
   a.class_weights = static_cast<const float*>(at(8192 + 256));
   CHECK(detail::validate(a, "cross_entropy").ok());
+}
+
+TEST_CASE("cross_entropy: the generated aliasing matrix", "[ce][validation]") {
+  // Every input and output of a loss + gradient call with every option's buffer, 4 rows of 1000
+  // columns; dlogits may be the logits themselves (in place), nothing else may share a byte.
+  constexpr std::int64_t kRows = 4, kVocab = 1000;
+  const std::size_t ws_bytes = detail::ce_workspace_bytes(kRows);
+  tigon_test::alias_matrix<CrossEntropyArgs<bf16>>(
+      {{"logits", false, kRows * kVocab * 2},
+       {"targets", false, kRows * 8},
+       {"class_weights", false, kVocab * 4},
+       {"grad_output", false, 4},
+       {"dlogits", true, kRows * kVocab * 2},
+       {"loss", true, 4},
+       {"loss_rows", true, kRows * 4},
+       {"z_loss", true, 4},
+       {"lse", true, kRows * 4},
+       {"argmax", true, kRows * 8, 4},
+       {"error_count", true, 4, 2},
+       {"workspace", true, ws_bytes, 8}},
+      {{4, 0}},
+      [&](CrossEntropyArgs<bf16>& a, int k, bf16* p) {
+        a.rows = kRows, a.vocab = kVocab, a.z_loss_scale = 1e-4f, a.workspace_bytes = ws_bytes;
+        if (k == 0) a.logits = p;
+        if (k == 1) a.targets = reinterpret_cast<const std::int64_t*>(p);
+        if (k == 2) a.class_weights = reinterpret_cast<const float*>(p);
+        if (k == 3) a.grad_output = reinterpret_cast<const float*>(p);
+        if (k == 4) a.dlogits = p;
+        if (k == 5) a.loss = reinterpret_cast<float*>(p);
+        if (k == 6) a.loss_rows = reinterpret_cast<float*>(p);
+        if (k == 7) a.z_loss = reinterpret_cast<float*>(p);
+        if (k == 8) a.lse = reinterpret_cast<float*>(p);
+        if (k == 9) a.argmax = reinterpret_cast<std::int64_t*>(p);
+        if (k == 10) a.error_count = reinterpret_cast<int*>(p);
+        if (k == 11) a.workspace = p;
+      },
+      [](const CrossEntropyArgs<bf16>& a) { return detail::validate(a, "cross_entropy"); });
 }
 
 TEST_CASE("linear_cross_entropy workspace query rejects bad arguments by name", "[lce][validation]") {

@@ -9,6 +9,8 @@
 
 #include <tigon/loss/divergence.cuh>
 
+#include "alias_matrix.hpp"
+
 using namespace tigon;
 
 namespace {
@@ -254,4 +256,46 @@ TEST_CASE("divergence rejects overlapping outputs and a short workspace", "[div]
   const Status s = divergence_workspace_bytes(a, bytes);
   CHECK(std::string(s.argument()) == "temperature");
   CHECK(bytes == 0);
+}
+
+TEST_CASE("divergence: the generated aliasing matrix", "[divergence][validation]") {
+  // The loss, row sums and gradient of a forward KL under batchmean with labels and an upstream
+  // gradient, 4 rows of 1000 columns: dx may be the student itself (in place), nothing else may
+  // share a byte with another buffer.
+  constexpr std::int64_t kR = 4, kCols = 1000;
+  auto place = [](DivergenceArgs<bf16, bf16>& a, int k, bf16* p) {
+    a.rows = kR, a.vocab = kCols;
+    if (k == 0) a.student = p;
+    if (k == 1) a.teacher = p;
+    if (k == 2) a.labels = reinterpret_cast<const std::int64_t*>(p);
+    if (k == 3) a.grad_output = reinterpret_cast<const float*>(p);
+    if (k == 4) a.dx = p;
+    if (k == 5) a.loss = reinterpret_cast<float*>(p);
+    if (k == 6) a.loss_rows = reinterpret_cast<float*>(p);
+    if (k == 7) a.workspace = p;
+  };
+  DivergenceArgs<bf16, bf16> probe;
+  alignas(256) static bf16 scratch[8][4096];
+  for (int k = 0; k < 8; ++k) place(probe, k, scratch[k]);
+  std::size_t ws_bytes = 0;
+  REQUIRE(divergence_workspace_bytes(probe, ws_bytes).ok());
+  REQUIRE(ws_bytes > 0);
+  tigon_test::alias_matrix<DivergenceArgs<bf16, bf16>>(
+      {{"student", false, kR * kCols * 2},
+       {"teacher", false, kR * kCols * 2},
+       {"labels", false, kR * 8},
+       {"grad_output", false, 4},
+       {"dx", true, kR * kCols * 2},
+       {"loss", true, 4},
+       {"loss_rows", true, kR * 4},
+       {"workspace", true, ws_bytes, 8}},
+      {{4, 0}},
+      [&](DivergenceArgs<bf16, bf16>& a, int k, bf16* p) {
+        place(a, k, p);
+        a.workspace_bytes = ws_bytes;
+      },
+      [](const DivergenceArgs<bf16, bf16>& a) {
+        TIGON_CHECK(detail::validate_divergence_args(a, "divergence"));
+        return detail::validate_divergence_call(a, ForwardKL{}, "divergence");
+      });
 }

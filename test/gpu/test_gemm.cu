@@ -13,10 +13,10 @@ namespace {
 
 template <class TAB, class TD>
 void run(std::int64_t M, std::int64_t N, std::int64_t K, Op op_a, Op op_b, std::int64_t pad, float alpha,
-         float beta, CublasLtGemm& blas, bool with_bias = false) {
+         float beta, CublasLtGemm& blas, bool with_bias = false, std::int64_t offset = 0) {
   INFO("M " << M << " N " << N << " K " << K << " op_a " << int(op_a) << " op_b " << int(op_b) << " pad " << pad
             << " alpha " << alpha << " beta " << beta << " AB " << dtype_traits<TAB>::name << " D "
-            << dtype_traits<TD>::name << (with_bias ? " bias" : ""));
+            << dtype_traits<TD>::name << (with_bias ? " bias" : "") << " offset " << offset);
   const std::int64_t a_rows = op_a == Op::n ? M : K, a_cols = op_a == Op::n ? K : M;
   const std::int64_t b_rows = op_b == Op::n ? K : N, b_cols = op_b == Op::n ? N : K;
   const std::int64_t lda = a_cols + pad, ldb = b_cols + pad, ldd = N + pad;
@@ -27,19 +27,28 @@ void run(std::int64_t M, std::int64_t N, std::int64_t K, Op op_a, Op op_b, std::
   std::vector<double> biasd(N, 0.0);
   const auto biash = gpu_test::random_values<TD>(N, 0, 1, &biasd);
   if (!with_bias) std::fill(biasd.begin(), biasd.end(), 0.0);
-  DeviceBuffer<TAB> a(ah.size()), b(bh.size());
-  DeviceBuffer<TD> d(ch.size()), bias(N);
-  a.upload(ah);
-  b.upload(bh);
-  d.upload(ch);  // D starts as C: beta accumulates into it in place
+  // offset: A, B and D start that many elements into their buffers (less aligned than the
+  // allocations' 256 bytes).
+  DeviceBuffer<TAB> a0(ah.size() + offset), b0(bh.size() + offset);
+  DeviceBuffer<TD> d0(ch.size() + offset), bias(N);
+  CUDA_OK(cudaMemcpy(a0.ptr + offset, ah.data(), ah.size() * sizeof(TAB), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(b0.ptr + offset, bh.data(), bh.size() * sizeof(TAB), cudaMemcpyHostToDevice));
+  if (beta == 0) {
+    d0.poison();  // D is not an input: its padding must stay untouched
+  } else {
+    CUDA_OK(cudaMemcpy(d0.ptr + offset, ch.data(), ch.size() * sizeof(TD), cudaMemcpyHostToDevice));  // D starts as C
+  }
   bias.upload(biash);
-  GemmArgs<TAB, TD> g{.a = a.ptr, .b = b.ptr, .c = beta != 0 ? d.ptr : nullptr, .d = d.ptr,
+  TAB* const ap = a0.ptr + offset;
+  TAB* const bp = b0.ptr + offset;
+  TD* const dp = d0.ptr + offset;
+  GemmArgs<TAB, TD> g{.a = ap, .b = bp, .c = beta != 0 ? dp : nullptr, .d = dp,
                       .bias = with_bias ? bias.ptr : nullptr, .m = M, .n = N, .k = K, .lda = lda, .ldb = ldb,
                       .ldc = ldd, .ldd = ldd, .op_a = op_a, .op_b = op_b, .alpha = alpha, .beta = beta};
-  if (beta == 0) d.poison();
   TIGON_OK(blas.gemm(g, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
-  const auto out = d.download();
+  std::vector<TD> out(ch.size());
+  CUDA_OK(cudaMemcpy(out.data(), dp, ch.size() * sizeof(TD), cudaMemcpyDeviceToHost));
   std::vector<double> ref(M * N);
   for (std::int64_t i = 0; i < M; ++i)
     for (std::int64_t j = 0; j < N; ++j) {
@@ -75,6 +84,25 @@ TEST_CASE("gemm: row-major products through cuBLASLt", "[gemm][gpu]") {
       run<float, float>(40, 24, 56, oa, ob, 4, 2.0f, 0.5f, blas);
     }
   run<bf16, bf16>(1024, 2048, 4096, Op::n, Op::t, 0, 1.0f, 0.0f, blas);  // the linear layer's shape
+}
+
+TEST_CASE("gemm: a shape planned for aligned pointers runs on less aligned ones", "[gemm][gpu]") {
+  // The plan cache keys on each operand's alignment: the same shape with pointers 16 bytes (and
+  // 2 bytes) past a 256-byte boundary gets an algorithm for that alignment, or a clean refusal.
+  DeviceBuffer<unsigned char> ws(32u << 20);
+  CublasLtGemm blas(ws.ptr, ws.count);
+  TIGON_OK(blas.status());
+  run<bf16, bf16>(256, 512, 1024, Op::n, Op::t, 0, 1.0f, 0.0f, blas);
+  run<bf16, bf16>(256, 512, 1024, Op::n, Op::t, 0, 1.0f, 0.0f, blas, false, 8);
+  run<bf16, float>(256, 512, 1024, Op::t, Op::n, 0, 1.0f, 1.0f, blas, false, 8);
+  GemmArgs<bf16, bf16> g{.m = 256, .n = 512, .k = 1024, .op_a = Op::n, .op_b = Op::t};
+  DeviceBuffer<bf16> a(256 * 1024 + 1), b(512 * 1024 + 1), d(256 * 512 + 1);
+  g.a = a.ptr + 1, g.b = b.ptr + 1, g.d = d.ptr + 1;  // 2-byte aligned
+  const Status s = blas.gemm(g, nullptr);
+  INFO(s.message());
+  CHECK((s.ok() || s.code() == Errc::unsupported));
+  CUDA_OK(cudaDeviceSynchronize());
+  if (s.ok()) run<bf16, bf16>(256, 512, 1024, Op::n, Op::t, 0, 1.0f, 0.0f, blas, false, 1);
 }
 
 TEST_CASE("gemm: the bias epilogue adds a bias to every row", "[gemm][gpu]") {

@@ -20,6 +20,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -228,8 +229,10 @@ class CublasLtGemm {
   }
 
  private:
+  // The dtypes, the shape, the leading dimensions, the ops, accumulation, the bias, and the
+  // alignment of each operand's pointer (cuBLASLt picks algorithms for the alignment it is told).
   using Key = std::tuple<int, int, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                         std::int64_t, std::int64_t, int, int, bool, bool>;
+                         std::int64_t, std::int64_t, int, int, bool, bool, std::array<std::uint32_t, 4>>;
   struct Plan {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t first = nullptr, second = nullptr, c = nullptr, d = nullptr;
@@ -249,9 +252,19 @@ class CublasLtGemm {
     const std::int64_t b_cols = g.op_b == Op::n ? g.n : g.k;
     const std::int64_t lda = g.lda ? g.lda : a_cols, ldb = g.ldb ? g.ldb : b_cols;
     const std::int64_t ldc = g.ldc ? g.ldc : g.n, ldd = g.ldd ? g.ldd : g.n;
+    const void* c = g.c != nullptr ? static_cast<const void*>(g.c) : static_cast<const void*>(g.d);
     return Key{static_cast<int>(detail::cuda_type<TAB>()), static_cast<int>(detail::cuda_type<TD>()),
                g.m, g.n, g.k, lda, ldb, ldc, ldd, static_cast<int>(g.op_a), static_cast<int>(g.op_b),
-               g.beta != 0.0f, g.bias != nullptr};
+               g.beta != 0.0f, g.bias != nullptr,
+               std::array<std::uint32_t, 4>{alignment(g.b), alignment(g.a), alignment(c), alignment(g.d)}};
+  }
+
+  // The largest power of two up to 256 (cuBLASLt's default assumption) that divides the address.
+  static std::uint32_t alignment(const void* p) {
+    const auto v = reinterpret_cast<std::uintptr_t>(p);
+    std::uint32_t a = 256;
+    while (a > 1 && v % a != 0) a /= 2;
+    return a;
   }
 
   template <class TAB, class TD>
@@ -262,7 +275,7 @@ class CublasLtGemm {
       return Status();
     }
     constexpr const char* kOp = "gemm";
-    const auto [tab, td, m, n, k, lda, ldb, ldc, ldd, opa, opb, acc, has_bias] = key;
+    const auto [tab, td, m, n, k, lda, ldb, ldc, ldd, opa, opb, acc, has_bias, align] = key;
     (void)tab, (void)td, (void)acc;
     Plan p;
     auto fail = [&](cublasStatus_t s, const char* what) {
@@ -300,6 +313,13 @@ class CublasLtGemm {
     if (s != CUBLAS_STATUS_SUCCESS) return fail(s, "cublasLtMatmulPreferenceCreate");
     const std::size_t ws = workspace_bytes_;
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+    // cuBLASLt's A is the first operand (our B), its B the second (our A).
+    const cublasLtMatmulPreferenceAttributes_t align_attr[] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4; ++i) {
+      cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &align[i], sizeof(align[i]));
+    }
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     s = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.first, p.second, p.c, p.d, pref, 1, &result, &found);

@@ -6,6 +6,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -41,8 +42,16 @@ void alias_matrix(const std::vector<Slot>& slots, const std::vector<std::pair<in
         set(a, static_cast<int>(o), arena[x] + shift);
         bool allowed = false;
         for (auto [po, px] : in_place) allowed = allowed || (po == static_cast<int>(o) && px == static_cast<int>(x));
-        const std::size_t extent = slots[x].bytes != 0 ? slots[x].bytes : kSlot * sizeof(tigon::bf16);
-        const bool overlap = static_cast<std::size_t>(shift) * sizeof(tigon::bf16) < extent;
+        // The oracle: the placed output's bytes against every other buffer's (an output longer than
+        // the rest of the slot it was placed in reaches the next one).
+        auto extent = [&](std::size_t k) { return slots[k].bytes != 0 ? slots[k].bytes : kSlot * sizeof(tigon::bf16); };
+        const auto begin = reinterpret_cast<std::uintptr_t>(arena[x] + shift);
+        bool overlap = false;
+        for (std::size_t k = 0; k < slots.size(); ++k) {
+          if (k == o) continue;
+          const auto b = reinterpret_cast<std::uintptr_t>(arena[k]);
+          overlap = overlap || (begin < b + extent(k) && b < begin + extent(o));
+        }
         const tigon::Status s = call(a);
         INFO(slots[o].name << " placed " << (shift ? "into " : "over ") << slots[x].name << " (" << shift
                            << " elements in): " << s.message());

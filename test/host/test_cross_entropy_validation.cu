@@ -193,6 +193,62 @@ TEST_CASE("cross_entropy: the generated aliasing matrix", "[ce][validation]") {
       [](const CrossEntropyArgs<bf16>& a) { return detail::validate(a, "cross_entropy"); });
 }
 
+TEST_CASE("linear_cross_entropy: the generated aliasing matrix", "[lce][validation]") {
+  // Every input and output of a call with every gradient and loss output, 4 tokens of 64 hidden
+  // over a vocabulary of 32: nothing may share a byte with another buffer (no pair is in place).
+  constexpr std::int64_t kRows = 4, kHidden = 64, kVocab = 32;
+  auto place = [](LinearCrossEntropyArgs<bf16>& a, int k, bf16* p) {
+    a.hidden = kHidden, a.loss.rows = kRows, a.loss.vocab = kVocab, a.loss.z_loss_scale = 1e-4f;
+    auto* f = reinterpret_cast<float*>(p);
+    switch (k) {
+      case 0: a.x = p; break;
+      case 1: a.weight = p; break;
+      case 2: a.bias = p; break;
+      case 3: a.loss.targets = reinterpret_cast<const std::int64_t*>(p); break;
+      case 4: a.loss.class_weights = f; break;
+      case 5: a.loss.grad_output = f; break;
+      case 6: a.dx = p; break;
+      case 7: a.dweight = f; break;
+      case 8: a.dbias = f; break;
+      case 9: a.loss.loss = f; break;
+      case 10: a.loss.loss_rows = f; break;
+      case 11: a.loss.z_loss = f; break;
+      case 12: a.loss.lse = f; break;
+      case 13: a.loss.argmax = reinterpret_cast<std::int64_t*>(p); break;
+      case 14: a.loss.error_count = reinterpret_cast<int*>(p); break;
+      case 15: a.workspace = p; break;
+    }
+  };
+  LinearCrossEntropyArgs<bf16> probe;
+  alignas(256) static bf16 scratch[16][4096];
+  for (int k = 0; k < 16; ++k) place(probe, k, scratch[k]);
+  const std::size_t ws_bytes = detail::lce_layout(probe).total;
+  REQUIRE(ws_bytes <= sizeof(scratch[0]));
+  tigon_test::alias_matrix<LinearCrossEntropyArgs<bf16>>(
+      {{"x", false, kRows * kHidden * 2},
+       {"weight", false, kVocab * kHidden * 2},
+       {"bias", false, kVocab * 2},
+       {"loss.targets", false, kRows * 8},
+       {"loss.class_weights", false, kVocab * 4},
+       {"loss.grad_output", false, 4},
+       {"dx", true, kRows * kHidden * 2},
+       {"dweight", true, kVocab * kHidden * 4, 2},
+       {"dbias", true, kVocab * 4, 2},
+       {"loss.loss", true, 4, 2},
+       {"loss.loss_rows", true, kRows * 4, 2},
+       {"loss.z_loss", true, 4, 2},
+       {"loss.lse", true, kRows * 4, 2},
+       {"loss.argmax", true, kRows * 8, 4},
+       {"loss.error_count", true, 4, 2},
+       {"workspace", true, ws_bytes, 8}},
+      {},
+      [&](LinearCrossEntropyArgs<bf16>& a, int k, bf16* p) {
+        place(a, k, p);
+        a.workspace_bytes = ws_bytes;
+      },
+      [](const LinearCrossEntropyArgs<bf16>& a) { return detail::validate(a, "linear_cross_entropy"); });
+}
+
 TEST_CASE("linear_cross_entropy workspace query rejects bad arguments by name", "[lce][validation]") {
   LinearCrossEntropyArgs<bf16> a;
   a.x = logits;

@@ -8,6 +8,8 @@
 
 #include <tigon/loss/linear_logprob.cuh>
 
+#include "alias_matrix.hpp"
+
 #include "gemm_fakes.hpp"
 
 using namespace tigon;
@@ -219,4 +221,91 @@ TEST_CASE("a GEMM back end without check() is refused products with a bias", "[l
   CHECK(std::string(s.argument()) == "bias");
   CHECK(g.calls == 0);
   CHECK(untouched(logp, sizeof(logp)));
+}
+
+TEST_CASE("linear_logprob: the generated aliasing matrices, forward and backward", "[llp][validation]") {
+  // 4 tokens of 64 hidden over a vocabulary of 32, every output of each direction: nothing may share
+  // a byte with another buffer of the call (no pair is in place).
+  constexpr std::int64_t kTok = 4, kHidden = 64, kVocab = 32;
+  auto base = [](LinearLogProbArgs<bf16>& a) { a.tokens = kTok, a.hidden = kHidden, a.vocab = kVocab; };
+  auto ins = [](LinearLogProbArgs<bf16>& a, int k, bf16* p) {
+    if (k == 0) a.x = p;
+    if (k == 1) a.weight = p;
+    if (k == 2) a.bias = p;
+    if (k == 3) a.targets = reinterpret_cast<const std::int64_t*>(p);
+  };
+  const std::vector<tigon_test::Slot> in_slots = {
+      {"x", false, kTok * kHidden * 2}, {"weight", false, kVocab * kHidden * 2}, {"bias", false, kVocab * 2},
+      {"targets", false, kTok * 8}};
+  alignas(256) static bf16 scratch[16][4096];
+  // Forward.
+  auto place_fwd = [&](LinearLogProbArgs<bf16>& a, int k, bf16* p) {
+    base(a);
+    ins(a, k, p);
+    auto* f = reinterpret_cast<float*>(p);
+    if (k == 4) a.logp = f;
+    if (k == 5) a.lse = f;
+    if (k == 6) a.entropy = f;
+    if (k == 7) a.logit_sum = f;
+    if (k == 8) a.is_top1 = reinterpret_cast<std::uint8_t*>(p);
+    if (k == 9) a.error_count = reinterpret_cast<int*>(p);
+    if (k == 10) a.workspace = p;
+  };
+  LinearLogProbArgs<bf16> probe;
+  for (int k = 0; k < 11; ++k) place_fwd(probe, k, scratch[k]);
+  std::size_t fwd_bytes = 0;
+  REQUIRE(linear_logprob_workspace_bytes(probe, false, fwd_bytes).ok());
+  auto fwd_slots = in_slots;
+  for (const tigon_test::Slot& o : std::vector<tigon_test::Slot>{{"logp", true, kTok * 4},
+                                                                  {"lse", true, kTok * 4},
+                                                                  {"entropy", true, kTok * 4},
+                                                                  {"logit_sum", true, kTok * 4},
+                                                                  {"is_top1", true, kTok},
+                                                                  {"error_count", true, 4},
+                                                                  {"workspace", true, fwd_bytes, 8}}) {
+    fwd_slots.push_back(o);
+  }
+  tigon_test::alias_matrix<LinearLogProbArgs<bf16>>(
+      fwd_slots, {},
+      [&](LinearLogProbArgs<bf16>& a, int k, bf16* p) {
+        place_fwd(a, k, p);
+        a.workspace_bytes = fwd_bytes;
+      },
+      [](const LinearLogProbArgs<bf16>& a) { return detail::llp_validate(a, false, "linear_logprob_forward"); });
+  // Backward.
+  auto place_bwd = [&](LinearLogProbArgs<bf16>& a, int k, bf16* p) {
+    base(a);
+    ins(a, k, p);
+    auto* f = reinterpret_cast<float*>(p);
+    if (k == 4) a.lse = f;
+    if (k == 5) a.entropy = f;
+    if (k == 6) a.grad_logp = f;
+    if (k == 7) a.grad_entropy = f;
+    if (k == 8) a.dx = p;
+    if (k == 9) a.dweight = f;
+    if (k == 10) a.dbias = f;
+    if (k == 11) a.workspace = p;
+  };
+  probe = {};
+  for (int k = 0; k < 12; ++k) place_bwd(probe, k, scratch[k]);
+  std::size_t bwd_bytes = 0;
+  REQUIRE(linear_logprob_workspace_bytes(probe, true, bwd_bytes).ok());
+  auto bwd_slots = in_slots;
+  for (const tigon_test::Slot& o : std::vector<tigon_test::Slot>{{"lse", false, kTok * 4},
+                                                                  {"entropy", false, kTok * 4},
+                                                                  {"grad_logp", false, kTok * 4},
+                                                                  {"grad_entropy", false, kTok * 4},
+                                                                  {"dx", true, kTok * kHidden * 2},
+                                                                  {"dweight", true, kVocab * kHidden * 4, 2},
+                                                                  {"dbias", true, kVocab * 4, 2},
+                                                                  {"workspace", true, bwd_bytes, 8}}) {
+    bwd_slots.push_back(o);
+  }
+  tigon_test::alias_matrix<LinearLogProbArgs<bf16>>(
+      bwd_slots, {},
+      [&](LinearLogProbArgs<bf16>& a, int k, bf16* p) {
+        place_bwd(a, k, p);
+        a.workspace_bytes = bwd_bytes;
+      },
+      [](const LinearLogProbArgs<bf16>& a) { return detail::llp_validate(a, true, "linear_logprob_backward"); });
 }

@@ -9,7 +9,6 @@
 #include <tigon/loss/linear_logprob.cuh>
 
 #include "alias_matrix.hpp"
-
 #include "gemm_fakes.hpp"
 
 using namespace tigon;

@@ -8,6 +8,7 @@
 
 #include <tigon/loss/linear_divergence.cuh>
 
+#include "alias_matrix.hpp"
 #include "gemm_fakes.hpp"
 
 using namespace tigon;
@@ -190,4 +191,52 @@ TEST_CASE("linear_divergence checks every GEMM with the back end before its firs
     CHECK(untouched(loss, sizeof(loss)));
     CHECK(untouched(loss_rows, sizeof(loss_rows)));
   }
+}
+
+TEST_CASE("linear_divergence: the generated aliasing matrix", "[ldiv][validation]") {
+  // The student's and teacher's hidden states and heads, labels and an upstream gradient in; dx,
+  // dweight, the loss, the row sums and the workspace out (a forward KL under batchmean): 4 tokens,
+  // student hidden 64, teacher hidden 32, a vocabulary of 24. Nothing may share a byte.
+  constexpr std::int64_t kTok = 4, kHidden = 64, kTeacher = 32, kVocab = 24;
+  auto place = [](LinearDivergenceArgs<bf16>& a, int k, bf16* p) {
+    a.tokens = kTok, a.hidden = kHidden, a.teacher_hidden = kTeacher, a.vocab = kVocab;
+    auto* f = reinterpret_cast<float*>(p);
+    if (k == 0) a.x = p;
+    if (k == 1) a.weight = p;
+    if (k == 2) a.teacher_x = p;
+    if (k == 3) a.teacher_weight = p;
+    if (k == 4) a.labels = reinterpret_cast<const std::int64_t*>(p);
+    if (k == 5) a.grad_output = f;
+    if (k == 6) a.dx = p;
+    if (k == 7) a.dweight = f;
+    if (k == 8) a.loss = f;
+    if (k == 9) a.loss_rows = f;
+    if (k == 10) a.workspace = p;
+  };
+  LinearDivergenceArgs<bf16> probe;
+  alignas(256) static bf16 scratch[11][4096];
+  for (int k = 0; k < 11; ++k) place(probe, k, scratch[k]);
+  const std::size_t ws_bytes = detail::ldiv_layout(probe).total;
+  REQUIRE(ws_bytes > 0);
+  tigon_test::alias_matrix<LinearDivergenceArgs<bf16>>(
+      {{"x", false, kTok * kHidden * 2},
+       {"weight", false, kVocab * kHidden * 2},
+       {"teacher_x", false, kTok * kTeacher * 2},
+       {"teacher_weight", false, kVocab * kTeacher * 2},
+       {"labels", false, kTok * 8},
+       {"grad_output", false, 4},
+       {"dx", true, kTok * kHidden * 2},
+       {"dweight", true, kVocab * kHidden * 4, 2},
+       {"loss", true, 4, 2},
+       {"loss_rows", true, kTok * 4, 2},
+       {"workspace", true, ws_bytes, 8}},
+      {},
+      [&](LinearDivergenceArgs<bf16>& a, int k, bf16* p) {
+        place(a, k, p);
+        a.workspace_bytes = ws_bytes;
+      },
+      [](const LinearDivergenceArgs<bf16>& a) {
+        TIGON_CHECK(detail::validate(a, "linear_divergence"));
+        return detail::validate_call(a, ForwardKL{}, "linear_divergence");
+      });
 }

@@ -192,6 +192,10 @@ Status validate_call(const LinearDivergenceArgs<T, I>& a, const D& div, const ch
     TIGON_CHECK(disjoint(MatrixView::of(a.loss_elems, a.tokens, a.vocab, a.loss_elems_stride), go, op,
                          "loss_elems", "grad_output"));
   }
+  if (a.workspace != nullptr) {  // the logits chunks are written while grad_output is still read
+    const auto ws_bytes = static_cast<std::int64_t>(ldiv_layout(a).total);
+    TIGON_CHECK(disjoint(vector_view(a.workspace, ws_bytes, 1), go, op, "workspace", "grad_output"));
+  }
   return Status();
 }
 

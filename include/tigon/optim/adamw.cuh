@@ -81,7 +81,7 @@ struct AdamWHyper {
   double weight_decay = 1e-2;
   bool decoupled = true;  // AdamW; false: Adam with L2 weight decay added to the gradient
   const float* lr = nullptr;           // device scalar: the learning rate; or null and lr_value
-  std::optional<double> lr_value;      // a constant learning rate, in fp64 as torch passes a float lr
+  std::optional<double> lr_value = std::nullopt;  // a constant learning rate, in fp64 (as torch takes a float lr)
   float* step = nullptr;               // device scalar, required: the steps taken; the launch adds 1
   const float* grad_scale = nullptr;   // device scalar or null: gradients are divided by it
   const float* clip_factor = nullptr;  // device scalar or null: gradients are multiplied by it

@@ -249,6 +249,68 @@ TEST_CASE("linear_cross_entropy: the generated aliasing matrix", "[lce][validati
       [](const LinearCrossEntropyArgs<bf16>& a) { return detail::validate(a, "linear_cross_entropy"); });
 }
 
+TEST_CASE("linear_cross_entropy_heads: the generated aliasing matrix", "[lce][validation]") {
+  // Two heads over 4 tokens of 64 hidden, a vocabulary of 32: x, the targets, class weights, the
+  // upstream gradient and each head's weight and bias in; dx, the head losses, the loss, each head's
+  // dweight and dbias and the workspace out. Nothing may share a byte with another buffer.
+  constexpr std::int64_t kRows = 4, kHidden = 64, kVocab = 32;
+  static const bf16* weights[2];
+  static const bf16* biases[2];
+  static float* dweights[2];
+  static float* dbiases[2];
+  auto place = [](LinearCrossEntropyHeadsArgs<bf16>& a, int k, bf16* p) {
+    a.hidden = kHidden, a.heads = 2, a.loss.rows = kRows, a.loss.vocab = kVocab;
+    a.weights = weights, a.biases = biases, a.dweights = dweights, a.dbiases = dbiases;
+    auto* f = reinterpret_cast<float*>(p);
+    switch (k) {
+      case 0: a.x = p; break;
+      case 1: a.loss.targets = reinterpret_cast<const std::int64_t*>(p); break;
+      case 2: a.loss.class_weights = f; break;
+      case 3: a.loss.grad_output = f; break;
+      case 4: weights[0] = p; break;
+      case 5: weights[1] = p; break;
+      case 6: biases[0] = p; break;
+      case 7: biases[1] = p; break;
+      case 8: a.dx = p; break;
+      case 9: a.head_losses = f; break;
+      case 10: a.loss.loss = f; break;
+      case 11: dweights[0] = f; break;
+      case 12: dweights[1] = f; break;
+      case 13: dbiases[0] = f; break;
+      case 14: dbiases[1] = f; break;
+      case 15: a.workspace = p; break;
+    }
+  };
+  LinearCrossEntropyHeadsArgs<bf16> probe;
+  alignas(256) static bf16 scratch[16][4096];
+  for (int k = 0; k < 16; ++k) place(probe, k, scratch[k]);
+  const std::size_t ws_bytes = detail::lce_heads_layout(probe).total;
+  REQUIRE(ws_bytes <= sizeof(scratch[0]));
+  tigon_test::alias_matrix<LinearCrossEntropyHeadsArgs<bf16>>(
+      {{"x", false, kRows * kHidden * 2},
+       {"loss.targets", false, 2 * kRows * 8},
+       {"loss.class_weights", false, kVocab * 4},
+       {"loss.grad_output", false, 4},
+       {"weights[0]", false, kVocab * kHidden * 2},
+       {"weights[1]", false, kVocab * kHidden * 2},
+       {"biases[0]", false, kVocab * 2},
+       {"biases[1]", false, kVocab * 2},
+       {"dx", true, kRows * kHidden * 2},
+       {"head_losses", true, 2 * 4, 2},
+       {"loss.loss", true, 4, 2},
+       {"dweights[0]", true, kVocab * kHidden * 4, 2},
+       {"dweights[1]", true, kVocab * kHidden * 4, 2},
+       {"dbiases[0]", true, kVocab * 4, 2},
+       {"dbiases[1]", true, kVocab * 4, 2},
+       {"workspace", true, ws_bytes, 8}},
+      {},
+      [&](LinearCrossEntropyHeadsArgs<bf16>& a, int k, bf16* p) {
+        place(a, k, p);
+        a.workspace_bytes = ws_bytes;
+      },
+      [](const LinearCrossEntropyHeadsArgs<bf16>& a) { return detail::validate(a, "linear_cross_entropy_heads"); });
+}
+
 TEST_CASE("linear_cross_entropy workspace query rejects bad arguments by name", "[lce][validation]") {
   LinearCrossEntropyArgs<bf16> a;
   a.x = logits;

@@ -7,6 +7,8 @@
 
 #include <tigon/optim/adamw.cuh>
 
+#include "alias_matrix.hpp"
+
 using namespace tigon;
 
 namespace {
@@ -176,4 +178,33 @@ TEST_CASE("grad_norm_clip: bad arguments are rejected by name", "[adamw][validat
          "workspace_bytes");
   expect(grad_norm_clip<bf16>(plan, 1.0f, out, out + 1, table + 256, 256, nullptr), Errc::aliasing, "workspace");
   expect(grad_norm_clip<bf16>(plan, 1.0f, out, out, ws, sizeof(ws), nullptr), Errc::aliasing, "factor");
+}
+
+TEST_CASE("adamw: the generated aliasing matrix of a two-tensor list", "[adamw][validation]") {
+  // Each tensor's parameter, gradient, moments and master over 500 elements: every written buffer
+  // apart from every other buffer (the gradients are only read: two tensors may share one).
+  struct List {
+    AdamWTensor<bf16> t[2];
+  };
+  tigon_test::alias_matrix<List>(
+      {{"param0", true, 1000, 1}, {"grad0", false, 1000}, {"exp_avg0", true, 2000, 2}, {"exp_avg_sq0", true, 2000, 2},
+       {"master0", true, 2000, 2}, {"param1", true, 1000, 1}, {"grad1", false, 1000}, {"exp_avg1", true, 2000, 2},
+       {"exp_avg_sq1", true, 2000, 2}, {"master1", true, 2000, 2}},
+      {},
+      [](List& l, int k, bf16* p) {
+        AdamWTensor<bf16>& t = l.t[k / 5];
+        t.numel = 500;
+        auto* f = reinterpret_cast<float*>(p);
+        switch (k % 5) {
+          case 0: t.param = p; break;
+          case 1: t.grad = p; break;
+          case 2: t.exp_avg = f; break;
+          case 3: t.exp_avg_sq = f; break;
+          case 4: t.master = f; break;
+        }
+      },
+      [](const List& l) {
+        std::size_t bytes = 0;
+        return adamw_workspace_bytes(l.t, 2, bytes);
+      });
 }

@@ -503,9 +503,10 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, masters, plan, lr, lr_value
     step.add_(1)
     t = float(step)
     lr_d = float(lr) if lr is not None else float(lr_value)
-    bc1 = 1.0 - beta1 ** t  # the bias corrections in fp64, as torch's fused CUDA kernel
-    bc2_sqrt = (1.0 - beta2 ** t) ** 0.5
-    step_size = torch.tensor(lr_d / bc1, dtype=torch.float64).float()
+    bc1 = torch.tensor(1.0 - beta1 ** t, dtype=torch.float64).float()
+    bc2 = torch.tensor(1.0 - beta2 ** t, dtype=torch.float64).float()
+    step_size = (lr_d / bc1.double()).float()
+    bc2_sqrt = torch.sqrt(bc2)
     factor = torch.tensor(1.0, dtype=torch.float32)
     if clip_factor is not None:
         factor = factor * clip_factor.float().reshape(())
@@ -521,7 +522,7 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, masters, plan, lr, lr_value
                 g = (g.double() + w.double() * weight_decay).float()
         m = (beta1 * exp_avgs[i].double() + (1.0 - beta1) * g.double()).float()
         v = (beta2 * exp_avg_sqs[i].double() + (1.0 - beta2) * g.double() * g.double()).float()
-        denom = (torch.sqrt(v).double() / bc2_sqrt + eps).float()
+        denom = ((torch.sqrt(v) / bc2_sqrt).double() + eps).float()
         w = w - step_size * m / denom
         exp_avgs[i].copy_(m)
         exp_avg_sqs[i].copy_(v)

@@ -3,9 +3,9 @@
 // learning rate, the step count, a gradient scale, a clip factor, the found-inf flag) read from
 // device memory, so that one CUDA graph serves every step.
 //
-// Per element, at step t, in the order of operations and precision of torch.optim.AdamW(fused=True)
-// on CUDA (the hyper-parameters and the bias corrections in fp64, the products with them in fp64 and
-// rounded to fp32 where torch keeps fp32):
+// Per element, at step t, in torch.optim.AdamW(fused=True)'s order of operations and precision (the
+// hyper-parameters in fp64, the products with them in fp64 and rounded to fp32 where torch keeps
+// fp32, the bias corrections in fp64 rounded to fp32):
 //
 //   g  = grad / grad_scale * clip_factor          (each factor when given)
 //   p -= lr * weight_decay * p                    (AdamW: decoupled; Adam: g += weight_decay * p)
@@ -104,25 +104,25 @@ struct AdamWPlan {
 // 2. Math: one element, in fp32, on host and device
 // ------------------------------------------------------------------------------------------------
 
-// The per-step coefficients every element shares: the hyper-parameters and the bias corrections in
-// fp64 (as torch's fused CUDA kernel keeps them), the step size rounded to fp32 (torch's opmath type).
+// The per-step coefficients every element shares: the hyper-parameters in fp64 (torch passes them
+// as doubles), the bias corrections rounded to fp32 (torch's opmath type).
 struct AdamWCoeffs {
   double lr, beta1, beta2, eps, weight_decay;
   float step_size;     // lr / (1 - beta1^t)
-  double bc2_sqrt;     // sqrt(1 - beta2^t)
+  float bc2_sqrt;      // sqrt(1 - beta2^t)
   float grad_factor;   // clip_factor / grad_scale
   bool decoupled;
 };
 
 namespace adamw_math {
 
-// The coefficients of step t (t >= 1), as torch's fused AdamW on CUDA forms them: the bias
-// corrections 1 - beta^t and sqrt(1 - beta2^t) in fp64, lr / (1 - beta1^t) in fp64 rounded to fp32.
+// The coefficients of step t (t >= 1), as torch's fused AdamW forms them: 1 - beta^t in fp64 rounded
+// to fp32, lr / bc1 in fp64 rounded to fp32, sqrt of the fp32 bc2 in fp32.
 TIGON_HD AdamWCoeffs coeffs(double lr, double beta1, double beta2, double eps, double weight_decay, float t,
                             float grad_factor, bool decoupled) {
-  const double bc1 = 1.0 - ::pow(beta1, static_cast<double>(t));
-  const double bc2 = 1.0 - ::pow(beta2, static_cast<double>(t));
-  return {lr, beta1, beta2, eps, weight_decay, static_cast<float>(lr / bc1), ::sqrt(bc2), grad_factor, decoupled};
+  const auto bc1 = static_cast<float>(1.0 - ::pow(beta1, static_cast<double>(t)));
+  const auto bc2 = static_cast<float>(1.0 - ::pow(beta2, static_cast<double>(t)));
+  return {lr, beta1, beta2, eps, weight_decay, static_cast<float>(lr / bc1), ::sqrtf(bc2), grad_factor, decoupled};
 }
 
 }  // namespace adamw_math
@@ -141,7 +141,7 @@ struct AdamWRule {
     }
     m = static_cast<float>(c.beta1 * m + (1.0 - c.beta1) * g);
     v = static_cast<float>(c.beta2 * v + (1.0 - c.beta2) * g * g);
-    const auto denom = static_cast<float>(static_cast<double>(::sqrtf(v)) / c.bc2_sqrt + c.eps);
+    const auto denom = static_cast<float>(::sqrtf(v) / c.bc2_sqrt + c.eps);
     p -= c.step_size * m / denom;
   }
 };

@@ -3,9 +3,10 @@
 // learning rate, the step count, a gradient scale, a clip factor, the found-inf flag) read from
 // device memory, so that one CUDA graph serves every step.
 //
-// Per element, at step t, in torch.optim.AdamW(fused=True)'s order of operations and precision (the
-// hyper-parameters in fp64, the products with them in fp64 and rounded to fp32 where torch keeps
-// fp32, the bias corrections in fp64 rounded to fp32):
+// Per element, at step t, in the order of operations and precision of torch.optim.AdamW(fused=True)
+// in its earlier 2.x releases (the hyper-parameters in fp64, the products with them in fp64 and
+// rounded to fp32 where torch keeps fp32, the bias corrections in fp64 rounded to fp32; torch's
+// current kernel computes all of it in fp32, which rounds some bf16 parameters differently):
 //
 //   g  = grad / grad_scale * clip_factor          (each factor when given)
 //   p -= lr * weight_decay * p                    (AdamW: decoupled; Adam: g += weight_decay * p)

@@ -66,14 +66,15 @@ struct Model {
 
   // The host rule over every element, with the same coefficients as the kernel; params rounded to
   // P (from the master when there is one), moments to S.
-  void host_step(const AdamWHyper& h, float lr, float t, float factor) {
-    const AdamWCoeffs c = adamw_math::coeffs(lr, h.beta1, h.beta2, h.eps, h.weight_decay, t, factor, h.decoupled);
+  void host_step(const AdamWHyper& h, double lr, float t, float scale, float clip) {
+    const AdamWCoeffs c =
+        adamw_math::coeffs(lr, h.beta1, h.beta2, h.eps, h.weight_decay, t, scale, clip, h.decoupled);
     for (std::size_t i = 0; i < sizes.size(); ++i) {
       for (std::int64_t k = 0; k < sizes[i]; ++k) {
         float pv = hmaster.empty() ? hp[i][k] : hmaster[i][k];
         const float before = pv;
         float mv = hm[i][k], vv = hv[i][k];
-        AdamWRule::apply(pv, hg[i][k] * c.grad_factor, mv, vv, c);
+        AdamWRule::apply(pv, adamw_math::gradient(hg[i][k], c), mv, vv, c);
         hscale[i][k] = std::max(hscale[i][k], std::abs(before) + std::abs(pv - before));
         hm[i][k] = round_to<S>(mv);
         hv[i][k] = round_to<S>(vv);
@@ -136,13 +137,14 @@ void run(bool with_master, bool decoupled, bool scaled, bool lr_const = false) {
     h.grad_scale = scalars.ptr + 2;
     h.clip_factor = scalars.ptr + 3;
   }
-  if (lr_const) {  // the learning rate as a constant in fp64 (0.01 exactly, not its fp32 rounding)
+  if (lr_const) {  // the learning rate as a constant, not a device scalar
     h.lr = nullptr;
     h.lr_value = 1e-2;
   }
   for (int t = 1; t <= 3; ++t) {
     TIGON_OK((adamw_step<P, S>(plan, h, nullptr)));
-    model.host_step(h, lr_const ? 1e-2 : static_cast<double>(1e-2f), static_cast<float>(t), scaled ? 0.5f / 4.0f : 1.0f);
+    model.host_step(h, lr_const ? 1e-2 : static_cast<double>(1e-2f), static_cast<float>(t), scaled ? 4.0f : 1.0f,
+                    scaled ? 0.5f : 1.0f);
   }
   CUDA_OK(cudaDeviceSynchronize());
   CHECK(scalars.download()[1] == 3.0f);
@@ -216,7 +218,7 @@ TEST_CASE("adamw: stochastic rounding lands on a neighbour and repeats for a see
     CUDA_OK(cudaDeviceSynchronize());
     const auto got = model.p[0].download();
     // The fp32 update, then its two bfloat16 neighbours.
-    const AdamWCoeffs c = adamw_math::coeffs(1e-3f, h.beta1, h.beta2, h.eps, h.weight_decay, 1.0f, 1.0f, true);
+    const AdamWCoeffs c = adamw_math::coeffs(1e-3f, h.beta1, h.beta2, h.eps, h.weight_decay, 1.0f, 1.0f, 1.0f, true);
     int bad = 0, up = 0;
     for (std::size_t k = 0; k < got.size(); ++k) {
       float pv = p0[k], mv = 0.0f, vv = 0.0f;
@@ -321,7 +323,7 @@ TEST_CASE("adamw: grad_norm_clip's norm, factor and determinism; the clipped ste
   out.upload(first);
   const AdamWHyper h{.lr = out.ptr + 2, .step = out.ptr + 3, .clip_factor = out.ptr + 1};
   TIGON_OK((adamw_step<bf16, float>(plan, h, nullptr)));
-  model.host_step(h, 1e-2f, 1.0f, first[1]);
+  model.host_step(h, 1e-2f, 1.0f, 1.0f, first[1]);
   CUDA_OK(cudaDeviceSynchronize());
   CHECK(model.compare(1.0 / 128) == 0);
 }

@@ -43,7 +43,7 @@ TEST_CASE("adamw math: the rule follows torch's AdamW and Adam over many steps",
       double worst = 0;
       for (int t = 1; t <= 200; ++t) {
         const float g = nd(gen);
-        const AdamWCoeffs c = adamw_math::coeffs(lr, b1, b2, eps, wd, static_cast<float>(t), 1.0f, decoupled);
+        const AdamWCoeffs c = adamw_math::coeffs(lr, b1, b2, eps, wd, static_cast<float>(t), 1.0f, 1.0f, decoupled);
         AdamWRule::apply(p, g, m, v, c);
         r.step(g, lr, b1, b2, eps, wd, t, decoupled);
         worst = std::max(worst, std::abs(p - r.p));
@@ -56,17 +56,17 @@ TEST_CASE("adamw math: the rule follows torch's AdamW and Adam over many steps",
 }
 
 TEST_CASE("adamw math: the coefficients and the gradient factor", "[adamw][math]") {
-  const AdamWCoeffs c = adamw_math::coeffs(1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0f, 0.25f, true);
+  const AdamWCoeffs c = adamw_math::coeffs(1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0f, 4.0f, 0.5f, true);
   CHECK(c.step_size == Approx(1e-3 / 0.1).epsilon(1e-5));
   CHECK(c.bc2_sqrt == Approx(std::sqrt(0.001)).epsilon(1e-4));
-  CHECK(c.grad_factor == 0.25f);
+  CHECK(adamw_math::gradient(3.0f, c) == 3.0f / 4.0f * 0.5f);
   // The first step moves every parameter by about lr (m / sqrt(v) = sign(g) after bias correction).
   float p = 1.0f, m = 0.0f, v = 0.0f;
-  AdamWRule::apply(p, 3.0f, m, v, adamw_math::coeffs(1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0f, 1.0f, true));
+  AdamWRule::apply(p, 3.0f, m, v, adamw_math::coeffs(1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0f, 1.0f, 1.0f, true));
   CHECK(p == Approx(1.0 - 1e-3).epsilon(1e-6));
   // A zero gradient with zero moments leaves a parameter unchanged (no 0 / 0).
   p = 2.0f, m = 0.0f, v = 0.0f;
-  AdamWRule::apply(p, 0.0f, m, v, adamw_math::coeffs(1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0f, 1.0f, true));
+  AdamWRule::apply(p, 0.0f, m, v, adamw_math::coeffs(1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0f, 1.0f, 1.0f, true));
   CHECK(p == 2.0f);
 }
 

@@ -493,36 +493,37 @@ def _adamw_lists(op, params, grads, exp_avgs, exp_avg_sqs, masters):
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, masters, plan, lr, lr_value, step, beta1, beta2, eps,
                weight_decay,
                decoupled, grad_scale, clip_factor, found_inf, stochastic_rounding, seed):
-    """tigon.adamw_step: AdamWRule per element (tigon/optim/adamw.cuh) in torch ops, fp64 where the
-    kernel computes in fp64 and rounded to fp32 where it rounds."""
+    """tigon.adamw_step: AdamWRule per element (tigon/optim/adamw.cuh) in torch ops: every operation in
+    fp32, each fused multiply-add as one rounding (its exact fp64 product and sum, rounded to fp32)."""
     _adamw_lists("tigon.adamw_step", params, grads, exp_avgs, exp_avg_sqs, masters)
     if stochastic_rounding:
         raise NotImplementedError("tigon.adamw_step: the CPU reference has no stochastic rounding")
     if found_inf is not None and float(found_inf) != 0.0:
         return
     step.add_(1)
-    t = float(step)
-    lr_d = float(lr) if lr is not None else float(lr_value)
-    bc1 = torch.tensor(1.0 - beta1 ** t, dtype=torch.float64).float()
-    bc2 = torch.tensor(1.0 - beta2 ** t, dtype=torch.float64).float()
-    step_size = (lr_d / bc1.double()).float()
-    bc2_sqrt = torch.sqrt(bc2)
-    factor = torch.tensor(1.0, dtype=torch.float32)
-    if clip_factor is not None:
-        factor = factor * clip_factor.float().reshape(())
-    if grad_scale is not None:
-        factor = factor / grad_scale.float().reshape(())
+    f32 = lambda x: torch.as_tensor(x, dtype=torch.float64).float()  # noqa: E731
+    fma = lambda a, b, c: (a.double() * b.double() + c.double()).float()  # noqa: E731
+    t = f32(float(step))
+    lr32 = f32(float(lr) if lr is not None else float(lr_value))
+    b1, b2, eps32, wd = f32(beta1), f32(beta2), f32(eps), f32(weight_decay)
+    step_size = lr32 / (1.0 - f32(torch.pow(b1.double(), t.double())))
+    bc2_sqrt = torch.sqrt(1.0 - f32(torch.pow(b2.double(), t.double())))
     for i, p in enumerate(params):
-        w = masters[i] if masters else p.float()
-        g = grads[i].float() * factor
-        if weight_decay != 0.0:
+        w = masters[i].clone() if masters else p.float()
+        g = grads[i].float()
+        if grad_scale is not None and float(grad_scale) != 1.0:
+            g = g / grad_scale.float().reshape(())
+        if clip_factor is not None and float(clip_factor) != 1.0:
+            g = g * clip_factor.float().reshape(())
+        if float(wd) != 0.0:
             if decoupled:
-                w = (w.double() - lr_d * weight_decay * w.double()).float()
+                w = fma(-(lr32 * wd), w, w)
             else:
-                g = (g.double() + w.double() * weight_decay).float()
-        m = (beta1 * exp_avgs[i].double() + (1.0 - beta1) * g.double()).float()
-        v = (beta2 * exp_avg_sqs[i].double() + (1.0 - beta2) * g.double() * g.double()).float()
-        denom = ((torch.sqrt(v) / bc2_sqrt).double() + eps).float()
+                g = fma(w, wd, g)
+        m = fma(b1, exp_avgs[i].float(), fma(-b1, g, g))
+        gg = g * g
+        v = fma(b2, exp_avg_sqs[i].float(), fma(-b2, gg, gg))
+        denom = torch.sqrt(v) / bc2_sqrt + eps32
         w = w - step_size * m / denom
         exp_avgs[i].copy_(m)
         exp_avg_sqs[i].copy_(v)

@@ -43,38 +43,68 @@ def _run(opt, params, steps, start=0, scale=1.0):
         opt.step()
 
 
-def _close(a, b, dtype):
-    tol = dict(rtol=2e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=0, atol=0)
+# tigon's step follows the rounding of torch's fused CUDA kernel as of torch 2.11 (every operation in fp32,
+# the multiply-adds fused): there the results are torch's bit for bit. Elsewhere (torch's CPU kernel in the
+# reference mode, older CUDA kernels with fp64 products) they differ by roundings.
+_TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+EXACT = DEVICE == "cuda" and _TORCH >= (2, 11)
+
+
+def _close(a, b, dtype, exact=True):
     for x, y in zip(a, b):
-        if dtype != torch.float32:  # one rounding of the dtype apart at most
-            ulp = torch.finfo(dtype).eps * y.detach().float().abs().clamp_min(1e-6)
-            assert ((x.detach().float() - y.detach().float()).abs() <= ulp).all()
-        else:
-            torch.testing.assert_close(x.detach(), y.detach(), **tol)
+        x, y = x.detach(), y.detach()
+        if EXACT and exact:
+            off = (x != y) & ~(x.isnan() & y.isnan())
+            assert not off.any(), (f"{int(off.sum())} of {x.numel()} elements differ from torch's, first "
+                                   f"{float(x[off][0])} against {float(y[off][0])}")
+        elif dtype == torch.float32:
+            torch.testing.assert_close(x, y, rtol=2e-6, atol=1e-7)
+        else:  # roundings of the dtype apart, of the value and, where terms cancel, of the tensor's scale
+            eps, yf = torch.finfo(dtype).eps, y.float()
+            bound = eps * (2 * yf.abs() + 8 * yf.abs().mean())
+            assert ((x.float() - yf).abs() <= bound).all(), float(((x.float() - yf).abs() / bound).max())
 
 
-# torch's current fused CUDA kernel computes in fp32 where tigon's step keeps fp64 products (docs/adamw.md):
-# bf16 parameters then differ from it by a rounding in some elements (torch 2.11 on an H100).
-BF16_VS_TORCH_CUDA = pytest.mark.xfail(DEVICE == "cuda", reason="bf16 roundings differ from torch's fp32 fused "
-                                       "kernel (docs/adamw.md)", strict=False)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=BF16_VS_TORCH_CUDA)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["AdamW", "Adam"])
 def test_matches_torch(ext, dtype, kind):
-    """Five steps with fresh gradients: the parameters and both moments as torch's fused optimizer's
-    (the same fp32 math; 16-bit results within one rounding)."""
+    """Five steps with fresh gradients: the parameters and both moments as torch's fused optimizer's (AdamW
+    bit for bit on CUDA with torch >= 2.11)."""
     ours_p, ref_p = _params(dtype), _params(dtype)
     kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     ours = getattr(topt, kind)(ours_p, **kw)
     ref = _torch_opt(getattr(torch.optim, kind), ref_p, **kw)
     _run(ours, ours_p, 5)
     _run(ref, ref_p, 5)
-    _close(ours_p, ref_p, dtype)
+    # Adam's L2 term g + p * wd: torch 2.11 rounds it otherwise than one fused fp32 multiply-add in about
+    # 1% of the elements (H100): a rounding of the moments apart there.
+    exact = kind == "AdamW"
+    _close(ours_p, ref_p, dtype, exact)
     for a, b in zip(ours_p, ref_p):
         _close([ours.state[a]["exp_avg"], ours.state[a]["exp_avg_sq"]],
-               [ref.state[b]["exp_avg"], ref.state[b]["exp_avg_sq"]], dtype)
+               [ref.state[b]["exp_avg"], ref.state[b]["exp_avg_sq"]], dtype, exact)
         assert float(ours.state[a]["step"]) == 5.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_torch_at_late_steps(ext, dtype):
+    """Steps 20001 to 20003 (the bias corrections' powers far from 1), loaded through state dicts."""
+    ours_p, ref_p = _params(dtype), _params(dtype)
+    kw = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    ours, ref = topt.AdamW(ours_p, **kw), _torch_opt(torch.optim.AdamW, ref_p, **kw)
+    _run(ours, ours_p, 2)
+    _run(ref, ref_p, 2)
+    for opt in (ours, ref):
+        sd = copy.deepcopy(opt.state_dict())
+        for st in sd["state"].values():
+            st["step"] = torch.full_like(st["step"], 20000.0)
+        opt.load_state_dict(sd)
+    _run(ours, ours_p, 3, start=2)
+    _run(ref, ref_p, 3, start=2)
+    _close(ours_p, ref_p, dtype)
+    for a, b in zip(ours_p, ref_p):
+        _close([ours.state[a]["exp_avg_sq"]], [ref.state[b]["exp_avg_sq"]], dtype)
+        assert float(ours.state[a]["step"]) == 20003.0
 
 
 def test_param_groups_and_learning_rates(ext):
@@ -96,7 +126,6 @@ def test_param_groups_and_learning_rates(ext):
     _close(ours_p, ref_p, torch.float32)
 
 
-@BF16_VS_TORCH_CUDA
 @pytest.mark.parametrize("direction", ["tigon_to_torch", "torch_to_tigon"])
 def test_state_dict_both_ways(ext, direction):
     """A state dict saved by one optimizer loads into the other, which continues as the first would."""
@@ -184,7 +213,7 @@ def test_clip_grad_norm_hands_the_factor_to_the_step(ext):
         assert all(torch.equal(p.grad, g) for p, g in zip(ours_p, grads))  # not scaled in place
         ours.step()
         ref.step()
-    _close(ours_p, ref_p, torch.float32)
+    _close(ours_p, ref_p, torch.float32, exact=False)  # the norms' summation orders differ
     # Without an optimizer: torch's function.
     n = topt.clip_grad_norm_(ref_p, 1e9)
     assert n.shape == ()

@@ -3,9 +3,9 @@ and a gradient-norm clip whose factor the step applies.
 
 `AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, ...)` takes torch.optim.AdamW's
 arguments and param groups, keeps the same state ("step", "exp_avg", "exp_avg_sq": state dicts load
-both ways with torch's) and computes AdamW in fp32 with the hyper-parameters in fp64 (fp32 parameters
-agree with torch 2.11's fused AdamW within 2e-6; bf16 ones can differ from it by a rounding: torch's
-current kernel computes everything in fp32, docs/adamw.md). Per step, each group's parameters of one device and dtype go
+both ways with torch's) and computes AdamW with the roundings of torch's fused CUDA kernel (torch 2.11:
+fp32 throughout, the multiply-adds fused), so that AdamW's results are torch's bit for bit (Adam's L2 term
+can differ by a rounding; docs/adamw.md). Per step, each group's parameters of one device and dtype go
 through two launches (the step count, then every element), with the learning rate and the step count
 read from device memory: no host synchronisation, and with `capturable=True` one CUDA graph serves
 every step (give `lr` as a CUDA tensor to change it between replays). GradScaler's `grad_scale` and
@@ -172,7 +172,7 @@ class AdamW(torch.optim.Optimizer):
     @staticmethod
     def _lr_args(g, device):
         """(lr tensor or None, lr value): a Tensor lr as a device fp32 scalar the step reads; a float lr
-        as a constant in fp64, as torch's fused AdamW takes it."""
+        as a constant (rounded to fp32 in the step, as torch's fused kernel rounds it)."""
         lr = g["lr"]
         if isinstance(lr, torch.Tensor):
             if not (lr.device == device and lr.dtype == torch.float32):

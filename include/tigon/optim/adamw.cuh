@@ -3,16 +3,15 @@
 // learning rate, the step count, a gradient scale, a clip factor, the found-inf flag) read from
 // device memory, so that one CUDA graph serves every step.
 //
-// Per element, at step t, in the order of operations and precision of torch.optim.AdamW(fused=True)
-// in its earlier 2.x releases (the hyper-parameters in fp64, the products with them in fp64 and
-// rounded to fp32 where torch keeps fp32, the bias corrections in fp64 rounded to fp32; torch's
-// current kernel computes all of it in fp32, which rounds some bf16 parameters differently):
+// Per element, at step t, in the order of operations and the precision of
+// torch.optim.AdamW(fused=True) on CUDA (torch 2.11: the hyper-parameters rounded to fp32, every
+// operation in fp32, the multiply-adds fused), so that its results are torch's bit for bit:
 //
 //   g  = grad / grad_scale * clip_factor          (each factor when given)
-//   p -= lr * weight_decay * p                    (AdamW: decoupled; Adam: g += weight_decay * p)
-//   m  = beta1 * m + (1 - beta1) * g
-//   v  = beta2 * v + (1 - beta2) * g * g
-//   p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//   p  = p - (lr * weight_decay) * p              (AdamW: decoupled; Adam: g = g + p * weight_decay)
+//   m  = beta1 * m + (g - beta1 * g)
+//   v  = beta2 * v + (g*g - beta2 * g*g)
+//   p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //
 // p is the parameter (bfloat16, half or float), or its fp32 master copy when one is given (the
 // parameter then receives the master rounded to its dtype); m and v are stored in fp32 or in the
@@ -82,7 +81,7 @@ struct AdamWHyper {
   double weight_decay = 1e-2;
   bool decoupled = true;  // AdamW; false: Adam with L2 weight decay added to the gradient
   const float* lr = nullptr;           // device scalar: the learning rate; or null and lr_value
-  std::optional<double> lr_value = std::nullopt;  // a constant learning rate, in fp64 (as torch takes a float lr)
+  std::optional<double> lr_value = std::nullopt;  // a constant learning rate (the step rounds it to fp32, as torch)
   float* step = nullptr;               // device scalar, required: the steps taken; the launch adds 1
   const float* grad_scale = nullptr;   // device scalar or null: gradients are divided by it
   const float* clip_factor = nullptr;  // device scalar or null: gradients are multiplied by it
@@ -105,45 +104,58 @@ struct AdamWPlan {
 // 2. Math: one element, in fp32, on host and device
 // ------------------------------------------------------------------------------------------------
 
-// The per-step coefficients every element shares: the hyper-parameters in fp64 (torch passes them
-// as doubles), the bias corrections rounded to fp32 (torch's opmath type).
+// The per-step coefficients every element shares, in fp32: torch's fused kernel casts its fp64
+// hyper-parameters to fp32 (its opmath type) and computes every product in fp32.
 struct AdamWCoeffs {
-  double lr, beta1, beta2, eps, weight_decay;
+  float lr, beta1, beta2, eps, weight_decay;
   float step_size;     // lr / (1 - beta1^t)
   float bc2_sqrt;      // sqrt(1 - beta2^t)
-  float grad_factor;   // clip_factor / grad_scale
+  float grad_scale;    // the gradients are divided by it (1: none)
+  float clip_factor;   // then multiplied by it (1: none)
   bool decoupled;
 };
 
 namespace adamw_math {
 
-// The coefficients of step t (t >= 1), as torch's fused AdamW forms them: 1 - beta^t in fp64 rounded
-// to fp32, lr / bc1 in fp64 rounded to fp32, sqrt of the fp32 bc2 in fp32.
+// The coefficients of step t (t >= 1): the hyper-parameters rounded to fp32, 1 - beta^t with
+// powf in fp32, lr / bc1 and sqrt(bc2) in fp32.
 TIGON_HD AdamWCoeffs coeffs(double lr, double beta1, double beta2, double eps, double weight_decay, float t,
-                            float grad_factor, bool decoupled) {
-  const auto bc1 = static_cast<float>(1.0 - ::pow(beta1, static_cast<double>(t)));
-  const auto bc2 = static_cast<float>(1.0 - ::pow(beta2, static_cast<double>(t)));
-  return {lr, beta1, beta2, eps, weight_decay, static_cast<float>(lr / bc1), ::sqrtf(bc2), grad_factor, decoupled};
+                            float grad_scale, float clip_factor, bool decoupled) {
+  const auto lr32 = static_cast<float>(lr), b1 = static_cast<float>(beta1), b2 = static_cast<float>(beta2);
+  const float bc1 = 1.0f - ::powf(b1, t);
+  const float bc2 = 1.0f - ::powf(b2, t);
+  return {lr32, b1, b2, static_cast<float>(eps), static_cast<float>(weight_decay), lr32 / bc1, ::sqrtf(bc2),
+          grad_scale, clip_factor, decoupled};
+}
+
+// The gradient as the rule receives it: divided by the scale, then multiplied by the clip factor
+// (each skipped when 1, which leaves it exact).
+TIGON_HD float gradient(float g, const AdamWCoeffs& c) {
+  if (c.grad_scale != 1.0f) g = g / c.grad_scale;
+  if (c.clip_factor != 1.0f) g = g * c.clip_factor;
+  return g;
 }
 
 }  // namespace adamw_math
 
-// The default rule: AdamW (or Adam) as above. A rule is a struct with
+// The default rule: AdamW (or Adam) as above, each multiply-add one fused fp32 operation where
+// torch's kernel has one. A rule is a struct with
 //   static TIGON_HD void apply(float& p, float g, float& m, float& v, const AdamWCoeffs& c);
-// g already carries the gradient scale and the clip factor.
+// g already carries the gradient scale and the clip factor (adamw_math::gradient).
 struct AdamWRule {
   static TIGON_HD void apply(float& p, float g, float& m, float& v, const AdamWCoeffs& c) {
-    if (c.weight_decay != 0.0) {
+    if (c.weight_decay != 0.0f) {
       if (c.decoupled) {
-        p = static_cast<float>(p - c.lr * c.weight_decay * p);
+        p = ::fmaf(-(c.lr * c.weight_decay), p, p);  // p - (lr * wd) * p
       } else {
-        g = static_cast<float>(g + p * c.weight_decay);
+        g = ::fmaf(p, c.weight_decay, g);            // g + p * wd
       }
     }
-    m = static_cast<float>(c.beta1 * m + (1.0 - c.beta1) * g);
-    v = static_cast<float>(c.beta2 * v + (1.0 - c.beta2) * g * g);
-    const auto denom = static_cast<float>(::sqrtf(v) / c.bc2_sqrt + c.eps);
-    p -= c.step_size * m / denom;
+    m = ::fmaf(c.beta1, m, ::fmaf(-c.beta1, g, g));  // beta1 * m + (g - beta1 * g)
+    const float gg = g * g;
+    v = ::fmaf(c.beta2, v, ::fmaf(-c.beta2, gg, gg));
+    const float denom = ::sqrtf(v) / c.bc2_sqrt + c.eps;
+    p = p - c.step_size * m / denom;
   }
 };
 
@@ -424,7 +436,7 @@ TIGON_DEVICE void adamw_elements(const AdamWTensorEntry& t, std::int64_t i0, std
       p[0] = has_master ? t.master[i] : to_float(param[i]);
     }
 #pragma unroll
-    for (int k = 0; k < kV; ++k) Rule::apply(p[k], g[k] * c.grad_factor, m[k], v[k], c);
+    for (int k = 0; k < kV; ++k) Rule::apply(p[k], adamw_math::gradient(g[k], c), m[k], v[k], c);
     float out[kV];
 #pragma unroll
     for (int k = 0; k < kV; ++k) {
@@ -474,11 +486,11 @@ TIGON_KERNEL void __launch_bounds__(kAdamWThreads) adamw_step_kernel(const AdamW
   const AdamWTensorEntry& t = sp.t;
   const std::int64_t i0 = sp.i0, n = sp.n;
   const float step = *p.step;
-  float factor = 1.0f;
-  if (p.grad_scale != nullptr) factor /= *p.grad_scale;
-  if (p.clip_factor != nullptr) factor *= *p.clip_factor;
+  const float scale = p.grad_scale != nullptr ? *p.grad_scale : 1.0f;
+  const float clip = p.clip_factor != nullptr ? *p.clip_factor : 1.0f;
   const double lr = p.lr != nullptr ? static_cast<double>(*p.lr) : p.lr_value;
-  const AdamWCoeffs c = adamw_math::coeffs(lr, p.beta1, p.beta2, p.eps, p.weight_decay, step, factor, p.decoupled);
+  const AdamWCoeffs c =
+      adamw_math::coeffs(lr, p.beta1, p.beta2, p.eps, p.weight_decay, step, scale, clip, p.decoupled);
   const auto step_u = static_cast<std::uint64_t>(step);
   constexpr int kV = 8;
   if (t.vec) {

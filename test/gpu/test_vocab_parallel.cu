@@ -1,0 +1,272 @@
+// The vocabulary-parallel cross-entropy over NCCL. One rank (one GPU): the op against the split
+// pieces run by hand (bitwise) and against cross_entropy on the whole vocabulary (within a rounding).
+// Two ranks (two GPUs, one thread each; the [two_ranks] case, run by its own ctest entry, which
+// reports skipped on a machine with fewer GPUs): every rank's loss outputs the same bytes, and each
+// rank's slice of the gradient and the loss outputs bitwise those of the split pieces run on one GPU.
+#include "gpu_test.cuh"
+
+#include <cstdlib>
+#include <memory>
+#include <thread>
+
+#include <tigon/dist/vocab_parallel.cuh>
+
+using namespace tigon;
+using namespace gpu_test;
+
+namespace {
+
+template <class T>
+std::vector<T> fetch(const T* p, std::int64_t n) {
+  std::vector<T> h(static_cast<std::size_t>(n));
+  REQUIRE(cudaMemcpy(h.data(), p, h.size() * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
+  return h;
+}
+
+template <class T>
+bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+struct Case {
+  std::int64_t rows, vocab;
+  float smoothing = 0.0f, z = 0.0f, softcap = 0.0f;
+  Reduction reduction = Reduction::mean;
+};
+
+// The loss outputs of one call.
+struct LossOut {
+  std::vector<float> loss, rows, lse;
+  std::vector<std::int64_t> argmax;
+};
+
+// One shard's buffers on the current device.
+struct Shard {
+  std::int64_t rows, cols;
+  DeviceBuffer<bf16> x, dx;
+  DeviceBuffer<std::int64_t> t;
+  DeviceBuffer<float> loss, lrows, lse;
+  DeviceBuffer<std::int64_t> am;
+  Shard(std::int64_t r, std::int64_t c)
+      : rows(r), cols(c), x(r * c), dx(r * c), t(r), loss(1), lrows(r), lse(r), am(r) {}
+  CrossEntropyArgs<bf16> args(const Case& c) {
+    return {.logits = x.ptr, .targets = t.ptr, .rows = rows, .vocab = cols, .dlogits = dx.ptr,
+            .label_smoothing = c.smoothing, .z_loss_scale = c.z, .softcap = c.softcap, .reduction = c.reduction,
+            .loss = loss.ptr, .loss_rows = lrows.ptr, .lse = lse.ptr, .argmax = am.ptr};
+  }
+  LossOut outputs() { return {fetch(loss.ptr, 1), fetch(lrows.ptr, rows), fetch(lse.ptr, rows), fetch(am.ptr, rows)}; }
+};
+
+// The whole [rows, vocab] logits and targets of a case (host), and a shard's columns of them.
+struct Inputs {
+  std::vector<bf16> x;
+  std::vector<std::int64_t> t;
+};
+Inputs make_inputs(const Case& c) {
+  Inputs in{random_values<bf16>(static_cast<std::size_t>(c.rows * c.vocab), 0, 4, nullptr),
+            std::vector<std::int64_t>(static_cast<std::size_t>(c.rows))};
+  std::uniform_int_distribution<std::int64_t> pick(0, c.vocab - 1);
+  for (auto& t : in.t) t = pick(rng());
+  in.t[1] = -100;  // an ignored row
+  return in;
+}
+void load_shard(Shard& s, const Inputs& in, std::int64_t vocab, std::int64_t c0) {
+  std::vector<bf16> cols(static_cast<std::size_t>(s.rows * s.cols));
+  for (std::int64_t r = 0; r < s.rows; ++r) {
+    std::copy_n(in.x.begin() + r * vocab + c0, s.cols, cols.begin() + r * s.cols);
+  }
+  s.x.upload(cols);
+  s.t.upload(in.t);
+  s.dx.poison(), s.loss.poison(), s.lrows.poison(), s.lse.poison(), s.am.poison();
+}
+
+std::size_t ce_ws(const CrossEntropyArgs<bf16>& a) {
+  std::size_t b = 0;
+  REQUIRE(cross_entropy_workspace_bytes(a, b).ok());
+  return b;
+}
+
+// The split pieces on the current device for `n` equal shards: each shard's gradient slice and the
+// loss outputs (the same from every shard's finalize; the first shard's kept).
+void split_reference(const Case& c, const Inputs& in, int n, std::vector<std::vector<bf16>>& grads, LossOut& out) {
+  const std::int64_t w = c.vocab / n;
+  std::vector<std::unique_ptr<Shard>> sh;
+  DeviceBuffer<CrossEntropyStats> stats(static_cast<std::size_t>(n * c.rows)), merged(c.rows);
+  for (int i = 0; i < n; ++i) {
+    sh.push_back(std::make_unique<Shard>(c.rows, w));
+    load_shard(*sh.back(), in, c.vocab, i * w);
+    TIGON_OK(cross_entropy_shard_stats(sh.back()->args(c), i * w, c.vocab, stats.ptr + i * c.rows, nullptr));
+  }
+  TIGON_OK(cross_entropy_merge_stats(stats.ptr, n, c.rows, merged.ptr, nullptr));
+  grads.clear();
+  for (int i = 0; i < n; ++i) {
+    auto a = sh[i]->args(c);
+    DeviceBuffer<unsigned char> ws(std::max<std::size_t>(ce_ws(a), 1));
+    a.workspace = ws.ptr;
+    a.workspace_bytes = ws.count;
+    TIGON_OK(cross_entropy_shard_finalize(a, i * w, c.vocab, merged.ptr, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    grads.push_back(fetch(sh[i]->dx.ptr, c.rows * w));
+    if (i == 0) out = sh[i]->outputs();
+  }
+}
+
+// One rank's call of the op on its shard (buffers on the device current when it is made): made and
+// read on the test's thread, run on any (the run uses no test macro: Catch's are not thread-safe).
+struct RankCall {
+  Shard s;
+  DeviceBuffer<unsigned char> ws;
+  CrossEntropyArgs<bf16> a;
+  VocabShard shard;
+  Status st;
+  RankCall(const Case& c, const Inputs& in, int rank, int ranks)
+      : s(c.rows, c.vocab / ranks), ws(bytes_for(c, ranks)), a{}, shard{rank * (c.vocab / ranks), c.vocab} {
+    load_shard(s, in, c.vocab, shard.vocab_offset);
+    a = s.args(c);
+  }
+  static std::size_t bytes_for(const Case& c, int ranks) {
+    CrossEntropyArgs<bf16> probe{.rows = c.rows, .vocab = c.vocab / ranks};
+    std::size_t b = 0;
+    (void)vocab_parallel_cross_entropy_workspace_bytes(probe, ranks, b);
+    return std::max<std::size_t>(b, 1);
+  }
+  void run(ncclComm_t comm) {
+    cudaStream_t stream = nullptr;
+    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+      st = Status::error(Errc::cuda_error, "test", "", "cudaStreamCreate");
+      return;
+    }
+    st = vocab_parallel_cross_entropy(a, shard, comm, ws.ptr, ws.count, stream);
+    const cudaError_t e = cudaStreamSynchronize(stream);
+    if (st.ok() && e != cudaSuccess) st = Status::from_cuda(e, "test", "cudaStreamSynchronize");
+    cudaStreamDestroy(stream);
+  }
+};
+
+const Case kCases[] = {
+    {.rows = 33, .vocab = 32000},
+    {.rows = 16, .vocab = 128256, .smoothing = 0.1f, .z = 1e-4f},
+    {.rows = 9, .vocab = 256000, .softcap = 30.0f, .reduction = Reduction::sum},
+};
+
+}  // namespace
+
+TEST_CASE("vocab_parallel_cross_entropy: one rank, the split pieces and the whole op", "[vocab_parallel][gpu]") {
+  ncclComm_t comm = nullptr;
+  int dev = 0;
+  CUDA_OK(cudaGetDevice(&dev));
+  REQUIRE(ncclCommInitAll(&comm, 1, &dev) == ncclSuccess);
+  for (const Case& c : kCases) {
+    INFO("rows " << c.rows << " vocab " << c.vocab << " smoothing " << c.smoothing << " z " << c.z << " softcap "
+                 << c.softcap);
+    const Inputs in = make_inputs(c);
+    std::vector<std::vector<bf16>> ref_g;
+    LossOut ref;
+    split_reference(c, in, 1, ref_g, ref);
+    RankCall call(c, in, 0, 1);
+    call.run(comm);
+    INFO(call.st.message());
+    REQUIRE(call.st.ok());
+    const std::vector<bf16> g = fetch(call.s.dx.ptr, c.rows * c.vocab);
+    const LossOut got = call.s.outputs();
+    CHECK(same_bytes(g, ref_g[0]));
+    CHECK(same_bytes(got.loss, ref.loss));
+    CHECK(same_bytes(got.rows, ref.rows));
+    CHECK(same_bytes(got.lse, ref.lse));
+    CHECK(same_bytes(got.argmax, ref.argmax));
+    // cross_entropy on the whole vocabulary: the same loss within fp32 rounding, the same gradient
+    // within one bf16 rounding.
+    Shard whole(c.rows, c.vocab);
+    load_shard(whole, in, c.vocab, 0);
+    auto a = whole.args(c);
+    DeviceBuffer<unsigned char> ws(std::max<std::size_t>(ce_ws(a), 1));
+    a.workspace = ws.ptr;
+    a.workspace_bytes = ws.count;
+    TIGON_OK(cross_entropy(a, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    const LossOut w = whole.outputs();
+    CHECK(std::abs(w.loss[0] - got.loss[0]) <= 2e-6f * std::abs(w.loss[0]) + 1e-7f);
+    CHECK(same_bytes(w.argmax, got.argmax));
+    const auto wg = fetch(whole.dx.ptr, c.rows * c.vocab);
+    int off = 0;
+    for (std::size_t i = 0; i < wg.size(); ++i) {
+      const float x = to_float(wg[i]), y = to_float(g[i]);
+      off += !(std::abs(x - y) <= 0x1p-8f * std::abs(x) + 1e-12f);
+    }
+    CHECK(off == 0);
+  }
+  // A rejected call communicates and writes nothing: a workspace too small.
+  Shard s(8, 32000);
+  std::size_t bytes = 0;
+  const auto a = s.args(Case{.rows = 8, .vocab = 32000});
+  REQUIRE(vocab_parallel_cross_entropy_workspace_bytes(a, 1, bytes).ok());
+  DeviceBuffer<unsigned char> ws(bytes);
+  CHECK(vocab_parallel_cross_entropy(a, VocabShard{0, 32000}, comm, ws.ptr, bytes - 1, nullptr).code() ==
+        Errc::workspace_too_small);
+  CHECK(vocab_parallel_cross_entropy(a, VocabShard{16, 32000}, comm, ws.ptr, bytes, nullptr).code() ==
+        Errc::invalid_size);
+  CHECK(vocab_parallel_cross_entropy(a, VocabShard{0, 32000}, nullptr, ws.ptr, bytes, nullptr).code() ==
+        Errc::null_pointer);
+  ncclCommDestroy(comm);
+}
+
+TEST_CASE("vocab_parallel_cross_entropy: two ranks on two GPUs", "[.two_ranks][vocab_parallel][gpu]") {
+  int devices = 0;
+  CUDA_OK(cudaGetDeviceCount(&devices));
+  REQUIRE(devices >= 2);
+  int devs[2] = {0, 1};
+  ncclComm_t comms[2];
+  REQUIRE(ncclCommInitAll(comms, 2, devs) == ncclSuccess);
+  for (const Case& c : kCases) {
+    INFO("rows " << c.rows << " vocab " << c.vocab);
+    const Inputs in = make_inputs(c);
+    std::vector<std::vector<bf16>> ref_g;
+    LossOut ref;
+    CUDA_OK(cudaSetDevice(0));
+    split_reference(c, in, 2, ref_g, ref);
+    std::unique_ptr<RankCall> calls[2];
+    for (int r = 0; r < 2; ++r) {
+      CUDA_OK(cudaSetDevice(r));
+      calls[r] = std::make_unique<RankCall>(c, in, r, 2);
+    }
+    std::thread workers[2];
+    for (int r = 0; r < 2; ++r) {
+      workers[r] = std::thread([&, r] {
+        cudaSetDevice(r);
+        calls[r]->run(comms[r]);
+      });
+    }
+    for (auto& t : workers) t.join();
+    for (int r = 0; r < 2; ++r) {
+      INFO("rank " << r << ": " << calls[r]->st.message());
+      REQUIRE(calls[r]->st.ok());
+      CUDA_OK(cudaSetDevice(r));
+      const LossOut got = calls[r]->s.outputs();
+      CHECK(same_bytes(fetch(calls[r]->s.dx.ptr, c.rows * (c.vocab / 2)), ref_g[r]));
+      CHECK(same_bytes(got.loss, ref.loss));
+      CHECK(same_bytes(got.rows, ref.rows));
+      CHECK(same_bytes(got.lse, ref.lse));
+      CHECK(same_bytes(got.argmax, ref.argmax));
+    }
+    for (int r = 0; r < 2; ++r) {
+      CUDA_OK(cudaSetDevice(r));
+      calls[r].reset();
+    }
+    CUDA_OK(cudaSetDevice(0));
+  }
+  ncclCommDestroy(comms[0]);
+  ncclCommDestroy(comms[1]);
+}
+
+// TIGON_NEEDS_GPUS=n (the two-rank ctest entry): skipped (exit 77) on a machine with fewer GPUs.
+int main(int argc, char** argv) {
+  if (const char* need = std::getenv("TIGON_NEEDS_GPUS")) {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+    if (devices < std::atoi(need)) {
+      std::printf("SKIPPED: %s GPUs needed, %d here.\n", need, devices);
+      return kSkipExitCode;
+    }
+  }
+  return run_main(argc, argv);
+}

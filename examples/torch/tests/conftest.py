@@ -37,9 +37,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def ext():
-    """The compiled operators, loaded once (a JIT build on first use when not installed)."""
+def load_ops() -> str:
+    """The compiled operators (a JIT build on first use when not installed); in the reference mode, the
+    CPU reference kernels in their place. Also what a spawned worker process calls."""
     import tigon_torch
 
     how = tigon_torch.load()
@@ -50,6 +50,13 @@ def ext():
         reference_ops.install()
         ops.on_device = lambda t: t.device.type in ("cpu", "cuda")
         how += " (CPU reference kernels)"
+    return how
+
+
+@pytest.fixture(scope="session")
+def ext():
+    """The compiled operators, loaded once."""
+    how = load_ops()
     print(f"tigon_torch operators: {how}")
     return how
 

@@ -1,6 +1,8 @@
-"""DDP and FSDP2 (fully_shard) around a patched model, one process (world size 1): the ops are per
+"""DDP and FSDP2 (fully_shard) around a patched model. One process (world size 1): the ops are per
 rank, and the causal-LM loss reads the LM head's weight inside the model's forward, where FSDP has
-gathered it. Loss and gradients must equal the unwrapped patched model's."""
+gathered it; loss and gradients must equal the unwrapped patched model's. Two processes (world size 2;
+two GPUs over NCCL, or the CPU reference kernels over gloo): each rank's loss equals the unwrapped
+model's on that rank's batch, and the gathered gradients their mean over the ranks."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import DEVICE, assert_rel
+import os
+
+from conftest import DEVICE, assert_rel, load_ops
 from models import build_model
 
 import tigon_torch as tt
@@ -76,3 +80,56 @@ def test_fsdp2(ext, process_group, family):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_rel(_grad(p), q.grad, torch.float32, factor=5.0)
+
+
+def _rank_ids(rank, device):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randint(3, 4096, (2, 24), generator=g).to(device)
+
+
+def _fsdp2_rank(rank, world, store, family, out_dir):
+    """One rank of the two-process run (a spawned process): the patched model sharded with fully_shard,
+    one step on this rank's batch; its loss and every gathered gradient saved for the parent."""
+    load_ops()
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model(family, vocab=4096, hidden=256, device=device)  # the same seed: the same weights
+    tt.apply_tigon_to_model(model)
+    model.train()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    loss = _step(model, _rank_ids(rank, device))
+    grads = {n: _grad(p).detach().float().cpu() for n, p in model.named_parameters()}
+    torch.save({"loss": loss.cpu(), "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fsdp2_two_ranks(ext, tmp_path, family):
+    if DEVICE == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("two GPUs needed")
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp2_rank, args=(2, str(tmp_path / "store"), family, str(tmp_path)), nprocs=2)
+    # One process, the unwrapped patched model: each rank's batch, the gradients averaged as FSDP does.
+    ref = build_model(family, vocab=4096, hidden=256, device=DEVICE)
+    tt.apply_tigon_to_model(ref)
+    ref.train()
+    losses = []
+    for rank in range(2):
+        out = ref(input_ids=_rank_ids(rank, DEVICE), labels=_rank_ids(rank, DEVICE))
+        (out.loss / 2).backward()
+        losses.append(out.loss.detach().cpu())
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(got["loss"], losses[rank], atol=1e-5, rtol=1e-5)
+        for n, q in ref.named_parameters():
+            assert_rel(got["grads"][n].to(q.grad.device), q.grad, torch.float32, factor=5.0)

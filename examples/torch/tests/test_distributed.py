@@ -133,3 +133,69 @@ def test_fsdp2_two_ranks(ext, tmp_path, family):
         torch.testing.assert_close(got["loss"], losses[rank], atol=1e-5, rtol=1e-5)
         for n, q in ref.named_parameters():
             assert_rel(got["grads"][n].to(q.grad.device), q.grad, torch.float32, factor=5.0)
+
+
+def _zero3_rank(rank, world, store, family, out_dir):
+    """One rank of the two-process DeepSpeed ZeRO-3 run (a spawned process): the patched model under
+    deepspeed.initialize (stage 3: every parameter partitioned and released after each use), two steps
+    on this rank's batch; the second's loss and every full gradient (deepspeed.utils.safe_get_full_grad)
+    saved for the parent."""
+    load_ops()
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        device = torch.device("cpu")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    model = build_model(family, vocab=4096, hidden=256, device=device)
+    tt.apply_tigon_to_model(model)
+    model.train()
+    cfg = {"train_micro_batch_size_per_gpu": 2,
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0,
+                                 "stage3_max_live_parameters": 0},  # partitioned, released after each use
+           "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                      dist_init_required=False)
+    ids = _rank_ids(rank, device)
+    # A first step (lr 0: the weights stay) so that the measured one runs on DeepSpeed's recorded trace.
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    grads = {n: safe_get_full_grad(p).detach().float().cpu() for n, p in engine.module.named_parameters()}
+    torch.save({"loss": loss.detach().cpu(), "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_deepspeed_zero3_two_ranks(ext, tmp_path, family):
+    """ZeRO-3 partitions the LM head's weight and gathers it around the head's forward. The patched
+    forward still calls the head (which hands back its input instead of logits), so DeepSpeed gathers the
+    weight before the fused loss reads it: each rank's loss and the full gradients as the unwrapped
+    model's (the gradients averaged over the ranks)."""
+    pytest.importorskip("deepspeed")
+    if DEVICE == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("two GPUs needed")
+    import torch.multiprocessing as mp
+
+    mp.spawn(_zero3_rank, args=(2, str(tmp_path / "store"), family, str(tmp_path)), nprocs=2)
+    ref = build_model(family, vocab=4096, hidden=256, device=DEVICE)
+    tt.apply_tigon_to_model(ref)
+    ref.train()
+    losses = []
+    for rank in range(2):
+        out = ref(input_ids=_rank_ids(rank, DEVICE), labels=_rank_ids(rank, DEVICE))
+        (out.loss / 2).backward()
+        losses.append(out.loss.detach().cpu())
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(got["loss"], losses[rank], atol=1e-5, rtol=1e-5)
+        for n, q in ref.named_parameters():
+            assert_rel(got["grads"][n].to(q.grad.device), q.grad, torch.float32, factor=5.0)

@@ -87,6 +87,25 @@ def _rank_ids(rank, device):
     return torch.randint(3, 4096, (2, 24), generator=g).to(device)
 
 
+def _check_ranks(out_dir, family, world):
+    """Each rank's saved loss against the unwrapped patched model's on that rank's batch, and its
+    gathered gradients against that model's averaged over the ranks (as the data-parallel wrappers
+    average them), in one process."""
+    ref = build_model(family, vocab=4096, hidden=256, device=DEVICE)
+    tt.apply_tigon_to_model(ref)
+    ref.train()
+    losses = []
+    for rank in range(world):
+        out = ref(input_ids=_rank_ids(rank, DEVICE), labels=_rank_ids(rank, DEVICE))
+        (out.loss / world).backward()
+        losses.append(out.loss.detach().cpu())
+    for rank in range(world):
+        got = torch.load(out_dir / f"rank{rank}.pt")
+        torch.testing.assert_close(got["loss"], losses[rank], atol=1e-5, rtol=1e-5)
+        for n, q in ref.named_parameters():
+            assert_rel(got["grads"][n].to(q.grad.device), q.grad, torch.float32, factor=5.0)
+
+
 def _fsdp2_rank(rank, world, store, family, out_dir):
     """One rank of the two-process run (a spawned process): the patched model sharded with fully_shard,
     one step on this rank's batch; its loss and every gathered gradient saved for the parent."""
@@ -119,20 +138,7 @@ def test_fsdp2_two_ranks(ext, tmp_path, family):
     import torch.multiprocessing as mp
 
     mp.spawn(_fsdp2_rank, args=(2, str(tmp_path / "store"), family, str(tmp_path)), nprocs=2)
-    # One process, the unwrapped patched model: each rank's batch, the gradients averaged as FSDP does.
-    ref = build_model(family, vocab=4096, hidden=256, device=DEVICE)
-    tt.apply_tigon_to_model(ref)
-    ref.train()
-    losses = []
-    for rank in range(2):
-        out = ref(input_ids=_rank_ids(rank, DEVICE), labels=_rank_ids(rank, DEVICE))
-        (out.loss / 2).backward()
-        losses.append(out.loss.detach().cpu())
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
-        torch.testing.assert_close(got["loss"], losses[rank], atol=1e-5, rtol=1e-5)
-        for n, q in ref.named_parameters():
-            assert_rel(got["grads"][n].to(q.grad.device), q.grad, torch.float32, factor=5.0)
+    _check_ranks(tmp_path, family, 2)
 
 
 def _zero3_rank(rank, world, store, family, out_dir):
@@ -186,16 +192,4 @@ def test_deepspeed_zero3_two_ranks(ext, tmp_path, family):
     import torch.multiprocessing as mp
 
     mp.spawn(_zero3_rank, args=(2, str(tmp_path / "store"), family, str(tmp_path)), nprocs=2)
-    ref = build_model(family, vocab=4096, hidden=256, device=DEVICE)
-    tt.apply_tigon_to_model(ref)
-    ref.train()
-    losses = []
-    for rank in range(2):
-        out = ref(input_ids=_rank_ids(rank, DEVICE), labels=_rank_ids(rank, DEVICE))
-        (out.loss / 2).backward()
-        losses.append(out.loss.detach().cpu())
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
-        torch.testing.assert_close(got["loss"], losses[rank], atol=1e-5, rtol=1e-5)
-        for n, q in ref.named_parameters():
-            assert_rel(got["grads"][n].to(q.grad.device), q.grad, torch.float32, factor=5.0)
+    _check_ranks(tmp_path, family, 2)

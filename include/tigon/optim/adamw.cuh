@@ -5,7 +5,8 @@
 //
 // Per element, at step t, in the order of operations and the precision of
 // torch.optim.AdamW(fused=True) on CUDA (torch 2.11: the hyper-parameters rounded to fp32, every
-// operation in fp32, the multiply-adds fused), so that its results are torch's bit for bit:
+// operation in fp32, the multiply-adds fused): AdamW's results are torch's bit for bit (Adam's L2
+// term g + p * wd rounds otherwise than torch's in about 1% of the elements):
 //
 //   g  = grad / grad_scale * clip_factor          (each factor when given)
 //   p  = p - (lr * weight_decay) * p              (AdamW: decoupled; Adam: g = g + p * weight_decay)

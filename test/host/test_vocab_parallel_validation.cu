@@ -7,6 +7,8 @@
 
 #include <tigon/dist/vocab_parallel.cuh>
 
+#include "gemm_fakes.hpp"
+
 using namespace tigon;
 
 namespace {
@@ -47,4 +49,22 @@ TEST_CASE("vocab_parallel_cross_entropy: workspace and the checks before the com
          "class_weights");
   expect(vocab_parallel_cross_entropy(good(), VocabShard{64, 128}, nullptr, ws, sizeof(ws), nullptr),
          Errc::null_pointer, "comm");
+  // The linear op: its workspace, and a strided dx (the all-reduce reads contiguous rows).
+  LinearCrossEntropyArgs<bf16> l;
+  alignas(256) static bf16 x[8 * 16], w[64 * 16], dx[8 * 32];
+  l.x = x;
+  l.weight = w;
+  l.hidden = 16;
+  l.loss.targets = targets;
+  l.loss.rows = 8;
+  l.loss.vocab = 64;
+  l.loss.loss = loss;
+  REQUIRE(vocab_parallel_linear_cross_entropy_workspace_bytes(l, 2, one).ok());
+  CHECK(one >= 3 * 8 * sizeof(CrossEntropyStats));
+  l.dx = dx;
+  l.dx_stride = 32;
+  tigon_test::CountingGemm g;
+  expect(vocab_parallel_linear_cross_entropy(l, VocabShard{0, 128}, nullptr, g, ws, sizeof(ws), nullptr),
+         Errc::unsupported, "dx_stride");
+  CHECK(g.calls == 0);
 }

@@ -223,10 +223,11 @@ std::array<check::NamedView, 6> ce_output_views(const CrossEntropyArgs<T, I>& l,
 // Every buffer of a call against every other: an output may share no byte with another output or
 // with an input, but dlogits may be the logits themselves (same pointer and stride: in place).
 // stats_out / stats_in: the split vocabulary's statistics (written by the statistics pass, read by
-// the finalize). The workspace counts the bytes the call uses (ce_workspace_bytes).
+// the finalize). The workspace counts the bytes the call uses: workspace_used, or 0 for
+// ce_workspace_bytes (an op composed on this one passes the whole of its workspace).
 template <class T, class I>
 Status validate(const CrossEntropyArgs<T, I>& a, const char* op, const CrossEntropyStats* stats_out = nullptr,
-                const CrossEntropyStats* stats_in = nullptr) {
+                const CrossEntropyStats* stats_in = nullptr, std::size_t workspace_used = 0) {
   using namespace check;
   TIGON_CHECK(not_null(a.logits, op, "logits"));
   TIGON_CHECK(validate_options(a, op));
@@ -246,7 +247,9 @@ Status validate(const CrossEntropyArgs<T, I>& a, const char* op, const CrossEntr
       {a.dlogits != nullptr ? MatrixView::of(a.dlogits, a.rows, a.vocab, a.dlogits_stride) : MatrixView{}, "dlogits"},
       v[0], v[1], v[2], v[3], v[4], v[5],
       {vector_view(stats_out, a.rows, st), "stats"},
-      {vector_view(a.workspace, static_cast<std::int64_t>(ce_workspace_bytes(a.rows)), 1), "workspace"}};
+      {vector_view(a.workspace,
+                   static_cast<std::int64_t>(workspace_used > 0 ? workspace_used : ce_workspace_bytes(a.rows)), 1),
+       "workspace"}};
   TIGON_CHECK(buffers_disjoint(out, in, op, a.logits));
   return Status();
 }

@@ -118,8 +118,10 @@ LceLayout lce_layout(const LinearCrossEntropyArgs<T, I>& a) {
   return l;
 }
 
+// workspace_used: the bytes of the workspace the call uses, or 0 for lce_layout(a).total (an op
+// composed on this one passes the whole of its workspace).
 template <class T, class I>
-Status validate(const LinearCrossEntropyArgs<T, I>& a, const char* op) {
+Status validate(const LinearCrossEntropyArgs<T, I>& a, const char* op, std::size_t workspace_used = 0) {
   using namespace check;
   TIGON_CHECK(not_null(a.x, op, "x"));
   TIGON_CHECK(not_null(a.weight, op, "weight"));
@@ -147,7 +149,8 @@ Status validate(const LinearCrossEntropyArgs<T, I>& a, const char* op) {
       {a.dweight != nullptr ? MatrixView::of(a.dweight, vocab, a.hidden, 0) : MatrixView{}, "dweight"},
       {vector_view(a.dbias, vocab, 4), "dbias"},
       v[0], v[1], v[2], v[3], v[4], v[5],
-      {vector_view(a.workspace, static_cast<std::int64_t>(lce_layout(a).total), 1), "workspace"}};
+      {vector_view(a.workspace, static_cast<std::int64_t>(workspace_used > 0 ? workspace_used : lce_layout(a).total), 1),
+       "workspace"}};
   return buffers_disjoint(out, in, op);
 }
 
@@ -273,24 +276,41 @@ TIGON_KERNEL void lce_heads_combine_kernel(const float* head_loss, const float* 
   if (z_loss != nullptr) z_loss[0] = z;
 }
 
+// What lce_chunk runs between its products: the loss over the chunk's logits (the gradient in place),
+// and whatever follows dx_c's product (the vocabulary-parallel op reduces it over its ranks there).
+// These are the single-device op's: cross_entropy_chunk, then nothing.
+struct LceChunkSteps {
+  template <class T, class I>
+  Status loss(const CrossEntropyArgs<T, I>& ce, T* logits, std::int64_t r0, std::int64_t c, bool grad,
+              const CeScratch& scratch, cudaStream_t stream, const char* op) const {
+    return cross_entropy_chunk(ce, logits, r0, c, grad, scratch, stream, op);
+  }
+  template <class T>
+  Status after_dx(T*, std::int64_t, cudaStream_t, const char*) const {
+    return Status();
+  }
+};
+
 // One head on one chunk of tokens [r0, r0 + c): logits = x_c W^T + bias into `logits` (bias 16-byte
 // aligned, or null), the loss (gradient in place) against the denominator in `scratch`, then dx_c
 // (beta dx_beta), dW and db (beta `beta`). kRun false: only asks the back end whether it can run
-// each of the chunk's GEMMs (detail::gemm_check), launching nothing.
-template <bool kRun, class Gemm, class T, class I>
+// each of the chunk's GEMMs (detail::gemm_check), launching nothing. `steps`: the loss and what
+// follows dx_c (LceChunkSteps).
+template <bool kRun, class Gemm, class T, class I, class Steps = LceChunkSteps>
 Status lce_chunk(Gemm& gemm, const CrossEntropyArgs<T, I>& ce, const T* xc, std::int64_t xs, const T* weight,
                  const T* bias, std::int64_t hidden, std::int64_t r0, std::int64_t c, T* logits, const T* ones,
                  const CeScratch& scratch, bool want_grad, T* dxc, std::int64_t dxs, float dx_beta, float* dweight,
-                 float* dbias, float beta, cudaStream_t stream, const char* op) {
+                 float* dbias, float beta, cudaStream_t stream, const char* op, const Steps& steps = Steps{}) {
   auto run = [&](const auto& g) { return gemm_run_or_check<kRun>(gemm, g, stream); };
   const std::int64_t vocab = ce.vocab;
   TIGON_CHECK(run(GemmArgs<T>{.a = xc, .b = weight, .d = logits, .bias = bias, .m = c, .n = vocab, .k = hidden,
                               .lda = xs, .op_b = Op::t}));
-  if constexpr (kRun) TIGON_CHECK(cross_entropy_chunk(ce, logits, r0, c, want_grad, scratch, stream, op));
+  if constexpr (kRun) TIGON_CHECK(steps.loss(ce, logits, r0, c, want_grad, scratch, stream, op));
   if (!want_grad) return Status();
   if (dxc != nullptr) {
     TIGON_CHECK(run(GemmArgs<T>{.a = logits, .b = weight, .c = dx_beta != 0.0f ? dxc : nullptr, .d = dxc, .m = c,
                                 .n = hidden, .k = vocab, .ldc = dxs, .ldd = dxs, .beta = dx_beta}));
+    if constexpr (kRun) TIGON_CHECK(steps.after_dx(dxc, c, stream, op));
   }
   if (dweight != nullptr) {
     TIGON_CHECK(run(GemmArgs<T, float>{.a = logits, .b = xc, .c = dweight, .d = dweight, .m = vocab, .n = hidden,

@@ -250,14 +250,24 @@ Status ce_impl(const CrossEntropyArgs<T, I>& a, CeParams<T, I> p, cudaStream_t s
   return Status();
 }
 
+// A chunk's logits as one shard of a split vocabulary: columns [col0, col0 + vocab) of total_vocab;
+// with stats_out the statistics pass (the rows' statistics only), with stats the finalize against
+// the merged statistics.
+struct CeChunkShard {
+  std::int64_t col0 = 0, total_vocab = 0;
+  const CrossEntropyStats* stats = nullptr;
+  CrossEntropyStats* stats_out = nullptr;
+};
+
 // One chunk of a loss whose denominator and reduction the caller launches (the chunked linear
 // cross-entropy): rows [r0, r0 + rows) of `loss`, their logits [rows, loss.vocab] contiguous in
 // `logits`, the gradient written over them when `grad`; per-row outputs and the per-row scratch
-// offset to the chunk.
+// offset to the chunk. `shard`: the chunk's logits are a shard of a split vocabulary (class weights
+// then this shard's slice).
 template <class P = CrossEntropyPolicy, class T, class I>
 Status cross_entropy_chunk(const CrossEntropyArgs<T, I>& loss, T* logits, std::int64_t r0,
                            std::int64_t rows, bool grad, const CeScratch& scratch, cudaStream_t stream,
-                           const char* op) {
+                           const char* op, const CeChunkShard* shard = nullptr) {
   CeParams<T, I> p = ce_params(loss);
   p.x = logits;
   p.xs = loss.vocab;
@@ -271,6 +281,19 @@ Status cross_entropy_chunk(const CrossEntropyArgs<T, I>& loss, T* logits, std::i
   if (loss.lse != nullptr) p.lse = loss.lse + r0;
   if (loss.argmax != nullptr) p.argmax = loss.argmax + r0;
   if (loss.grad_output != nullptr && loss.reduction == Reduction::none) p.grad_output = loss.grad_output + r0;
+  if (shard != nullptr) {
+    p.col0 = shard->col0;
+    p.total_vocab = shard->total_vocab;
+    p.weights = loss.class_weights != nullptr ? loss.class_weights - shard->col0 : nullptr;
+    p.stats = shard->stats;
+    if (shard->stats_out != nullptr) {
+      p.stats_out = shard->stats_out;
+      p.dx = nullptr;
+      p.loss_rows = p.z_rows = nullptr;
+      p.lse = nullptr;
+      p.argmax = nullptr;
+    }
+  }
   return run_ce_rows<P>(p, stream, op);
 }
 

@@ -356,7 +356,7 @@ struct DecoderLayer {
 // The whole model and its optimizer.
 struct Model {
   struct Optim {
-    float peak_lr = 1e-3f, warmup = 20.0f, total = 300.0f, max_grad_norm = 1.0f;
+    float peak_lr = 3e-3f, warmup = 20.0f, total = 400.0f, max_grad_norm = 1.0f;
     double beta1 = 0.9, beta2 = 0.95, weight_decay = 0.01;
   };
 

@@ -8,6 +8,9 @@ each in a fresh process, from identical weights and batches.
                                 [--seqs 4096,8192] [--max-seconds 500]
     python bench/compare/e2e.py --dry --out /tmp/e2e      # tiny model on the CPU: a smoke test
 
+Variants: hf, liger, tigon (the default three) and tigon_unfused_adds (tigon with
+fused_add_norm=False: the residual adds as Hugging Face's adds).
+
 Phases:
   train  no gradient checkpointing, each sequence of --seqs: --warmup steps, then --steps timed
          steps: tokens/s, peak memory, activation memory (peak minus weights, gradients and
@@ -43,7 +46,8 @@ sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Budget, environment, log, probe_tigon, write_json  # noqa: E402
 
-VARIANTS = ["hf", "liger", "tigon"]
+VARIANTS = ["hf", "liger", "tigon", "tigon_unfused_adds"]  # the last: tigon with fused_add_norm=False
+DEFAULT_VARIANTS = ["hf", "liger", "tigon"]
 PHASES = ["train", "ckpt"]
 
 # LLaMA-3-8B (meta-llama/Meta-Llama-3-8B config.json), written here: nothing is downloaded.
@@ -118,15 +122,18 @@ def patch(model, variant: str, cpu_reference: bool = False) -> str:
         import liger_kernel
 
         return f"apply_liger_kernel_to_llama(model=model) from {os.path.dirname(liger_kernel.__file__)}"
-    if variant == "tigon":
+    if variant in ("tigon", "tigon_unfused_adds"):
         tt, desc = probe_tigon(need_ops=model.device.type == "cuda")
         if tt is None:
             raise ImportError(desc)
-        tt.apply_tigon_to_llama(model=model)  # rope, rms_norm, swiglu, fused linear cross-entropy
+        # rope, rms_norm (the residual adds fused with the norms unless asked not to), swiglu, fused
+        # linear cross-entropy
+        fused = variant == "tigon"
+        tt.apply_tigon_to_llama(model=model, fused_add_norm=fused)
         if model.device.type != "cuda":
             desc += (" (CPU: the CPU reference kernels, --cpu-reference)" if cpu_reference
                      else " (CPU: Hugging Face's code, tigon_torch's fallback)")
-        return f"apply_tigon_to_llama(model=model), {desc}"
+        return f"apply_tigon_to_llama(model=model{'' if fused else ', fused_add_norm=False'}), {desc}"
     raise ValueError(variant)
 
 
@@ -520,7 +527,7 @@ def parse(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--out", default="bench-compare-out")
     p.add_argument("--phases", default="train,ckpt", help=f"comma list of {PHASES}")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {VARIANTS}")
     p.add_argument("--max-seconds", type=float, default=None, help="whole run (driver) or this worker")
     p.add_argument("--min-job-seconds", type=float, default=60.0, help="a worker starts only with this share")
     p.add_argument("--grace-seconds", type=float, default=20.0, help="kept back from each worker's share")

@@ -466,14 +466,14 @@ def _std(**changed):
 # Liger's parameters (written out from Liger-Kernel 0.8.2), then tigon's keyword-only ones, and whether a
 # **kwargs ends the signature.
 LIGER = {
-    "mixtral": (_std(), [("fused_mlp", True)], False),
-    "qwen3_moe": (_std(), [("fused_mlp", True)], False),
+    "mixtral": (_std(), [("fused_mlp", True), ("fused_add_norm", True)], False),
+    "qwen3_moe": (_std(), [("fused_mlp", True), ("fused_add_norm", True)], False),
     "olmo2": (_std(), [("fused_mlp", True)], False),
     "olmo3": (_std(), [("fused_mlp", True)], False),
     "granite": (_std(cross_entropy=True, fused_linear_cross_entropy=False), [("fused_mlp", True)], False),
     "glm4": (_std(rope=False), [("fused_mlp", True)], False),
     "gpt_oss": (_std(swiglu=False), [("fused_mlp", True)], False),
-    "smollm3": (_std(), [("fused_mlp", True)], False),
+    "smollm3": (_std(), [("fused_mlp", True), ("fused_add_norm", True)], False),
     "falcon_h1": (_std(), [("fused_mlp", True)], False),
     "llama4": (_std() + [("layer_norm", True)], [("fused_mlp", True)], False),
     "qwen2_vl": (_STD[:4] + [("layer_norm", True), ("swiglu", True), ("model", None)], [("fused_mlp", True)], False),
@@ -549,6 +549,7 @@ def test_phi_signature():
 
 _COUNTED = {
     "rms_norm": functions.TigonRMSNormFunction,
+    "add_rms_norm": functions.TigonFusedAddRMSNormFunction,
     "layer_norm": functions.TigonLayerNormFunction,
     "rope": functions.TigonRopeFunction,
     "rope_interleaved": functions.TigonInterleavedRopeFunction,
@@ -600,6 +601,12 @@ def _expected_calls(family, model, switches):
     fused = switches.get("fused_mlp", True)
     n = collections.Counter()
     n["rms_norm"] = len(_forwards(model, *_NORM))
+    # fused_add_norm: a layer's post-attention norm runs inside its add, and so does the norm it is
+    # linked to (the next layer's first norm, or the final norm) inside the layer's last add.
+    for m in _forwards(model, patch._decoder_forward):
+        linked = m.__dict__.get("_tigon_next_norm") is not None
+        n["add_rms_norm"] += 1 + linked
+        n["rms_norm"] -= 1 + linked
     n["layer_norm"] = len(_forwards(model, *_LN))
     for m in _forwards(model, *_GATED):
         plain = all(getattr(m, p).bias is None for p in ("gate_proj", "up_proj", "down_proj"))
@@ -631,7 +638,7 @@ def test_patched_model_matches_hf(ext, seed, calls, run, dtype):
     expected = _expected_calls(family, model, switches)
     fused_loss = expected["flce"] == 1
     assert (out.logits is None) == fused_loss
-    for name in ("rms_norm", "layer_norm", "gated_mlp", "gated_mul", "relu2", "flce", "ce"):
+    for name in ("rms_norm", "add_rms_norm", "layer_norm", "gated_mlp", "gated_mul", "relu2", "flce", "ce"):
         assert got.get(name, 0) == expected[name], f"{name}: {got}"
     if any(m.forward.__func__ is patch._routed_experts_forward for m in _forwards(model, *_EXPERTS)) and \
             experts == "eager":

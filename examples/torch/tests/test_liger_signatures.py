@@ -181,6 +181,9 @@ LIGER = {
 # multipliers are LigerSiLUMulFunction's own).
 _FUSED_MLP = [("fused_mlp", True, KW)]
 EXTRA = {name: _FUSED_MLP for name in LIGER if name.startswith("apply_tigon_to_")}
+# Families whose decoder layer is the standard pre-norm layer: its residual adds fused with the norms.
+EXTRA.update({f"apply_tigon_to_{f}": _FUSED_MLP + [("fused_add_norm", True, KW)]
+              for f in ("llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral", "qwen3_moe", "smollm3")})
 EXTRA.update({
     # Nemotron's attention is Llama's and its norm a LayerNorm: tigon patches both (Liger does not)
     "apply_tigon_to_nemotron": [("rope", True, KW), ("layer_norm", True, KW)],

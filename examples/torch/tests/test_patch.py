@@ -57,6 +57,13 @@ def test_instance_patch_replaces_forwards(family, monkeypatch):
     assert mod.apply_rotary_pos_emb is tt.tigon_rotary_pos_emb
     assert "forward" in model.__dict__ and model._tigon_flce and not model._tigon_ce
     assert "forward" not in ref.__dict__  # another instance is left alone
+    layers = list(model.model.layers)
+    if spec.decoder is not None:  # each layer's residual adds fused with the norm after it
+        assert all(m.forward.__func__ is patch._decoder_forward for m in layers)
+        nexts = [m._tigon_next_norm() for m in layers]
+        assert nexts == [m.input_layernorm for m in layers[1:]] + [model.model.norm]
+    else:
+        assert not any("_tigon_next_norm" in m.__dict__ or "forward" in m.__dict__ for m in layers)
 
     # On the CPU every patched forward falls back to Hugging Face's code: identical results.
     ids = _ids(256)
@@ -72,7 +79,8 @@ def test_instance_patch_replaces_forwards(family, monkeypatch):
     tt.unpatch()
     assert mod.apply_rotary_pos_emb is original_rope
     assert "forward" not in model.__dict__
-    assert all("forward" not in m.__dict__ for m in norms + mlps)
+    assert all("forward" not in m.__dict__ for m in norms + mlps + layers)
+    assert not any("_tigon_next_norm" in m.__dict__ for m in layers)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -82,6 +90,8 @@ def test_class_patch_before_build(family, monkeypatch):
     norm_cls, mlp_cls = getattr(mod, spec.norm), getattr(mod, spec.mlp)
     lm_cls = getattr(mod, spec.causal_lm[0])
     lm_forward = lm_cls.forward
+    decoder_cls = getattr(mod, spec.decoder) if spec.decoder else None
+    decoder_forward = decoder_cls.forward if decoder_cls else None
     ref = build_model(family, vocab=256)
     _apply_fn(family)()
     assert getattr(mod, spec.norm) is not norm_cls and issubclass(getattr(mod, spec.norm), norm_cls)
@@ -90,12 +100,19 @@ def test_class_patch_before_build(family, monkeypatch):
     model = build_model(family, vocab=256)
     assert all(type(m).__name__ == f"Tigon{spec.norm}" for m in model.modules() if isinstance(m, norm_cls))
     assert any(type(m).__name__ == f"Tigon{spec.mlp}" for m in model.modules())
+    if decoder_cls is not None:  # the layer's forward, and the text model links the layers it builds
+        assert decoder_cls.forward is patch._decoder_forward
+        layers = list(model.model.layers)
+        assert [m._tigon_next_norm() for m in layers] == [m.input_layernorm for m in layers[1:]] + [model.model.norm]
     model.load_state_dict(ref.state_dict())  # same parameters
     ids = _ids(256)
     torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
     tt.unpatch()
     assert getattr(mod, spec.norm) is norm_cls and getattr(mod, spec.mlp) is mlp_cls
     assert lm_cls.forward is lm_forward
+    if decoder_cls is not None:
+        assert decoder_cls.forward is decoder_forward
+        assert not any("_tigon_next_norm" in m.__dict__ for m in build_model(family, vocab=256).model.layers)
     assert not any(type(m).__name__.startswith("Tigon") for m in build_model(family, vocab=256).modules())
 
 
@@ -169,7 +186,8 @@ def test_kernel_hooks_keep_an_instance_patch(tmp_path, monkeypatch):
     ref = AutoModelForCausalLM.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.use_kernels  # transformers kernelized it
-    tt.apply_tigon_to_llama(model=model, rope=False, swiglu=False, fused_linear_cross_entropy=False)
+    tt.apply_tigon_to_llama(model=model, rope=False, swiglu=False, fused_linear_cross_entropy=False,
+                            fused_add_norm=False)
     norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
     calls = _counting_norm(monkeypatch)
     ids = _ids(256)
@@ -198,7 +216,7 @@ def test_kernel_hooks_leave_class_patched_norms(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     path = _saved(tmp_path)
-    tt.apply_tigon_to_llama(rope=False, swiglu=False, fused_linear_cross_entropy=False)
+    tt.apply_tigon_to_llama(rope=False, swiglu=False, fused_linear_cross_entropy=False, fused_add_norm=False)
     model = AutoModelForCausalLM.from_pretrained(path)
     norms = [m for m in model.modules() if type(m).__name__ == "TigonLlamaRMSNorm"]
     assert norms and model.use_kernels
@@ -237,6 +255,65 @@ def test_kernel_hooks_keep_the_models_mapping(monkeypatch):
     tt.apply_tigon_to_llama(model=model)
     assert model.kernel_config is None
     assert model.model.norm.forward.__func__ is patch._rms_norm_forward
+
+
+@pytest.mark.parametrize("family", [f for f, s in patch._FAMILIES.items() if s.decoder])
+def test_decoder_layers_are_the_standard_pre_norm_layer(family):
+    """The installed transformers' decoder layer of every family with fused_add_norm is the layer the
+    fused forward replaces (else its adds stay Hugging Face's and this fails, naming the family)."""
+    spec = patch._FAMILIES[family]
+    try:
+        mod = importlib.import_module(spec.module)
+    except ImportError:
+        pytest.skip(f"transformers without {spec.module}")
+    found = patch._decoder_classes(spec, mod)
+    assert found is not None, f"{spec.decoder} is not the standard pre-norm layer"
+    names = found[2].names
+    assert "attention_mask" in names and "position_embeddings" in names
+
+
+def test_decoder_spec_refuses_other_layers():
+    """A layer that computes anything else (a scaled residual, an extra norm, the attention given an
+    argument under another name) keeps Hugging Face's forward."""
+
+    class Layer(torch.nn.Module):
+        def standard(self, hidden_states, attention_mask=None, **kwargs):
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            hidden_states = self.post_attention_layernorm(hidden_states)
+            hidden_states = self.mlp(hidden_states)
+            hidden_states = residual + hidden_states
+            return hidden_states
+
+        def scaled(self, hidden_states, attention_mask=None, **kwargs):
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
+            hidden_states = residual + hidden_states * 0.5
+            residual = hidden_states
+            hidden_states = self.post_attention_layernorm(hidden_states)
+            hidden_states = self.mlp(hidden_states)
+            hidden_states = residual + hidden_states
+            return hidden_states
+
+        def renamed(self, hidden_states, mask=None, **kwargs):
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=mask, **kwargs)
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            hidden_states = self.post_attention_layernorm(hidden_states)
+            hidden_states = self.mlp(hidden_states)
+            hidden_states = residual + hidden_states
+            return hidden_states
+
+    spec = patch._decoder_spec(Layer.standard)
+    assert spec is not None and spec.names == {"attention_mask"} and dict(spec.defaults) == {"attention_mask": None}
+    assert patch._decoder_spec(Layer.scaled) is None
+    assert patch._decoder_spec(Layer.renamed) is None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -354,3 +431,96 @@ def test_autocast_training_step(ext):
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.grad.dtype == torch.float32
         assert_rel(p.grad, q.grad, torch.bfloat16, factor=5.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_norm(ext, monkeypatch, family, dtype):
+    """fused_add_norm: every residual add runs inside add + RMSNorm (two per layer: the one inside the
+    layer, and the one before the next layer's first norm or the final norm); the loss, every gradient
+    and the inference logits are Hugging Face's. Under gradient checkpointing only the add inside the
+    layer is fused (a recomputed layer has no next norm to hand its result to)."""
+    from tigon_torch import functions
+
+    calls = [0]
+    real = functions.TigonFusedAddRMSNormFunction.apply
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(functions.TigonFusedAddRMSNormFunction, "apply", staticmethod(counted))
+    ref, model = _pair(family, dtype, vocab=4096, hidden=256, heads=4, kv_heads=2)
+    _apply_fn(family)(model=model)
+    layers = model.config.num_hidden_layers
+    ids = _ids(4096, batch=2, seq=24, device=DEVICE)
+    ref.train(), model.train()
+    want = ref(input_ids=ids, labels=ids)
+    out = model(input_ids=ids, labels=ids)
+    assert calls[0] == 2 * layers
+    assert not any("_tigon_prenormed" in m.__dict__ for m in model.modules())  # every hand-off taken
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.loss, want.loss.float(), atol=tol, rtol=tol)
+    want.loss.backward()
+    out.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert_rel(p.grad, q.grad, dtype, factor=10.0, what=f"{family} grad {name}")
+
+    model.eval(), ref.eval()
+    calls[0] = 0
+    with torch.no_grad():
+        lo, lr = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert calls[0] == 2 * layers
+    assert_rel(lo, lr, dtype, factor=10.0, what=f"{family} logits")
+
+    model.zero_grad(), ref.zero_grad()
+    model.gradient_checkpointing_enable()
+    ref.gradient_checkpointing_enable()
+    model.train(), ref.train()
+    calls[0] = 0
+    out = model(input_ids=ids, labels=ids)
+    assert calls[0] == layers
+    want = ref(input_ids=ids, labels=ids)
+    out.loss.backward()
+    want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss.float(), atol=tol, rtol=tol)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert_rel(p.grad, q.grad, dtype, factor=10.0, what=f"{family} checkpointed grad {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_fused_add_norm_under_outside_checkpointing(ext, reentrant):
+    """Layers checkpointed by a wrapper the patch does not know of (torch.utils.checkpoint around each
+    layer, as FSDP's and Accelerate's wrappers do): the loss and every gradient are Hugging Face's, and
+    no normed tensor is left behind by a recomputed layer."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    def wrap(model):
+        for layer in model.model.layers:
+            inner = layer.forward
+
+            def forward(hidden_states, _inner=inner, **kwargs):
+                return checkpoint(functools.partial(_inner, **kwargs), hidden_states, use_reentrant=reentrant)
+
+            layer.forward = forward
+
+    ref, model = _pair("llama", torch.float32, vocab=4096, hidden=256, heads=4, kv_heads=2)
+    tt.apply_tigon_to_llama(model=model)
+    wrap(ref), wrap(model)
+    ref.train(), model.train()
+    ids = _ids(4096, batch=2, seq=24, device=DEVICE)
+    want = ref(input_ids=ids, labels=ids, use_cache=False)  # a recomputed layer must not grow a cache
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    want.loss.backward()
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, atol=1e-4, rtol=1e-4)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert_rel(p.grad, q.grad, torch.float32, factor=10.0, what=f"grad {name}")
+    assert not any("_tigon_prenormed" in m.__dict__ for m in model.modules())

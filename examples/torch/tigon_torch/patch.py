@@ -42,6 +42,10 @@ What each switch replaces:
                               input, act(gate) * up, for the backward but recomputes it there: N x I
                               values per layer fewer between forward and backward; otherwise the
                               projections run as modules and only the activation is fused
+  fused_add_norm              with rms_norm, where the decoder layer is Llama's pre-norm layer (checked
+                              in the installed transformers): each residual add runs inside add + RMSNorm
+                              with the norm after it (the next layer's first norm, or the final norm:
+                              the layer leaves the normed tensor with it); see _decoder_forward
   cross_entropy               the causal-LM loss on materialised logits
   fused_linear_cross_entropy  in training with labels, the causal-LM forward skips the logits and
                               computes the loss from the last hidden states and the LM head
@@ -75,7 +79,9 @@ import functools
 import importlib
 import inspect
 import logging
+import textwrap
 import types
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +89,7 @@ from torch import nn
 
 from . import functional as F
 from . import ops as _ops
-from .functions import TigonFusedGateUpMulFunction, TigonGatedMulFunction, TigonReLUSquaredFunction
+from .functions import TigonFusedGateUpMulFunction, TigonGatedMulFunction, TigonReLUSquaredFunction, _compiling
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +142,9 @@ def _rms_supported(x: torch.Tensor, w) -> bool:
 
 
 def _rms_norm_forward(self, hidden_states):
+    normed = _prenormed(self, hidden_states)
+    if normed is not None:  # the decoder layer before computed it with its residual add
+        return normed
     w = self.weight
     if getattr(self, "_tigon_offset", None) is None:  # a module the patch did not choose (kernel hooks)
         return type(self).forward(self, hidden_states)
@@ -581,6 +590,7 @@ _P = (("rope", True), ("cross_entropy", False), ("fused_linear_cross_entropy", T
 _LIGER_SWIGLU = _P + (("swiglu", True), ("model", None))
 _LIGER_GEGLU = _P + (("geglu", True), ("model", None))
 _FUSED_MLP = (("fused_mlp", True),)
+_FUSED_ADD_NORM = (("fused_add_norm", True),)
 
 
 def _defaults(params, **changed):
@@ -604,7 +614,9 @@ class _Family:
     class (a vision-language model's text model). norm_alias: the norm's name in older transformers
     (Qwen2-VL / 2.5-VL 5.0: Qwen2RMSNorm, imported from Qwen2). params / extras / var_kw: the apply function's
     signature (Liger's parameters, tigon's keyword-only ones, a **kwargs). keeps: (switch or None for
-    always, what stays on Hugging Face's code and why), logged when that switch is on."""
+    always, what stays on Hugging Face's code and why), logged when that switch is on. decoder: its
+    pre-norm decoder layer class, whose residual adds fused_add_norm fuses with the norms after them
+    (the text model class is its name with "DecoderLayer" replaced by "Model")."""
 
     name: str
     module: str
@@ -629,6 +641,7 @@ class _Family:
     extras: tuple[tuple[str, object], ...] = _FUSED_MLP
     var_kw: bool = False
     keeps: tuple[tuple[str | None, str], ...] = ()
+    decoder: str | None = None
 
     @property
     def causal_lm(self) -> tuple[str, ...]:
@@ -646,15 +659,22 @@ def _f(name, module, norm, mlp, heads, **kw) -> _Family:
     return _Family(name, f"transformers.models.{module}.modeling_{module}", norm, mlp, heads, **kw)
 
 
+def _pre_norm(decoder: str) -> dict:
+    """The fields of a family whose decoder layer is the standard pre-norm layer."""
+    return dict(decoder=decoder, extras=_FUSED_MLP + _FUSED_ADD_NORM)
+
+
 _GEMMA = dict(offset=1.0, casting="gemma", params=_LIGER_GEGLU)
 _VISION_KEPT = "the vision tower stays on Hugging Face's code; only the text decoder is patched"
 
 _FAMILIES = {
-    "llama": _f("llama", "llama", "LlamaRMSNorm", "LlamaMLP", "LlamaForCausalLM"),
-    "mistral": _f("mistral", "mistral", "MistralRMSNorm", "MistralMLP", "MistralForCausalLM"),
-    "qwen2": _f("qwen2", "qwen2", "Qwen2RMSNorm", "Qwen2MLP", "Qwen2ForCausalLM"),
-    "qwen3": _f("qwen3", "qwen3", "Qwen3RMSNorm", "Qwen3MLP", "Qwen3ForCausalLM"),
-    "gemma": _f("gemma", "gemma", "GemmaRMSNorm", "GemmaMLP", "GemmaForCausalLM", **_GEMMA),
+    "llama": _f("llama", "llama", "LlamaRMSNorm", "LlamaMLP", "LlamaForCausalLM", **_pre_norm("LlamaDecoderLayer")),
+    "mistral": _f("mistral", "mistral", "MistralRMSNorm", "MistralMLP", "MistralForCausalLM",
+                  **_pre_norm("MistralDecoderLayer")),
+    "qwen2": _f("qwen2", "qwen2", "Qwen2RMSNorm", "Qwen2MLP", "Qwen2ForCausalLM", **_pre_norm("Qwen2DecoderLayer")),
+    "qwen3": _f("qwen3", "qwen3", "Qwen3RMSNorm", "Qwen3MLP", "Qwen3ForCausalLM", **_pre_norm("Qwen3DecoderLayer")),
+    "gemma": _f("gemma", "gemma", "GemmaRMSNorm", "GemmaMLP", "GemmaForCausalLM", **_GEMMA,
+                **_pre_norm("GemmaDecoderLayer")),
     # Gemma 2 and 3 add a norm's output to the residual stream, so the norm's dY is also the
     # residual's gradient: their backward must not overwrite it (norm_in_place=False).
     "gemma2": _f("gemma2", "gemma2", "Gemma2RMSNorm", "Gemma2MLP", (("Gemma2ForCausalLM", "softcap"),),
@@ -668,9 +688,10 @@ _FAMILIES = {
                  layer_norm_modules=("transformers.models.siglip.modeling_siglip",),
                  params=_P[:3] + (("layer_norm", True), ("rms_norm", True), ("geglu", True), ("model", None))),
     "phi3": _f("phi3", "phi3", "Phi3RMSNorm", "Phi3MLP", "Phi3ForCausalLM", fused_gate_up=True),
-    "mixtral": _f("mixtral", "mixtral", "MixtralRMSNorm", None, "MixtralForCausalLM", experts="MixtralExperts"),
+    "mixtral": _f("mixtral", "mixtral", "MixtralRMSNorm", None, "MixtralForCausalLM", experts="MixtralExperts",
+                  **_pre_norm("MixtralDecoderLayer")),
     "qwen3_moe": _f("qwen3_moe", "qwen3_moe", "Qwen3MoeRMSNorm", "Qwen3MoeMLP", "Qwen3MoeForCausalLM",
-                    experts="Qwen3MoeExperts"),
+                    experts="Qwen3MoeExperts", **_pre_norm("Qwen3MoeDecoderLayer")),
     # OLMo 2 / 3 multiply by the weight in fp32 ((weight * x).to(dtype)): Gemma casting, offset 0;
     # their norms sit after attention / MLP, before the residual add: out of place.
     "olmo2": _f("olmo2", "olmo2", "Olmo2RMSNorm", "Olmo2MLP", "Olmo2ForCausalLM", casting="gemma",
@@ -689,7 +710,8 @@ _FAMILIES = {
                   keeps=(("swiglu", "GPT-OSS's experts clamp gate and up and compute (up + 1) * gate * "
                                     "sigmoid(alpha * gate) on interleaved columns, not SiLU(gate) * up; "
                                     "they stay Hugging Face's"),)),
-    "smollm3": _f("smollm3", "smollm3", "SmolLM3RMSNorm", "SmolLM3MLP", "SmolLM3ForCausalLM"),
+    "smollm3": _f("smollm3", "smollm3", "SmolLM3RMSNorm", "SmolLM3MLP", "SmolLM3ForCausalLM",
+                  **_pre_norm("SmolLM3DecoderLayer")),
     # Falcon-H1: the MLP's gate multiplier goes into the gated kernel, its down multiplier and the
     # model's lm_head_multiplier stay where Hugging Face applies them (the fused loss scales the
     # hidden states); the Mamba mixer and its gated RMSNorm stay Hugging Face's.
@@ -902,15 +924,243 @@ def _patch_classes(fam: _Family, mod, sw: dict) -> None:
             _set(mod, fam.layer_norm, _layer_norm_subclass(ln_cls, fam.layer_norm_offset))
 
 
+# ------------------------------------------------------------------------------------------------
+# Decoder layers: each residual add fused with the RMSNorm after it
+# ------------------------------------------------------------------------------------------------
+#
+# A pre-norm decoder layer (Llama's and the families that copy it) computes
+#     h = x + attn(norm1(x));  out = h + mlp(norm2(h))
+# and the next layer (or the model's final norm) starts with norm(out). The patched layer runs
+#     (n2, h) = add_rms_norm(attn(n1), x);   (n_next, out) = add_rms_norm(mlp(n2), h)
+# so no residual add is a kernel of its own, forward or backward (add + RMSNorm's backward also sums
+# the residual stream's gradient). The second add needs the next norm's weight: the text model links
+# each layer to the norm after it, and the layer leaves (out, n_next) on that norm, which returns
+# n_next when it is called on that very tensor (anything else, or no link, computes the norm as usual).
+# The hand-off is skipped under gradient checkpointing (Hugging Face's, or any wrapper's: saved-tensor
+# hooks set, or a forward recomputed during a backward; a recomputed layer would leave a normed tensor
+# nobody takes) and under torch.compile; the add inside the layer is fused there too. A norm
+# with hooks, or whose weight is not a plain tensor (ZeRO-3, FSDP2 before its layer runs), is never
+# fused: its own forward runs.
+
+_STANDARD_DECODER = (
+    "residual = hidden_states",
+    "hidden_states = self.input_layernorm(hidden_states)",
+    None,  # hidden_states, _ = self.self_attn(hidden_states=hidden_states, <the layer's arguments>)
+    "hidden_states = residual + hidden_states",
+    "residual = hidden_states",
+    "hidden_states = self.post_attention_layernorm(hidden_states)",
+    "hidden_states = self.mlp(hidden_states)",
+    "hidden_states = residual + hidden_states",
+    "return hidden_states",
+)
+
+
+@dataclass(frozen=True)
+class _DecoderSpec:
+    """A decoder layer forward's parameters: their defaults (what the layer passes the attention when a
+    caller leaves them out) and the names it takes."""
+
+    defaults: tuple[tuple[str, object], ...]
+    names: frozenset
+
+
+@functools.cache
+def _decoder_spec(forward) -> _DecoderSpec | None:
+    """The spec of a decoder layer's forward when its code is the standard pre-norm layer (the
+    statements of _STANDARD_DECODER, the attention given every argument of the layer by name), else
+    None: a layer written otherwise keeps Hugging Face's forward."""
+    import ast
+
+    fn = inspect.unwrap(forward)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    body = [st for st in tree.body[0].body
+            if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]  # docstrings
+    if len(body) != len(_STANDARD_DECODER):
+        return None
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())[1:]  # after self
+    if not params or params[0].name != "hidden_states":
+        return None
+    named = [p for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    var_kw = next((p.name for p in params if p.kind == p.VAR_KEYWORD), None)
+    for st, want in zip(body, _STANDARD_DECODER):
+        if want is not None:
+            if ast.unparse(st) != want:
+                return None
+            continue
+        # hidden_states, _ = self.self_attn(hidden_states=hidden_states, a=a, ..., **kwargs)
+        if not (isinstance(st, ast.Assign) and isinstance(st.value, ast.Call)
+                and ast.unparse(st.value.func) == "self.self_attn" and not st.value.args
+                and ast.unparse(st.targets[0]).startswith("(hidden_states, ")):
+            return None
+        kws = {}
+        for kw in st.value.keywords:
+            if not isinstance(kw.value, ast.Name):
+                return None
+            kws[kw.arg] = kw.value.id
+        want_kws = {"hidden_states": "hidden_states", **{p.name: p.name for p in named}}
+        if var_kw is not None:
+            want_kws[None] = var_kw
+        if kws != want_kws:
+            return None
+    defaults = tuple((p.name, p.default) for p in named if p.default is not inspect.Parameter.empty)
+    return _DecoderSpec(defaults, frozenset(p.name for p in named))
+
+
+def _fusable(norm, x: torch.Tensor) -> bool:
+    """Whether norm is a tigon-patched RMSNorm that can run fused with an add on x without its forward:
+    no hooks on it (DeepSpeed ZeRO-3 gathers a module's weight in its forward's pre-hook, Accelerate
+    moves it in _hf_hook) and a plain weight on x's device (a DTensor is a weight FSDP2 or tensor
+    parallelism has not gathered: the layer it belongs to has not run yet)."""
+    from torch.nn.modules import module as _m
+
+    w = getattr(norm, "weight", None)
+    return (getattr(norm, "_tigon_offset", None) is not None and _rms_supported(x, w)
+            and (w is None or (type(w) in (nn.Parameter, torch.Tensor) and w.device == x.device
+                               and not hasattr(w, "ds_id")))
+            and not (norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks
+                     or getattr(norm, "_backward_pre_hooks", None) or hasattr(norm, "_hf_hook"))
+            and not (_m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks
+                     or getattr(_m, "_global_backward_pre_hooks", None)))
+
+
+def _add_norm(norm, x: torch.Tensor, residual: torch.Tensor):
+    """(norm(x + residual), x + residual) in one tigon call."""
+    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+    return F.tigon_fused_add_rms_norm(x, residual, norm.weight, eps, norm._tigon_offset, norm._tigon_casting,
+                                      norm._tigon_in_place)
+
+
+def _prenormed(norm, x: torch.Tensor):
+    """The normed tensor the layer before left on norm for x, or None. A normed tensor outside x's
+    autograd graph (a layer run under reentrant checkpointing, which returns its output through the
+    checkpoint's function) is not taken."""
+    if _compiling() or "_tigon_prenormed" not in norm.__dict__:
+        return None
+    out, normed = norm.__dict__.pop("_tigon_prenormed")
+    return normed if out is x and normed.requires_grad == x.requires_grad else None
+
+
+def _checkpointed() -> bool:
+    """Whether this forward may be checkpointed by a wrapper the patch does not know of: saved-tensor
+    hooks are set (non-reentrant checkpointing, activation offloading: the recomputation must save what
+    the forward saved, so the forward must not depend on anything else), or autograd is running a
+    backward pass (a reentrant checkpoint recomputing its forward)."""
+    hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return (hooks is not None and hooks(False) is not None) or (task is not None and task() != -1)
+
+
+def _next_norm(layer, x: torch.Tensor):
+    ref = layer.__dict__.get("_tigon_next_norm")
+    if ref is None or getattr(layer, "gradient_checkpointing", False) or _compiling() or _checkpointed():
+        return None
+    norm = ref()
+    return norm if norm is not None and _fusable(norm, x) else None
+
+
+def _decoder_forward(self, hidden_states, *args, **kwargs):
+    spec = self._tigon_decoder_spec
+    if args or not (_fusable(self.post_attention_layernorm, hidden_states)
+                    and _fusable(self.input_layernorm, hidden_states)):
+        return self._tigon_layer_fallback(hidden_states, *args, **kwargs)
+    if "past_key_values" in kwargs and "cache" in spec.names and "past_key_values" not in spec.names:
+        kwargs["cache"] = kwargs.pop("past_key_values")  # the name transformers 5.25 deprecates
+    call = {name: value for name, value in spec.defaults if name not in kwargs}
+    call.update(kwargs)
+    residual = hidden_states
+    normed = _prenormed(self.input_layernorm, residual)
+    if normed is None:
+        normed = self.input_layernorm(residual)
+    attn = self.self_attn(hidden_states=normed, **call)[0]
+    normed, residual = _add_norm(self.post_attention_layernorm, attn, residual)
+    mlp = self.mlp(normed)
+    nxt = _next_norm(self, residual)
+    if nxt is None:
+        return residual + mlp
+    normed, out = _add_norm(nxt, mlp, residual)
+    nxt.__dict__["_tigon_prenormed"] = (out, normed)
+    return out
+
+
+def _link_decoder_layers(text_model: nn.Module, decoder_cls: type) -> None:
+    """Links each decoder layer of text_model to the norm that runs after it (the next layer's
+    input_layernorm, the last layer's: the model's final norm)."""
+    layers = list(getattr(text_model, "layers", None) or ())
+    final = getattr(text_model, "norm", None)
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, decoder_cls):
+            continue
+        if i + 1 < len(layers):
+            nxt = getattr(layers[i + 1], "input_layernorm", None) if isinstance(layers[i + 1], decoder_cls) else None
+        else:
+            nxt = final
+        if nxt is not None:
+            _UNDO.append((layer, "_tigon_next_norm", layer.__dict__.get("_tigon_next_norm", _MISSING)))
+            layer.__dict__["_tigon_next_norm"] = weakref.ref(nxt)
+
+
+def _decoder_classes(fam: _Family, mod):
+    """(decoder layer class, text model class, spec) when fam's decoder layer is the standard pre-norm
+    layer in the installed transformers, else None."""
+    if fam.decoder is None:
+        return None
+    decoder_cls = _class(mod, fam.decoder)
+    model_cls = _class(mod, fam.decoder.replace("DecoderLayer", "Model"))
+    if decoder_cls is None or model_cls is None:
+        return None
+    original = _original(mod, f"{fam.decoder}.forward", decoder_cls.forward)
+    spec = _decoder_spec(original)
+    if spec is None:
+        logger.info("tigon_torch %s: %s is not the standard pre-norm layer in this transformers; its residual "
+                    "adds stay Hugging Face's", fam.name, fam.decoder)
+        return None
+    return decoder_cls, model_cls, spec, original
+
+
+def _patch_decoders(fam: _Family, mod, model) -> None:
+    """The decoder layers' fused adds: the classes (model None: the layer's forward, and the text model's
+    __init__ links the layers it builds) or the instances under model."""
+    found = _decoder_classes(fam, mod)
+    if found is None:
+        return
+    decoder_cls, model_cls, spec, original = found
+    if model is None:
+        _set(decoder_cls, "_tigon_decoder_spec", spec)
+        _set(decoder_cls, "_tigon_layer_fallback", original)
+        _set(decoder_cls, "forward", _decoder_forward)
+        init = _original(mod, f"{model_cls.__name__}.__init__", model_cls.__init__)
+
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            _link_decoder_layers(self, decoder_cls)
+
+        __init__.__wrapped__ = init
+        _set(model_cls, "__init__", __init__)
+        return
+    for m in model.modules():
+        if isinstance(m, decoder_cls):
+            _set(m, "_tigon_decoder_spec", spec)
+            _set(m, "_tigon_layer_fallback", types.MethodType(original, m))
+            _set(m, "forward", types.MethodType(_decoder_forward, m))
+        elif isinstance(m, model_cls):
+            _link_decoder_layers(m, decoder_cls)
+
+
+
 # The switches _apply reads, and the one each parameter name sets (swiglu / geglu / relu_squared: the
 # MLP; any other name only its own).
-_SWITCHES = ("rope", "rms_norm", "mlp", "layer_norm", "fused_mlp", "cross_entropy", "fused_linear_cross_entropy")
+_SWITCHES = ("rope", "rms_norm", "mlp", "layer_norm", "fused_mlp", "fused_add_norm", "cross_entropy",
+             "fused_linear_cross_entropy")
 _SWITCH = {"swiglu": "mlp", "geglu": "mlp", "relu_squared": "mlp"}
 
 
 def _apply(fam: _Family, sw: dict, model) -> None:
     """Patches fam with the switches sw: rope, rms_norm, mlp (swiglu / geglu), layer_norm, fused_mlp,
-    cross_entropy, fused_linear_cross_entropy (missing ones are off)."""
+    fused_add_norm (with rms_norm), cross_entropy, fused_linear_cross_entropy (missing ones are off)."""
     sw = dict.fromkeys(_SWITCHES, False) | {k: bool(v) for k, v in sw.items()}
     if sw["cross_entropy"] and sw["fused_linear_cross_entropy"]:
         raise ValueError("cross_entropy and fused_linear_cross_entropy cannot both be True")
@@ -934,6 +1184,8 @@ def _apply(fam: _Family, sw: dict, model) -> None:
                 _set(cls, "_tigon_flce", sw["fused_linear_cross_entropy"])
                 _set(cls, "_tigon_ce", sw["cross_entropy"])
         _patch_classes(fam, mod, sw)
+        if sw["rms_norm"] and sw["fused_add_norm"]:
+            _patch_decoders(fam, mod, None)
         return
 
     scope = _class(mod, fam.scope)
@@ -951,6 +1203,8 @@ def _apply(fam: _Family, sw: dict, model) -> None:
             kernel_hooks.route(model, norm_cls, _set)
     for root in roots:
         _patch_modules(root, fam, mod, sw, hooks)
+    if sw["rms_norm"] and sw["fused_add_norm"]:
+        _patch_decoders(fam, mod, model)
     if use_loss and heads:
         classes = tuple(cls for cls, _ in heads)
         for m in model.modules():
@@ -1004,6 +1258,8 @@ def _doc(fam: _Family) -> str:
         parts.append(f"{fam.experts} (each expert's act(gate) * up, switch {fam.mlp_switch})")
     if fam.layer_norm:
         parts.append("torch.nn.LayerNorm modules" if fam.layer_norm == "nn" else fam.layer_norm)
+    if fam.decoder:
+        parts.append(f"{fam.decoder}'s residual adds, each fused with the RMSNorm after it (switch fused_add_norm)")
     parts.append(f"the loss of {', '.join(fam.causal_lm)}")
     text = f"Patches {fam.module} with tigon's kernels: {'; '.join(parts)}."
     if fam.scope:

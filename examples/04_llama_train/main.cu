@@ -62,6 +62,7 @@ void write_file(const std::filesystem::path& path, const T* device, std::int64_t
 
 void write_config(const std::filesystem::path& dir, const llama::Config& c, float loss) {
   std::ofstream f(dir / "config.json");
+  f.precision(9);
   f << "{\n"
     << "  \"vocab_size\": " << c.vocab << ",\n"
     << "  \"hidden_size\": " << c.hidden << ",\n"

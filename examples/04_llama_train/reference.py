@@ -75,8 +75,10 @@ def split_names(c):
     return out
 
 
-def run(model, tokens, targets, dtype):
+def run(model, tokens, targets, dtype, rotary):
     model = model.to(dtype)
+    for module, inv_freq in rotary:  # the rotary frequencies stay fp32, as from_pretrained keeps them
+        module.inv_freq = inv_freq.clone()
     model.zero_grad(set_to_none=True)
     hidden = model.model(input_ids=tokens).last_hidden_state
     logits = model.lm_head(hidden).float()
@@ -103,6 +105,9 @@ def main():
     targets = read(args.dir / "targets.bin", torch.int64, shape).to(args.device)
     torch.manual_seed(0)
     model = LlamaForCausalLM(hf_config(c)).to(args.device)
+    # model.to(bfloat16) would round the rotary buffers too (a model loaded with from_pretrained(dtype=
+    # torch.bfloat16) keeps them fp32): kept aside in fp32 and put back after each cast.
+    rotary = [(m, m.inv_freq.detach().float().clone()) for m in model.modules() if hasattr(m, "inv_freq")]
     names = split_names(c)
     files = {}
 
@@ -126,8 +131,8 @@ def main():
             p.copy_(w if rows is None else w[rows])
             cpp_grads[n] = (g if rows is None else g[rows]).float()
 
-    loss_bf16, grads_bf16 = run(model, tokens, targets, torch.bfloat16)
-    loss_fp32, grads_fp32 = run(model, tokens, targets, torch.float32)
+    loss_bf16, grads_bf16 = run(model, tokens, targets, torch.bfloat16, rotary)
+    loss_fp32, grads_fp32 = run(model, tokens, targets, torch.float32, rotary)
     loss_cpp = c["loss"]
 
     failures = 0

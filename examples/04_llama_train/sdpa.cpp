@@ -4,9 +4,12 @@
 #include <cudnn.h>
 #include <cudnn_frontend.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <unordered_map>
+#include <vector>
 
 namespace llama {
 namespace {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The full check on a GPU machine, in one go: configure and build (Release, sm_90), every test
-# (host + GPU + packaging), compute-sanitizer memcheck and racecheck on the GPU tests (small shapes),
+# (host + GPU + packaging), compute-sanitizer memcheck, racecheck, initcheck and synccheck on the GPU
+# tests (small shapes: without the [large] cases; each run capped at 240 s, a cap the summary shows),
 # and the benchmarks with their JSON. Logs go to OUTDIR; a summary is printed last.
 #   scripts/gpu-check.sh OUTDIR [extra CMake configure arguments, e.g. -DCatch2_DIR=...]
 # TUNING=1 also builds the tuning sweeps (-DTIGON_BUILD_TUNING=ON) and runs them after the
@@ -34,11 +35,13 @@ summary "ctest (host + gpu + packaging): rc=$? :: $(grep -E 'tests passed|tests 
 grep -E "^\s*[0-9]+/[0-9]+ Test" "$out/tests.log" | sed 's/^ *//' | tee -a "$out/summary.txt"
 grep -E "All tests passed|test cases:|assertions" "$out/tests.log" | tail -5 | tee -a "$out/summary.txt"
 
-for tool in memcheck racecheck; do
+for tool in memcheck racecheck initcheck synccheck; do
   for t in build-gpu/test/tigon_gpu_tests_*; do
     timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$t" "~[large]" \
       > "$out/sanitizer-$tool-$(basename "$t").log" 2>&1
-    summary "compute-sanitizer $tool $(basename "$t"): rc=$? :: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-$tool-$(basename "$t").log" | tail -1)"
+    rc=$?
+    [ $rc = 124 ] && rc="124 (stopped at 240 s: no result)"
+    summary "compute-sanitizer $tool $(basename "$t"): rc=$rc :: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY' "$out/sanitizer-$tool-$(basename "$t").log" | tail -1)"
   done
 done
 

@@ -303,7 +303,8 @@ int main(int argc, char** argv) {
     return 77;
   }
   cudaStream_t s;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  // A blocking stream: the set-up's synchronous cudaMemcpy calls (legacy stream) are ordered before its work.
+  CHECK_CUDA(cudaStreamCreate(&s));
   const std::size_t ws_bytes = 64u << 20;  // cuBLASLt's workspace
   void* ws = nullptr;
   CHECK_CUDA(cudaMalloc(&ws, ws_bytes));

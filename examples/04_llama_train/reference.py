@@ -44,10 +44,10 @@ def hf_config(c):
         mlp_bias=False,
         hidden_act="silu",
     )
-    try:  # transformers 5: rope_parameters
-        cfg = LlamaConfig(**kwargs, rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]})
-    except TypeError:
-        cfg = LlamaConfig(**kwargs, rope_theta=c["rope_theta"])
+    cfg = LlamaConfig(**kwargs)
+    cfg.rope_theta = c["rope_theta"]  # transformers 4's field; 5 reads rope_parameters
+    if isinstance(getattr(cfg, "rope_parameters", None), dict):
+        cfg.rope_parameters = {"rope_type": "default", "rope_theta": c["rope_theta"]}
     cfg._attn_implementation = "sdpa"
     return cfg
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -25,8 +26,15 @@ tigon::Status fe_error(fe::error_t e, const char* what) {
 }  // namespace
 
 struct CudnnSdpa::Impl {
-  SdpaShape shape;
+  // Declared before the graphs, so destroyed after their execution plans.
+  struct Handle {
+    cudnnHandle_t h = nullptr;
+    ~Handle() {
+      if (h != nullptr) cudnnDestroy(h);
+    }
+  } owner;
   cudnnHandle_t handle = nullptr;
+  SdpaShape shape;
   fe::graph::Graph fwd, bwd;
   std::int64_t fwd_ws = 0, bwd_ws = 0;
   tigon::Status status;
@@ -48,10 +56,11 @@ struct CudnnSdpa::Impl {
   }
 
   tigon::Status build() {
-    if (cudnnCreate(&handle) != CUDNN_STATUS_SUCCESS) {
+    if (cudnnCreate(&owner.h) != CUDNN_STATUS_SUCCESS) {
       return tigon::Status::error(tigon::Errc::unsupported, "cudnn_sdpa", "cudnnCreate",
                                   "cuDNN could not be initialised on this device");
     }
+    handle = owner.h;
     const std::int64_t hq = shape.heads_q, hkv = shape.heads_kv, total = hq + 2 * hkv;
     const float scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
     const std::vector<std::int64_t> stats_dim{shape.batch, hq, shape.seq, 1};
@@ -105,12 +114,14 @@ CudnnSdpa::CudnnSdpa(const SdpaShape& shape) : impl_(std::make_unique<Impl>()) {
                                          "a multiple of 8");
     return;
   }
-  impl_->status = impl_->build();
+  try {  // the frontend throws where no SDPA implementation fits (the GPU, the cuDNN version)
+    impl_->status = impl_->build();
+  } catch (const std::exception& e) {
+    impl_->status = tigon::Status::error(tigon::Errc::unsupported, "cudnn_sdpa", "graph", e.what());
+  }
 }
 
-CudnnSdpa::~CudnnSdpa() {
-  if (impl_->handle != nullptr) cudnnDestroy(impl_->handle);
-}
+CudnnSdpa::~CudnnSdpa() = default;
 
 const tigon::Status& CudnnSdpa::status() const { return impl_->status; }
 

@@ -396,3 +396,152 @@ TEST_CASE("linear_cross_entropy: bad arguments are rejected by name", "[lce][gpu
 }
 
 GPU_TEST_MAIN
+
+namespace {
+
+double rel_l2_bf16(const std::vector<bf16>& got, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double g = to_float(got[i]), r = ref[i];
+    num += (g - r) * (g - r);
+    den += r * r;
+  }
+  return std::sqrt(num / (den > 0 ? den : 1));
+}
+
+}  // namespace
+
+TEST_CASE("linear_cross_entropy: gradients in the weight's dtype", "[lce][gpu]") {
+  // G = bf16 against G = float: the loss and dx are the same bytes (G touches only dW and db), dW and
+  // db the fp32 ones rounded once per chunk (accumulate on: added to what they held).
+  const std::int64_t N = 1000, D = 256, V = 5000, chunk = 256;
+  DeviceBuffer<unsigned char> gws(32u << 20);
+  CublasLtGemm blas(gws.ptr, gws.count);
+  TIGON_OK(blas.status());
+  DeviceBuffer<bf16> x(N * D), w(V * D), b(V), dx1(N * D), dx2(N * D), dw2(V * D), db2(V);
+  DeviceBuffer<float> dw1(V * D), db1(V), l1(1), l2(1);
+  DeviceBuffer<std::int64_t> tb(N);
+  x.upload(gpu_test::random_values<bf16>(N * D, 0, 1, nullptr));
+  w.upload(gpu_test::random_values<bf16>(V * D, 0, 0.05, nullptr));
+  b.upload(gpu_test::random_values<bf16>(V, 0, 0.1, nullptr));
+  std::vector<std::int64_t> t(N);
+  for (std::int64_t i = 0; i < N; ++i) t[i] = i % 13 == 0 ? -100 : (i * 7919) % V;
+  tb.upload(t);
+  for (bool accumulate : {false, true}) {
+    const auto start_w = gpu_test::random_values<bf16>(V * D, 0, 0.01, nullptr);
+    const auto start_b = gpu_test::random_values<bf16>(V, 0, 0.01, nullptr);
+    std::vector<float> start_wf(start_w.size()), start_bf(start_b.size());
+    for (std::size_t i = 0; i < start_w.size(); ++i) start_wf[i] = to_float(start_w[i]);
+    for (std::size_t i = 0; i < start_b.size(); ++i) start_bf[i] = to_float(start_b[i]);
+    dw1.upload(start_wf);
+    db1.upload(start_bf);
+    dw2.upload(start_w);
+    db2.upload(start_b);
+    LinearCrossEntropyArgs<bf16> a;
+    a.x = x.ptr;
+    a.weight = w.ptr;
+    a.bias = b.ptr;
+    a.hidden = D;
+    a.loss.targets = tb.ptr;
+    a.loss.rows = N;
+    a.loss.vocab = V;
+    a.loss.loss = l1.ptr;
+    a.dx = dx1.ptr;
+    a.dweight = dw1.ptr;
+    a.dbias = db1.ptr;
+    a.accumulate = accumulate;
+    a.chunk = chunk;
+    LinearCrossEntropyArgs<bf16, std::int64_t, bf16> a2;
+    a2.x = x.ptr;
+    a2.weight = w.ptr;
+    a2.bias = b.ptr;
+    a2.hidden = D;
+    a2.loss = a.loss;
+    a2.loss.loss = l2.ptr;
+    a2.dx = dx2.ptr;
+    a2.dweight = dw2.ptr;
+    a2.dbias = db2.ptr;
+    a2.accumulate = accumulate;
+    a2.chunk = chunk;
+    std::size_t bytes1 = 0, bytes2 = 0;
+    TIGON_OK(linear_cross_entropy_workspace_bytes(a, bytes1));
+    TIGON_OK(linear_cross_entropy_workspace_bytes(a2, bytes2));
+    CHECK(bytes1 == bytes2);
+    DeviceBuffer<unsigned char> ws(bytes1);
+    a.workspace = a2.workspace = ws.ptr;
+    a.workspace_bytes = a2.workspace_bytes = bytes1;
+    TIGON_OK(linear_cross_entropy(a, blas, nullptr));
+    TIGON_OK(linear_cross_entropy(a2, blas, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK(l1.download()[0] == l2.download()[0]);
+    const auto d1 = dx1.download(), d2 = dx2.download();
+    CHECK(std::memcmp(d1.data(), d2.data(), d1.size() * sizeof(bf16)) == 0);
+    // Four chunks: at most four roundings of a bf16 sum (2^-9 each) on top of the fp32 result.
+    CHECK(rel_l2_bf16(dw2.download(), dw1.download()) < 8e-3);
+    CHECK(rel_l2_bf16(db2.download(), db1.download()) < 8e-3);
+  }
+}
+
+TEST_CASE("linear_cross_entropy_heads: gradients in the weight's dtype", "[lce][gpu]") {
+  const std::int64_t N = 600, D = 128, V = 3000;
+  const int K = 3;
+  DeviceBuffer<unsigned char> gws(32u << 20);
+  CublasLtGemm blas(gws.ptr, gws.count);
+  DeviceBuffer<bf16> x(N * D), dx1(N * D), dx2(N * D);
+  DeviceBuffer<std::int64_t> tb(K * N);
+  DeviceBuffer<float> l1(1), l2(1);
+  x.upload(gpu_test::random_values<bf16>(N * D, 0, 1, nullptr));
+  std::vector<std::int64_t> t(K * N);
+  for (std::int64_t i = 0; i < K * N; ++i) t[i] = i % 11 == 0 ? -100 : (i * 104729) % V;
+  tb.upload(t);
+  std::deque<DeviceBuffer<bf16>> w, dwb;  // a deque: buffers are neither copied nor moved
+  std::deque<DeviceBuffer<float>> dwf;
+  std::vector<const bf16*> wp;
+  std::vector<float*> dwfp;
+  std::vector<bf16*> dwbp;
+  for (int k = 0; k < K; ++k) {
+    w.emplace_back(V * D);
+    w.back().upload(gpu_test::random_values<bf16>(V * D, 0, 0.05, nullptr));
+    dwf.emplace_back(V * D);
+    dwb.emplace_back(V * D);
+  }
+  for (int k = 0; k < K; ++k) {
+    wp.push_back(w[k].ptr);
+    dwfp.push_back(dwf[k].ptr);
+    dwbp.push_back(dwb[k].ptr);
+  }
+  LinearCrossEntropyHeadsArgs<bf16> h;
+  h.x = x.ptr;
+  h.hidden = D;
+  h.heads = K;
+  h.weights = wp.data();
+  h.loss.targets = tb.ptr;
+  h.loss.rows = N;
+  h.loss.vocab = V;
+  h.loss.loss = l1.ptr;
+  h.dx = dx1.ptr;
+  h.dweights = dwfp.data();
+  h.chunk = 200;
+  LinearCrossEntropyHeadsArgs<bf16, std::int64_t, bf16> h2;
+  h2.x = x.ptr;
+  h2.hidden = D;
+  h2.heads = K;
+  h2.weights = wp.data();
+  h2.loss = h.loss;
+  h2.loss.loss = l2.ptr;
+  h2.dx = dx2.ptr;
+  h2.dweights = dwbp.data();
+  h2.chunk = 200;
+  std::size_t bytes = 0;
+  TIGON_OK(linear_cross_entropy_heads_workspace_bytes(h, bytes));
+  DeviceBuffer<unsigned char> ws(bytes);
+  h.workspace = h2.workspace = ws.ptr;
+  h.workspace_bytes = h2.workspace_bytes = bytes;
+  TIGON_OK(linear_cross_entropy_heads(h, blas, nullptr));
+  TIGON_OK(linear_cross_entropy_heads(h2, blas, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  CHECK(l1.download()[0] == l2.download()[0]);
+  const auto d1 = dx1.download(), d2 = dx2.download();
+  CHECK(std::memcmp(d1.data(), d2.data(), d1.size() * sizeof(bf16)) == 0);
+  for (int k = 0; k < K; ++k) CHECK(rel_l2_bf16(dwb[k].download(), dwf[k].download()) < 6e-3);
+}

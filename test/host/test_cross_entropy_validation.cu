@@ -379,6 +379,54 @@ TEST_CASE("linear_cross_entropy workspace query rejects bad arguments by name", 
   CHECK(linear_cross_entropy_default_chunk(1000, 128256, 2) == 1000);
 }
 
+TEST_CASE("linear_cross_entropy with gradients in the weight's dtype: their extents in that dtype",
+          "[lce][validation]") {
+  // G = bf16: dW and db are [vocab, hidden] and [vocab] bf16, so a buffer right after them is apart
+  // and one a bf16 element into them overlaps (an fp32 extent would claim twice the bytes).
+  alignas(256) static unsigned char arena[1 << 16];
+  auto at = [](std::size_t off) { return static_cast<void*>(arena + off); };
+  LinearCrossEntropyArgs<bf16, std::int64_t, bf16> c;
+  c.x = static_cast<const bf16*>(at(0));        // 8 x 8 bf16: [0, 128)
+  c.weight = static_cast<const bf16*>(at(256));  // 8 x 8 bf16: [256, 384)
+  c.hidden = 8;
+  c.loss.targets = static_cast<const std::int64_t*>(at(512));
+  c.loss.rows = 8;
+  c.loss.vocab = 8;
+  c.dweight = static_cast<bf16*>(at(2048));  // 8 x 8 bf16: [2048, 2176)
+  c.dbias = static_cast<bf16*>(at(2176));    // 8 bf16 right after dW: [2176, 2192)
+  c.dx = static_cast<bf16*>(at(2192));       // right after db
+  c.loss.loss = static_cast<float*>(at(4608));
+  c.workspace = at(8192);
+  c.workspace_bytes = 8192;
+  std::size_t bytes = 0;
+  CHECK(linear_cross_entropy_workspace_bytes(c, bytes).ok());
+  auto bad = c;
+  bad.dbias = static_cast<bf16*>(at(2176 - 2));  // one element into dW
+  expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::aliasing, "dbias");
+  bad = c;
+  bad.dx = static_cast<bf16*>(at(2192 - 2));  // one element into db
+  expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::aliasing, "dbias");
+
+  const bf16* ws[2] = {static_cast<const bf16*>(at(256)), static_cast<const bf16*>(at(384))};
+  bf16* dws[2] = {static_cast<bf16*>(at(2048)), static_cast<bf16*>(at(2176))};  // back to back, apart
+  LinearCrossEntropyHeadsArgs<bf16, std::int64_t, bf16> h;
+  h.x = static_cast<const bf16*>(at(0));
+  h.hidden = 8;
+  h.heads = 2;
+  h.weights = ws;
+  h.loss.targets = static_cast<const std::int64_t*>(at(512));  // 2 x 8 int64: [512, 640)
+  h.loss.rows = 8;
+  h.loss.vocab = 8;
+  h.dweights = dws;
+  h.loss.loss = static_cast<float*>(at(4608));
+  h.workspace = at(8192);
+  h.workspace_bytes = 8192;
+  CHECK(linear_cross_entropy_heads_workspace_bytes(h, bytes).ok());
+  bf16* overlapping[2] = {static_cast<bf16*>(at(2048)), static_cast<bf16*>(at(2176 - 2))};
+  h.dweights = overlapping;
+  expect(linear_cross_entropy_heads_workspace_bytes(h, bytes), Errc::aliasing, "dweights[k]");
+}
+
 TEST_CASE("linear_cross_entropy_heads workspace query rejects bad arguments by name", "[lce][validation]") {
   const bf16* ws[2] = {logits + 64, logits + 128};
   float hw[2] = {1.0f, 0.5f};

@@ -133,6 +133,34 @@ void dispatch_float_weight(at::ScalarType t, at::ScalarType w, const char* op, F
   });
 }
 
+// The dtype of a chunked head's weight gradients: float32 (accumulated in fp32 across the chunks) or the
+// input's dtype (each chunk's GEMM adds into them and rounds once). Every given one must have it; none
+// given: float32.
+inline at::ScalarType head_grad_dtype(const Tensor& x, std::initializer_list<const Tensor*> grads, const char* op) {
+  at::ScalarType g = at::kFloat;
+  bool first = true;
+  for (const Tensor* t : grads) {
+    if (t == nullptr) continue;
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat || t->scalar_type() == x.scalar_type(), op,
+                     ": the weight gradients must be float32 or x's dtype (", x.scalar_type(), "), got ",
+                     t->scalar_type());
+    TORCH_CHECK_TYPE(first || t->scalar_type() == g, op, ": the weight gradients must share one dtype");
+    g = t->scalar_type();
+    first = false;
+  }
+  return g;
+}
+
+// Calls f(tag<G>) with G float (g float32) or T.
+template <class T, class F>
+void dispatch_head_grad(at::ScalarType g, F&& f) {
+  if (g == at::kFloat) {
+    f(tag<float>{});
+  } else if constexpr (!std::is_same_v<T, float>) {
+    f(tag<T>{});
+  }
+}
+
 template <class T>
 T* ptr(const Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());

@@ -195,18 +195,21 @@ void linear_cross_entropy(const Tensor& x, const Tensor& weight, const OptTensor
     DX = rows_of(*dx, x, x.scalar_type(), op, "dx");
     same_shape(X, DX, op, "x", "dx");
   }
+  const at::ScalarType gt = head_grad_dtype(x, {dweight ? &*dweight : nullptr, dbias ? &*dbias : nullptr}, op);
   if (dweight) {
-    const Rows DW = rows_of(*dweight, x, at::kFloat, op, "dweight");
+    const Rows DW = rows_of(*dweight, x, gt, op, "dweight");
     same_shape(Wm, DW, op, "weight", "dweight");
     TORCH_CHECK_VALUE(DW.stride == 0 || DW.stride == DW.cols, op, ": dweight must be contiguous");
   }
-  if (dbias) vector_of(*dbias, x, at::kFloat, Wm.rows, op, "dbias");
+  if (dbias) vector_of(*dbias, x, gt, Wm.rows, op, "dbias");
   TORCH_CHECK_VALUE(chunk >= 0, op, ": chunk must be >= 0");
   dispatch_float(x.scalar_type(), op, "x", [&](auto tt) {
     using T = typename decltype(tt)::type;
     dispatch_index(target.scalar_type(), op, [&](auto ti) {
       using I = typename decltype(ti)::type;
-      tigon::LinearCrossEntropyArgs<T, I> a;
+      dispatch_head_grad<T>(gt, [&](auto tg) {
+      using G = typename decltype(tg)::type;
+      tigon::LinearCrossEntropyArgs<T, I, G> a;
       fill_loss(a.loss, x, X.rows, Wm.rows, target, class_weights, grad_output, loss, loss_rows, z_loss, lse,
                 argmax, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, grad_scale, op);
       a.loss.token_scaling = token_scaling;
@@ -217,12 +220,13 @@ void linear_cross_entropy(const Tensor& x, const Tensor& weight, const OptTensor
       a.hidden = X.cols;
       a.dx = static_cast<T*>(DX.ptr);
       a.dx_stride = DX.stride;
-      a.dweight = ptr<float>(dweight);
-      a.dbias = ptr<float>(dbias);
+      a.dweight = ptr<G>(dweight);
+      a.dbias = ptr<G>(dbias);
       a.chunk = chunk;
       run_on_gemm(
           x, a, [](const auto& q, std::size_t& b) { return tigon::linear_cross_entropy_workspace_bytes(q, b); },
           [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_cross_entropy(q, g, st); });
+      });
     });
   });
 }
@@ -254,6 +258,8 @@ void linear_cross_entropy_heads(const Tensor& x, at::TensorList weights, at::Ten
                     " head_weights for ", heads, " heads");
   const Rows W0 = rows_of(weights[0], x, x.scalar_type(), op, "weights[0]");
   const std::int64_t vocab = W0.rows;
+  const at::ScalarType gt = head_grad_dtype(
+      x, {dweights.empty() ? nullptr : &dweights[0], dbiases.empty() ? nullptr : &dbiases[0]}, op);
   for (std::int64_t k = 0; k < heads; ++k) {
     const Rows Wk = rows_of(weights[k], x, x.scalar_type(), op, "weights[k]");
     TORCH_CHECK_VALUE(Wk.rows == vocab && Wk.cols == X.cols, op, ": weights[", k, "] is [", Wk.rows, ", ", Wk.cols,
@@ -261,11 +267,11 @@ void linear_cross_entropy_heads(const Tensor& x, at::TensorList weights, at::Ten
     TORCH_CHECK_VALUE(Wk.stride == 0 || Wk.stride == Wk.cols, op, ": weights[", k, "] must be contiguous");
     if (!biases.empty()) vector_of(biases[k], x, x.scalar_type(), vocab, op, "biases[k]");
     if (!dweights.empty()) {
-      const Rows DW = rows_of(dweights[k], x, at::kFloat, op, "dweights[k]");
+      const Rows DW = rows_of(dweights[k], x, gt, op, "dweights[k]");
       same_shape(Wk, DW, op, "weights[k]", "dweights[k]");
       TORCH_CHECK_VALUE(DW.stride == 0 || DW.stride == DW.cols, op, ": dweights[", k, "] must be contiguous");
     }
-    if (!dbiases.empty()) vector_of(dbiases[k], x, at::kFloat, vocab, op, "dbiases[k]");
+    if (!dbiases.empty()) vector_of(dbiases[k], x, gt, vocab, op, "dbiases[k]");
   }
   check_cuda(targets, x, op, "targets");
   TORCH_CHECK_VALUE(targets.dim() == 2 && targets.size(0) == heads && targets.size(1) == X.rows &&
@@ -292,15 +298,17 @@ void linear_cross_entropy_heads(const Tensor& x, at::TensorList weights, at::Ten
     using T = typename decltype(tt)::type;
     dispatch_index(targets.scalar_type(), op, [&](auto ti) {
       using I = typename decltype(ti)::type;
+      dispatch_head_grad<T>(gt, [&](auto tg) {
+      using G = typename decltype(tg)::type;
       std::vector<const T*> wp, bp;
-      std::vector<float*> dwp, dbp;
+      std::vector<G*> dwp, dbp;
       for (std::int64_t k = 0; k < heads; ++k) {
         wp.push_back(static_cast<const T*>(weights[k].data_ptr()));
         if (!biases.empty()) bp.push_back(static_cast<const T*>(biases[k].data_ptr()));
-        if (!dweights.empty()) dwp.push_back(dweights[k].data_ptr<float>());
-        if (!dbiases.empty()) dbp.push_back(dbiases[k].data_ptr<float>());
+        if (!dweights.empty()) dwp.push_back(ptr<G>(dweights[k]));
+        if (!dbiases.empty()) dbp.push_back(ptr<G>(dbiases[k]));
       }
-      tigon::LinearCrossEntropyHeadsArgs<T, I> a;
+      tigon::LinearCrossEntropyHeadsArgs<T, I, G> a;
       fill_loss(a.loss, x, X.rows, vocab, targets[0], class_weights, none ? OptTensor() : grad_output, loss,
                 OptTensor(), z_loss, OptTensor(), OptTensor(), ignore_index, label_smoothing, z_loss_scale, softcap,
                 reduction, grad_scale, op);
@@ -323,6 +331,7 @@ void linear_cross_entropy_heads(const Tensor& x, at::TensorList weights, at::Ten
       run_on_gemm(
           x, a, [](const auto& q, std::size_t& b) { return tigon::linear_cross_entropy_heads_workspace_bytes(q, b); },
           [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_cross_entropy_heads(q, g, st); });
+      });
     });
   });
 }
@@ -332,7 +341,7 @@ void linear_cross_entropy_heads(const Tensor& x, at::TensorList weights, at::Ten
 template <class F>
 void with_logprob_args(const char* op, const Tensor& x, const Tensor& weight, const OptTensor& bias,
                        const Tensor& target, std::int64_t ignore_index, double temperature, std::int64_t chunk,
-                       F&& f) {
+                       F&& f, at::ScalarType grad_dtype = at::kFloat) {
   const c10::cuda::CUDAGuard guard(x.device());
   const Rows X = rows_of(x, x, x.scalar_type(), op, "x");
   const Rows Wm = rows_of(weight, x, x.scalar_type(), op, "weight");
@@ -345,7 +354,9 @@ void with_logprob_args(const char* op, const Tensor& x, const Tensor& weight, co
     using T = typename decltype(tt)::type;
     dispatch_index(target.scalar_type(), op, [&](auto ti) {
       using I = typename decltype(ti)::type;
-      tigon::LinearLogProbArgs<T, I> a;
+      dispatch_head_grad<T>(grad_dtype, [&](auto tg) {
+      using G = typename decltype(tg)::type;
+      tigon::LinearLogProbArgs<T, I, G> a;
       a.x = static_cast<const T*>(X.ptr);
       a.x_stride = X.stride;
       a.weight = static_cast<const T*>(Wm.ptr);
@@ -358,6 +369,7 @@ void with_logprob_args(const char* op, const Tensor& x, const Tensor& weight, co
       a.temperature = static_cast<float>(temperature);
       a.chunk = chunk;
       f(a, X);
+      });
     });
   });
 }
@@ -391,8 +403,10 @@ void linear_logprob_bwd(const Tensor& x, const Tensor& weight, const OptTensor& 
                         const OptTensor& dbias, std::int64_t ignore_index, double temperature, std::int64_t chunk,
                         bool accumulate, const OptTensor& kept) {
   constexpr const char* op = "tigon.linear_logprob_bwd";
+  const at::ScalarType gt = head_grad_dtype(x, {dweight ? &*dweight : nullptr, dbias ? &*dbias : nullptr}, op);
   with_logprob_args(op, x, weight, bias, target, ignore_index, temperature, chunk, [&](auto& a, const Rows& X) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(a.x)>>;
+    using G = std::remove_pointer_t<decltype(a.dweight)>;
     a.lse = static_cast<float*>(vector_of(lse, x, at::kFloat, X.rows, op, "lse"));
     a.entropy = row_values(entropy, x, X.rows, op, "entropy");
     a.grad_logp = row_values(grad_logp, x, X.rows, op, "grad_logp");
@@ -405,18 +419,18 @@ void linear_logprob_bwd(const Tensor& x, const Tensor& weight, const OptTensor& 
     }
     if (dweight) {
       const Rows Wm = rows_of(weight, x, x.scalar_type(), op, "weight");
-      const Rows DW = rows_of(*dweight, x, at::kFloat, op, "dweight");
+      const Rows DW = rows_of(*dweight, x, gt, op, "dweight");
       same_shape(Wm, DW, op, "weight", "dweight");
       TORCH_CHECK_VALUE(DW.stride == 0 || DW.stride == DW.cols, op, ": dweight must be contiguous");
-      a.dweight = static_cast<float*>(DW.ptr);
+      a.dweight = static_cast<G*>(DW.ptr);
     }
-    if (dbias) a.dbias = static_cast<float*>(vector_of(*dbias, x, at::kFloat, a.vocab, op, "dbias"));
+    if (dbias) a.dbias = static_cast<G*>(vector_of(*dbias, x, gt, a.vocab, op, "dbias"));
     a.accumulate = accumulate;
     a.keep_logits = kept.has_value();
     run_on_gemm(
         x, a, [](const auto& q, std::size_t& b) { return tigon::linear_logprob_workspace_bytes(q, true, b); },
         [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_logprob_backward(q, g, st); }, kept);
-  });
+  }, gt);
 }
 
 }  // namespace

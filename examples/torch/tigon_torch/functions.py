@@ -76,6 +76,19 @@ def _scaled_grad(t, go, dtype):
     return None if t is None else _cast(t * go.to(t.dtype), dtype)
 
 
+def _head_grad_dtype(w_dtype, accum_dtype=None):
+    """The dtype a chunked head's weight and bias gradients accumulate in, as Liger's accum_dtype has it:
+    by default the weight's own (each chunk's GEMM adds into the gradient and rounds once: no fp32
+    [V, H] beside it), float32 when asked for. float16 weights accumulate in float32: a sum-reduced
+    gradient can exceed float16's range before the upstream scale brings it back."""
+    if accum_dtype is not None and accum_dtype not in (torch.float32, w_dtype):
+        raise ValueError(f"tigon_torch: accum_dtype must be None, torch.float32 or the weight's dtype ({w_dtype}), "
+                         f"got {accum_dtype}")
+    if accum_dtype == torch.float32 or w_dtype in (torch.float32, torch.float16):
+        return torch.float32
+    return w_dtype
+
+
 def _casting(mode) -> int:
     """tigon's casting-mode code. Liger's integer code for "none" is -1 (tigon's is 2): both are taken."""
     value = getattr(mode, "value", mode)
@@ -975,7 +988,8 @@ def _lce_chunk() -> int:
 class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
     """The LM head's loss CE(_input @ weight.T + bias, target) without the [BT, V] logits: tigon's
     chunked linear cross-entropy (one logits chunk of workspace; GEMMs on cuBLASLt with fp32
-    accumulation; dW and dB accumulated in fp32 across chunks, returned in the weight's dtype).
+    accumulation inside each product; dW and dB accumulated across the chunks in accum_dtype, returned
+    in the weight's dtype).
     _input: [BT, H]; weight: [V, H]; target: [BT]; bias: [V] or None; ce_weight: class weights [V].
     Returns (loss, z_loss, token_accuracy, predicted_tokens) like Liger; loss is fp32.
 
@@ -984,10 +998,13 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
     the loss and the backward runs the op again with the per-token upstream gradient.
 
     Under autocast (CUDA), _input, weight and bias are cast to the autocast dtype, as the matmul of
-    the unfused head would be. accum_dtype is accepted and has no effect: accumulation is always
-    fp32. use_token_scaling=True multiplies each token's loss, z-loss and gradient by its predicted
-    probability of the target, exp(logit_t - lse) in fp32 (softcapped logits), held constant. The chunk size is tigon's default (about
-    1 GiB of logits) unless the environment sets TIGON_TORCH_LCE_CHUNK (tokens per chunk). Targets
+    the unfused head would be. accum_dtype, as Liger's: None (the default) accumulates dW and dB in the
+    weight's dtype (each chunk's product adds into them and rounds once, no fp32 copy of [V, H]: Liger's
+    and PyTorch's memory), torch.float32 in an fp32 buffer cast at the end (one rounding; 4 bytes an
+    element more while the head runs); float16 weights always accumulate in fp32.
+    use_token_scaling=True multiplies each token's loss, z-loss and gradient by its predicted
+    probability of the target, exp(logit_t - lse) in fp32 (softcapped logits), held constant. The
+    chunk size is tigon's default (about 1 GiB of logits) unless the environment sets TIGON_TORCH_LCE_CHUNK (tokens per chunk). Targets
     are checked as in TigonCrossEntropyFunction (eager: TargetOutOfRangeError before any gradient is
     computed).
     """
@@ -1036,10 +1053,11 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         red, loss, loss_rows, z_loss, lse, argmax = _ce_outputs(
             rows, x2.device, reduction, return_z_loss, return_token_accuracy or return_predicted_tokens, z_scale)
         dx = dw = db = None
+        gdt = _head_grad_dtype(w.dtype, accum_dtype)
         if needs_grad and not defer:
             dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
-            dw = torch.empty(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
-            db = torch.empty(vocab, dtype=torch.float32, device=w.device) if want_db else None
+            dw = torch.empty(w.shape, dtype=gdt, device=w.device) if want_dw else None
+            db = torch.empty(vocab, dtype=gdt, device=w.device) if want_db else None
         chunk = _lce_chunk()
         args = (int(ignore_index), float(label_smoothing), z_scale, cap, red, 1.0, bool(use_token_scaling), chunk)
         if rows > 0:
@@ -1056,6 +1074,7 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(x2, w, b, target, cw)
             ctx.args = args
             ctx.wants = (want_dx, want_dw, want_db)
+            ctx.grad_dtype = gdt
         elif needs_grad:
             ctx.save_for_backward(_saved_grad(dx, in_dtype), _saved_grad(dw, w_dtype), _saved_grad(db, b_dtype))
         out = _ce_extras(target, ignore_index, reduction, torch.float32, in_dtype, loss, loss_rows, z_loss, lse,
@@ -1076,8 +1095,8 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
             want_dx, want_dw, want_db = ctx.wants
             go = grad_output.to(torch.float32).reshape(-1).contiguous()
             dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
-            dw = torch.empty(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
-            db = torch.empty(w.shape[0], dtype=torch.float32, device=w.device) if want_db else None
+            dw = torch.empty(w.shape, dtype=ctx.grad_dtype, device=w.device) if want_dw else None
+            db = torch.empty(w.shape[0], dtype=ctx.grad_dtype, device=w.device) if want_db else None
             if x2.shape[0] > 0:
                 ops().linear_cross_entropy(x2, w, b, target, cw, go, dx, dw, db, None, None, None, None, None,
                                            *ctx.args)
@@ -1104,9 +1123,10 @@ class TigonFusedLinearMultiHeadCrossEntropyFunction(torch.autograd.Function):
     lse_square_scale, label_smoothing, reduction ("mean" / "sum"), softcap, K, W_1, ..., W_K, b_1, ..., b_K)
     with each b_k a [V] tensor or None (all None, or all given). Returns (loss, head_losses [K]) in fp32;
     head_losses are each head's unweighted loss and take no gradient. The gradients are computed in
-    the forward and scaled by the upstream gradient in the backward, as for the single head. Under
-    autocast the operands are cast to the autocast dtype. medusa_targets() builds the targets from
-    causal-LM labels."""
+    the forward and scaled by the upstream gradient in the backward, as for the single head, and
+    accumulated across the chunks in the weights' dtype (float16: fp32), as the single head's default.
+    Under autocast the operands are cast to the autocast dtype. medusa_targets() builds the targets
+    from causal-LM labels."""
 
     @staticmethod
     def forward(ctx, _input, targets, head_weights, ignore_index, lse_square_scale, label_smoothing, reduction,
@@ -1148,8 +1168,9 @@ class TigonFusedLinearMultiHeadCrossEntropyFunction(torch.autograd.Function):
         loss = torch.empty((), dtype=torch.float32, device=dev)
         head_losses = torch.empty(heads, dtype=torch.float32, device=dev)
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
-        dws = [torch.empty(w.shape, dtype=torch.float32, device=dev) for w in ws] if want_dw else []
-        dbs = [torch.empty(vocab, dtype=torch.float32, device=dev) for _ in bs] if want_db else []
+        gdt = _head_grad_dtype(ws[0].dtype)  # as the single head's default (accum_dtype None)
+        dws = [torch.empty(w.shape, dtype=gdt, device=dev) for w in ws] if want_dw else []
+        dbs = [torch.empty(vocab, dtype=gdt, device=dev) for _ in bs] if want_db else []
         cap = 0.0 if softcap is None else float(softcap)
         if rows > 0:
             ops().linear_cross_entropy_heads(x2, ws, bs, targets, None, None, hw, dx, dws, dbs, loss, head_losses,
@@ -1560,7 +1581,8 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
     logit (token accuracy; False for ignored tokens). logit_sum (the sum of the token's logits before the
     temperature, for every token) and is_top1 take no gradient. A token whose target is ignore_index gives 0
     in logp and entropy and takes no gradient. The backward takes the gradients of either or both and recomputes the
-    logits chunk by chunk: dx in _input's dtype, dweight and dbias accumulated in fp32 and returned in their
+    logits chunk by chunk: dx in _input's dtype, dweight and dbias accumulated in the weight's dtype (each
+    chunk's product adds into them and rounds once; float16 weights: in fp32) and returned in their
     parameters' dtypes. Targets outside [0, V) other than ignore_index raise TargetOutOfRangeError (eager).
     Every sequence-level loss (DPO, ORPO, CPO, SimPO, KTO, GRPO) is a function of these [tokens] values."""
 
@@ -1614,8 +1636,9 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
         gl = grad_logp.reshape(-1).to(torch.float32).contiguous() if grad_logp is not None else None
         ge = grad_entropy.reshape(-1).to(torch.float32).contiguous() if grad_entropy is not None else None
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
-        dw = torch.empty(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
-        db = torch.empty(w.shape[0], dtype=torch.float32, device=w.device) if want_db else None
+        gdt = _head_grad_dtype(w.dtype)
+        dw = torch.empty(w.shape, dtype=gdt, device=w.device) if want_dw else None
+        db = torch.empty(w.shape[0], dtype=gdt, device=w.device) if want_db else None
         if x2.shape[0] > 0:
             ops().linear_logprob_bwd(x2, w, b, target, lse, entropy, gl, ge, dx, dw, db, *ctx.args, False, None)
         else:

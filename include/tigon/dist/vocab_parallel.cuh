@@ -121,8 +121,8 @@ template <class T, class I>
 }
 
 // Bytes of workspace vocab_parallel_linear_cross_entropy(args, ...) needs on `ranks` ranks.
-template <class T, class I>
-[[nodiscard]] Status vocab_parallel_linear_cross_entropy_workspace_bytes(const LinearCrossEntropyArgs<T, I>& args,
+template <class T, class I, class G>
+[[nodiscard]] Status vocab_parallel_linear_cross_entropy_workspace_bytes(const LinearCrossEntropyArgs<T, I, G>& args,
                                                                          int ranks, std::size_t& bytes) {
   constexpr const char* kOp = "vocab_parallel_linear_cross_entropy_workspace_bytes";
   bytes = 0;
@@ -224,8 +224,8 @@ struct VocabParallelChunkSteps {
 // call's is `workspace`). comm_stream: a second stream for dx's all-reduce (null: the call's stream);
 // the call's stream waits for it before returning. Class weights: this rank's slice, under reduction
 // sum or none. The all-gathers and all-reduces are issued in the same order on every rank.
-template <class Gemm = CublasLtGemm, class P = CrossEntropyPolicy, class T, class I>
-[[nodiscard]] Status vocab_parallel_linear_cross_entropy(const LinearCrossEntropyArgs<T, I>& args,
+template <class Gemm = CublasLtGemm, class P = CrossEntropyPolicy, class T, class I, class G>
+[[nodiscard]] Status vocab_parallel_linear_cross_entropy(const LinearCrossEntropyArgs<T, I, G>& args,
                                                          const VocabShard& shard, ncclComm_t comm, Gemm& gemm,
                                                          void* workspace, std::size_t workspace_bytes,
                                                          cudaStream_t stream, cudaStream_t comm_stream = nullptr) {
@@ -237,7 +237,7 @@ template <class Gemm = CublasLtGemm, class P = CrossEntropyPolicy, class T, clas
   }
   int ranks = 0, rank = 0;
   TIGON_CHECK(detail::comm_shape(comm, kOp, ranks, rank));
-  LinearCrossEntropyArgs<T, I> a = args;
+  LinearCrossEntropyArgs<T, I, G> a = args;
   a.workspace = workspace;  // linear_cross_entropy's part first; the whole workspace against every buffer
   a.workspace_bytes = workspace_bytes;
   const detail::LceLayout l = detail::lce_layout(a);

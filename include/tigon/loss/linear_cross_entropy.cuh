@@ -5,8 +5,13 @@
 //                               before the one rounding to T, as F.linear does)
 //   loss kernel                 the cross-entropy kernel overwrites the chunk with dlogits
 //   dx_c   = dlogits W          GEMM
-//   dW    += dlogits^T x_c      GEMM accumulating in fp32 (beta = 1 after the first chunk)
-//   db    += 1^T dlogits        GEMM against a vector of ones, fp32
+//   dW    += dlogits^T x_c      GEMM accumulating (beta = 1 after the first chunk)
+//   db    += 1^T dlogits        GEMM against a vector of ones
+//
+// The weight gradients' type G is the args' third template parameter: float (the default) keeps dW
+// and db in fp32 across the chunks; T (bfloat16 / half, the weight's own dtype, as Liger's and
+// PyTorch's heads hold it) has each chunk's GEMM add into them and round once, so no fp32 copy of
+// [vocab, hidden] exists beside the gradient the optimizer reads (one rounding per chunk).
 //
 // Every cross-entropy option (ignore_index, smoothing, z-loss, softcap, class weights, reductions,
 // upstream gradients, lse, argmax) comes from composing the cross-entropy op's pieces: one
@@ -39,8 +44,12 @@
 
 TIGON_NAMESPACE_BEGIN
 
-template <class T, class I = std::int64_t>
+template <class T, class G>
+inline constexpr bool lce_grad_type_ok = std::is_same_v<G, float> || std::is_same_v<G, T>;
+
+template <class T, class I = std::int64_t, class G = float>
 struct LinearCrossEntropyArgs {
+  static_assert(lce_grad_type_ok<T, G>, "the weight gradients are float or the weight's type");
   const T* x = nullptr;       // [tokens, hidden], row stride x_stride (0: hidden)
   std::int64_t x_stride = 0;
   const T* weight = nullptr;  // [vocab, hidden], contiguous
@@ -52,10 +61,10 @@ struct LinearCrossEntropyArgs {
   // Gradients, each optional (all null: forward only).
   T* dx = nullptr;  // [tokens, hidden], row stride dx_stride (0: hidden)
   std::int64_t dx_stride = 0;
-  float* dweight = nullptr;  // [vocab, hidden] fp32
-  float* dbias = nullptr;    // [vocab] fp32
-  bool accumulate = false;   // dweight / dbias += the gradient instead of =
-  std::int64_t chunk = 0;    // tokens per chunk; 0: linear_cross_entropy_default_chunk()
+  G* dweight = nullptr;       // [vocab, hidden]
+  G* dbias = nullptr;         // [vocab]
+  bool accumulate = false;    // dweight / dbias += the gradient instead of =
+  std::int64_t chunk = 0;     // tokens per chunk; 0: linear_cross_entropy_default_chunk()
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
 };
@@ -63,8 +72,9 @@ struct LinearCrossEntropyArgs {
 // K heads over the same x (linear_cross_entropy_heads). The pointer arrays are host arrays of `heads`
 // device pointers, read at the call (so a captured graph keeps the pointers of its capture).
 inline constexpr int kMaxLceHeads = 32;
-template <class T, class I = std::int64_t>
+template <class T, class I = std::int64_t, class G = float>
 struct LinearCrossEntropyHeadsArgs {
+  static_assert(lce_grad_type_ok<T, G>, "the weight gradients are float or the weight's type");
   const T* x = nullptr;  // [tokens, hidden], row stride x_stride (0: hidden)
   std::int64_t x_stride = 0;
   std::int64_t hidden = 0;
@@ -83,8 +93,8 @@ struct LinearCrossEntropyHeadsArgs {
   // Gradients, each optional.
   T* dx = nullptr;                       // [tokens, hidden], the sum over the heads
   std::int64_t dx_stride = 0;
-  float* const* dweights = nullptr;      // [heads] -> [vocab, hidden] fp32 (entries may be null)
-  float* const* dbiases = nullptr;       // [heads] -> [vocab] fp32 (entries may be null)
+  G* const* dweights = nullptr;          // [heads] -> [vocab, hidden] (entries may be null)
+  G* const* dbiases = nullptr;           // [heads] -> [vocab] (entries may be null)
   bool accumulate = false;               // dweights / dbiases += instead of =
   std::int64_t chunk = 0;                // tokens per chunk; 0: linear_cross_entropy_default_chunk()
   void* workspace = nullptr;
@@ -104,8 +114,8 @@ struct LceLayout {
   std::size_t ce_bytes, logits_offset, ones_offset, bias_offset, total;
 };
 
-template <class T, class I>
-LceLayout lce_layout(const LinearCrossEntropyArgs<T, I>& a) {
+template <class T, class I, class G>
+LceLayout lce_layout(const LinearCrossEntropyArgs<T, I, G>& a) {
   LceLayout l{};
   const std::int64_t tokens = a.loss.rows, vocab = a.loss.vocab;
   l.chunk = a.chunk > 0 ? (a.chunk < tokens ? a.chunk : tokens)
@@ -120,8 +130,8 @@ LceLayout lce_layout(const LinearCrossEntropyArgs<T, I>& a) {
 
 // workspace_used: the bytes of the workspace the call uses, or 0 for lce_layout(a).total (an op
 // composed on this one passes the whole of its workspace).
-template <class T, class I>
-Status validate(const LinearCrossEntropyArgs<T, I>& a, const char* op, std::size_t workspace_used = 0) {
+template <class T, class I, class G>
+Status validate(const LinearCrossEntropyArgs<T, I, G>& a, const char* op, std::size_t workspace_used = 0) {
   using namespace check;
   TIGON_CHECK(not_null(a.x, op, "x"));
   TIGON_CHECK(not_null(a.weight, op, "weight"));
@@ -147,7 +157,7 @@ Status validate(const LinearCrossEntropyArgs<T, I>& a, const char* op, std::size
   const NamedView out[] = {
       {a.dx != nullptr ? MatrixView::of(a.dx, rows, a.hidden, a.dx_stride) : MatrixView{}, "dx"},
       {a.dweight != nullptr ? MatrixView::of(a.dweight, vocab, a.hidden, 0) : MatrixView{}, "dweight"},
-      {vector_view(a.dbias, vocab, 4), "dbias"},
+      {vector_view(a.dbias, vocab, sizeof(G)), "dbias"},
       v[0], v[1], v[2], v[3], v[4], v[5],
       {vector_view(a.workspace, static_cast<std::int64_t>(workspace_used > 0 ? workspace_used : lce_layout(a).total), 1),
        "workspace"}};
@@ -161,8 +171,8 @@ struct LceHeadsLayout {
   std::size_t ce_bytes, logits_offset, ones_offset, bias_offset, heads_offset, total;
 };
 
-template <class T, class I>
-LceHeadsLayout lce_heads_layout(const LinearCrossEntropyHeadsArgs<T, I>& a) {
+template <class T, class I, class G>
+LceHeadsLayout lce_heads_layout(const LinearCrossEntropyHeadsArgs<T, I, G>& a) {
   LceHeadsLayout l{};
   const std::int64_t tokens = a.loss.rows, vocab = a.loss.vocab;
   l.chunk = a.chunk > 0 ? (a.chunk < tokens ? a.chunk : tokens)
@@ -179,8 +189,8 @@ LceHeadsLayout lce_heads_layout(const LinearCrossEntropyHeadsArgs<T, I>& a) {
   return l;
 }
 
-template <class T, class I>
-Status validate(const LinearCrossEntropyHeadsArgs<T, I>& a, const char* op) {
+template <class T, class I, class G>
+Status validate(const LinearCrossEntropyHeadsArgs<T, I, G>& a, const char* op) {
   using namespace check;
   TIGON_CHECK(not_null(a.x, op, "x"));
   TIGON_CHECK(positive(a.hidden, op, "hidden"));
@@ -224,7 +234,7 @@ Status validate(const LinearCrossEntropyHeadsArgs<T, I>& a, const char* op) {
     if (a.dweights != nullptr && a.dweights[k] != nullptr) {
       out.push_back({MatrixView::of(a.dweights[k], vocab, a.hidden, 0), "dweights[k]"});
     }
-    if (a.dbiases != nullptr) out.push_back({vector_view(a.dbiases[k], vocab, 4), "dbiases[k]"});
+    if (a.dbiases != nullptr) out.push_back({vector_view(a.dbiases[k], vocab, sizeof(G)), "dbiases[k]"});
   }
   return buffers_disjoint(out.data(), out.size(), in.data(), in.size(), op);
 }
@@ -233,8 +243,8 @@ Status validate(const LinearCrossEntropyHeadsArgs<T, I>& a, const char* op) {
 
 // Bytes of workspace linear_cross_entropy(args) needs: one logits chunk, the loss's per-token
 // scratch, with dbias a vector of ones, and with a bias room for its aligned copy.
-template <class T, class I>
-[[nodiscard]] Status linear_cross_entropy_workspace_bytes(const LinearCrossEntropyArgs<T, I>& args,
+template <class T, class I, class G>
+[[nodiscard]] Status linear_cross_entropy_workspace_bytes(const LinearCrossEntropyArgs<T, I, G>& args,
                                                           std::size_t& bytes) {
   bytes = 0;
   TIGON_CHECK(detail::validate(args, "linear_cross_entropy_workspace_bytes"));
@@ -245,8 +255,8 @@ template <class T, class I>
 // Bytes of workspace linear_cross_entropy_heads(args) needs: every head's per-token scratch (8 bytes a
 // token), one logits chunk, a ones vector (with a bias gradient), room for an aligned copy of each
 // head's bias (with biases) and 8 bytes a head.
-template <class T, class I>
-[[nodiscard]] Status linear_cross_entropy_heads_workspace_bytes(const LinearCrossEntropyHeadsArgs<T, I>& args,
+template <class T, class I, class G>
+[[nodiscard]] Status linear_cross_entropy_heads_workspace_bytes(const LinearCrossEntropyHeadsArgs<T, I, G>& args,
                                                                 std::size_t& bytes) {
   bytes = 0;
   TIGON_CHECK(detail::validate(args, "linear_cross_entropy_heads_workspace_bytes"));
@@ -296,11 +306,11 @@ struct LceChunkSteps {
 // (beta dx_beta), dW and db (beta `beta`). kRun false: only asks the back end whether it can run
 // each of the chunk's GEMMs (detail::gemm_check), launching nothing. `steps`: the loss and what
 // follows dx_c (LceChunkSteps).
-template <bool kRun, class Gemm, class T, class I, class Steps = LceChunkSteps>
+template <bool kRun, class Gemm, class T, class I, class G, class Steps = LceChunkSteps>
 Status lce_chunk(Gemm& gemm, const CrossEntropyArgs<T, I>& ce, const T* xc, std::int64_t xs, const T* weight,
                  const T* bias, std::int64_t hidden, std::int64_t r0, std::int64_t c, T* logits, const T* ones,
-                 const CeScratch& scratch, bool want_grad, T* dxc, std::int64_t dxs, float dx_beta, float* dweight,
-                 float* dbias, float beta, cudaStream_t stream, const char* op, const Steps& steps = Steps{}) {
+                 const CeScratch& scratch, bool want_grad, T* dxc, std::int64_t dxs, float dx_beta, G* dweight,
+                 G* dbias, float beta, cudaStream_t stream, const char* op, const Steps& steps = Steps{}) {
   auto run = [&](const auto& g) { return gemm_run_or_check<kRun>(gemm, g, stream); };
   const std::int64_t vocab = ce.vocab;
   TIGON_CHECK(run(GemmArgs<T>{.a = xc, .b = weight, .d = logits, .bias = bias, .m = c, .n = vocab, .k = hidden,
@@ -313,12 +323,12 @@ Status lce_chunk(Gemm& gemm, const CrossEntropyArgs<T, I>& ce, const T* xc, std:
     if constexpr (kRun) TIGON_CHECK(steps.after_dx(dxc, c, stream, op));
   }
   if (dweight != nullptr) {
-    TIGON_CHECK(run(GemmArgs<T, float>{.a = logits, .b = xc, .c = dweight, .d = dweight, .m = vocab, .n = hidden,
-                                       .k = c, .ldb = xs, .op_a = Op::t, .beta = beta}));
+    TIGON_CHECK(run(GemmArgs<T, G>{.a = logits, .b = xc, .c = dweight, .d = dweight, .m = vocab, .n = hidden,
+                                   .k = c, .ldb = xs, .op_a = Op::t, .beta = beta}));
   }
   if (dbias != nullptr) {
-    TIGON_CHECK(run(GemmArgs<T, float>{.a = ones, .b = logits, .c = dbias, .d = dbias, .m = 1, .n = vocab, .k = c,
-                                       .beta = beta}));
+    TIGON_CHECK(run(GemmArgs<T, G>{.a = ones, .b = logits, .c = dbias, .d = dbias, .m = 1, .n = vocab, .k = c,
+                                   .beta = beta}));
   }
   return Status();
 }
@@ -326,8 +336,8 @@ Status lce_chunk(Gemm& gemm, const CrossEntropyArgs<T, I>& ce, const T* xc, std:
 }  // namespace detail
 
 // The loss over all tokens, with the gradients asked for, one chunk of tokens at a time.
-template <class Gemm = CublasLtGemm, class T, class I>
-[[nodiscard]] Status linear_cross_entropy(const LinearCrossEntropyArgs<T, I>& args, Gemm& gemm,
+template <class Gemm = CublasLtGemm, class T, class I, class G>
+[[nodiscard]] Status linear_cross_entropy(const LinearCrossEntropyArgs<T, I, G>& args, Gemm& gemm,
                                           cudaStream_t stream) {
   constexpr const char* kOp = "linear_cross_entropy";
   TIGON_CHECK(detail::validate(args, kOp));
@@ -376,8 +386,8 @@ template <class Gemm = CublasLtGemm, class T, class I>
 
 // K heads over the same x: per chunk of tokens, each head in turn (logits, loss, dx accumulated over the
 // heads, dW_k, db_k); then each head's reduction and the weighted sums.
-template <class Gemm = CublasLtGemm, class T, class I>
-[[nodiscard]] Status linear_cross_entropy_heads(const LinearCrossEntropyHeadsArgs<T, I>& args, Gemm& gemm,
+template <class Gemm = CublasLtGemm, class T, class I, class G>
+[[nodiscard]] Status linear_cross_entropy_heads(const LinearCrossEntropyHeadsArgs<T, I, G>& args, Gemm& gemm,
                                                 cudaStream_t stream) {
   constexpr const char* kOp = "linear_cross_entropy_heads";
   TIGON_CHECK(detail::validate(args, kOp));
@@ -427,7 +437,8 @@ template <class Gemm = CublasLtGemm, class T, class I>
         TIGON_CHECK(detail::lce_chunk<decltype(run_c)::value>(
             gemm, head(k), args.x + r0 * xs, xs, args.weights[k], bias_of(k), hidden, r0, c, logits, ones, scratch(k),
             want_grad, args.dx != nullptr ? args.dx + r0 * dxs : nullptr, dxs, k > 0 ? 1.0f : 0.0f,
-            args.dweights != nullptr ? args.dweights[k] : nullptr, args.dbiases != nullptr ? args.dbiases[k] : nullptr,
+            args.dweights != nullptr ? args.dweights[k] : static_cast<G*>(nullptr),
+            args.dbiases != nullptr ? args.dbiases[k] : static_cast<G*>(nullptr),
             beta, stream, kOp));
       }
     }

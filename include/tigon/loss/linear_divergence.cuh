@@ -6,7 +6,8 @@
 //   t      = xt_c Wt^T          GEMM into a second [chunk, vocab] buffer (teacher hidden size)
 //   divergence kernel           the divergence op's row kernel overwrites s with dlogits
 //   dx_c   = dlogits Ws         GEMM
-//   dWs   += dlogits^T x_c      GEMM accumulating in fp32 (beta = 1 after the first chunk)
+//   dWs   += dlogits^T x_c      GEMM accumulating (beta = 1 after the first chunk), in fp32 or in T
+//                               (the args' G, as linear_cross_entropy.cuh has it)
 //
 // Every divergence option (the functor, temperature, labels / ignore_index, reductions, upstream
 // gradients, per-row and per-element losses) comes from composing the divergence op's pieces: one
@@ -31,8 +32,9 @@
 
 TIGON_NAMESPACE_BEGIN
 
-template <class T, class I = std::int64_t>
+template <class T, class I = std::int64_t, class G = float>
 struct LinearDivergenceArgs {
+  static_assert(std::is_same_v<G, float> || std::is_same_v<G, T>, "the weight gradient is float or T");
   // Student: hidden states [tokens, hidden] (row stride x_stride, 0: hidden) and head [vocab, hidden].
   const T* x = nullptr;
   std::int64_t x_stride = 0;
@@ -66,7 +68,7 @@ struct LinearDivergenceArgs {
   // The student's gradients, each optional (both null: forward only).
   T* dx = nullptr;  // [tokens, hidden], row stride dx_stride (0: hidden)
   std::int64_t dx_stride = 0;
-  float* dweight = nullptr;  // [vocab, hidden] fp32
+  G* dweight = nullptr;       // [vocab, hidden]
   bool accumulate = false;   // dweight += the gradient instead of =
   std::int64_t chunk = 0;    // tokens per chunk; 0: linear_divergence_default_chunk()
   void* workspace = nullptr;
@@ -89,8 +91,8 @@ struct LdivLayout {
 
 // The plan: [count (16 bytes) | row sums, 4 bytes a token] (when needed, a 256-byte multiple), the
 // student's logits chunk, the teacher's logits chunk.
-template <class T, class I>
-LdivLayout ldiv_layout(const LinearDivergenceArgs<T, I>& a) {
+template <class T, class I, class G>
+LdivLayout ldiv_layout(const LinearDivergenceArgs<T, I, G>& a) {
   LdivLayout l{};
   const std::int64_t tokens = a.tokens, vocab = a.vocab;
   l.chunk = a.chunk > 0 ? (a.chunk < tokens ? a.chunk : tokens)
@@ -111,8 +113,8 @@ LdivLayout ldiv_layout(const LinearDivergenceArgs<T, I>& a) {
   return l;
 }
 
-template <class T, class I>
-Status validate(const LinearDivergenceArgs<T, I>& a, const char* op) {
+template <class T, class I, class G>
+Status validate(const LinearDivergenceArgs<T, I, G>& a, const char* op) {
   using namespace check;
   static_assert(Element<T>, "x and the heads are float, half or bfloat16");
   static_assert(std::is_same_v<I, std::int64_t> || std::is_same_v<I, std::int32_t>, "labels are int32 or int64");
@@ -168,8 +170,8 @@ Status validate(const LinearDivergenceArgs<T, I>& a, const char* op) {
 
 // What depends on the functor: it must take logits on both sides, its own parameters must be
 // valid, and grad_output (whose extent the functor decides under none) must not overlap an output.
-template <class D, class T, class I>
-Status validate_call(const LinearDivergenceArgs<T, I>& a, const D& div, const char* op) {
+template <class D, class T, class I, class G>
+Status validate_call(const LinearDivergenceArgs<T, I, G>& a, const D& div, const char* op) {
   using namespace check;
   if constexpr (!div_accepts<D>(DivergenceInput::logits, DivergenceInput::logits)) {
     return Status::error(Errc::unsupported, op, "div",
@@ -204,8 +206,8 @@ Status validate_call(const LinearDivergenceArgs<T, I>& a, const D& div, const ch
 // Bytes of workspace linear_divergence(args, div) needs: the two logits chunks, and the count of
 // non-ignored tokens (labels under batchmean / mean) and the tokens' row sums (the loss without
 // loss_rows) when needed. Validates what does not depend on the functor as the launch will.
-template <class T, class I>
-[[nodiscard]] Status linear_divergence_workspace_bytes(const LinearDivergenceArgs<T, I>& args, std::size_t& bytes) {
+template <class T, class I, class G>
+[[nodiscard]] Status linear_divergence_workspace_bytes(const LinearDivergenceArgs<T, I, G>& args, std::size_t& bytes) {
   bytes = 0;
   TIGON_CHECK(detail::validate(args, "linear_divergence_workspace_bytes"));
   bytes = detail::ldiv_layout(args).total;
@@ -218,8 +220,8 @@ template <class T, class I>
 // functor taking logits on both sides) between the student's and the teacher's heads over all
 // tokens, with the student's gradients asked for, one chunk of tokens at a time. P: the divergence
 // kernels' tuning (DivergencePolicy; the row kernel's members apply).
-template <class Gemm = CublasLtGemm, class P = DivergencePolicy, class D, class T, class I>
-[[nodiscard]] Status linear_divergence(const LinearDivergenceArgs<T, I>& args, const D& div, Gemm& gemm,
+template <class Gemm = CublasLtGemm, class P = DivergencePolicy, class D, class T, class I, class G>
+[[nodiscard]] Status linear_divergence(const LinearDivergenceArgs<T, I, G>& args, const D& div, Gemm& gemm,
                                        cudaStream_t stream) {
   static_assert(detail::check_divergence_policy<P>());
   constexpr const char* kOp = "linear_divergence";
@@ -281,8 +283,8 @@ template <class Gemm = CublasLtGemm, class P = DivergencePolicy, class D, class 
     }
     if (args.dweight != nullptr) {
       const float beta = (args.accumulate || r0 > 0) ? 1.0f : 0.0f;
-      TIGON_CHECK(run(GemmArgs<T, float>{.a = s, .b = xc, .c = args.dweight, .d = args.dweight, .m = vocab,
-                                         .n = args.hidden, .k = c, .ldb = xs, .op_a = Op::t, .beta = beta}));
+      TIGON_CHECK(run(GemmArgs<T, G>{.a = s, .b = xc, .c = args.dweight, .d = args.dweight, .m = vocab,
+                                     .n = args.hidden, .k = c, .ldb = xs, .op_a = Op::t, .beta = beta}));
     }
     return Status();
   };

@@ -20,8 +20,8 @@
 // Tokens are processed in chunks through the GEMM back end (CublasLtGemm by default), as in
 // linear_cross_entropy.cuh. linear_logprob_forward: per chunk one GEMM and the statistics kernel.
 // linear_logprob_backward: per chunk the GEMM again (unless keep_logits: then the forward's), the gradient
-// kernel (dlogits over the chunk, in place), and the GEMMs of dx, dW (fp32, accumulated across
-// chunks) and db. Both pass through the same arguments: the backward reads the forward's lse (and
+// kernel (dlogits over the chunk, in place), and the GEMMs of dx, dW (accumulated across chunks, in
+// fp32 or in T: the args' G) and db. Both pass through the same arguments: the backward reads the forward's lse (and
 // entropy, when h is given). No host synchronisation. Extra device memory: one logits chunk, with
 // dbias a ones vector, with a bias room for its 16-byte aligned copy (used when the caller's is not
 // aligned) — what linear_logprob_workspace_bytes() returns.
@@ -53,8 +53,12 @@ TIGON_NAMESPACE_BEGIN
 // 1. Arguments
 // ------------------------------------------------------------------------------------------------
 
-template <class T, class I = std::int64_t>
+// G, the weight gradients' type: float (accumulated in fp32 across chunks) or T (each chunk's GEMM adds
+// into them in T and rounds once: no fp32 [vocab, hidden] beside the gradient; see
+// linear_cross_entropy.cuh).
+template <class T, class I = std::int64_t, class G = float>
 struct LinearLogProbArgs {
+  static_assert(std::is_same_v<G, float> || std::is_same_v<G, T>, "the weight gradients are float or T");
   const T* x = nullptr;  // [tokens, hidden], row stride x_stride (0: hidden)
   std::int64_t x_stride = 0;
   const T* weight = nullptr;  // [vocab, hidden], contiguous
@@ -80,10 +84,10 @@ struct LinearLogProbArgs {
   const float* grad_entropy = nullptr;
   T* dx = nullptr;  // [tokens, hidden], row stride dx_stride (0: hidden)
   std::int64_t dx_stride = 0;
-  float* dweight = nullptr;  // [vocab, hidden] fp32
-  float* dbias = nullptr;    // [vocab] fp32
-  bool accumulate = false;   // dweight / dbias += the gradient instead of =
-  std::int64_t chunk = 0;    // tokens per chunk; 0: linear_logprob_default_chunk()
+  G* dweight = nullptr;       // [vocab, hidden]
+  G* dbias = nullptr;         // [vocab]
+  bool accumulate = false;    // dweight / dbias += the gradient instead of =
+  std::int64_t chunk = 0;     // tokens per chunk; 0: linear_logprob_default_chunk()
   // Kept logits: the forward leaves x W^T of every token in the workspace (one chunk of all the
   // tokens), and a backward given the same workspace, untouched since, reads them there instead of
   // recomputing them: 6 N D V FLOPs for forward and backward instead of 8, for the memory of all the
@@ -153,8 +157,8 @@ struct LlpLayout {
   std::size_t bias_offset, ones_offset, total;
 };
 
-template <class T, class I>
-LlpLayout llp_layout(const LinearLogProbArgs<T, I>& a, bool backward) {
+template <class T, class I, class G>
+LlpLayout llp_layout(const LinearLogProbArgs<T, I, G>& a, bool backward) {
   LlpLayout l{};
   l.chunk = a.keep_logits ? a.tokens
                           : (a.chunk > 0 ? (a.chunk < a.tokens ? a.chunk : a.tokens)
@@ -167,8 +171,8 @@ LlpLayout llp_layout(const LinearLogProbArgs<T, I>& a, bool backward) {
   return l;
 }
 
-template <class T, class I>
-Status llp_validate(const LinearLogProbArgs<T, I>& a, bool backward, const char* op) {
+template <class T, class I, class G>
+Status llp_validate(const LinearLogProbArgs<T, I, G>& a, bool backward, const char* op) {
   using namespace check;
   static_assert(Element<T>, "x and the head are float, half or bfloat16");
   static_assert(std::is_same_v<I, std::int64_t> || std::is_same_v<I, std::int32_t>, "targets are int32 or int64");
@@ -224,7 +228,7 @@ Status llp_validate(const LinearLogProbArgs<T, I>& a, bool backward, const char*
                              "dx"},
                             {a.dweight != nullptr ? MatrixView::of(a.dweight, a.vocab, a.hidden, 0) : MatrixView{},
                              "dweight"},
-                            {vector_view(a.dbias, a.vocab, 4), "dbias"},
+                            {vector_view(a.dbias, a.vocab, sizeof(G)), "dbias"},
                             ws};
   const NamedView ins[] = {x,
                            w,
@@ -242,8 +246,8 @@ Status llp_validate(const LinearLogProbArgs<T, I>& a, bool backward, const char*
 // Bytes of workspace linear_logprob_forward (backward false) or linear_logprob_backward (true)
 // needs: one logits chunk, with a bias room for its aligned copy, and for the backward with dbias a
 // ones vector (with keep_logits: all the tokens' logits and the ones vector, the same for both).
-template <class T, class I>
-[[nodiscard]] Status linear_logprob_workspace_bytes(const LinearLogProbArgs<T, I>& args, bool backward,
+template <class T, class I, class G>
+[[nodiscard]] Status linear_logprob_workspace_bytes(const LinearLogProbArgs<T, I, G>& args, bool backward,
                                                     std::size_t& bytes) {
   bytes = 0;
   TIGON_CHECK(detail::llp_validate(args, backward, "linear_logprob_workspace_bytes"));
@@ -421,8 +425,8 @@ Status llp_launch(const LlpParams<T, I>& p, bool backward, cudaStream_t stream, 
 
 // Per-token logp, lse, entropy, logit sums and is_top1 (those asked for), one chunk of tokens at a time.
 // Every chunk's GEMM is checked with the back end (detail::gemm_check) before anything is written.
-template <class Gemm = CublasLtGemm, class T, class I>
-[[nodiscard]] Status linear_logprob_forward(const LinearLogProbArgs<T, I>& args, Gemm& gemm, cudaStream_t stream) {
+template <class Gemm = CublasLtGemm, class T, class I, class G>
+[[nodiscard]] Status linear_logprob_forward(const LinearLogProbArgs<T, I, G>& args, Gemm& gemm, cudaStream_t stream) {
   constexpr const char* kOp = "linear_logprob_forward";
   TIGON_CHECK(detail::llp_validate(args, false, kOp));
   const detail::LlpLayout l = detail::llp_layout(args, false);
@@ -457,11 +461,11 @@ template <class Gemm = CublasLtGemm, class T, class I>
   return Status();
 }
 
-// dx, dW (fp32) and db (fp32) from grad_logp / grad_entropy, the logits recomputed chunk by chunk
+// dx, dW and db (in G) from grad_logp / grad_entropy, the logits recomputed chunk by chunk
 // (kept: read from the workspace the forward left them in, and overwritten with their gradient).
 // Every chunk's GEMMs are checked with the back end before anything is written.
-template <class Gemm = CublasLtGemm, class T, class I>
-[[nodiscard]] Status linear_logprob_backward(const LinearLogProbArgs<T, I>& args, Gemm& gemm, cudaStream_t stream) {
+template <class Gemm = CublasLtGemm, class T, class I, class G>
+[[nodiscard]] Status linear_logprob_backward(const LinearLogProbArgs<T, I, G>& args, Gemm& gemm, cudaStream_t stream) {
   constexpr const char* kOp = "linear_logprob_backward";
   TIGON_CHECK(detail::llp_validate(args, true, kOp));
   const detail::LlpLayout l = detail::llp_layout(args, true);
@@ -487,12 +491,12 @@ template <class Gemm = CublasLtGemm, class T, class I>
                                   .k = args.vocab, .ldd = dxs}));
     }
     if (args.dweight != nullptr) {
-      TIGON_CHECK(run(GemmArgs<T, float>{.a = logits, .b = xc, .c = args.dweight, .d = args.dweight, .m = args.vocab,
-                                         .n = args.hidden, .k = c, .ldb = xs, .op_a = Op::t, .beta = beta}));
+      TIGON_CHECK(run(GemmArgs<T, G>{.a = logits, .b = xc, .c = args.dweight, .d = args.dweight, .m = args.vocab,
+                                     .n = args.hidden, .k = c, .ldb = xs, .op_a = Op::t, .beta = beta}));
     }
     if (args.dbias != nullptr) {
-      TIGON_CHECK(run(GemmArgs<T, float>{.a = ones, .b = logits, .c = args.dbias, .d = args.dbias, .m = 1,
-                                         .n = args.vocab, .k = c, .beta = beta}));
+      TIGON_CHECK(run(GemmArgs<T, G>{.a = ones, .b = logits, .c = args.dbias, .d = args.dbias, .m = 1,
+                                     .n = args.vocab, .k = c, .beta = beta}));
     }
     return Status();
   };

@@ -1456,11 +1456,12 @@ class TigonFusedLinearJSDFunction(torch.autograd.Function):
     Tokens go in chunks (about 512 MiB of logits each, or TIGON_TORCH_JSD_CHUNK tokens): per chunk the
     student's and the teacher's logits (torch matmuls in the inputs' dtype), then tigon's divergence
     operator on the two logits chunks with the temperature (loss, and the logits' gradient written over
-    the student's chunk), then dx for the chunk (a matmul) and dW accumulated in fp32. Extra memory: two
-    chunks of logits, the fp32 dW accumulator and the gradients. The gradients are computed in the
+    the student's chunk), then dx for the chunk (a matmul) and dW accumulated as accum_dtype says (Liger's:
+    None, the default, in the weight's dtype, each chunk's matmul adding into it; torch.float32 in an
+    fp32 buffer; float16 weights in fp32). Extra memory: two chunks of logits and the gradients (and
+    the fp32 accumulator when there is one). The gradients are computed in the
     forward and scaled by the upstream gradient in the backward on the device (skipped when it is
-    exactly 1); one backward per forward. dW is returned in the weight's dtype; accum_dtype is accepted
-    and has no effect (accumulation is always fp32). Under CUDA autocast the inputs and weights are cast
+    exactly 1); one backward per forward. dW is returned in the weight's dtype. Under CUDA autocast the inputs and weights are cast
     to the autocast dtype first, as the unfused heads' matmuls would be. No gradient flows to the
     teacher.
     """
@@ -1517,7 +1518,8 @@ class TigonFusedLinearJSDFunction(torch.autograd.Function):
         else:
             inv, grad_scale = None, 1.0 / max(rows, 1)
         dx = torch.empty(rows, hidden, dtype=x.dtype, device=x.device) if want_dx else None
-        dw = torch.zeros(vocab, hidden, **f32) if want_dw else None
+        gdt = _head_grad_dtype(w.dtype, accum_dtype)
+        dw = torch.zeros(vocab, hidden, dtype=gdt, device=x.device) if want_dw else None
         in_place = not _compiling()
         chunk = _jsd_chunk(rows, vocab, x.element_size())
         no_autocast = torch.autocast("cuda", enabled=False) if autocast else contextlib.nullcontext()
@@ -1536,7 +1538,10 @@ class TigonFusedLinearJSDFunction(torch.autograd.Function):
                 if want_dx:
                     dx[r0:r1] = torch.mm(dz, w)
                 if want_dw:
-                    _addmm_fp32(dw, dz.t(), xs)
+                    if dw.dtype == torch.float32:
+                        _addmm_fp32(dw, dz.t(), xs)
+                    else:  # one GEMM adding into the gradient in its dtype: one rounding per chunk
+                        dw.addmm_(dz.t(), xs)
                 del zs, zt, dz
         total = loss_rows.sum()
         loss = total * inv.reshape(()) if inv is not None else total * grad_scale

@@ -1053,7 +1053,7 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         red, loss, loss_rows, z_loss, lse, argmax = _ce_outputs(
             rows, x2.device, reduction, return_z_loss, return_token_accuracy or return_predicted_tokens, z_scale)
         dx = dw = db = None
-        gdt = _head_grad_dtype(w.dtype, accum_dtype)
+        gdt = _head_grad_dtype(w_dtype, accum_dtype)  # the parameter's dtype (fp32 masters under autocast)
         if needs_grad and not defer:
             dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
             dw = torch.empty(w.shape, dtype=gdt, device=w.device) if want_dw else None
@@ -1168,7 +1168,7 @@ class TigonFusedLinearMultiHeadCrossEntropyFunction(torch.autograd.Function):
         loss = torch.empty((), dtype=torch.float32, device=dev)
         head_losses = torch.empty(heads, dtype=torch.float32, device=dev)
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
-        gdt = _head_grad_dtype(ws[0].dtype)  # as the single head's default (accum_dtype None)
+        gdt = _head_grad_dtype(weights[0].dtype)  # as the single head's default (accum_dtype None)
         dws = [torch.empty(w.shape, dtype=gdt, device=dev) for w in ws] if want_dw else []
         dbs = [torch.empty(vocab, dtype=gdt, device=dev) for _ in bs] if want_db else []
         cap = 0.0 if softcap is None else float(softcap)
@@ -1518,7 +1518,7 @@ class TigonFusedLinearJSDFunction(torch.autograd.Function):
         else:
             inv, grad_scale = None, 1.0 / max(rows, 1)
         dx = torch.empty(rows, hidden, dtype=x.dtype, device=x.device) if want_dx else None
-        gdt = _head_grad_dtype(w.dtype, accum_dtype)
+        gdt = _head_grad_dtype(w_dtype, accum_dtype)
         dw = torch.zeros(vocab, hidden, dtype=gdt, device=x.device) if want_dw else None
         in_place = not _compiling()
         chunk = _jsd_chunk(rows, vocab, x.element_size())
@@ -1641,7 +1641,7 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
         gl = grad_logp.reshape(-1).to(torch.float32).contiguous() if grad_logp is not None else None
         ge = grad_entropy.reshape(-1).to(torch.float32).contiguous() if grad_entropy is not None else None
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
-        gdt = _head_grad_dtype(w.dtype)
+        gdt = _head_grad_dtype(w_dtype)
         dw = torch.empty(w.shape, dtype=gdt, device=w.device) if want_dw else None
         db = torch.empty(w.shape[0], dtype=gdt, device=w.device) if want_db else None
         if x2.shape[0] > 0:

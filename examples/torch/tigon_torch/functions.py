@@ -1004,9 +1004,9 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
     element more while the head runs); float16 weights always accumulate in fp32.
     use_token_scaling=True multiplies each token's loss, z-loss and gradient by its predicted
     probability of the target, exp(logit_t - lse) in fp32 (softcapped logits), held constant. The
-    chunk size is tigon's default (about 1 GiB of logits) unless the environment sets TIGON_TORCH_LCE_CHUNK (tokens per chunk). Targets
-    are checked as in TigonCrossEntropyFunction (eager: TargetOutOfRangeError before any gradient is
-    computed).
+    chunk size is tigon's default (about 1 GiB of logits) unless the environment sets
+    TIGON_TORCH_LCE_CHUNK (tokens per chunk). Targets are checked as in TigonCrossEntropyFunction
+    (eager: TargetOutOfRangeError before any gradient is computed).
     """
 
     @staticmethod
@@ -1459,11 +1459,11 @@ class TigonFusedLinearJSDFunction(torch.autograd.Function):
     the student's chunk), then dx for the chunk (a matmul) and dW accumulated as accum_dtype says (Liger's:
     None, the default, in the weight's dtype, each chunk's matmul adding into it; torch.float32 in an
     fp32 buffer; float16 weights in fp32). Extra memory: two chunks of logits and the gradients (and
-    the fp32 accumulator when there is one). The gradients are computed in the
-    forward and scaled by the upstream gradient in the backward on the device (skipped when it is
-    exactly 1); one backward per forward. dW is returned in the weight's dtype. Under CUDA autocast the inputs and weights are cast
-    to the autocast dtype first, as the unfused heads' matmuls would be. No gradient flows to the
-    teacher.
+    the fp32 accumulator when there is one). The gradients are computed in the forward and scaled by
+    the upstream gradient in the backward on the device (skipped when it is exactly 1); one backward
+    per forward. dW is returned in the weight's dtype. Under CUDA autocast the inputs and weights are
+    cast to the autocast dtype first, as the unfused heads' matmuls would be. No gradient flows to
+    the teacher.
     """
 
     @staticmethod

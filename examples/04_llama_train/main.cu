@@ -1,7 +1,8 @@
 // A LLaMA-3 model trained from C++ with tigon (llama.cuh): the whole step (batch, forward, loss,
 // backward, clip, AdamW) captured once in a CUDA graph and replayed.
 //
-//   example_llama_train [--steps S] [--dump DIR]   train a small model on a synthetic language
+//   example_llama_train [--steps S] [--dump DIR [--first-step-only]]
+//                                                  train a small model on a synthetic language
 //   example_llama_train --bench-layer              one decoder layer at LLaMA-3-8B's shapes
 //
 // Training: 4 layers, hidden 256, 8 query / 2 key-value heads of 64, vocabulary 512, 8 sequences of
@@ -10,7 +11,7 @@
 // previous position; AdamW (peak learning rate 3e-3, warm-up 20 steps, cosine decay), 400 steps by
 // default. The run passes when the mean loss of the last 20 steps is below a quarter of the first
 // step's. --dump DIR writes the first step's weights, batch, loss and gradients for reference.py,
-// which runs Hugging Face's LlamaForCausalLM on the same weights.
+// which runs Hugging Face's LlamaForCausalLM on the same weights (--first-step-only: then stops).
 //
 // --bench-layer: forward and backward of one layer (hidden 4096, 32 / 8 heads of 128, intermediate
 // 14336; batch 1, sequence 4096), eager and replayed from a graph, medians of 20 timed with events.
@@ -96,7 +97,7 @@ void dump_first_step(const std::filesystem::path& dir, llama::Model& m, const st
   write_config(dir, m.cfg, loss);
 }
 
-int train(int steps, const char* dump_dir, tigon::CublasLtGemm& gemm, cudaStream_t s) {
+int train(int steps, const char* dump_dir, bool first_step_only, tigon::CublasLtGemm& gemm, cudaStream_t s) {
   llama::Config cfg;
   cfg.vocab = 512;
   cfg.hidden = 256;
@@ -131,6 +132,7 @@ int train(int steps, const char* dump_dir, tigon::CublasLtGemm& gemm, cudaStream
   if (dump_dir != nullptr) {
     dump_first_step(dump_dir, m, weights);
     std::printf("first step written to %s\n", dump_dir);
+    if (first_step_only) return 0;
   }
   CHECK_TIGON(m.update(s));
 
@@ -280,16 +282,18 @@ int bench_layer(tigon::CublasLtGemm& gemm, cudaStream_t s) {
 int main(int argc, char** argv) {
   int steps = 400;
   const char* dump_dir = nullptr;
-  bool bench = false;
+  bool bench = false, first_step_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--steps") && i + 1 < argc) {
       steps = std::atoi(argv[++i]);
     } else if (!std::strcmp(argv[i], "--dump") && i + 1 < argc) {
       dump_dir = argv[++i];
+    } else if (!std::strcmp(argv[i], "--first-step-only")) {
+      first_step_only = true;
     } else if (!std::strcmp(argv[i], "--bench-layer")) {
       bench = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--steps S] [--dump DIR] | --bench-layer\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--steps S] [--dump DIR [--first-step-only]] | --bench-layer\n", argv[0]);
       return 2;
     }
   }
@@ -312,7 +316,7 @@ int main(int argc, char** argv) {
   {
     tigon::CublasLtGemm gemm(ws, ws_bytes);
     CHECK_TIGON(gemm.status());
-    rc = bench ? bench_layer(gemm, s) : train(steps, dump_dir, gemm, s);
+    rc = bench ? bench_layer(gemm, s) : train(steps, dump_dir, first_step_only, gemm, s);
   }
   cudaFree(ws);
   cudaStreamDestroy(s);

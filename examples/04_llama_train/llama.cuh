@@ -367,12 +367,13 @@ struct Model {
   std::vector<DecoderLayer> layers;
   bf16 *embed, *final_norm, *lm_head;
   bf16 *d_embed, *d_final_norm, *d_lm_head;
-  float *d_embed_f32, *d_lm_head_f32;
+  float* d_embed_f32;
   std::vector<bf16*> hidden;  // hidden[l]: the stream entering layer l; hidden[layers]: the last layer's output
   bf16 *h_final, *g_a, *g_b;
   float *rstd_final, *loss;
   std::int64_t *tokens, *targets;
-  tigon::LinearCrossEntropyArgs<bf16> head;
+  // The head writes dW in bf16 (G = bf16: each chunk's GEMM adds into it and rounds once).
+  tigon::LinearCrossEntropyArgs<bf16, std::int64_t, bf16> head;
   // The optimizer: fp32 masters and moments, the plan, the device scalars.
   tigon::AdamWPlan plan;
   float *step, *lr, *grad_norm, *clip, *losses;
@@ -395,7 +396,6 @@ struct Model {
     d_final_norm = mem.alloc<bf16>(d);
     d_lm_head = mem.alloc<bf16>(v * d);
     d_embed_f32 = mem.alloc<float>(v * d);
-    d_lm_head_f32 = mem.alloc<float>(v * d);
     for (std::int64_t l = 0; l <= cfg.layers; ++l) hidden.push_back(mem.alloc<bf16>(n * d));
     h_final = mem.alloc<bf16>(n * d);
     g_a = mem.alloc<bf16>(n * d);
@@ -425,7 +425,7 @@ struct Model {
     head.loss.vocab = v;
     head.loss.loss = loss;  // mean over the targets that are not ignored
     head.dx = g_a;
-    head.dweight = d_lm_head_f32;
+    head.dweight = d_lm_head;
   }
 
   template <class F>
@@ -494,7 +494,7 @@ struct Model {
                                                                         .weight = final_norm, .rstd = rstd_final,
                                                                         .rows = n, .cols = d, .eps = cfg.rms_eps},
                                         s));
-    TIGON_CHECK(tigon::linear_cross_entropy(head, gemm, s));  // loss, dh_final into g_a, dW_head (fp32)
+    TIGON_CHECK(tigon::linear_cross_entropy(head, gemm, s));  // loss, dh_final into g_a, dW_head
     tigon::RmsNormBackwardArgs<bf16> nb{.dy = g_a, .x = hidden[cfg.layers], .weight = final_norm, .rstd = rstd_final,
                                         .dx = g_b, .dweight = d_final_norm, .rows = n, .cols = d};
     nb.workspace = shared.norm_ws;
@@ -509,7 +509,6 @@ struct Model {
     embedding_backward_kernel<<<static_cast<int>(std::min<std::int64_t>(n, 4096)), 128, 0, s>>>(tokens, g, d_embed_f32,
                                                                                                   n, d);
     cast_kernel<float, bf16><<<grid_for(v * d), 256, 0, s>>>(d_embed_f32, d_embed, v * d);
-    cast_kernel<float, bf16><<<grid_for(v * d), 256, 0, s>>>(d_lm_head_f32, d_lm_head, v * d);
     return cuda(cudaGetLastError(), "embedding_backward");
   }
 

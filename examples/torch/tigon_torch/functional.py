@@ -226,14 +226,27 @@ def tigon_gated_mlp(x, w_gate, w_up, w_down, activation="silu"):
     return TigonGatedMLPFunction.apply(x, _local(w_gate), _local(w_up), _local(w_down), activation)
 
 
+def _hookless(m) -> bool:
+    """No forward or backward hook on module m, and none of Accelerate's (_hf_hook): what its forward
+    would run around the computation is nothing, so a fused op may read its weights directly."""
+    return not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or getattr(m, "_backward_pre_hooks", None) or hasattr(m, "_hf_hook"))
+
+
+def _no_global_hooks() -> bool:
+    """No module hook registered for every module (torch.nn.modules.module's global hooks)."""
+    from torch.nn.modules import module as _m
+
+    return not (_m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks
+                or getattr(_m, "_global_backward_pre_hooks", None))
+
+
 def _plain_linear(m, x) -> bool:
     """m is an nn.Linear without bias whose forward is nothing but x @ weight.T: no hooks, no forward
     replaced on the instance (Accelerate's offload hooks), a plain weight (not a quantised or
     distributed tensor subclass) on x's device. PEFT adapters and FSDP1 wrappers are other types."""
     w = getattr(m, "weight", None)
-    return (type(m) is torch.nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
-            and not m._backward_hooks and not getattr(m, "_backward_pre_hooks", None)
-            and "forward" not in m.__dict__ and not hasattr(m, "_hf_hook")
+    return (type(m) is torch.nn.Linear and m.bias is None and _hookless(m) and "forward" not in m.__dict__
             and type(w) in (torch.nn.Parameter, torch.Tensor) and w.device == x.device)
 
 
@@ -242,8 +255,6 @@ def gated_mlp_fusable(mlp, x) -> bool:
     plain bias-free nn.Linear (see _plain_linear), weights of x's dtype, no autocast, no global module
     hooks, x on a CUDA device. Otherwise a caller keeps the module's own projections (and may still fuse
     the activation)."""
-    from torch.nn.modules import module as _m
-
     if not _ops.on_device(x):
         return False
     projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
@@ -253,8 +264,7 @@ def gated_mlp_fusable(mlp, x) -> bool:
         return False
     if torch.is_autocast_enabled(x.device.type):
         return False
-    return not (_m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks
-                or getattr(_m, "_global_backward_pre_hooks", None))
+    return _no_global_hooks()
 
 
 def tigon_cross_entropy(

@@ -1015,16 +1015,11 @@ def _fusable(norm, x: torch.Tensor) -> bool:
     no hooks on it (DeepSpeed ZeRO-3 gathers a module's weight in its forward's pre-hook, Accelerate
     moves it in _hf_hook) and a plain weight on x's device (a DTensor is a weight FSDP2 or tensor
     parallelism has not gathered: the layer it belongs to has not run yet)."""
-    from torch.nn.modules import module as _m
-
     w = getattr(norm, "weight", None)
     return (getattr(norm, "_tigon_offset", None) is not None and _rms_supported(x, w)
             and (w is None or (type(w) in (nn.Parameter, torch.Tensor) and w.device == x.device
                                and not hasattr(w, "ds_id")))
-            and not (norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks
-                     or getattr(norm, "_backward_pre_hooks", None) or hasattr(norm, "_hf_hook"))
-            and not (_m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks
-                     or getattr(_m, "_global_backward_pre_hooks", None)))
+            and F._hookless(norm) and F._no_global_hooks())
 
 
 def _add_norm(norm, x: torch.Tensor, residual: torch.Tensor):

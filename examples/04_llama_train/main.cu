@@ -218,7 +218,7 @@ int bench_layer(tigon::CublasLtGemm& gemm, cudaStream_t s) {
   fill_kernel<<<1024, 256, 0, s>>>(x, n * d, 101, 1.0f);
   fill_kernel<<<1024, 256, 0, s>>>(dy, n * d, 102, 1.0f);
   CHECK_CUDA(cudaGetLastError());
-  for (int i = 0; i < 3; ++i) {  // GEMM algorithm selection, warm-up
+  for (int i = 0; i < 3; ++i) {  // warm-up: cuBLASLt plans, cuDNN graphs
     CHECK_TIGON(layer.forward(sh, x, y, s));
     CHECK_TIGON(layer.backward(sh, x, dy, dx, s));
   }
@@ -226,54 +226,65 @@ int bench_layer(tigon::CublasLtGemm& gemm, cudaStream_t s) {
   CHECK_CUDA(cudaEventCreate(&e0));
   CHECK_CUDA(cudaEventCreate(&e1));
   CHECK_CUDA(cudaEventCreate(&e2));
-  std::vector<float> fwd, bwd, graph_ms;
-  for (int i = 0; i < 20; ++i) {
-    CHECK_CUDA(cudaEventRecord(e0, s));
-    CHECK_TIGON(layer.forward(sh, x, y, s));
-    CHECK_CUDA(cudaEventRecord(e1, s));
-    CHECK_TIGON(layer.backward(sh, x, dy, dx, s));
-    CHECK_CUDA(cudaEventRecord(e2, s));
-    CHECK_CUDA(cudaEventSynchronize(e2));
-    float f = 0, b = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&f, e0, e1));
-    CHECK_CUDA(cudaEventElapsedTime(&b, e1, e2));
-    fwd.push_back(f);
-    bwd.push_back(b);
-  }
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHECK_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  const tigon::Status f_st = layer.forward(sh, x, y, s);
-  const tigon::Status b_st = f_st.ok() ? layer.backward(sh, x, dy, dx, s) : f_st;
-  CHECK_CUDA(cudaStreamEndCapture(s, &graph));
-  CHECK_TIGON(b_st);
-  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  CHECK_CUDA(cudaGraphLaunch(exec, s));
-  for (int i = 0; i < 20; ++i) {
-    CHECK_CUDA(cudaEventRecord(e0, s));
-    CHECK_CUDA(cudaGraphLaunch(exec, s));
-    CHECK_CUDA(cudaEventRecord(e1, s));
-    CHECK_CUDA(cudaEventSynchronize(e1));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
-    graph_ms.push_back(t);
-  }
   const double nd = static_cast<double>(n);
   const double gemm_fwd = 2.0 * nd * d * (cfg.qkv_cols() + cfg.attn_cols() + 3.0 * cfg.intermediate);
   // Causal attention: half of the 4 * b * h * t^2 * dh of QK^T and PV forward; the backward's 2.5x.
   const double attn_fwd = 2.0 * cfg.batch * cfg.heads_q * static_cast<double>(cfg.seq) * cfg.seq * cfg.head_dim;
-  const double f = median(fwd), b = median(bwd), g = median(graph_ms);
   std::printf("decoder layer, hidden %lld, heads %lld / %lld x %lld, intermediate %lld, batch %lld x seq %lld, "
               "bf16 (medians of 20):\n",
               static_cast<long long>(d), static_cast<long long>(cfg.heads_q), static_cast<long long>(cfg.heads_kv),
               static_cast<long long>(cfg.head_dim), static_cast<long long>(cfg.intermediate),
               static_cast<long long>(cfg.batch), static_cast<long long>(cfg.seq));
-  std::printf("  forward  %.3f ms (%.0f TFLOP/s)\n", f, (gemm_fwd + attn_fwd) / (f * 1e-3) / 1e12);
-  std::printf("  backward %.3f ms (%.0f TFLOP/s)\n", b, (2 * gemm_fwd + 2.5 * attn_fwd) / (b * 1e-3) / 1e12);
-  std::printf("  forward + backward %.3f ms eager, %.3f ms as one graph; %.0f MB of device memory\n", f + b, g,
-              mem.bytes() / 1e6);
-  CHECK_CUDA(cudaGraphExecDestroy(exec));
-  CHECK_CUDA(cudaGraphDestroy(graph));
+  // Forward, backward and the whole step as one CUDA graph, timed with the GEMM back end as it stands.
+  auto measure = [&](const char* label) {
+    std::vector<float> fwd, bwd, graph_ms;
+    for (int i = 0; i < 20; ++i) {
+      CHECK_CUDA(cudaEventRecord(e0, s));
+      CHECK_TIGON(layer.forward(sh, x, y, s));
+      CHECK_CUDA(cudaEventRecord(e1, s));
+      CHECK_TIGON(layer.backward(sh, x, dy, dx, s));
+      CHECK_CUDA(cudaEventRecord(e2, s));
+      CHECK_CUDA(cudaEventSynchronize(e2));
+      float f = 0, b = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&f, e0, e1));
+      CHECK_CUDA(cudaEventElapsedTime(&b, e1, e2));
+      fwd.push_back(f);
+      bwd.push_back(b);
+    }
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CHECK_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    const tigon::Status f_st = layer.forward(sh, x, y, s);
+    const tigon::Status b_st = f_st.ok() ? layer.backward(sh, x, dy, dx, s) : f_st;
+    CHECK_CUDA(cudaStreamEndCapture(s, &graph));
+    CHECK_TIGON(b_st);
+    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    CHECK_CUDA(cudaGraphLaunch(exec, s));
+    for (int i = 0; i < 20; ++i) {
+      CHECK_CUDA(cudaEventRecord(e0, s));
+      CHECK_CUDA(cudaGraphLaunch(exec, s));
+      CHECK_CUDA(cudaEventRecord(e1, s));
+      CHECK_CUDA(cudaEventSynchronize(e1));
+      float t = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+      graph_ms.push_back(t);
+    }
+    CHECK_CUDA(cudaGraphExecDestroy(exec));
+    CHECK_CUDA(cudaGraphDestroy(graph));
+    const double f = median(fwd), b = median(bwd), g = median(graph_ms);
+    std::printf(" %s:\n", label);
+    std::printf("  forward  %.3f ms (%.0f TFLOP/s)\n", f, (gemm_fwd + attn_fwd) / (f * 1e-3) / 1e12);
+    std::printf("  backward %.3f ms (%.0f TFLOP/s)\n", b, (2 * gemm_fwd + 2.5 * attn_fwd) / (b * 1e-3) / 1e12);
+    std::printf("  forward + backward %.3f ms eager, %.3f ms as one graph\n", f + b, g);
+  };
+  measure("GEMMs on cuBLASLt's first heuristic algorithm");
+  // One pass with algorithm tuning on (its outputs are discarded), then the same timing.
+  gemm.set_tuning(8);
+  CHECK_TIGON(layer.forward(sh, x, y, s));
+  CHECK_TIGON(layer.backward(sh, x, dy, dx, s));
+  gemm.set_tuning(1);
+  measure("GEMMs on the fastest of cuBLASLt's first 8 algorithms (CublasLtGemm::set_tuning)");
+  std::printf("  %.0f MB of device memory\n", mem.bytes() / 1e6);
   return 0;
 }
 

@@ -5,6 +5,8 @@
 // rank's slice of the gradient and the loss outputs bitwise those of the split pieces run on one GPU.
 #include "gpu_test.cuh"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <memory>
 #include <thread>
@@ -175,7 +177,11 @@ TEST_CASE("vocab_parallel_cross_entropy: one rank, the split pieces and the whol
     CHECK(same_bytes(got.lse, ref.lse));
     CHECK(same_bytes(got.argmax, ref.argmax));
     // cross_entropy on the whole vocabulary: the same loss within fp32 rounding, the same gradient
-    // within one bf16 rounding.
+    // within one bf16 unit in the last place (two roundings of values equal to fp32 rounding can land
+    // one unit apart: 2^-7 of the value at most). With the softcap the whole op takes the special-
+    // function unit's tanh on 16-bit logits (relative error under 2^-10.9) where the shard pieces take
+    // the rational one: each capped logit moves by at most cap 2^-10.9, so p_i = exp(z_i - lse) by a
+    // factor within exp(2 cap 2^-10.9), and the factor 1 - u_i^2 by 2 u_i^2 2^-10.9 / (1 - u_i^2).
     Shard whole(c.rows, c.vocab);
     load_shard(whole, in, c.vocab, 0);
     auto a = whole.args(c);
@@ -188,11 +194,21 @@ TEST_CASE("vocab_parallel_cross_entropy: one rank, the split pieces and the whol
     CHECK(std::abs(w.loss[0] - got.loss[0]) <= 2e-6f * std::abs(w.loss[0]) + 1e-7f);
     CHECK(same_bytes(w.argmax, got.argmax));
     const auto wg = fetch(whole.dx.ptr, c.rows * c.vocab);
+    const double eps_tanh = std::exp2(-10.9);
     int off = 0;
+    double worst = 0;
     for (std::size_t i = 0; i < wg.size(); ++i) {
-      const float x = to_float(wg[i]), y = to_float(g[i]);
-      off += !(std::abs(x - y) <= 0x1p-8f * std::abs(x) + 1e-12f);
+      const double x = to_float(wg[i]), y = to_float(g[i]);
+      double rel = 0x1p-7;
+      if (c.softcap > 0) {
+        const double u = std::tanh(double(to_float(in.x[i])) / c.softcap);
+        rel += std::expm1(2 * c.softcap * eps_tanh) + 2 * u * u * eps_tanh / (1 - u * u);
+      }
+      const double bound = rel * std::abs(y) + 1e-12;
+      worst = std::max(worst, std::abs(x - y) / bound);
+      off += !(std::abs(x - y) <= bound);
     }
+    INFO("gradient elements off the whole op's: " << off << ", worst at " << worst << " of its bound");
     CHECK(off == 0);
   }
   // A rejected call communicates and writes nothing: a workspace too small.

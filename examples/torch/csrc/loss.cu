@@ -120,15 +120,12 @@ void scale_rows(const Tensor& x, const Tensor& scale) {
   });
 }
 
-// One cuBLASLt back end per (device, stream), with its own 32 MiB workspace from torch's caching
-// allocator: cuBLASLt plans are cached per shape inside it, and a stream never shares its GEMM
-// workspace with another stream's kernels. Kept for the life of the process (never destroyed, so
-// nothing runs at exit after CUDA or the allocator have gone).
-struct GemmSlot {
-  Tensor workspace;
-  std::unique_ptr<tigon::CublasLtGemm> gemm;
-};
-
+// One cuBLASLt back end per (device, stream): cuBLASLt plans are cached per shape inside it. Kept for
+// the life of the process (never destroyed, so nothing runs at exit after CUDA has gone). Its 32 MiB
+// workspace is taken from torch's caching allocator for each call and released with it: a workspace
+// held across calls would, if first taken inside a CUDA-graph capture (torch.compile's
+// "reduce-overhead" warm-up, torch.cuda.graph), stay alive in that graph's memory pool, which
+// CUDA-graph trees reject; taken per call it costs one cached block.
 constexpr std::size_t kGemmWorkspaceBytes = std::size_t{32} << 20;
 
 std::mutex& gemm_mutex() {
@@ -137,17 +134,15 @@ std::mutex& gemm_mutex() {
 }
 
 tigon::CublasLtGemm& gemm_for(const Tensor& ref, cudaStream_t stream) {
-  static auto* slots = new std::map<std::pair<int, cudaStream_t>, GemmSlot*>;
+  static auto* slots = new std::map<std::pair<int, cudaStream_t>, tigon::CublasLtGemm*>;
   const std::pair<int, cudaStream_t> key{ref.device().index(), stream};
   auto it = slots->find(key);
   if (it == slots->end()) {
-    auto* slot = new GemmSlot;
-    slot->workspace = at::empty({static_cast<std::int64_t>(kGemmWorkspaceBytes)}, ref.options().dtype(at::kByte));
-    slot->gemm = std::make_unique<tigon::CublasLtGemm>(slot->workspace.data_ptr(), kGemmWorkspaceBytes);
-    check_status(slot->gemm->status());
-    it = slots->emplace(key, slot).first;
+    auto gemm = std::make_unique<tigon::CublasLtGemm>(nullptr, kGemmWorkspaceBytes);
+    check_status(gemm->status());
+    it = slots->emplace(key, gemm.release()).first;
   }
-  return *it->second->gemm;
+  return *it->second;
 }
 
 // A chunked head's call: its workspace from the caching allocator (bytes as `query` returns them), or
@@ -170,9 +165,12 @@ void run_on_gemm(const Tensor& x, A& a, Query&& query, Run&& run, const OptTenso
   }
   a.workspace = ws.data_ptr();
   a.workspace_bytes = bytes;
+  const Tensor gemm_ws = workspace(kGemmWorkspaceBytes, x);
   const cudaStream_t stream = current_stream(x);
   const std::lock_guard<std::mutex> lock(gemm_mutex());
-  check_status(run(a, gemm_for(x, stream), stream));
+  tigon::CublasLtGemm& gemm = gemm_for(x, stream);
+  gemm.set_workspace(gemm_ws.data_ptr());
+  check_status(run(a, gemm, stream));
 }
 
 void linear_cross_entropy(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& target,

@@ -72,8 +72,14 @@ def _saved_grad(t, dtype):
 
 
 def _scaled_grad(t, go, dtype):
-    """A saved gradient (_saved_grad) times the upstream scalar go, in dtype."""
-    return None if t is None else _cast(t * go.to(t.dtype), dtype)
+    """A saved gradient (_saved_grad) times the upstream scalar go, in dtype. Eagerly in place: the saved
+    gradient belongs to this backward alone, so no second [V, H] buffer is allocated (a second backward
+    through the same graph then fails autograd's version check of saved tensors instead of scaling
+    twice); out of place while torch.compile traces, which does not mutate a backward graph's inputs."""
+    if t is None:
+        return None
+    scale = go.to(t.dtype)
+    return _cast(t * scale if _compiling() else t.mul_(scale), dtype)
 
 
 def _head_grad_dtype(w_dtype, accum_dtype=None):

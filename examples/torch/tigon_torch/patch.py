@@ -1023,7 +1023,12 @@ def _fusable(norm, x: torch.Tensor) -> bool:
 
 
 def _add_norm(norm, x: torch.Tensor, residual: torch.Tensor):
-    """(norm(x + residual), x + residual) in one tigon call."""
+    """(norm(x + residual), x + residual) in one tigon call. Operands of different dtypes (autocast: a
+    bfloat16 attention or MLP output on a float32 residual stream) are first cast to the promoted dtype,
+    exactly, as Hugging Face's `residual + x` promotes them."""
+    if x.dtype != residual.dtype:
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(dtype), residual.to(dtype)
     eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
     return F.tigon_fused_add_rms_norm(x, residual, norm.weight, eps, norm._tigon_offset, norm._tigon_casting,
                                       norm._tigon_in_place)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops as _o
-from .functions import TigonFusedLinearLogProbFunction, _cast, _head_operands, check_targets
+from .functions import TigonFusedLinearLogProbFunction, _cast, _head_grad_dtype, _head_operands, _scaled_grad, check_targets
 from .ops import ops, vector
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
@@ -125,8 +125,9 @@ class _FusedPairPreference(torch.autograd.Function):
         count = mask[:n].sum()
         nll_count = count.clamp_min(1).to(torch.float32)
         dx = torch.empty(x.shape, dtype=x.dtype, device=dev) if want_dx else None
-        dw = torch.zeros(w.shape, dtype=torch.float32, device=dev) if want_dw else None
-        db = torch.zeros(vocab, dtype=torch.float32, device=dev) if want_db else None
+        gdt = _head_grad_dtype(w.dtype)  # as the linear log-probs: the weight's dtype (float16: float32)
+        dw = torch.zeros(w.shape, dtype=gdt, device=dev) if want_dw else None
+        db = torch.zeros(vocab, dtype=gdt, device=dev) if want_db else None
         P = max(1, min(n, _PAIR_CHUNK_TOKENS // max(1, 2 * T)))
         pieces = {"c": [], "r": [], "csum": [], "rsum": [], "nll": [], "loss": [], "aux": []}
         kept = None
@@ -189,7 +190,8 @@ class _FusedPairPreference(torch.autograd.Function):
             else:
                 aux_out.append(torch.cat([v for v, _ in vals]))
         denom = n * T * vocab
-        ctx.save_for_backward(dx, _cast(dw, w.dtype), _cast(db, b.dtype) if b is not None else None)
+        ctx.save_for_backward(dx, dw, db)
+        ctx.dtypes = (x.dtype, w.dtype, b.dtype if b is not None else None)
         outs = (loss, torch.cat(pieces["c"]), torch.cat(pieces["r"]), torch.stack(pieces["csum"]).sum() / denom,
                 torch.stack(pieces["rsum"]).sum() / denom, nll, *aux_out)
         for t in outs[1:]:
@@ -198,10 +200,9 @@ class _FusedPairPreference(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        dx, dw, db = ctx.saved_tensors
         go = grad_loss.reshape(())
-        scale = (lambda t: t * go.to(t.dtype) if t is not None else None)
-        return scale(dx), scale(dw), scale(db), None, None, None, None, None, None, None, None
+        dx, dw, db = (_scaled_grad(t, go, d) for t, d in zip(ctx.saved_tensors, ctx.dtypes))
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def _fused_pairs_apply(_input, weight, target, bias, ignore_index, average_log_prob, compute_nll_loss, alpha, loss_fn,

@@ -14,6 +14,12 @@ for torch.compile, and the largest difference from eager's outputs (and gradient
 largest eager value. Every implementation gets its own inputs, generated from the same seed
 (Liger overwrites some of its inputs).
 
+--host measures the host's cost instead: tiny inputs (16 tokens at LLaMA-3-8B's widths; the linear
+cross-entropy with a 4096-word vocabulary), each row the wall time per call of --host-calls calls
+issued back to back and ended by one synchronisation (median of 5 such runs), so the host's work
+(Python, autograd, dispatch, launches) decides it; the impl `torch` is torch's own native op where
+one exists (F.rms_norm).
+
 Writes OUTDIR/ops.json and OUTDIR/ops.md; bench/compare/plot.py draws them. Rows that do not fit in
 --max-seconds are listed as skipped. Forward rows run under torch.no_grad() with inputs that do not
 require gradients.
@@ -38,7 +44,8 @@ from common import Budget, environment, log, probe_liger, probe_tigon, write_jso
 OPS = ["rms_norm", "layer_norm", "add_rms_norm", "rope", "swiglu", "geglu", "cross_entropy",
        "linear_cross_entropy", "jsd", "kl_div", "tvd", "fused_linear_jsd", "dpo", "medusa"]
 MEDUSA_WEIGHTS = [0.8 ** k for k in range(5)]
-IMPLS = ["eager", "compile", "liger", "tigon"]
+IMPLS = ["eager", "torch", "compile", "liger", "tigon"]
+TORCH_NATIVE = {"rms_norm"}  # ops with a native torch op of their own (the impl `torch`)
 MODES = ["fwd", "fwdbwd"]
 
 # LLaMA-3-8B
@@ -67,6 +74,17 @@ def main_shapes() -> list[tuple[str, dict]]:
     rows.append(("dpo", {"B": 8, "T": 1024, "D": HIDDEN, "V": VOCAB}))
     # Medusa: 5 extra heads over the last hidden states of 4096 tokens.
     rows.append(("medusa", {"K": 5, "N": 4096, "D": HIDDEN, "V": VOCAB}))
+    return rows
+
+
+def host_shapes() -> list[tuple[str, dict]]:
+    """--host: 16 tokens at LLaMA-3-8B's widths, the GPU's share of each call a few microseconds."""
+    n = 16
+    rows = [(op, {"N": n, "D": HIDDEN}) for op in ("rms_norm", "layer_norm", "add_rms_norm")]
+    rows.append(("rope", {"B": 1, "T": n, "HQ": NQ, "HK": NKV, "HD": HD}))
+    rows += [(op, {"N": n, "I": INTER}) for op in ("swiglu", "geglu")]
+    rows.append(("cross_entropy", {"N": n, "V": VOCAB}))
+    rows.append(("linear_cross_entropy", {"N": n, "D": HIDDEN, "V": 4096}))
     return rows
 
 
@@ -370,6 +388,15 @@ def _llama_rms_norm(hf, s, w):
     return m
 
 
+def torch_fn(op: str):
+    """torch's own native op (TORCH_NATIVE)."""
+    import torch.nn.functional as F
+
+    if op == "rms_norm":
+        return lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS)
+    raise ValueError(op)
+
+
 def liger_fn(op: str, fn_cls):
     if op == "rms_norm":
         return lambda x, w: fn_cls.apply(x, w, EPS, 0.0, "llama", True)
@@ -468,6 +495,28 @@ def make_call(fn, case: Case, mode: str, grads_out: list | None):
         dws = torch.autograd.grad(outs, wrt, gs)
         return outs, list(dws)
     return call
+
+
+def host_time(call, calls: int, device) -> list[float]:
+    """--host: microseconds per call of `calls` calls issued back to back and ended by one
+    synchronisation, five times."""
+    import torch
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(10):
+        call()
+    sync()
+    us = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        sync()
+        us.append((time.perf_counter() - t0) / calls * 1e6)
+    return us
 
 
 def time_call(call, reps: int, warmup: int, device, flush_buf, max_seconds: float,
@@ -600,7 +649,7 @@ def run(args) -> int:
     if device.type != "cuda":
         log("device is not CUDA: tigon and Liger need CUDA tensors; timings here are not measurements")
 
-    shapes = [] if args.sweep_only else [r for r in main_shapes() if r[0] in ops]
+    shapes = [] if args.sweep_only else [r for r in (host_shapes() if args.host else main_shapes()) if r[0] in ops]
     if args.tokens:  # the LLaMA-3-8B shapes only; the sweep keeps its own sizes
         want = {int(t) for t in args.tokens.split(",")}
         shapes = [r for r in shapes if r[1].get("N", r[1].get("B", 0) * r[1].get("T", 0)) in want]
@@ -627,6 +676,8 @@ def run(args) -> int:
             ref = None
             for impl in impls:
                 k += 1
+                if impl == "torch" and op not in TORCH_NATIVE:  # eager is torch's own ops there
+                    continue
                 tag = f"[{k}/{total} {budget.elapsed():6.0f}s] {op} {shape_str(op, s)} {mode} {impl}"
                 if budget.left() < args.min_row_seconds:
                     skipped.append({"op": op, "shape": shape_str(op, s), "mode": mode, "impl": impl,
@@ -644,6 +695,8 @@ def run(args) -> int:
                     row["note"] = case.note
                     if impl == "eager":
                         fn = eager_fn(op, s, hf, case.inputs)
+                    elif impl == "torch":
+                        fn = torch_fn(op)
                     elif impl == "compile":
                         torch._dynamo.reset()
                         fn = torch.compile(eager_fn(op, s, hf, case.inputs), dynamic=False)
@@ -674,6 +727,15 @@ def run(args) -> int:
                     elif ref is not None:
                         row["max_rel_diff_vs_eager"] = max_rel_diff(ref, first)
                     del first
+                    if args.host:
+                        us = host_time(call, args.host_calls, device)
+                        row.update(host_us=round(statistics.median(us), 2), host_us_min=round(min(us), 2),
+                                   calls=args.host_calls)
+                        log(f"{tag}: {row['host_us']:.1f} us a call")
+                        del call, fn, case, grads_out
+                        rows.append(row)
+                        save()
+                        continue
                     row["peak_extra_bytes"] = peak_extra(call, device)
                     per_row = min(args.row_seconds, max(0.5, budget.left() - args.min_row_seconds))
                     ts, n = time_call(call, args.reps, args.warmup, device, flush_buf, per_row, args.lead_us)
@@ -726,11 +788,20 @@ def markdown(rows: list[dict], skipped: list[dict], env: dict) -> str:
         "Environment: " + ", ".join(f"{k} {env.get(k)}" for k in ("gpu", "torch", "cuda", "triton", "transformers")),
         f"Liger: {env.get('liger')}; tigon: {env.get('tigon')}",
         "",
-        "Each cell: median ms, then GB/s of useful bytes (or TFLOP/s for linear cross-entropy), then "
-        "peak extra memory in GiB. 'vs best peer': the best peer's time / tigon's time (> 1: tigon faster).",
-        (f"GPU time: the GPU spins about {env.get('lead_us', 0):g} us before each timed call, so the host's "
-         "enqueueing of the call (Python, autograd, launches) is not timed."
-         if env.get("lead_us") else "The host's enqueueing of each call is timed with it (no lead spin)."),
+    ]
+    if any("host_us" in r for r in rows):
+        lines += ["Host cost (--host): each cell the wall time per call of calls issued back to back on tiny "
+                  "inputs (median of 5 runs). 'vs best peer': the best peer's time / tigon's time (> 1: tigon "
+                  "faster)."]
+    else:
+        lines += [
+            "Each cell: median ms, then GB/s of useful bytes (or TFLOP/s for linear cross-entropy), then "
+            "peak extra memory in GiB. 'vs best peer': the best peer's time / tigon's time (> 1: tigon faster).",
+            (f"GPU time: the GPU spins about {env.get('lead_us', 0):g} us before each timed call, so the host's "
+             "enqueueing of the call (Python, autograd, launches) is not timed."
+             if env.get("lead_us") else "The host's enqueueing of each call is timed with it (no lead spin)."),
+        ]
+    lines += [
         "",
         "| op | shape | mode | " + " | ".join(impls) + " | vs best peer |",
         "|---|---|---|" + "---|" * len(impls) + "---|",
@@ -746,6 +817,9 @@ def markdown(rows: list[dict], skipped: list[dict], env: dict) -> str:
             r = next((x for x in rows if (x["op"], x["shape"], x["mode"]) == key and x["impl"] == impl), None)
             if r is None:
                 cells.append("-")
+            elif "host_us" in r:
+                cells.append(f"{r['host_us']:.1f} us")
+                times[impl] = r["host_us"]
             elif "ms" in r:
                 rate = f"{r['tflops']} TF/s" if "tflops" in r else f"{r.get('gbps', '-')} GB/s"
                 cells.append(f"{r['ms']:.3f} ms, {rate}, {_fmt_bytes(r.get('peak_extra_bytes'))} GiB")
@@ -798,6 +872,9 @@ def parse(argv=None):
     p.add_argument("--cpu-reference", action="store_true",
                    help="smoke test on the CPU: tigon rows through the test suite's reference kernels "
                         "(examples/torch/tests/reference_ops.py), so the calls are checked, not the kernels")
+    p.add_argument("--host", action="store_true",
+                   help="the host's cost per call on tiny inputs (host_shapes), calls back to back")
+    p.add_argument("--host-calls", type=int, default=200, help="--host: calls per timed run")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of errors")
     return p.parse_args(argv)
 

@@ -492,6 +492,32 @@ def test_fused_add_norm(ext, monkeypatch, family, dtype):
 
 
 @pytest.mark.gpu
+def test_fused_add_norm_mixed_dtypes(ext):
+    """Under autocast a bfloat16 attention or MLP output meets a float32 residual stream: the fused add
+    + RMSNorm gives Hugging Face's `residual + x` (promoted to float32, exactly) and its norm, with
+    gradients in each operand's own dtype."""
+    _, model = _pair("llama", torch.float32, vocab=4096, hidden=256, heads=4, kv_heads=2)
+    tt.apply_tigon_to_llama(model=model)
+    norm = model.model.layers[0].post_attention_layernorm
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 256, device=DEVICE).to(torch.bfloat16).requires_grad_(True)
+    r = torch.randn(2, 8, 256, device=DEVICE, requires_grad=True)
+    normed, total = patch._add_norm(norm, x, r)
+    want_total = r + x
+    assert total.dtype == normed.dtype == torch.float32
+    assert torch.equal(total, want_total)
+    var = want_total.pow(2).mean(-1, keepdim=True)
+    want = norm.weight * (want_total * torch.rsqrt(var + norm.variance_epsilon))
+    torch.testing.assert_close(normed, want, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(normed)
+    dx, dr = torch.autograd.grad((normed * g).sum() + total.sum(), (x, r))
+    ex, er = torch.autograd.grad((want * g).sum() + want_total.sum(), (x, r))
+    assert dx.dtype == torch.bfloat16 and dr.dtype == torch.float32
+    torch.testing.assert_close(dr, er, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dx, ex, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_fused_add_norm_under_outside_checkpointing(ext, reentrant):
     """Layers checkpointed by a wrapper the patch does not know of (torch.utils.checkpoint around each

@@ -71,15 +71,22 @@ def _saved_grad(t, dtype):
     return t if dtype == torch.float16 else _cast(t, dtype)
 
 
+def _graph_kept() -> bool:
+    """Whether the running backward keeps its graph (retain_graph / create_graph: saved tensors are
+    read again later); True where torch cannot tell."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else bool(keep())
+
+
 def _scaled_grad(t, go, dtype):
-    """A saved gradient (_saved_grad) times the upstream scalar go, in dtype. Eagerly in place: the saved
-    gradient belongs to this backward alone, so no second [V, H] buffer is allocated (a second backward
-    through the same graph then fails autograd's version check of saved tensors instead of scaling
-    twice); out of place while torch.compile traces, which does not mutate a backward graph's inputs."""
+    """A saved gradient (_saved_grad) times the upstream scalar go, in dtype. In place when the saved
+    gradient belongs to this backward alone (no second [V, H] buffer); out of place when the graph is
+    kept for another backward (retain_graph, create_graph) and while torch.compile traces (which does not
+    mutate a backward graph's inputs)."""
     if t is None:
         return None
     scale = go.to(t.dtype)
-    return _cast(t * scale if _compiling() else t.mul_(scale), dtype)
+    return _cast(t * scale if _compiling() or _graph_kept() else t.mul_(scale), dtype)
 
 
 def _head_grad_dtype(w_dtype, accum_dtype=None):

@@ -198,7 +198,7 @@ def row_order(t: torch.Tensor) -> list[int]:
     memory order, so that a transposed view (Gemma 3's and Qwen 3's q / k norms) still flattens to
     [rows, cols] without a copy."""
     n = t.dim()
-    if n <= 1:
+    if n <= 1 or t.is_contiguous():
         return list(range(n))
     lead = sorted(range(n - 1), key=lambda d: -t.stride(d))
     return lead + [n - 1]
@@ -214,6 +214,8 @@ def _inverse(order: list[int]) -> list[int]:
 def as_rows(t: torch.Tensor, order: list[int] | None = None) -> torch.Tensor:
     """t as a [rows, cols] matrix with unit column stride and a row stride >= cols (a view when t's
     strides allow it, else a copy). Rows follow `order` (see row_order)."""
+    if t.is_contiguous() and t.dim() > 0 and (order is None or order == sorted(order)):
+        return t.view(-1, t.shape[-1])  # the common case: rows in memory order already
     cols = t.shape[-1] if t.dim() > 0 else 1
     if t.dim() == 0:
         t = t.reshape(1)
@@ -232,6 +234,9 @@ def empty_rows(shape, order: list[int], dtype, device) -> tuple[torch.Tensor, to
     if not shape:
         buf = torch.empty(1, 1, dtype=dtype, device=device)
         return buf, buf.reshape(())
+    if order == sorted(order):  # rows in memory order: both results views of one buffer, as below
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        return buf.view(-1, shape[-1]), buf.view(shape)
     permuted = [shape[d] for d in order]
     buf = torch.empty(permuted, dtype=dtype, device=device)
     return buf.view(-1, shape[-1]), buf.permute(_inverse(order))

@@ -4,7 +4,7 @@
 // same targets (global column indices). One call per rank, on its own device and stream:
 //
 //   1. cross_entropy_shard_stats: per row, this shard's max, sum of exp, the target's logit and
-//      weight when the target is in the shard, the smoothing sums and the argmax;
+//      weight when the target is in the shard, the smoothing sums and (when asked for) the argmax;
 //   2. ncclAllGather of those rows into [ranks][rows] (in place in the workspace);
 //   3. cross_entropy_merge_stats in rank order: every rank holds the same merged statistics, so the
 //      loss outputs are the same bytes on every rank;

@@ -90,7 +90,7 @@ struct CrossEntropyStats {
   float target_logit;  // x_t when the target lies in this shard
   float sum_wx;        // sum_i w_i x_i (label smoothing)
   float sum_w;         // sum_i w_i
-  float argmax_value;
+  float argmax_value;   // the argmax fields are computed when the statistics pass's args.argmax is set
   std::int64_t argmax;  // global column of the largest logit
   int has_target;       // 1 when the target lies in this shard
   float target_weight;  // w_t when the target lies in this shard (1 without class weights)
@@ -395,7 +395,9 @@ template <class P = CrossEntropyPolicy, class T, class I>
 
 // Split vocabulary, step 1: statistics of this shard ([rows, vocab] holding the columns
 // [vocab_offset, vocab_offset + vocab) of a total_vocab-wide vocabulary) into stats[rows]. Targets
-// are global column indices; class weights, when given, are this shard's [vocab] slice.
+// are global column indices; class weights, when given, are this shard's [vocab] slice. The argmax
+// is found only when args.argmax is set (nothing is written there): pass the args the finalize
+// gets, so that the statistics carry the argmax exactly when the finalize writes it.
 template <class P = CrossEntropyPolicy, class T, class I>
 [[nodiscard]] Status cross_entropy_shard_stats(const CrossEntropyArgs<T, I>& args,
                                                std::int64_t vocab_offset, std::int64_t total_vocab,

@@ -290,8 +290,7 @@ Status cross_entropy_chunk(const CrossEntropyArgs<T, I>& loss, T* logits, std::i
       p.stats_out = shard->stats_out;
       p.dx = nullptr;
       p.loss_rows = p.z_rows = nullptr;
-      p.lse = nullptr;
-      p.argmax = nullptr;
+      p.lse = nullptr;  // p.argmax stays: the statistics carry the argmax when the finalize writes one
     }
   }
   return run_ce_rows<P>(p, stream, op);

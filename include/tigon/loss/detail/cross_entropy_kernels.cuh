@@ -416,7 +416,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, (kGrad || kPlain)           ? 0
   __shared__ CeShared<kThreads> sh;
   const int nvec = static_cast<int>(p.vocab / kV);
   const bool smooth = p.eps > 0.0f;
-  const bool want_arg = p.argmax != nullptr || p.stats_out != nullptr;
+  const bool want_arg = p.argmax != nullptr;  // in a statistics pass: the finalize will want it
   const std::uint64_t keep = l2_policy<L2Hint::evict_last>();
   const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
   const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
@@ -1423,7 +1423,7 @@ TIGON_KERNEL void __launch_bounds__(32 * kCeStreamMaxWarps, 2)
   const T* xr = p.x + row * p.xs;
   const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
   const bool smooth = p.eps > 0.0f;
-  const bool want_arg = p.argmax != nullptr || p.stats_out != nullptr;
+  const bool want_arg = p.argmax != nullptr;  // in a statistics pass: the finalize will want it
   const float* wcol = p.weights != nullptr ? p.weights + p.col0 : nullptr;
   const bool wvec = is_aligned(wcol, 16);  // the class weights in 16-byte loads
   const float cap = kCap ? p.cap : 0.0f;

@@ -206,24 +206,24 @@ void linear_cross_entropy(const Tensor& x, const Tensor& weight, const OptTensor
     dispatch_index(target.scalar_type(), op, [&](auto ti) {
       using I = typename decltype(ti)::type;
       dispatch_head_grad<T>(gt, [&](auto tg) {
-      using G = typename decltype(tg)::type;
-      tigon::LinearCrossEntropyArgs<T, I, G> a;
-      fill_loss(a.loss, x, X.rows, Wm.rows, target, class_weights, grad_output, loss, loss_rows, z_loss, lse,
-                argmax, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, grad_scale, op);
-      a.loss.token_scaling = token_scaling;
-      a.x = static_cast<const T*>(X.ptr);
-      a.x_stride = X.stride;
-      a.weight = static_cast<const T*>(Wm.ptr);
-      a.bias = ptr<const T>(bias);
-      a.hidden = X.cols;
-      a.dx = static_cast<T*>(DX.ptr);
-      a.dx_stride = DX.stride;
-      a.dweight = ptr<G>(dweight);
-      a.dbias = ptr<G>(dbias);
-      a.chunk = chunk;
-      run_on_gemm(
-          x, a, [](const auto& q, std::size_t& b) { return tigon::linear_cross_entropy_workspace_bytes(q, b); },
-          [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_cross_entropy(q, g, st); });
+        using G = typename decltype(tg)::type;
+        tigon::LinearCrossEntropyArgs<T, I, G> a;
+        fill_loss(a.loss, x, X.rows, Wm.rows, target, class_weights, grad_output, loss, loss_rows, z_loss, lse,
+                  argmax, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, grad_scale, op);
+        a.loss.token_scaling = token_scaling;
+        a.x = static_cast<const T*>(X.ptr);
+        a.x_stride = X.stride;
+        a.weight = static_cast<const T*>(Wm.ptr);
+        a.bias = ptr<const T>(bias);
+        a.hidden = X.cols;
+        a.dx = static_cast<T*>(DX.ptr);
+        a.dx_stride = DX.stride;
+        a.dweight = ptr<G>(dweight);
+        a.dbias = ptr<G>(dbias);
+        a.chunk = chunk;
+        run_on_gemm(
+            x, a, [](const auto& q, std::size_t& b) { return tigon::linear_cross_entropy_workspace_bytes(q, b); },
+            [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_cross_entropy(q, g, st); });
       });
     });
   });
@@ -297,38 +297,38 @@ void linear_cross_entropy_heads(const Tensor& x, at::TensorList weights, at::Ten
     dispatch_index(targets.scalar_type(), op, [&](auto ti) {
       using I = typename decltype(ti)::type;
       dispatch_head_grad<T>(gt, [&](auto tg) {
-      using G = typename decltype(tg)::type;
-      std::vector<const T*> wp, bp;
-      std::vector<G*> dwp, dbp;
-      for (std::int64_t k = 0; k < heads; ++k) {
-        wp.push_back(static_cast<const T*>(weights[k].data_ptr()));
-        if (!biases.empty()) bp.push_back(static_cast<const T*>(biases[k].data_ptr()));
-        if (!dweights.empty()) dwp.push_back(ptr<G>(dweights[k]));
-        if (!dbiases.empty()) dbp.push_back(ptr<G>(dbiases[k]));
-      }
-      tigon::LinearCrossEntropyHeadsArgs<T, I, G> a;
-      fill_loss(a.loss, x, X.rows, vocab, targets[0], class_weights, none ? OptTensor() : grad_output, loss,
-                OptTensor(), z_loss, OptTensor(), OptTensor(), ignore_index, label_smoothing, z_loss_scale, softcap,
-                reduction, grad_scale, op);
-      if (none && grad_output) a.loss.grad_output = per_head_rows(grad_output, "grad_output");
-      a.loss.loss_rows = per_head_rows(loss_rows, "loss_rows");
-      a.targets_stride = X.rows;
-      a.x = static_cast<const T*>(X.ptr);
-      a.x_stride = X.stride;
-      a.hidden = X.cols;
-      a.heads = static_cast<int>(heads);
-      a.weights = wp.data();
-      a.biases = bp.empty() ? nullptr : bp.data();
-      a.head_weights = hw.data();
-      a.head_losses = ptr<float>(head_losses);
-      a.dx = static_cast<T*>(DX.ptr);
-      a.dx_stride = DX.stride;
-      a.dweights = dwp.empty() ? nullptr : dwp.data();
-      a.dbiases = dbp.empty() ? nullptr : dbp.data();
-      a.chunk = chunk;
-      run_on_gemm(
-          x, a, [](const auto& q, std::size_t& b) { return tigon::linear_cross_entropy_heads_workspace_bytes(q, b); },
-          [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_cross_entropy_heads(q, g, st); });
+        using G = typename decltype(tg)::type;
+        std::vector<const T*> wp, bp;
+        std::vector<G*> dwp, dbp;
+        for (std::int64_t k = 0; k < heads; ++k) {
+          wp.push_back(static_cast<const T*>(weights[k].data_ptr()));
+          if (!biases.empty()) bp.push_back(static_cast<const T*>(biases[k].data_ptr()));
+          if (!dweights.empty()) dwp.push_back(ptr<G>(dweights[k]));
+          if (!dbiases.empty()) dbp.push_back(ptr<G>(dbiases[k]));
+        }
+        tigon::LinearCrossEntropyHeadsArgs<T, I, G> a;
+        fill_loss(a.loss, x, X.rows, vocab, targets[0], class_weights, none ? OptTensor() : grad_output, loss,
+                  OptTensor(), z_loss, OptTensor(), OptTensor(), ignore_index, label_smoothing, z_loss_scale, softcap,
+                  reduction, grad_scale, op);
+        if (none && grad_output) a.loss.grad_output = per_head_rows(grad_output, "grad_output");
+        a.loss.loss_rows = per_head_rows(loss_rows, "loss_rows");
+        a.targets_stride = X.rows;
+        a.x = static_cast<const T*>(X.ptr);
+        a.x_stride = X.stride;
+        a.hidden = X.cols;
+        a.heads = static_cast<int>(heads);
+        a.weights = wp.data();
+        a.biases = bp.empty() ? nullptr : bp.data();
+        a.head_weights = hw.data();
+        a.head_losses = ptr<float>(head_losses);
+        a.dx = static_cast<T*>(DX.ptr);
+        a.dx_stride = DX.stride;
+        a.dweights = dwp.empty() ? nullptr : dwp.data();
+        a.dbiases = dbp.empty() ? nullptr : dbp.data();
+        a.chunk = chunk;
+        run_on_gemm(
+            x, a, [](const auto& q, std::size_t& b) { return tigon::linear_cross_entropy_heads_workspace_bytes(q, b); },
+            [](const auto& q, auto& g, cudaStream_t st) { return tigon::linear_cross_entropy_heads(q, g, st); });
       });
     });
   });
@@ -353,20 +353,20 @@ void with_logprob_args(const char* op, const Tensor& x, const Tensor& weight, co
     dispatch_index(target.scalar_type(), op, [&](auto ti) {
       using I = typename decltype(ti)::type;
       dispatch_head_grad<T>(grad_dtype, [&](auto tg) {
-      using G = typename decltype(tg)::type;
-      tigon::LinearLogProbArgs<T, I, G> a;
-      a.x = static_cast<const T*>(X.ptr);
-      a.x_stride = X.stride;
-      a.weight = static_cast<const T*>(Wm.ptr);
-      a.bias = ptr<const T>(bias);
-      a.hidden = X.cols;
-      a.targets = static_cast<const I*>(vector_of(target, x, target.scalar_type(), X.rows, op, "target"));
-      a.tokens = X.rows;
-      a.vocab = Wm.rows;
-      a.ignore_index = ignore_index;
-      a.temperature = static_cast<float>(temperature);
-      a.chunk = chunk;
-      f(a, X);
+        using G = typename decltype(tg)::type;
+        tigon::LinearLogProbArgs<T, I, G> a;
+        a.x = static_cast<const T*>(X.ptr);
+        a.x_stride = X.stride;
+        a.weight = static_cast<const T*>(Wm.ptr);
+        a.bias = ptr<const T>(bias);
+        a.hidden = X.cols;
+        a.targets = static_cast<const I*>(vector_of(target, x, target.scalar_type(), X.rows, op, "target"));
+        a.tokens = X.rows;
+        a.vocab = Wm.rows;
+        a.ignore_index = ignore_index;
+        a.temperature = static_cast<float>(temperature);
+        a.chunk = chunk;
+        f(a, X);
       });
     });
   });

@@ -1150,7 +1150,6 @@ def _patch_decoders(fam: _Family, mod, model) -> None:
             _link_decoder_layers(m, decoder_cls)
 
 
-
 # The switches _apply reads, and the one each parameter name sets (swiglu / geglu / relu_squared: the
 # MLP; any other name only its own).
 _SWITCHES = ("rope", "rms_norm", "mlp", "layer_norm", "fused_mlp", "fused_add_norm", "cross_entropy",

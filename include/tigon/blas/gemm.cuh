@@ -62,6 +62,12 @@ struct GemmArgs {
   float beta = 0.0f;
 };
 
+// The weight gradients' type G of the chunked heads (linear cross-entropy, its heads, linear log-probs,
+// linear divergences), which accumulate them through GemmArgs<T, G>: float (fp32 across the chunks) or
+// the weight's own type T (each chunk's product adds into it and rounds once).
+template <class T, class G>
+inline constexpr bool head_grad_type_ok = std::is_same_v<G, float> || std::is_same_v<G, T>;
+
 namespace detail {
 
 template <class T>

@@ -44,12 +44,9 @@
 
 TIGON_NAMESPACE_BEGIN
 
-template <class T, class G>
-inline constexpr bool lce_grad_type_ok = std::is_same_v<G, float> || std::is_same_v<G, T>;
-
 template <class T, class I = std::int64_t, class G = float>
 struct LinearCrossEntropyArgs {
-  static_assert(lce_grad_type_ok<T, G>, "the weight gradients are float or the weight's type");
+  static_assert(head_grad_type_ok<T, G>, "the weight gradients are float or the weight's type");
   const T* x = nullptr;       // [tokens, hidden], row stride x_stride (0: hidden)
   std::int64_t x_stride = 0;
   const T* weight = nullptr;  // [vocab, hidden], contiguous
@@ -74,7 +71,7 @@ struct LinearCrossEntropyArgs {
 inline constexpr int kMaxLceHeads = 32;
 template <class T, class I = std::int64_t, class G = float>
 struct LinearCrossEntropyHeadsArgs {
-  static_assert(lce_grad_type_ok<T, G>, "the weight gradients are float or the weight's type");
+  static_assert(head_grad_type_ok<T, G>, "the weight gradients are float or the weight's type");
   const T* x = nullptr;  // [tokens, hidden], row stride x_stride (0: hidden)
   std::int64_t x_stride = 0;
   std::int64_t hidden = 0;

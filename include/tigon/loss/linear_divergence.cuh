@@ -34,7 +34,7 @@ TIGON_NAMESPACE_BEGIN
 
 template <class T, class I = std::int64_t, class G = float>
 struct LinearDivergenceArgs {
-  static_assert(std::is_same_v<G, float> || std::is_same_v<G, T>, "the weight gradient is float or T");
+  static_assert(head_grad_type_ok<T, G>, "the weight gradient is float or the weight's type");
   // Student: hidden states [tokens, hidden] (row stride x_stride, 0: hidden) and head [vocab, hidden].
   const T* x = nullptr;
   std::int64_t x_stride = 0;

@@ -58,7 +58,7 @@ TIGON_NAMESPACE_BEGIN
 // linear_cross_entropy.cuh).
 template <class T, class I = std::int64_t, class G = float>
 struct LinearLogProbArgs {
-  static_assert(std::is_same_v<G, float> || std::is_same_v<G, T>, "the weight gradients are float or T");
+  static_assert(head_grad_type_ok<T, G>, "the weight gradients are float or the weight's type");
   const T* x = nullptr;  // [tokens, hidden], row stride x_stride (0: hidden)
   std::int64_t x_stride = 0;
   const T* weight = nullptr;  // [vocab, hidden], contiguous

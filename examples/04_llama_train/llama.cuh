@@ -191,14 +191,6 @@ struct Shared {
   void* sdpa_ws = nullptr;
   void* norm_ws = nullptr;
   std::size_t norm_ws_bytes = 0;
-  // Optional (use_side_stream): the weight-gradient GEMMs on a second stream, beside the chain of
-  // data gradients, through a GEMM back end of their own (its own workspace). The events order them:
-  // fork[i] records where the chain has produced what the i-th weight-gradient GEMM reads; the
-  // side's events record where it has finished reading a buffer the chain writes again.
-  cudaStream_t side = nullptr;
-  std::unique_ptr<tigon::CublasLtGemm> side_gemm;
-  cudaEvent_t fork[4] = {}, dwdown_done = nullptr, dwo_done = nullptr, dwqkv_done = nullptr, side_done = nullptr;
-  bool dwo_pending = false, dwqkv_pending = false, side_pending = false;
 
   Shared(const Config& c, tigon::CublasLtGemm& g, DeviceMemory& mem)
       : cfg(c), gemm(g), sdpa(SdpaShape{c.batch, c.seq, c.heads_q, c.heads_kv, c.head_dim}) {
@@ -216,55 +208,6 @@ struct Shared {
     dc = mem.alloc<bf16>(n * c.intermediate);
     dqkv = mem.alloc<bf16>(n * c.qkv_cols());
     if (sdpa.status().ok()) sdpa_ws = mem.alloc<unsigned char>(static_cast<std::int64_t>(sdpa.workspace_bytes()));
-  }
-  Shared(const Shared&) = delete;
-  Shared& operator=(const Shared&) = delete;
-  ~Shared() {
-    for (cudaEvent_t e : {fork[0], fork[1], fork[2], fork[3], dwdown_done, dwo_done, dwqkv_done, side_done}) {
-      if (e != nullptr) cudaEventDestroy(e);
-    }
-    if (side != nullptr) cudaStreamDestroy(side);
-  }
-
-  // Puts the weight-gradient GEMMs of every later backward on a second stream (workspace_bytes of
-  // device memory for its GEMM back end). The step stays capturable: the side stream forks from and
-  // joins the caller's stream through events.
-  Status use_side_stream(DeviceMemory& mem, std::size_t workspace_bytes) {
-    if (side != nullptr) return Status{};
-    TIGON_CHECK(cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate"));
-    for (cudaEvent_t* e : {&fork[0], &fork[1], &fork[2], &fork[3], &dwdown_done, &dwo_done, &dwqkv_done, &side_done}) {
-      TIGON_CHECK(cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate"));
-    }
-    side_gemm = std::make_unique<tigon::CublasLtGemm>(mem.alloc<unsigned char>(static_cast<std::int64_t>(workspace_bytes)),
-                                                      workspace_bytes);
-    return side_gemm->status();
-  }
-
-  // A weight-gradient GEMM: on the side stream after what the caller's stream has enqueued so far
-  // (fork event `i`; `done`, unless null, recorded after it), or on the caller's stream when there is
-  // no side stream.
-  Status weight_gemm(const tigon::GemmArgs<bf16>& g, int i, cudaEvent_t done, cudaStream_t s) {
-    if (side == nullptr) return gemm.gemm(g, s);
-    TIGON_CHECK(cuda(cudaEventRecord(fork[i], s), "cudaEventRecord"));
-    TIGON_CHECK(cuda(cudaStreamWaitEvent(side, fork[i], 0), "cudaStreamWaitEvent"));
-    TIGON_CHECK(side_gemm->gemm(g, side));
-    side_pending = true;
-    return done == nullptr ? Status{} : cuda(cudaEventRecord(done, side), "cudaEventRecord");
-  }
-
-  // The caller's stream waits for `done` (a side-stream event of this pass) when `pending`.
-  Status wait_for(cudaEvent_t done, bool& pending, cudaStream_t s) {
-    if (side == nullptr || !pending) return Status{};
-    pending = false;
-    return cuda(cudaStreamWaitEvent(s, done, 0), "cudaStreamWaitEvent");
-  }
-
-  // After the last layer's backward: the caller's stream waits for every weight gradient.
-  Status join(cudaStream_t s) {
-    if (side == nullptr || !side_pending) return Status{};
-    side_pending = dwo_pending = dwqkv_pending = false;
-    TIGON_CHECK(cuda(cudaEventRecord(side_done, side), "cudaEventRecord"));
-    return cuda(cudaStreamWaitEvent(s, side_done, 0), "cudaStreamWaitEvent");
   }
 
   // The norms' backward workspace: the larger of what the model's two kinds of norm backward ask for
@@ -370,35 +313,25 @@ struct DecoderLayer {
     const std::int64_t n = cfg.tokens(), d = cfg.hidden, i = cfg.intermediate, a = cfg.attn_cols(),
                        q3 = cfg.qkv_cols();
     using G = tigon::GemmArgs<bf16>;
-    TIGON_CHECK(sh.weight_gemm(G{.a = dy, .b = c, .d = d_wdown, .m = d, .n = i, .k = n, .op_a = tigon::Op::t}, 0,
-                               sh.dwdown_done, s));
     TIGON_CHECK(sh.gemm.gemm(G{.a = dy, .b = wdown, .d = sh.dc, .m = n, .n = i, .k = d}, s));
+    TIGON_CHECK(sh.gemm.gemm(G{.a = dy, .b = c, .d = d_wdown, .m = d, .n = i, .k = n, .op_a = tigon::Op::t}, s));
     TIGON_CHECK(tigon::swiglu_backward(
         tigon::GatedBackwardArgs<bf16>{.dc = sh.dc, .a = gu, .b = gu + i, .da = gu, .db = gu + i, .rows = n, .cols = i,
                                        .a_stride = 2 * i, .b_stride = 2 * i, .da_stride = 2 * i, .db_stride = 2 * i},
         s));
-    TIGON_CHECK(sh.weight_gemm(G{.a = gu, .b = h2, .d = d_wgu, .m = 2 * i, .n = d, .k = n, .op_a = tigon::Op::t}, 1,
-                               nullptr, s));
     TIGON_CHECK(sh.gemm.gemm(G{.a = gu, .b = wgu, .d = sh.dh, .m = n, .n = d, .k = 2 * i}, s));
-    TIGON_CHECK(sh.wait_for(sh.dwo_done, sh.dwo_pending, s));  // the layer above's d_wo has read ds2
+    TIGON_CHECK(sh.gemm.gemm(G{.a = gu, .b = h2, .d = d_wgu, .m = 2 * i, .n = d, .k = n, .op_a = tigon::Op::t}, s));
     TIGON_CHECK(tigon::add_rms_norm_backward(
         tigon::AddRmsNormBackwardArgs<bf16>{.dy = sh.dh, .dsum = dy, .sum = s2, .weight = mlp_norm, .rstd = rstd2,
                                             .dx = sh.ds2, .dweight = d_mlp_norm, .rows = n, .cols = d,
                                             .workspace = sh.norm_ws, .workspace_bytes = sh.norm_ws_bytes},
         s));
-    TIGON_CHECK(sh.weight_gemm(G{.a = sh.ds2, .b = o, .d = d_wo, .m = d, .n = a, .k = n, .op_a = tigon::Op::t}, 2,
-                               sh.dwo_done, s));
-    sh.dwo_pending = sh.side != nullptr;
     TIGON_CHECK(sh.gemm.gemm(G{.a = sh.ds2, .b = wo, .d = sh.d_o, .m = n, .n = a, .k = d}, s));
-    TIGON_CHECK(sh.wait_for(sh.dwqkv_done, sh.dwqkv_pending, s));  // the layer above's d_wqkv has read dqkv
+    TIGON_CHECK(sh.gemm.gemm(G{.a = sh.ds2, .b = o, .d = d_wo, .m = d, .n = a, .k = n, .op_a = tigon::Op::t}, s));
     TIGON_CHECK(sh.sdpa.backward(qkv, o, sh.d_o, stats, sh.dqkv, sh.sdpa_ws, s));
     TIGON_CHECK(tigon::rope_backward(sh.rope(sh.dqkv), s));
-    TIGON_CHECK(sh.weight_gemm(G{.a = sh.dqkv, .b = h1, .d = d_wqkv, .m = q3, .n = d, .k = n, .op_a = tigon::Op::t}, 3,
-                               sh.dwqkv_done, s));
-    sh.dwqkv_pending = sh.side != nullptr;
     TIGON_CHECK(sh.gemm.gemm(G{.a = sh.dqkv, .b = wqkv, .d = sh.dh, .m = n, .n = d, .k = q3}, s));
-    bool dwdown_pending = sh.side != nullptr;  // d_wdown has read dy, which dx may be
-    TIGON_CHECK(sh.wait_for(sh.dwdown_done, dwdown_pending, s));
+    TIGON_CHECK(sh.gemm.gemm(G{.a = sh.dqkv, .b = h1, .d = d_wqkv, .m = q3, .n = d, .k = n, .op_a = tigon::Op::t}, s));
     return tigon::add_rms_norm_backward(
         tigon::AddRmsNormBackwardArgs<bf16>{.dy = sh.dh, .dsum = sh.ds2, .sum = x, .weight = attn_norm, .rstd = rstd1,
                                             .dx = dx, .dweight = d_attn_norm, .rows = n, .cols = d,
@@ -572,7 +505,6 @@ struct Model {
       TIGON_CHECK(layers[static_cast<std::size_t>(l)].backward(shared, hidden[l], g, other, s));
       std::swap(g, other);
     }
-    TIGON_CHECK(shared.join(s));  // every layer's weight gradients written
     TIGON_CHECK(cuda(cudaMemsetAsync(d_embed_f32, 0, v * d * sizeof(float), s), "cudaMemsetAsync"));
     embedding_backward_kernel<<<static_cast<int>(std::min<std::int64_t>(n, 4096)), 128, 0, s>>>(tokens, g, d_embed_f32,
                                                                                                   n, d);

@@ -1,7 +1,7 @@
 // A LLaMA-3 model trained from C++ with tigon (llama.cuh): the whole step (batch, forward, loss,
 // backward, clip, AdamW) captured once in a CUDA graph and replayed.
 //
-//   example_llama_train [--steps S] [--side-stream] [--dump DIR [--first-step-only]]
+//   example_llama_train [--steps S] [--dump DIR [--first-step-only]]
 //                                                  train a small model on a synthetic language
 //   example_llama_train --bench-layer              one decoder layer at LLaMA-3-8B's shapes
 //
@@ -12,7 +12,6 @@
 // default. The run passes when the mean loss of the last 20 steps is below a quarter of the first
 // step's. --dump DIR writes the first step's weights, batch, loss and gradients for reference.py,
 // which runs Hugging Face's LlamaForCausalLM on the same weights (--first-step-only: then stops).
-// --side-stream runs the weight-gradient GEMMs on a second stream (llama::Shared::use_side_stream).
 //
 // --bench-layer: forward and backward of one layer (hidden 4096, 32 / 8 heads of 128, intermediate
 // 14336; batch 1, sequence 4096), eager and replayed from a graph, medians of 20 timed with events.
@@ -98,8 +97,7 @@ void dump_first_step(const std::filesystem::path& dir, llama::Model& m, const st
   write_config(dir, m.cfg, loss);
 }
 
-int train(int steps, const char* dump_dir, bool first_step_only, bool side_stream, tigon::CublasLtGemm& gemm,
-          cudaStream_t s) {
+int train(int steps, const char* dump_dir, bool first_step_only, tigon::CublasLtGemm& gemm, cudaStream_t s) {
   llama::Config cfg;
   cfg.vocab = 512;
   cfg.hidden = 256;
@@ -113,7 +111,6 @@ int train(int steps, const char* dump_dir, bool first_step_only, bool side_strea
   cfg.rope_theta = 10000.0;
   llama::Model m(cfg, gemm, steps, /*data_seed=*/0x5eed);
   m.optim.total = static_cast<float>(steps);
-  if (side_stream) CHECK_TIGON(m.shared.use_side_stream(m.mem, 64u << 20));
   CHECK_TIGON(m.init(/*init_seed=*/1234, s));
   std::printf("model: %lld layers, hidden %lld, heads %lld / %lld x %lld, vocabulary %lld; %lld tokens a step; "
               "%.1f MB of device memory\n",
@@ -229,75 +226,54 @@ int bench_layer(tigon::CublasLtGemm& gemm, cudaStream_t s) {
   CHECK_CUDA(cudaEventCreate(&e0));
   CHECK_CUDA(cudaEventCreate(&e1));
   CHECK_CUDA(cudaEventCreate(&e2));
+  std::vector<float> fwd, bwd, graph_ms;
+  for (int i = 0; i < 20; ++i) {
+    CHECK_CUDA(cudaEventRecord(e0, s));
+    CHECK_TIGON(layer.forward(sh, x, y, s));
+    CHECK_CUDA(cudaEventRecord(e1, s));
+    CHECK_TIGON(layer.backward(sh, x, dy, dx, s));
+    CHECK_CUDA(cudaEventRecord(e2, s));
+    CHECK_CUDA(cudaEventSynchronize(e2));
+    float f = 0, b = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&f, e0, e1));
+    CHECK_CUDA(cudaEventElapsedTime(&b, e1, e2));
+    fwd.push_back(f);
+    bwd.push_back(b);
+  }
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  const tigon::Status f_st = layer.forward(sh, x, y, s);
+  const tigon::Status b_st = f_st.ok() ? layer.backward(sh, x, dy, dx, s) : f_st;
+  CHECK_CUDA(cudaStreamEndCapture(s, &graph));
+  CHECK_TIGON(b_st);
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  CHECK_CUDA(cudaGraphLaunch(exec, s));
+  for (int i = 0; i < 20; ++i) {
+    CHECK_CUDA(cudaEventRecord(e0, s));
+    CHECK_CUDA(cudaGraphLaunch(exec, s));
+    CHECK_CUDA(cudaEventRecord(e1, s));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+    graph_ms.push_back(t);
+  }
   const double nd = static_cast<double>(n);
   const double gemm_fwd = 2.0 * nd * d * (cfg.qkv_cols() + cfg.attn_cols() + 3.0 * cfg.intermediate);
   // Causal attention: half of the 4 * b * h * t^2 * dh of QK^T and PV forward; the backward's 2.5x.
   const double attn_fwd = 2.0 * cfg.batch * cfg.heads_q * static_cast<double>(cfg.seq) * cfg.seq * cfg.head_dim;
+  const double f = median(fwd), b = median(bwd), g = median(graph_ms);
   std::printf("decoder layer, hidden %lld, heads %lld / %lld x %lld, intermediate %lld, batch %lld x seq %lld, "
               "bf16 (medians of 20):\n",
               static_cast<long long>(d), static_cast<long long>(cfg.heads_q), static_cast<long long>(cfg.heads_kv),
               static_cast<long long>(cfg.head_dim), static_cast<long long>(cfg.intermediate),
               static_cast<long long>(cfg.batch), static_cast<long long>(cfg.seq));
-  // Forward, backward and the whole step as one CUDA graph, timed with the GEMM back end as it stands.
-  auto measure = [&](const char* label) {
-    std::vector<float> fwd, bwd, graph_ms;
-    for (int i = 0; i < 20; ++i) {
-      CHECK_CUDA(cudaEventRecord(e0, s));
-      CHECK_TIGON(layer.forward(sh, x, y, s));
-      CHECK_CUDA(cudaEventRecord(e1, s));
-      CHECK_TIGON(layer.backward(sh, x, dy, dx, s));
-      CHECK_TIGON(sh.join(s));
-      CHECK_CUDA(cudaEventRecord(e2, s));
-      CHECK_CUDA(cudaEventSynchronize(e2));
-      float f = 0, b = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&f, e0, e1));
-      CHECK_CUDA(cudaEventElapsedTime(&b, e1, e2));
-      fwd.push_back(f);
-      bwd.push_back(b);
-    }
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CHECK_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    const tigon::Status f_st = layer.forward(sh, x, y, s);
-    tigon::Status b_st = f_st.ok() ? layer.backward(sh, x, dy, dx, s) : f_st;
-    if (b_st.ok()) b_st = sh.join(s);
-    CHECK_CUDA(cudaStreamEndCapture(s, &graph));
-    CHECK_TIGON(b_st);
-    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-    CHECK_CUDA(cudaGraphLaunch(exec, s));
-    for (int i = 0; i < 20; ++i) {
-      CHECK_CUDA(cudaEventRecord(e0, s));
-      CHECK_CUDA(cudaGraphLaunch(exec, s));
-      CHECK_CUDA(cudaEventRecord(e1, s));
-      CHECK_CUDA(cudaEventSynchronize(e1));
-      float t = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
-      graph_ms.push_back(t);
-    }
-    CHECK_CUDA(cudaGraphExecDestroy(exec));
-    CHECK_CUDA(cudaGraphDestroy(graph));
-    const double f = median(fwd), b = median(bwd), g = median(graph_ms);
-    std::printf(" %s:\n", label);
-    std::printf("  forward  %.3f ms (%.0f TFLOP/s)\n", f, (gemm_fwd + attn_fwd) / (f * 1e-3) / 1e12);
-    std::printf("  backward %.3f ms (%.0f TFLOP/s)\n", b, (2 * gemm_fwd + 2.5 * attn_fwd) / (b * 1e-3) / 1e12);
-    std::printf("  forward + backward %.3f ms eager, %.3f ms as one graph\n", f + b, g);
-  };
-  measure("GEMMs on cuBLASLt's first heuristic algorithm");
-  // One pass with algorithm tuning on (its outputs are discarded), then the same timing.
-  gemm.set_tuning(8);
-  CHECK_TIGON(layer.forward(sh, x, y, s));
-  CHECK_TIGON(layer.backward(sh, x, dy, dx, s));
-  gemm.set_tuning(1);
-  measure("GEMMs on the fastest of cuBLASLt's first 8 algorithms (CublasLtGemm::set_tuning)");
-  // The same, with the weight-gradient GEMMs on a second stream beside the data gradients.
-  CHECK_TIGON(sh.use_side_stream(mem, 64u << 20));
-  sh.side_gemm->set_tuning(8);
-  CHECK_TIGON(layer.forward(sh, x, y, s));
-  CHECK_TIGON(layer.backward(sh, x, dy, dx, s));
-  CHECK_TIGON(sh.join(s));
-  sh.side_gemm->set_tuning(1);
-  measure("tuned GEMMs, the weight gradients' GEMMs on a second stream (Shared::use_side_stream)");
-  std::printf("  %.0f MB of device memory\n", mem.bytes() / 1e6);
+  std::printf("  forward  %.3f ms (%.0f TFLOP/s)\n", f, (gemm_fwd + attn_fwd) / (f * 1e-3) / 1e12);
+  std::printf("  backward %.3f ms (%.0f TFLOP/s)\n", b, (2 * gemm_fwd + 2.5 * attn_fwd) / (b * 1e-3) / 1e12);
+  std::printf("  forward + backward %.3f ms eager, %.3f ms as one graph; %.0f MB of device memory\n", f + b, g,
+              mem.bytes() / 1e6);
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaGraphDestroy(graph));
   return 0;
 }
 
@@ -306,7 +282,7 @@ int bench_layer(tigon::CublasLtGemm& gemm, cudaStream_t s) {
 int main(int argc, char** argv) {
   int steps = 400;
   const char* dump_dir = nullptr;
-  bool bench = false, first_step_only = false, side_stream = false;
+  bool bench = false, first_step_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--steps") && i + 1 < argc) {
       steps = std::atoi(argv[++i]);
@@ -314,12 +290,10 @@ int main(int argc, char** argv) {
       dump_dir = argv[++i];
     } else if (!std::strcmp(argv[i], "--first-step-only")) {
       first_step_only = true;
-    } else if (!std::strcmp(argv[i], "--side-stream")) {
-      side_stream = true;
     } else if (!std::strcmp(argv[i], "--bench-layer")) {
       bench = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--steps S] [--side-stream] [--dump DIR [--first-step-only]] | --bench-layer\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--steps S] [--dump DIR [--first-step-only]] | --bench-layer\n", argv[0]);
       return 2;
     }
   }
@@ -342,7 +316,7 @@ int main(int argc, char** argv) {
   {
     tigon::CublasLtGemm gemm(ws, ws_bytes);
     CHECK_TIGON(gemm.status());
-    rc = bench ? bench_layer(gemm, s) : train(steps, dump_dir, first_step_only, side_stream, gemm, s);
+    rc = bench ? bench_layer(gemm, s) : train(steps, dump_dir, first_step_only, gemm, s);
   }
   cudaFree(ws);
   cudaStreamDestroy(s);

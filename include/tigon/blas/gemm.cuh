@@ -202,20 +202,6 @@ class CublasLtGemm {
   // The handle's creation status: check it once after construction.
   const Status& status() const { return status_; }
 
-  // Algorithm tuning, off by default (candidates 1: the heuristic's first algorithm). With
-  // candidates > 1, the first gemm() of each shape on a stream that is not capturing runs each of
-  // cuBLASLt's first `candidates` heuristic algorithms for it `reps` times on the call's own
-  // operands, timed with events (one stream synchronisation), keeps the fastest for the shape, and
-  // then runs the call once with it. The timing runs write D: with beta = 0 the call's result is
-  // the product as usual, with beta != 0 it has accumulated once per timing run too. So tune in a
-  // warm-up pass whose results are discarded (or over scratch operands of the real shapes), then
-  // turn tuning off (set_tuning(1)); shapes met later take the heuristic's first, and a tuned
-  // shape keeps its algorithm.
-  void set_tuning(int candidates, int reps = 5) {
-    tune_candidates_ = candidates < 1 ? 1 : (candidates > kMaxCandidates ? kMaxCandidates : candidates);
-    tune_reps_ = reps < 1 ? 1 : reps;
-  }
-
   // Hands the back end another workspace of the constructed size, for callers whose workspace moves
   // between calls (a caching allocator's block taken per call, so that inside a CUDA-graph capture it
   // comes from the graph's memory pool and is released with the call). The cached algorithms stay.
@@ -245,7 +231,6 @@ class CublasLtGemm {
                                                                      &bias, sizeof(bias)),
                                       kOp, "cublasLtMatmulDescSetAttribute"));
     }
-    if (tune_candidates_ > 1 && !plan->tuned) TIGON_CHECK(tune(*plan, key_of(g), g, stream));
     return matmul(*plan, plan->algo, g, stream);
   }
 
@@ -254,13 +239,11 @@ class CublasLtGemm {
   // alignment of each operand's pointer (cuBLASLt picks algorithms for the alignment it is told).
   using Key = std::tuple<int, int, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
                          std::int64_t, std::int64_t, int, int, bool, bool, std::array<std::uint32_t, 4>>;
-  static constexpr int kMaxCandidates = 16;
 
   struct Plan {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t first = nullptr, second = nullptr, c = nullptr, d = nullptr;
     cublasLtMatmulAlgo_t algo{};
-    bool tuned = false;  // the algorithm was chosen by timing (set_tuning)
     void destroy() {
       if (desc) cublasLtMatmulDescDestroy(desc);
       for (auto l : {first, second, c, d})
@@ -376,48 +359,10 @@ class CublasLtGemm {
                                "gemm", "cublasLtMatmul");
   }
 
-  // set_tuning's timing of plan's candidates on g's operands; the fastest becomes plan.algo. A
-  // capturing stream is left alone (nothing may synchronise there): the plan keeps its algorithm and
-  // is tuned by a later call outside the capture.
-  template <class TAB, class TD>
-  Status tune(Plan& plan, const Key& key, const GemmArgs<TAB, TD>& g, cudaStream_t stream) {
-    constexpr const char* kOp = "gemm";
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    TIGON_CHECK(Status::from_cuda(cudaStreamIsCapturing(stream, &capture), kOp, "cudaStreamIsCapturing"));
-    if (capture != cudaStreamCaptureStatusNone) return Status();
-    cublasLtMatmulHeuristicResult_t results[kMaxCandidates]{};
-    int found = 0;
-    const cublasStatus_t hs = heuristic(plan, std::get<13>(key), tune_candidates_, results, found);
-    TIGON_CHECK(detail::from_cublas(hs, kOp, "cublasLtMatmulAlgoGetHeuristic"));
-    cudaEvent_t start = nullptr, stop = nullptr;
-    TIGON_CHECK(Status::from_cuda(cudaEventCreate(&start), kOp, "cudaEventCreate"));
-    Status st = Status::from_cuda(cudaEventCreate(&stop), kOp, "cudaEventCreate");
-    float best = -1.0f;
-    for (int i = 0; st.ok() && i < found; ++i) {
-      if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
-      if (!matmul(plan, results[i].algo, g, stream).ok()) continue;  // warm-up; a candidate that fails is skipped
-      st = Status::from_cuda(cudaEventRecord(start, stream), kOp, "cudaEventRecord");
-      for (int r = 0; st.ok() && r < tune_reps_; ++r) st = matmul(plan, results[i].algo, g, stream);
-      if (st.ok()) st = Status::from_cuda(cudaEventRecord(stop, stream), kOp, "cudaEventRecord");
-      if (st.ok()) st = Status::from_cuda(cudaEventSynchronize(stop), kOp, "cudaEventSynchronize");
-      float ms = 0.0f;
-      if (st.ok()) st = Status::from_cuda(cudaEventElapsedTime(&ms, start, stop), kOp, "cudaEventElapsedTime");
-      if (st.ok() && (best < 0.0f || ms < best)) {
-        best = ms;
-        plan.algo = results[i].algo;
-      }
-    }
-    if (stop != nullptr) cudaEventDestroy(stop);
-    cudaEventDestroy(start);
-    if (st.ok()) plan.tuned = true;
-    return st;
-  }
-
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   std::size_t workspace_bytes_ = 0;
   Status status_;
-  int tune_candidates_ = 1, tune_reps_ = 5;
   std::map<Key, Plan> plans_;
 };
 

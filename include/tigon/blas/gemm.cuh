@@ -317,7 +317,7 @@ class CublasLtGemm {
     if (s != CUBLAS_STATUS_SUCCESS) return fail(s, "cublasLtMatrixLayoutCreate");
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    s = heuristic(p, align, 1, &result, found);
+    s = heuristic(p, align, result, found);
     if (s != CUBLAS_STATUS_SUCCESS) return fail(s, "cublasLtMatmulAlgoGetHeuristic");
     if (found == 0) {
       p.destroy();
@@ -329,10 +329,10 @@ class CublasLtGemm {
     return Status();
   }
 
-  // cuBLASLt's first `count` algorithms for plan p's product within the workspace, for operands of
-  // the given alignments (cuBLASLt's A is the first operand, our B; its B the second, our A).
-  cublasStatus_t heuristic(const Plan& p, const std::array<std::uint32_t, 4>& align, int count,
-                           cublasLtMatmulHeuristicResult_t* results, int& found) {
+  // cuBLASLt's first algorithm for plan p's product within the workspace, for operands of the given
+  // alignments (cuBLASLt's A is the first operand, our B; its B the second, our A).
+  cublasStatus_t heuristic(const Plan& p, const std::array<std::uint32_t, 4>& align,
+                           cublasLtMatmulHeuristicResult_t& result, int& found) {
     cublasLtMatmulPreference_t pref = nullptr;
     cublasStatus_t s = cublasLtMatmulPreferenceCreate(&pref);
     if (s != CUBLAS_STATUS_SUCCESS) return s;
@@ -344,7 +344,7 @@ class CublasLtGemm {
     for (int i = 0; i < 4; ++i) {
       cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &align[i], sizeof(align[i]));
     }
-    s = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.first, p.second, p.c, p.d, pref, count, results, &found);
+    s = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.first, p.second, p.c, p.d, pref, 1, &result, &found);
     cublasLtMatmulPreferenceDestroy(pref);
     return s;
   }

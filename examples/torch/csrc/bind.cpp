@@ -1,6 +1,7 @@
 // The tigon operator library: schemas of every operator (implementations for CUDA are registered
 // by the .cu files). Outputs are arguments, allocated by the Python side and marked mutable (a!),
-// so the operators return nothing and torch.compile can functionalise them.
+// so the operators return nothing and torch.compile can functionalise them; rms_norm, which
+// returns its output and carries its autograd in C++ for eager calls, is the exception.
 #include <torch/library.h>
 
 TORCH_LIBRARY(tigon, m) {
@@ -8,6 +9,7 @@ TORCH_LIBRARY(tigon, m) {
         "int casting) -> ()");
   m.def("rms_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor? rstd, Tensor(a!) dx, Tensor(b!)? dweight, "
         "float eps, float offset, int casting) -> ()");
+  m.def("rms_norm(Tensor x, Tensor? weight, float eps, float offset, int casting, bool in_place) -> Tensor");
   m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor(a!) y, Tensor(b!) mean, "
         "Tensor(c!) rstd, float eps) -> ()");
   m.def("layer_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, Tensor(a!) dx, "

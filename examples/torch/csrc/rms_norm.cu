@@ -1,6 +1,9 @@
-// RMSNorm forward and backward through tigon/norm/rms_norm.cuh ([rows, cols] matrices).
+// RMSNorm forward and backward through tigon/norm/rms_norm.cuh ([rows, cols] matrices), and
+// tigon.rms_norm: the two as one operator whose autograd is C++.
 #include "norm_common.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <tigon/norm/rms_norm.cuh>
@@ -62,11 +65,101 @@ void rms_norm_bwd(const Tensor& dy, const Tensor& x, const OptTensor& weight, co
   });
 }
 
+// x as a [rows, cols] matrix with unit column stride and a row stride >= cols: a view when the
+// strides allow it, else a copy (an expanded gradient, say).
+Tensor as_rows(const Tensor& t, std::int64_t cols) {
+  Tensor r = t.reshape({-1, cols});
+  if ((cols > 1 && r.stride(1) != 1) || (r.size(0) > 1 && r.stride(0) < cols)) r = r.contiguous();
+  return r;
+}
+
+// The operators above, called through the dispatcher (so that a fake-tensor mode sees them).
+const auto& fwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("tigon::rms_norm_fwd", "")
+                             .typed<void(const Tensor&, const OptTensor&, const Tensor&, const OptTensor&, double,
+                                         double, std::int64_t)>();
+  return op;
+}
+
+const auto& bwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("tigon::rms_norm_bwd", "")
+                             .typed<void(const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
+                                         const Tensor&, const OptTensor&, double, double, std::int64_t)>();
+  return op;
+}
+
+OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
+// RMSNorm with its autograd in C++: the forward saves x, the weight and rstd; the backward writes dX
+// (over dY when in_place and dY is contiguous, as TigonRMSNormFunction does) and dW. x must be
+// contiguous (the Python side sends other layouts through TigonRMSNormFunction); an undefined weight
+// is none.
+class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+ public:
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& weight, double eps,
+                        double offset, std::int64_t casting, bool in_place) {
+    TORCH_CHECK_VALUE(x.dim() >= 1 && x.is_contiguous(), "tigon.rms_norm: 'x' must be contiguous with at least one "
+                      "dimension, got shape ", x.sizes(), " and strides ", x.strides());
+    const std::int64_t cols = x.size(-1);
+    const Tensor x2 = x.view({-1, cols});
+    Tensor y = at::empty(x.sizes(), x.options());
+    const Tensor rstd = at::empty({x2.size(0)}, x.options().dtype(at::kFloat));
+    const Tensor w = weight.defined() ? weight.contiguous() : Tensor();
+    if (x2.numel() > 0) fwd_op().call(x2, opt(w), y.view({-1, cols}), rstd, eps, offset, casting);
+    ctx->save_for_backward({x2, w, rstd});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["offset"] = offset;
+    ctx->saved_data["casting"] = casting;
+    ctx->saved_data["in_place"] = in_place;
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor& x2 = saved[0];
+    const Tensor& w = saved[1];
+    const Tensor& rstd = saved[2];
+    const Tensor& dy = grads[0];
+    const double eps = ctx->saved_data["eps"].toDouble(), offset = ctx->saved_data["offset"].toDouble();
+    const std::int64_t casting = ctx->saved_data["casting"].toInt();
+    const std::int64_t cols = x2.size(1);
+    const Tensor dy2 = as_rows(dy, cols);
+    Tensor dx, dx2;
+    if (ctx->saved_data["in_place"].toBool() && dy.is_contiguous() && dy.scalar_type() == x2.scalar_type()) {
+      dx = dy, dx2 = dy2;  // dX over dY
+    } else {
+      dx = at::empty(dy.sizes(), x2.options());
+      dx2 = dx.view({-1, cols});
+    }
+    Tensor dw;
+    if (w.defined() && ctx->needs_input_grad(1)) dw = at::empty_like(w);
+    if (x2.numel() > 0) {
+      bwd_op().call(dy2, x2, opt(w), rstd, dx2, opt(dw), eps, offset, casting);
+    } else if (dw.defined()) {
+      dw.zero_();
+    }
+    return {dx, dw, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor rms_norm(const Tensor& x, const OptTensor& weight, double eps, double offset, std::int64_t casting,
+                bool in_place) {
+  return RmsNormFunction::apply(x, weight.has_value() ? *weight : Tensor(), eps, offset, casting, in_place);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tigon, CUDA, m) {
   m.impl("rms_norm_fwd", &rms_norm_fwd);
   m.impl("rms_norm_bwd", &rms_norm_bwd);
+  m.impl("rms_norm", &rms_norm);
+}
+
+TORCH_LIBRARY_IMPL(tigon, Autograd, m) {
+  m.impl("rms_norm", &rms_norm);
 }
 
 }  // namespace tigon_torch

@@ -25,11 +25,11 @@ from .functions import (
     TigonLlama4RopeFunction,
     TigonQwen2VLMRopeFunction,
     TigonReLUSquaredFunction,
-    TigonRMSNormFunction,
     TigonRopeFunction,
     TigonSiLUMulFunction,
     TigonTVDLossFunction,
 )
+from .functions import rms_norm as _rms_norm
 
 
 def _local(weight):
@@ -77,7 +77,7 @@ def _loss_result(out, return_z_loss, return_token_accuracy, return_predicted_tok
 # Liger's liger_rms_norm, liger_layer_norm and liger_fused_add_rms_norm take eps without a default; the
 # defaults here (Llama's 1e-6, torch's 1e-5 for LayerNorm) only add calls that Liger rejects.
 def tigon_rms_norm(X, W, eps=1e-6, offset=0.0, casting_mode="llama", in_place=True):
-    return TigonRMSNormFunction.apply(X, _local(W), eps, offset, casting_mode, in_place, None)
+    return _rms_norm(X, _local(W), eps, offset, casting_mode, in_place)
 
 
 def tigon_layer_norm(X, W, B, eps=1e-5):

@@ -161,6 +161,25 @@ class TigonRMSNormFunction(torch.autograd.Function):
         return dX, dW, None, None, None, None, None
 
 
+def _cpp_autograd() -> bool:
+    import os
+
+    return os.environ.get("TIGON_TORCH_CPP_AUTOGRAD") == "1"
+
+
+CPP_AUTOGRAD = _cpp_autograd()
+
+
+def rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
+    """TigonRMSNormFunction's op for tigon_rms_norm and TigonRMSNorm. With TIGON_TORCH_CPP_AUTOGRAD=1 in
+    the environment (read at import), eager calls on contiguous CUDA inputs go through tigon.rms_norm,
+    the same kernels with the autograd in C++ (no Python in the forward's or the backward's path);
+    torch.compile traces TigonRMSNormFunction either way."""
+    if CPP_AUTOGRAD and X.is_cuda and X.is_contiguous() and not _compiling():
+        return ops().rms_norm(X, W, float(eps), float(offset), _casting(casting_mode), bool(in_place))
+    return TigonRMSNormFunction.apply(X, W, eps, offset, casting_mode, in_place, None)
+
+
 # ------------------------------------------------------------------------------------------------
 # LayerNorm
 # ------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from torch import nn
 
 from . import functional as F
 from .functional import _local
+from .functions import rms_norm as _rms_norm
 from . import ops as _ops
 from .functions import (
     TigonGatedMulFunction,
@@ -16,7 +17,6 @@ from .functions import (
     TigonKLDivLossFunction,
     TigonFusedLinearMultiHeadCrossEntropyFunction,
     TigonLayerNormFunction,
-    TigonRMSNormFunction,
     TigonTVDLossFunction,
     _casting,
     _check_beta,
@@ -52,8 +52,9 @@ class TigonRMSNorm(nn.Module):
         self.row_mode = row_mode
 
     def forward(self, hidden_states):
-        return TigonRMSNormFunction.apply(hidden_states, _local(self.weight), self.variance_epsilon, self.offset,
-                                          self.casting_mode, self.in_place, self.row_mode)
+        # row_mode selects nothing in tigon (see TigonRMSNormFunction).
+        return _rms_norm(hidden_states, _local(self.weight), self.variance_epsilon, self.offset, self.casting_mode,
+                         self.in_place)
 
     def extra_repr(self):
         shape = tuple(self.weight.shape) if self.weight is not None else None

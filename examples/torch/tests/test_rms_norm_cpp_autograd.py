@@ -1,0 +1,86 @@
+"""tigon.rms_norm, the RMSNorm whose autograd is C++ (TIGON_TORCH_CPP_AUTOGRAD=1), against
+TigonRMSNormFunction: the same kernels behind both, so the output, dX and dW agree bit for bit, with
+and without a weight, with a float32 weight on bfloat16 inputs, with an empty input, with gradients
+that are contiguous, expanded (the gradient of a sum) or strided, in place and not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tigon_torch as tt
+from tigon_torch import functions as fn
+
+pytestmark = pytest.mark.cuda_only
+
+CASES = [
+    ((2, 3, 256), torch.bfloat16, torch.bfloat16),
+    ((7, 4096), torch.bfloat16, torch.float32),
+    ((5, 1, 64), torch.float32, torch.float32),
+    ((4, 96), torch.float16, None),
+    ((0, 128), torch.bfloat16, torch.bfloat16),
+]
+
+
+def _step(monkeypatch, cpp, shape, dtype, wdtype, grad, in_place):
+    monkeypatch.setattr(fn, "CPP_AUTOGRAD", cpp)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(shape, generator=g, device="cuda").to(dtype).requires_grad_()
+    w = None
+    if wdtype is not None:
+        w = (1 + 0.1 * torch.randn(shape[-1], generator=g, device="cuda")).to(wdtype).requires_grad_()
+    y = tt.tigon_rms_norm(x, w, 1e-6, 0.0, "llama", in_place)
+    if grad == "sum":  # an expanded gradient (stride 0)
+        y.float().sum().backward()
+    else:
+        dy = torch.randn(shape[:-1] + (2 * shape[-1],), generator=g, device="cuda").to(dtype)
+        dy = dy[..., : shape[-1]] if grad == "strided" else dy[..., : shape[-1]].contiguous()
+        y.backward(dy)
+    return y.detach(), x.grad, None if w is None else w.grad, y.grad_fn
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("grad", ["contiguous", "sum", "strided"])
+@pytest.mark.parametrize("shape,dtype,wdtype", CASES)
+def test_same_bits_as_the_python_function(ext, monkeypatch, shape, dtype, wdtype, grad, in_place):
+    ref = _step(monkeypatch, False, shape, dtype, wdtype, grad, in_place)
+    out = _step(monkeypatch, True, shape, dtype, wdtype, grad, in_place)
+    assert "CppNode" in out[3].name() and "CppNode" not in ref[3].name()
+    for name, a, b in zip(("y", "dx", "dw"), ref[:3], out[:3]):
+        if a is None:
+            assert b is None, name
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), name
+
+
+def test_without_autograd_and_other_layouts(ext, monkeypatch):
+    x = torch.randn(6, 4, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(512, device="cuda", dtype=torch.bfloat16) + 0.5
+    monkeypatch.setattr(fn, "CPP_AUTOGRAD", False)
+    ref = tt.tigon_rms_norm(x, w, 1e-6)
+    ref_t = tt.tigon_rms_norm(x.transpose(0, 1), w, 1e-6)
+    monkeypatch.setattr(fn, "CPP_AUTOGRAD", True)
+    with torch.no_grad():
+        assert torch.equal(tt.tigon_rms_norm(x, w, 1e-6), ref)
+    with torch.inference_mode():
+        assert torch.equal(tt.tigon_rms_norm(x, w, 1e-6), ref)
+    # A transposed view is not contiguous: it takes TigonRMSNormFunction, which keeps its layout.
+    out_t = tt.tigon_rms_norm(x.transpose(0, 1), w, 1e-6)
+    assert out_t.stride() == ref_t.stride() and torch.equal(out_t, ref_t)
+    # The module takes the same route.
+    m = tt.TigonRMSNorm(512).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        m.weight.copy_(w)
+    assert torch.equal(m(x), ref)
+
+
+def test_bad_calls_raise(ext, monkeypatch):
+    monkeypatch.setattr(fn, "CPP_AUTOGRAD", True)
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(TypeError):  # a weight of another 16-bit dtype
+        tt.tigon_rms_norm(x, torch.ones(64, device="cuda", dtype=torch.float16), 1e-6)
+    with pytest.raises(ValueError):  # a weight of the wrong size
+        tt.tigon_rms_norm(x, torch.ones(32, device="cuda", dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError):  # an unknown casting mode
+        tt.tigon_rms_norm(x, None, 1e-6, 0.0, "mistral")

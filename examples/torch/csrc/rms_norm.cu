@@ -94,19 +94,20 @@ OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullop
 
 // RMSNorm with its autograd in C++: the forward saves x, the weight and rstd; the backward writes dX
 // (over dY when in_place and dY is contiguous, as TigonRMSNormFunction does) and dW. x must be
-// contiguous (the Python side sends other layouts through TigonRMSNormFunction); an undefined weight
-// is none.
+// contiguous (the Python side sends other layouts through TigonRMSNormFunction). Without a weight,
+// `weight` is an empty placeholder and has_weight false (an autograd function's tensor arguments must
+// be defined).
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
-  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& weight, double eps,
-                        double offset, std::int64_t casting, bool in_place) {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& weight,
+                        bool has_weight, double eps, double offset, std::int64_t casting, bool in_place) {
     TORCH_CHECK_VALUE(x.dim() >= 1 && x.is_contiguous(), "tigon.rms_norm: 'x' must be contiguous with at least one "
                       "dimension, got shape ", x.sizes(), " and strides ", x.strides());
     const std::int64_t cols = x.size(-1);
     const Tensor x2 = x.view({-1, cols});
     Tensor y = at::empty(x.sizes(), x.options());
     const Tensor rstd = at::empty({x2.size(0)}, x.options().dtype(at::kFloat));
-    const Tensor w = weight.defined() ? weight.contiguous() : Tensor();
+    const Tensor w = has_weight ? weight.contiguous() : Tensor();
     if (x2.numel() > 0) fwd_op().call(x2, opt(w), y.view({-1, cols}), rstd, eps, offset, casting);
     ctx->save_for_backward({x2, w, rstd});
     ctx->saved_data["eps"] = eps;
@@ -141,13 +142,15 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     } else if (dw.defined()) {
       dw.zero_();
     }
-    return {dx, dw, Tensor(), Tensor(), Tensor(), Tensor()};
+    return {dx, dw, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 Tensor rms_norm(const Tensor& x, const OptTensor& weight, double eps, double offset, std::int64_t casting,
                 bool in_place) {
-  return RmsNormFunction::apply(x, weight.has_value() ? *weight : Tensor(), eps, offset, casting, in_place);
+  const bool has_weight = weight.has_value();
+  return RmsNormFunction::apply(x, has_weight ? *weight : at::empty({0}, x.options()), has_weight, eps, offset,
+                                casting, in_place);
 }
 
 }  // namespace

@@ -1,17 +1,19 @@
 """tigon.rms_norm, the RMSNorm whose autograd is C++ (TIGON_TORCH_CPP_AUTOGRAD=1), against
-TigonRMSNormFunction: the same kernels behind both, so the output, dX and dW agree bit for bit, with
-and without a weight, with a float32 weight on bfloat16 inputs, with an empty input, with gradients
-that are contiguous, expanded (the gradient of a sum) or strided, in place and not."""
+TigonRMSNormFunction: the same operators behind both, so the output, dX and dW agree bit for bit, with
+and without a weight, with a float32 weight on 16-bit inputs, with an empty input, with gradients that
+are contiguous, expanded (the gradient of a sum) or strided, in place and not. In the CPU reference
+mode the C++ autograd runs over the reference operators."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from conftest import DEVICE
+
 import tigon_torch as tt
 from tigon_torch import functions as fn
-
-pytestmark = pytest.mark.cuda_only
+from tigon_torch import ops as _ops
 
 CASES = [
     ((2, 3, 256), torch.bfloat16, torch.bfloat16),
@@ -22,18 +24,20 @@ CASES = [
 ]
 
 
-def _step(monkeypatch, cpp, shape, dtype, wdtype, grad, in_place):
-    monkeypatch.setattr(fn, "CPP_AUTOGRAD", cpp)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(shape, generator=g, device="cuda").to(dtype).requires_grad_()
+def _step(cpp, shape, dtype, wdtype, grad, in_place):
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(shape, generator=g, device=DEVICE).to(dtype).requires_grad_()
     w = None
     if wdtype is not None:
-        w = (1 + 0.1 * torch.randn(shape[-1], generator=g, device="cuda")).to(wdtype).requires_grad_()
-    y = tt.tigon_rms_norm(x, w, 1e-6, 0.0, "llama", in_place)
+        w = (1 + 0.1 * torch.randn(shape[-1], generator=g, device=DEVICE)).to(wdtype).requires_grad_()
+    if cpp:
+        y = _ops.ops().rms_norm(x, w, 1e-6, 0.0, 0, in_place)
+    else:
+        y = fn.TigonRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", in_place)
     if grad == "sum":  # an expanded gradient (stride 0)
         y.float().sum().backward()
     else:
-        dy = torch.randn(shape[:-1] + (2 * shape[-1],), generator=g, device="cuda").to(dtype)
+        dy = torch.randn(shape[:-1] + (2 * shape[-1],), generator=g, device=DEVICE).to(dtype)
         dy = dy[..., : shape[-1]] if grad == "strided" else dy[..., : shape[-1]].contiguous()
         y.backward(dy)
     return y.detach(), x.grad, None if w is None else w.grad, y.grad_fn
@@ -42,9 +46,10 @@ def _step(monkeypatch, cpp, shape, dtype, wdtype, grad, in_place):
 @pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("grad", ["contiguous", "sum", "strided"])
 @pytest.mark.parametrize("shape,dtype,wdtype", CASES)
-def test_same_bits_as_the_python_function(ext, monkeypatch, shape, dtype, wdtype, grad, in_place):
-    ref = _step(monkeypatch, False, shape, dtype, wdtype, grad, in_place)
-    out = _step(monkeypatch, True, shape, dtype, wdtype, grad, in_place)
+@pytest.mark.gpu
+def test_same_bits_as_the_python_function(ext, shape, dtype, wdtype, grad, in_place):
+    ref = _step(False, shape, dtype, wdtype, grad, in_place)
+    out = _step(True, shape, dtype, wdtype, grad, in_place)
     assert "CppNode" in out[3].name() and "CppNode" not in ref[3].name()
     for name, a, b in zip(("y", "dx", "dw"), ref[:3], out[:3]):
         if a is None:
@@ -54,7 +59,8 @@ def test_same_bits_as_the_python_function(ext, monkeypatch, shape, dtype, wdtype
         assert torch.equal(a, b), name
 
 
-def test_without_autograd_and_other_layouts(ext, monkeypatch):
+@pytest.mark.cuda_only
+def test_routing_without_autograd_and_other_layouts(ext, monkeypatch):
     x = torch.randn(6, 4, 512, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(512, device="cuda", dtype=torch.bfloat16) + 0.5
     monkeypatch.setattr(fn, "CPP_AUTOGRAD", False)
@@ -68,13 +74,16 @@ def test_without_autograd_and_other_layouts(ext, monkeypatch):
     # A transposed view is not contiguous: it takes TigonRMSNormFunction, which keeps its layout.
     out_t = tt.tigon_rms_norm(x.transpose(0, 1), w, 1e-6)
     assert out_t.stride() == ref_t.stride() and torch.equal(out_t, ref_t)
-    # The module takes the same route.
+    # tigon_rms_norm and the module take the C++ operator.
+    assert "CppNode" in tt.tigon_rms_norm(x.requires_grad_(), w, 1e-6).grad_fn.name()
     m = tt.TigonRMSNorm(512).to("cuda", torch.bfloat16)
     with torch.no_grad():
         m.weight.copy_(w)
-    assert torch.equal(m(x), ref)
+    out = m(x)
+    assert "CppNode" in out.grad_fn.name() and torch.equal(out.detach(), ref)
 
 
+@pytest.mark.cuda_only
 def test_bad_calls_raise(ext, monkeypatch):
     monkeypatch.setattr(fn, "CPP_AUTOGRAD", True)
     x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)

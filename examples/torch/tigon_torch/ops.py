@@ -106,9 +106,9 @@ def _fake_checks():
 
 
 def _register_fakes() -> None:
-    """Fake (meta) kernels for torch.compile and FakeTensorMode: every operator writes only into its
-    arguments, so each returns None after the shape and dtype checks of its CUDA implementation
-    (_fake_checks) where it has them."""
+    """Fake (meta) kernels for torch.compile and FakeTensorMode: every operator but adamw_plan and
+    rms_norm writes only into its arguments, so each returns None after the shape and dtype checks of
+    its CUDA implementation (_fake_checks) where it has them."""
     global _fakes_registered
     if _fakes_registered:
         return
@@ -150,6 +150,13 @@ def _register_fakes() -> None:
         return torch.empty(plan_bytes([p.numel() for p in params]), dtype=torch.uint8, device=params[0].device)
 
     torch.library.register_fake("tigon::adamw_plan", adamw_plan_fake)
+
+    def rms_norm_fake(x, weight, eps, offset, casting, in_place):
+        if not x.is_contiguous():
+            raise ValueError("tigon.rms_norm: 'x' must be contiguous")
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    torch.library.register_fake("tigon::rms_norm", rms_norm_fake)
     _fakes_registered = True
 
 

@@ -1,8 +1,8 @@
 // Divergence policy sweeps around the default (built with -DTIGON_BUILD_TUNING=ON): the streaming
 // kernel's L2 prefetch distance (kStreamAhead) and vectors in flight (kStreamUnroll) for the
-// generalised JSD and the forward KL; the resident kernel's elements per thread, blocks per SM and
-// rows asked of the L2 ahead (kResElems, kResMinBlocks, kResAhead) for the JSD on logits. Same
-// body and counting as bench/bench_divergence.cu.
+// generalised JSD and the forward KL; the resident kernel's block size, elements per thread, blocks
+// per SM and rows asked of the L2 ahead (kResThreads, kResElems, kResMinBlocks, kResAhead) for the
+// JSD on logits. Same body and counting as bench/bench_divergence.cu.
 #include "../harness.cuh"
 
 #include <tigon/loss/divergence.cuh>
@@ -23,8 +23,9 @@ struct Stream : tigon::DivergencePolicy {
 using Ahead256Unroll1 = Stream<256, 1>;
 using Ahead0Unroll4 = Stream<0, 4>;
 
-template <int kElems, int kMinBlocks, int kAhead>
+template <int kElems, int kMinBlocks, int kAhead, int kThreads = 256>
 struct Res : tigon::DivergencePolicy {
+  static constexpr int kResThreads = kThreads;
   static constexpr int kResElems = kElems;
   static constexpr int kResMinBlocks = kMinBlocks;
   static constexpr int kResAhead = kAhead;
@@ -34,6 +35,11 @@ using Res32x2a16 = Res<32, 2, 16>;
 using Res32x2a32 = Res<32, 2, 32>;
 using Res16x4a16 = Res<16, 4, 16>;
 using Res64x1a16 = Res<64, 1, 16>;
+// Wider blocks: a 128256-column row in 16 blocks of 512 threads, or in clusters of 8 blocks (the
+// portable cluster size, which packs onto the GPCs more freely than 16).
+using Res16x2a16t512 = Res<16, 2, 16, 512>;
+using Res32x1a16t512 = Res<32, 1, 16, 512>;
+using Res16x1a16t1024 = Res<16, 1, 16, 1024>;
 constexpr auto kZ = tigon::DivergenceInput::logits;
 
 }  // namespace
@@ -59,6 +65,9 @@ DIV_TUNE(jsd_logits_res32x2a16, Res32x2a16, (Opt{.which = Which::jsd, .student =
 DIV_TUNE(jsd_logits_res32x2a32, Res32x2a32, (Opt{.which = Which::jsd, .student = kZ, .teacher = kZ}));
 DIV_TUNE(jsd_logits_res16x4a16, Res16x4a16, (Opt{.which = Which::jsd, .student = kZ, .teacher = kZ}));
 DIV_TUNE(jsd_logits_res64x1a16, Res64x1a16, (Opt{.which = Which::jsd, .student = kZ, .teacher = kZ}));
+DIV_TUNE(jsd_logits_res16x2a16_t512, Res16x2a16t512, (Opt{.which = Which::jsd, .student = kZ, .teacher = kZ}));
+DIV_TUNE(jsd_logits_res32x1a16_t512, Res32x1a16t512, (Opt{.which = Which::jsd, .student = kZ, .teacher = kZ}));
+DIV_TUNE(jsd_logits_res16x1a16_t1024, Res16x1a16t1024, (Opt{.which = Which::jsd, .student = kZ, .teacher = kZ}));
 DIV_TUNE(fkl_logits_res32x2a16, Res32x2a16, (Opt{.which = Which::forward_kl, .student = kZ, .teacher = kZ}));
 
 BENCH_MAIN

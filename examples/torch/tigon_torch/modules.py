@@ -9,8 +9,8 @@ from torch import nn
 
 from . import functional as F
 from .functional import _local
-from .functions import rms_norm as _rms_norm
 from . import ops as _ops
+from .functions import rms_norm as _rms_norm
 from .functions import (
     TigonGatedMulFunction,
     TigonJSDFunction,

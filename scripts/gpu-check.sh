@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The full check on a GPU machine, in one go: configure and build (Release, sm_90), every test
-# (host + GPU + packaging), compute-sanitizer memcheck, racecheck, initcheck and synccheck on the GPU
-# tests (small shapes: without the [large] cases and the hidden ones, which need two GPUs or a process
-# of their own; each run capped at 240 s, a cap the summary shows),
+# (host + GPU + packaging), compute-sanitizer memcheck, racecheck, initcheck and synccheck on every
+# case of the GPU tests' small selection (without the [large] cases and the hidden ones, which need
+# two GPUs or a process of their own; one process per case, each capped at 240 s, scripts/
+# sanitize-cases.sh; SANITIZE_JOBS at a time, default 4),
 # and the benchmarks with their JSON. Logs go to OUTDIR; a summary is printed last.
 #   scripts/gpu-check.sh OUTDIR [extra CMake configure arguments, e.g. -DCatch2_DIR=...]
 # TUNING=1 also builds the tuning sweeps (-DTIGON_BUILD_TUNING=ON) and runs them after the
@@ -36,15 +37,10 @@ summary "ctest (host + gpu + packaging): rc=$? :: $(grep -E 'tests passed|tests 
 grep -E "^\s*[0-9]+/[0-9]+ Test" "$out/tests.log" | sed 's/^ *//' | tee -a "$out/summary.txt"
 grep -E "All tests passed|test cases:|assertions" "$out/tests.log" | tail -5 | tee -a "$out/summary.txt"
 
-for tool in memcheck racecheck initcheck synccheck; do
-  for t in build-gpu/test/tigon_gpu_tests_*; do
-    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$t" "~[large]~[.]" \
-      > "$out/sanitizer-$tool-$(basename "$t").log" 2>&1
-    rc=$?
-    [ $rc = 124 ] && rc="124 (stopped at 240 s: no result)"
-    summary "compute-sanitizer $tool $(basename "$t"): rc=$rc :: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY' "$out/sanitizer-$tool-$(basename "$t").log" | tail -1)"
-  done
-done
+# Every sanitizer on every test case of the small selection, one process per case (scripts/
+# sanitize-cases.sh), JOBS at a time; one summary line per tool and suite.
+JOBS=${SANITIZE_JOBS:-4} "$(dirname "$0")/sanitize-cases.sh" "$out/sanitizer" memcheck,racecheck,initcheck,synccheck \
+  build-gpu/test/tigon_gpu_tests_* | grep "^compute-sanitizer" | tee -a "$out/summary.txt"
 
 for b in build-gpu/bench/tigon_bench_*; do
   name=$(basename "$b")

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole check of prebuilt binaries in one call on a GPU machine, in the order that keeps the
 # timings clean: the benchmarks (and examples) alone on the GPU, then every GPU test suite side by
-# side (large shapes included), then compute-sanitizer memcheck and racecheck on every suite
-# (without [large]) side by side. Writes OUTDIR/summary.txt as it goes (so a run cut by its time
-# limit still leaves what it did), the logs under OUTDIR/x, and OUTDIR/x.tgz of them at the end.
+# side (large shapes included), then compute-sanitizer memcheck and racecheck on every case of the
+# small selection (scripts/sanitize-cases.sh) side by side. Writes OUTDIR/summary.txt as it goes (so
+# a run cut by its time limit still leaves what it did), the logs under OUTDIR/x, and OUTDIR/x.tgz of
+# them at the end.
 #   scripts/gpu-full-check.sh BINS OUTDIR
 # BINS: a folder of binaries, or a bins.tar.xz from PACK=xz scripts/stage-prebuilt.sh.
 # Per-step limits in seconds (environment): BENCH_S (default 230), TEST_S (110), SANITIZE_S (260);
@@ -34,7 +35,8 @@ ln -sf "$bins"/tigon_gpu_tests_* "$tests"/ 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >> "$S" 2>&1
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 sanitize_step() {
-  TESTS=none BENCHES=none TUNING= SANITIZE_JOBS=${SANITIZE_JOBS:-10} timeout $(( ${SANITIZE_S:-260} + 10 )) \
+  DEADLINE=$(( $(date +%s) + ${SANITIZE_S:-260} - 10 )) TESTS=none BENCHES=none TUNING= SANITIZE_JOBS=${SANITIZE_JOBS:-10} \
+    timeout $(( ${SANITIZE_S:-260} + 10 )) \
     "$here/gpu-run-binaries.sh" "$tests" "$out/x/san" "${SANITIZE_S:-260}" > /dev/null 2>&1
   pkill -f "^compute-sanitizer " 2>/dev/null  # runs a cut left behind (not this script's own command line)
 }
@@ -73,8 +75,8 @@ else
   step "compute-sanitizer"
   sanitize_step
 fi
-# Runs that finished before a cut still left their lines.
-cat "$out"/x/san/.sanitize-* 2>/dev/null >> "$S"
+# A step cut before its summary still left each finished run's line.
+grep -q compute-sanitizer "$out/x/san/summary.txt" 2>/dev/null || cat "$out"/x/san/sanitizer/results.txt >> "$S" 2>/dev/null
 grep compute-sanitizer "$out/x/san/summary.txt" >> "$S" 2>/dev/null
 step "end"
 (cd "$out" && tar czf x.tgz x)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run already-built GPU test, example and benchmark binaries on a GPU machine (when the build happened
 # elsewhere; scripts/stage-prebuilt.sh copies and strips them): the GPU tests, the examples, the
-# benchmarks, then compute-sanitizer memcheck and racecheck on the tests (without [large] and without
-# the hidden cases: two ranks, cold capture). Logs to OUTDIR; a summary is printed last.
+# benchmarks, then compute-sanitizer memcheck and racecheck on every case of the tests' small
+# selection (scripts/sanitize-cases.sh). Logs to OUTDIR; a summary is printed last.
 #   scripts/gpu-run-binaries.sh BINDIR OUTDIR [seconds per step, default 120]
 # Optional globs narrow each step: TESTS (default *), EXAMPLES (default *), BENCHES (default *),
 # SANITIZE (default *, none: no sanitizer runs), matched against the part of the name after
@@ -48,42 +48,16 @@ for b in "${tuning[@]}"; do
   grep -E "^ceiling" "$out/$n.log" | tee -a "$out/summary.txt"
   sed -n '/^benchmark (median/,$p' "$out/$n.log" | tee -a "$out/summary.txt"
 done
-# One sanitizer run; prints its summary line.
-sanitize() {
-  local tool=$1 t=$2 n rc extra=()
-  n=$(basename "$t")
-  timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 9 "$t" "~[large]~[.]" > "$out/$tool-$n.log" 2>&1
-  rc=$?
-  # racecheck reports hazards inside cuBLAS's own GEMM kernels (nvjet: TMA and wgmma synchronised
-  # through mbarriers; the vendor library's code, not tigon's); tigon's kernels must have none.
-  # (Excluding those kernels from racecheck with --kernel-name-exclude made them fault on the
-  # H200.) Every report names its kernel on an "at" line.
-  [ "$tool" = racecheck ] && extra=("reports outside cuBLAS kernels: $(grep -E '^=+ +at ' "$out/$tool-$n.log" | grep -vc nvjet) ::")
-  echo "compute-sanitizer $tool $n: rc=$rc :: ${extra[*]} $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|All tests passed|test cases:' "$out/$tool-$n.log" | tr '\n' ' ')"
-}
-# SANITIZE_JOBS runs (default 1) at a time: they share the GPU, so the step takes less wall time.
-# The longest runs start first (racecheck on the cross-entropy and launch suites took over 200 s
-# sharing the GPU), so that a step limit cuts the short ones last.
-jobs_max=${SANITIZE_JOBS:-1}
-runs=()
+# racecheck and memcheck on every case of the small selection, one process per case (sanitize-cases.sh),
+# SANITIZE_JOBS at a time (default 1; they share the GPU), each capped at the step limit; none starts
+# after DEADLINE (epoch seconds) when it is set.
+san=()
 for t in "$bin"/tigon_gpu_tests_${SANITIZE:-*}; do
-  [ -e "$t" ] || continue
-  case "$(basename "$t")" in
-    *_cross_entropy|*_launch) runs=("racecheck $t" "${runs[@]}") ;;
-    *) runs+=("racecheck $t") ;;
-  esac
+  [ -e "$t" ] && san+=("$t")
 done
-for t in "$bin"/tigon_gpu_tests_${SANITIZE:-*}; do
-  [ -e "$t" ] && runs+=("memcheck $t")
-done
-for r in "${runs[@]}"; do
-  tool=${r%% *}
-  t=${r#* }
-  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do sleep 1; done
-  sanitize "$tool" "$t" > "$out/.sanitize-$tool-$(basename "$t")" &
-done
-wait
-cat "$out"/.sanitize-* 2>/dev/null >> "$out/summary.txt"
-cat "$out"/.sanitize-* 2>/dev/null
-rm -f "$out"/.sanitize-*
+if [ "${#san[@]}" -gt 0 ]; then
+  JOBS=${SANITIZE_JOBS:-1} CAP=$limit "$(dirname "$0")/sanitize-cases.sh" "$out/sanitizer" racecheck,memcheck "${san[@]}" \
+    > "$out/sanitizer.txt" 2>&1
+  grep "^compute-sanitizer" "$out/sanitizer.txt" | tee -a "$out/summary.txt"
+fi
 summary "total: $(( $(date +%s) - t0 )) s"

@@ -1,6 +1,9 @@
-// Fused residual add + RMSNorm forward and backward through tigon/norm/add_rms_norm.cuh.
+// Fused residual add + RMSNorm forward and backward through tigon/norm/add_rms_norm.cuh, and
+// tigon.add_rms_norm: the two as one operator whose autograd is C++.
 #include "norm_common.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <tigon/norm/add_rms_norm.cuh>
@@ -74,11 +77,104 @@ void add_rms_norm_bwd(const Tensor& dy, const OptTensor& dsum, const Tensor& sum
   });
 }
 
+// The operators above, called through the dispatcher (so that a fake-tensor mode sees them).
+const auto& fwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("tigon::add_rms_norm_fwd", "")
+                             .typed<void(const Tensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+                                         const OptTensor&, double, double, std::int64_t)>();
+  return op;
+}
+
+const auto& bwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("tigon::add_rms_norm_bwd", "")
+                             .typed<void(const Tensor&, const OptTensor&, const Tensor&, const OptTensor&,
+                                         const OptTensor&, const Tensor&, const OptTensor&, double, double,
+                                         std::int64_t)>();
+  return op;
+}
+
+// S = X + R and Y = RMSNorm(S) with the autograd in C++, as TigonFusedAddRMSNormFunction: the forward
+// saves S, the weight and rstd; the backward returns one tensor for dX and dR (over dY when in_place
+// and dY is contiguous) and dW. x and residual must be contiguous. Without a weight, `weight` is an
+// empty placeholder and has_weight false.
+class AddRmsNormFunction : public torch::autograd::Function<AddRmsNormFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& x,
+                                                const Tensor& residual, const Tensor& weight, bool has_weight,
+                                                double eps, double offset, std::int64_t casting, bool in_place) {
+    TORCH_CHECK_VALUE(x.dim() >= 1 && x.is_contiguous() && residual.is_contiguous(),
+                      "tigon.add_rms_norm: 'x' and 'residual' must be contiguous with at least one dimension");
+    TORCH_CHECK_VALUE(x.sizes() == residual.sizes(), "tigon.add_rms_norm: x ", x.sizes(), " and residual ",
+                      residual.sizes(), " must have one shape");
+    const std::int64_t cols = x.size(-1);
+    const Tensor x2 = x.view({-1, cols});
+    Tensor y = at::empty(x.sizes(), x.options());
+    Tensor s = at::empty(x.sizes(), x.options());
+    const Tensor rstd = at::empty({x2.size(0)}, x.options().dtype(at::kFloat));
+    const Tensor w = has_weight ? weight.contiguous() : Tensor();
+    if (x2.numel() > 0) {
+      fwd_op().call(x2, residual.view({-1, cols}), opt(w), y.view({-1, cols}), s.view({-1, cols}), rstd, eps, offset,
+                    casting);
+    }
+    // S itself is saved (an output; a view of it made here, under no_grad, may not outlive the forward).
+    ctx->save_for_backward({s, w, rstd});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["offset"] = offset;
+    ctx->saved_data["casting"] = casting;
+    ctx->saved_data["in_place"] = in_place;
+    return {y, s};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor& w = saved[1];
+    const Tensor& rstd = saved[2];
+    const std::int64_t cols = saved[0].size(-1);
+    const Tensor s2 = saved[0].view({-1, cols});
+    std::vector<std::int64_t> shape = grads[0].defined() ? grads[0].sizes().vec() : grads[1].sizes().vec();
+    const Tensor dy = grads[0].defined() ? grads[0] : at::zeros(shape, s2.options());
+    const Tensor dy2 = rows_view(dy, cols);
+    const OptTensor ds2 = grads[1].defined() ? OptTensor(rows_view(grads[1], cols)) : std::nullopt;
+    Tensor dx, dx2;
+    if (ctx->saved_data["in_place"].toBool() && dy.is_contiguous() && dy.scalar_type() == s2.scalar_type()) {
+      dx = dy, dx2 = dy2;  // dX over dY
+    } else {
+      dx = at::empty(shape, s2.options());
+      dx2 = dx.view({-1, cols});
+    }
+    Tensor dw;
+    if (w.defined() && ctx->needs_input_grad(2)) dw = at::empty_like(w);
+    if (s2.numel() > 0) {
+      bwd_op().call(dy2, ds2, s2, opt(w), rstd, dx2, opt(dw), ctx->saved_data["eps"].toDouble(),
+                    ctx->saved_data["offset"].toDouble(), ctx->saved_data["casting"].toInt());
+    } else if (dw.defined()) {
+      dw.zero_();
+    }
+    return {dx, dx, dw, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual, const OptTensor& weight, double eps,
+                                        double offset, std::int64_t casting, bool in_place) {
+  const bool has_weight = weight.has_value();
+  auto out = AddRmsNormFunction::apply(x, residual, has_weight ? *weight : at::empty({0}, x.options()), has_weight,
+                                       eps, offset, casting, in_place);
+  return {out[0], out[1]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tigon, CUDA, m) {
   m.impl("add_rms_norm_fwd", &add_rms_norm_fwd);
   m.impl("add_rms_norm_bwd", &add_rms_norm_bwd);
+  m.impl("add_rms_norm", &add_rms_norm);
+}
+
+TORCH_LIBRARY_IMPL(tigon, Autograd, m) {
+  m.impl("add_rms_norm", &add_rms_norm);
 }
 
 }  // namespace tigon_torch

@@ -1,7 +1,8 @@
 // The tigon operator library: schemas of every operator (implementations for CUDA are registered
 // by the .cu files). Outputs are arguments, allocated by the Python side and marked mutable (a!),
-// so the operators return nothing and torch.compile can functionalise them; rms_norm, which
-// returns its output and carries its autograd in C++ for eager calls, is the exception.
+// so the operators return nothing and torch.compile can functionalise them; rms_norm and
+// add_rms_norm, which return their outputs and carry their autograd in C++ for eager calls, are the
+// exceptions.
 #include <torch/library.h>
 
 TORCH_LIBRARY(tigon, m) {
@@ -16,6 +17,8 @@ TORCH_LIBRARY(tigon, m) {
         "Tensor(b!)? dweight, Tensor(c!)? dbias) -> ()");
   m.def("add_rms_norm_fwd(Tensor x, Tensor residual, Tensor? weight, Tensor(a!) y, Tensor(b!) sum, "
         "Tensor(c!)? rstd, float eps, float offset, int casting) -> ()");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor? weight, float eps, float offset, int casting, "
+        "bool in_place) -> (Tensor, Tensor)");
   m.def("add_rms_norm_bwd(Tensor dy, Tensor? dsum, Tensor sum, Tensor? weight, Tensor? rstd, Tensor(a!) dx, "
         "Tensor(b!)? dweight, float eps, float offset, int casting) -> ()");
   m.def("rope(Tensor q, Tensor? k, Tensor cos, Tensor sin, Tensor? position_ids, Tensor(a!) q_out, "

@@ -65,14 +65,6 @@ void rms_norm_bwd(const Tensor& dy, const Tensor& x, const OptTensor& weight, co
   });
 }
 
-// x as a [rows, cols] matrix with unit column stride and a row stride >= cols: a view when the
-// strides allow it, else a copy (an expanded gradient, say).
-Tensor as_rows(const Tensor& t, std::int64_t cols) {
-  Tensor r = t.reshape({-1, cols});
-  if ((cols > 1 && r.stride(1) != 1) || (r.size(0) > 1 && r.stride(0) < cols)) r = r.contiguous();
-  return r;
-}
-
 // The operators above, called through the dispatcher (so that a fake-tensor mode sees them).
 const auto& fwd_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -89,8 +81,6 @@ const auto& bwd_op() {
                                          const Tensor&, const OptTensor&, double, double, std::int64_t)>();
   return op;
 }
-
-OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
 // RMSNorm with its autograd in C++: the forward saves x, the weight and rstd; the backward writes dX
 // (over dY when in_place and dY is contiguous, as TigonRMSNormFunction does) and dW. x must be
@@ -127,7 +117,7 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     const double eps = ctx->saved_data["eps"].toDouble(), offset = ctx->saved_data["offset"].toDouble();
     const std::int64_t casting = ctx->saved_data["casting"].toInt();
     const std::int64_t cols = x2.size(1);
-    const Tensor dy2 = as_rows(dy, cols);
+    const Tensor dy2 = rows_view(dy, cols);
     Tensor dx, dx2;
     if (ctx->saved_data["in_place"].toBool() && dy.is_contiguous() && dy.scalar_type() == x2.scalar_type()) {
       dx = dy, dx2 = dy2;  // dX over dY

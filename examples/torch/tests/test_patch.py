@@ -441,16 +441,16 @@ def test_fused_add_norm(ext, monkeypatch, family, dtype):
     layer, and the one before the next layer's first norm or the final norm); the loss, every gradient
     and the inference logits are Hugging Face's. Under gradient checkpointing only the add inside the
     layer is fused (a recomputed layer has no next norm to hand its result to)."""
-    from tigon_torch import functions
+    from tigon_torch import functional
 
     calls = [0]
-    real = functions.TigonFusedAddRMSNormFunction.apply
+    real = functional._add_rms_norm  # the op behind tigon_fused_add_rms_norm, whichever autograd it takes
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(functions.TigonFusedAddRMSNormFunction, "apply", staticmethod(counted))
+    monkeypatch.setattr(functional, "_add_rms_norm", counted)
     ref, model = _pair(family, dtype, vocab=4096, hidden=256, heads=4, kv_heads=2)
     _apply_fn(family)(model=model)
     layers = model.config.num_hidden_layers

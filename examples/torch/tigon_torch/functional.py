@@ -12,7 +12,6 @@ from . import ops as _ops
 from .functions import (
     TigonCrossEntropyFP32Function,
     TigonCrossEntropyFunction,
-    TigonFusedAddRMSNormFunction,
     TigonFusedGateUpMulFunction,
     TigonFusedLinearCrossEntropyFunction,
     TigonFusedLinearJSDFunction,
@@ -29,6 +28,7 @@ from .functions import (
     TigonSiLUMulFunction,
     TigonTVDLossFunction,
 )
+from .functions import add_rms_norm as _add_rms_norm
 from .functions import rms_norm as _rms_norm
 
 
@@ -87,7 +87,7 @@ def tigon_layer_norm(X, W, B, eps=1e-5):
 def tigon_fused_add_rms_norm(X, R, W, eps=1e-6, offset=0.0, casting_mode="llama", in_place=True):
     """(norm(X + R), X + R). in_place=True (Liger's default here; the module's and the autograd
     function's is False) writes the backward's dX over dY: pass False when dY is needed elsewhere."""
-    return TigonFusedAddRMSNormFunction.apply(X, R, _local(W), eps, offset, casting_mode, in_place)
+    return _add_rms_norm(X, R, _local(W), eps, offset, casting_mode, in_place)
 
 
 def tigon_rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):

@@ -174,8 +174,8 @@ def rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
     """TigonRMSNormFunction's op for tigon_rms_norm and TigonRMSNorm. With TIGON_TORCH_CPP_AUTOGRAD=1 in
     the environment (read at import), eager calls on contiguous CUDA inputs go through tigon.rms_norm,
     the same kernels with the autograd in C++ (no Python in the forward's or the backward's path);
-    torch.compile traces TigonRMSNormFunction either way."""
-    if CPP_AUTOGRAD and X.is_cuda and X.is_contiguous() and not _compiling():
+    torch.compile traces TigonRMSNormFunction either way. The same holds for add_rms_norm below."""
+    if CPP_AUTOGRAD and _o.on_device(X) and X.is_contiguous() and not _compiling():
         return ops().rms_norm(X, W, float(eps), float(offset), _casting(casting_mode), bool(in_place))
     return TigonRMSNormFunction.apply(X, W, eps, offset, casting_mode, in_place, None)
 
@@ -274,6 +274,16 @@ class TigonFusedAddRMSNormFunction(torch.autograd.Function):
         elif dW is not None:
             dW.zero_()
         return dX, dX, dW, None, None, None, None
+
+
+def add_rms_norm(X, R, W, eps, offset=0.0, casting_mode="llama", in_place=False):
+    """TigonFusedAddRMSNormFunction's op for tigon_fused_add_rms_norm (and so TigonFusedAddRMSNorm and
+    the patches' fused_add_norm); with TIGON_TORCH_CPP_AUTOGRAD=1, eager calls on contiguous CUDA inputs
+    of one shape go through tigon.add_rms_norm (the autograd in C++), as rms_norm."""
+    if CPP_AUTOGRAD and _o.on_device(X) and X.is_contiguous() and R.is_contiguous() and X.shape == R.shape \
+            and not _compiling():
+        return ops().add_rms_norm(X, R, W, float(eps), float(offset), _casting(casting_mode), bool(in_place))
+    return TigonFusedAddRMSNormFunction.apply(X, R, W, eps, offset, casting_mode, in_place)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -106,9 +106,9 @@ def _fake_checks():
 
 
 def _register_fakes() -> None:
-    """Fake (meta) kernels for torch.compile and FakeTensorMode: every operator but adamw_plan and
-    rms_norm writes only into its arguments, so each returns None after the shape and dtype checks of
-    its CUDA implementation (_fake_checks) where it has them."""
+    """Fake (meta) kernels for torch.compile and FakeTensorMode: every operator but adamw_plan, rms_norm
+    and add_rms_norm writes only into its arguments, so each returns None after the shape and dtype
+    checks of its CUDA implementation (_fake_checks) where it has them."""
     global _fakes_registered
     if _fakes_registered:
         return
@@ -157,6 +157,14 @@ def _register_fakes() -> None:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     torch.library.register_fake("tigon::rms_norm", rms_norm_fake)
+
+    def add_rms_norm_fake(x, residual, weight, eps, offset, casting, in_place):
+        if not (x.is_contiguous() and residual.is_contiguous()):
+            raise ValueError("tigon.add_rms_norm: 'x' and 'residual' must be contiguous")
+        return (torch.empty_like(x, memory_format=torch.contiguous_format),
+                torch.empty_like(x, memory_format=torch.contiguous_format))
+
+    torch.library.register_fake("tigon::add_rms_norm", add_rms_norm_fake)
     _fakes_registered = True
 
 

@@ -1,8 +1,9 @@
-"""tigon.rms_norm, the RMSNorm whose autograd is C++ (TIGON_TORCH_CPP_AUTOGRAD=1), against
-TigonRMSNormFunction: the same operators behind both, so the output, dX and dW agree bit for bit, with
-and without a weight, with a float32 weight on 16-bit inputs, with an empty input, with gradients that
-are contiguous, expanded (the gradient of a sum) or strided, in place and not. In the CPU reference
-mode the C++ autograd runs over the reference operators."""
+"""tigon.rms_norm and tigon.add_rms_norm, the norms whose autograd is C++ (TIGON_TORCH_CPP_AUTOGRAD=1),
+against TigonRMSNormFunction and TigonFusedAddRMSNormFunction: the same operators behind both, so the
+outputs, dX (dR) and dW agree bit for bit, with and without a weight, with a float32 weight on 16-bit
+inputs, with an empty input, with gradients that are contiguous, expanded (the gradient of a sum) or
+strided, with the sum's gradient or without it, in place and not. In the CPU reference mode the C++
+autograd runs over the reference operators."""
 
 from __future__ import annotations
 
@@ -59,6 +60,47 @@ def test_same_bits_as_the_python_function(ext, shape, dtype, wdtype, grad, in_pl
         assert torch.equal(a, b), name
 
 
+def _add_step(cpp, shape, dtype, wdtype, grad, in_place):
+    """(Y, S) = add + RMSNorm(X, R); the loss reaches Y, and S too unless grad is 'y_only'."""
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    x = torch.randn(shape, generator=g, device=DEVICE).to(dtype).requires_grad_()
+    r = torch.randn(shape, generator=g, device=DEVICE).to(dtype).requires_grad_()
+    w = None
+    if wdtype is not None:
+        w = (1 + 0.1 * torch.randn(shape[-1], generator=g, device=DEVICE)).to(wdtype).requires_grad_()
+    if cpp:
+        y, s = _ops.ops().add_rms_norm(x, r, w, 1e-6, 0.0, 0, in_place)
+    else:
+        y, s = fn.TigonFusedAddRMSNormFunction.apply(x, r, w, 1e-6, 0.0, "llama", in_place)
+    if grad == "sum":
+        (y.float().sum() + 0.5 * s.float().sum()).backward()
+    else:
+        dy = torch.randn(shape[:-1] + (2 * shape[-1],), generator=g, device=DEVICE).to(dtype)
+        dy = dy[..., : shape[-1]] if grad == "strided" else dy[..., : shape[-1]].contiguous()
+        if grad == "y_only":
+            y.backward(dy)
+        else:
+            ds = torch.randn(shape, generator=g, device=DEVICE).to(dtype)
+            torch.autograd.backward([y, s], [dy, ds])
+    return y.detach(), s.detach(), x.grad, r.grad, None if w is None else w.grad, y.grad_fn
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("grad", ["contiguous", "sum", "strided", "y_only"])
+@pytest.mark.parametrize("shape,dtype,wdtype", CASES)
+@pytest.mark.gpu
+def test_add_norm_same_bits_as_the_python_function(ext, shape, dtype, wdtype, grad, in_place):
+    ref = _add_step(False, shape, dtype, wdtype, grad, in_place)
+    out = _add_step(True, shape, dtype, wdtype, grad, in_place)
+    assert "CppNode" in out[5].name() and "CppNode" not in ref[5].name()
+    for name, a, b in zip(("y", "s", "dx", "dr", "dw"), ref[:5], out[:5]):
+        if a is None:
+            assert b is None, name
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.cuda_only
 def test_routing_without_autograd_and_other_layouts(ext, monkeypatch):
     x = torch.randn(6, 4, 512, device="cuda", dtype=torch.bfloat16)
@@ -81,6 +123,16 @@ def test_routing_without_autograd_and_other_layouts(ext, monkeypatch):
         m.weight.copy_(w)
     out = m(x)
     assert "CppNode" in out.grad_fn.name() and torch.equal(out.detach(), ref)
+    # add + RMSNorm: the functional call and the module take the C++ operator too.
+    r = torch.randn_like(x)
+    monkeypatch.setattr(fn, "CPP_AUTOGRAD", False)
+    ref_y, ref_s = tt.tigon_fused_add_rms_norm(x.detach(), r, w, 1e-6)
+    monkeypatch.setattr(fn, "CPP_AUTOGRAD", True)
+    y, s = tt.tigon_fused_add_rms_norm(x, r, w, 1e-6)
+    assert "CppNode" in y.grad_fn.name() and torch.equal(y.detach(), ref_y) and torch.equal(s.detach(), ref_s)
+    with torch.inference_mode():
+        y, s = tt.tigon_fused_add_rms_norm(x.detach(), r, w, 1e-6)
+        assert torch.equal(y, ref_y) and torch.equal(s, ref_s)
 
 
 @pytest.mark.cuda_only

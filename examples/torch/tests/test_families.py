@@ -548,8 +548,6 @@ def test_phi_signature():
 # ------------------------------------------------------------------------------------------------
 
 _COUNTED = {
-    "rms_norm": functions.TigonRMSNormFunction,
-    "add_rms_norm": functions.TigonFusedAddRMSNormFunction,
     "layer_norm": functions.TigonLayerNormFunction,
     "rope": functions.TigonRopeFunction,
     "rope_interleaved": functions.TigonInterleavedRopeFunction,
@@ -560,6 +558,14 @@ _COUNTED = {
     "gated_mlp": functions.TigonGatedMLPFunction,
     "flce": functions.TigonFusedLinearCrossEntropyFunction,
     "ce": functions.TigonCrossEntropyFP32Function,
+}
+
+
+# The norms are counted where their callers reach them (functions.rms_norm / add_rms_norm, which take
+# the Python autograd functions or, under TIGON_TORCH_CPP_AUTOGRAD=1, the C++ ones).
+_ROUTED = {
+    "rms_norm": [(tt.functional, "_rms_norm"), (tt.modules, "_rms_norm")],
+    "add_rms_norm": [(tt.functional, "_add_rms_norm")],
 }
 
 
@@ -575,6 +581,15 @@ def calls(monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(cls, "apply", staticmethod(counted))
+    for name, places in _ROUTED.items():
+        for module, attr in places:
+            real = getattr(module, attr)
+
+            def counted(*args, _real=real, _name=name, **kwargs):
+                counts[_name] += 1
+                return _real(*args, **kwargs)
+
+            monkeypatch.setattr(module, attr, counted)
     return counts
 
 

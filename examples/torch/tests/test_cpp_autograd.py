@@ -25,12 +25,35 @@ CASES = [
 ]
 
 
-def _step(cpp, shape, dtype, wdtype, grad, in_place):
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    x = torch.randn(shape, generator=g, device=DEVICE).to(dtype).requires_grad_()
+def _inputs(seed, shape, dtype, wdtype, n):
+    """A generator, n inputs of shape (requiring gradients) and the weight (None without wdtype)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    xs = [torch.randn(shape, generator=g, device=DEVICE).to(dtype).requires_grad_() for _ in range(n)]
     w = None
     if wdtype is not None:
         w = (1 + 0.1 * torch.randn(shape[-1], generator=g, device=DEVICE)).to(wdtype).requires_grad_()
+    return g, xs, w
+
+
+def _dy(g, shape, dtype, grad):
+    """An upstream gradient: contiguous, or (grad 'strided') rows 2 x cols apart."""
+    dy = torch.randn(shape[:-1] + (2 * shape[-1],), generator=g, device=DEVICE).to(dtype)
+    return dy[..., : shape[-1]] if grad == "strided" else dy[..., : shape[-1]].contiguous()
+
+
+def _same_bits(names, ref, out):
+    """ref and out: (tensors..., grad_fn) of the Python and the C++ autograd."""
+    assert "CppNode" in out[-1].name() and "CppNode" not in ref[-1].name()
+    for name, a, b in zip(names, ref[:-1], out[:-1]):
+        if a is None:
+            assert b is None, name
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), name
+
+
+def _step(cpp, shape, dtype, wdtype, grad, in_place):
+    g, (x,), w = _inputs(0, shape, dtype, wdtype, 1)
     if cpp:
         y = _ops.ops().rms_norm(x, w, 1e-6, 0.0, 0, in_place)
     else:
@@ -38,9 +61,7 @@ def _step(cpp, shape, dtype, wdtype, grad, in_place):
     if grad == "sum":  # an expanded gradient (stride 0)
         y.float().sum().backward()
     else:
-        dy = torch.randn(shape[:-1] + (2 * shape[-1],), generator=g, device=DEVICE).to(dtype)
-        dy = dy[..., : shape[-1]] if grad == "strided" else dy[..., : shape[-1]].contiguous()
-        y.backward(dy)
+        y.backward(_dy(g, shape, dtype, grad))
     return y.detach(), x.grad, None if w is None else w.grad, y.grad_fn
 
 
@@ -51,37 +72,24 @@ def _step(cpp, shape, dtype, wdtype, grad, in_place):
 def test_same_bits_as_the_python_function(ext, shape, dtype, wdtype, grad, in_place):
     ref = _step(False, shape, dtype, wdtype, grad, in_place)
     out = _step(True, shape, dtype, wdtype, grad, in_place)
-    assert "CppNode" in out[3].name() and "CppNode" not in ref[3].name()
-    for name, a, b in zip(("y", "dx", "dw"), ref[:3], out[:3]):
-        if a is None:
-            assert b is None, name
-            continue
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert torch.equal(a, b), name
+    _same_bits(("y", "dx", "dw"), ref, out)
 
 
 def _add_step(cpp, shape, dtype, wdtype, grad, in_place):
     """(Y, S) = add + RMSNorm(X, R); the loss reaches Y, and S too unless grad is 'y_only'."""
-    g = torch.Generator(device=DEVICE).manual_seed(1)
-    x = torch.randn(shape, generator=g, device=DEVICE).to(dtype).requires_grad_()
-    r = torch.randn(shape, generator=g, device=DEVICE).to(dtype).requires_grad_()
-    w = None
-    if wdtype is not None:
-        w = (1 + 0.1 * torch.randn(shape[-1], generator=g, device=DEVICE)).to(wdtype).requires_grad_()
+    g, (x, r), w = _inputs(1, shape, dtype, wdtype, 2)
     if cpp:
         y, s = _ops.ops().add_rms_norm(x, r, w, 1e-6, 0.0, 0, in_place)
     else:
         y, s = fn.TigonFusedAddRMSNormFunction.apply(x, r, w, 1e-6, 0.0, "llama", in_place)
     if grad == "sum":
         (y.float().sum() + 0.5 * s.float().sum()).backward()
+    elif grad == "y_only":
+        y.backward(_dy(g, shape, dtype, grad))
     else:
-        dy = torch.randn(shape[:-1] + (2 * shape[-1],), generator=g, device=DEVICE).to(dtype)
-        dy = dy[..., : shape[-1]] if grad == "strided" else dy[..., : shape[-1]].contiguous()
-        if grad == "y_only":
-            y.backward(dy)
-        else:
-            ds = torch.randn(shape, generator=g, device=DEVICE).to(dtype)
-            torch.autograd.backward([y, s], [dy, ds])
+        dy = _dy(g, shape, dtype, grad)
+        ds = torch.randn(shape, generator=g, device=DEVICE).to(dtype)
+        torch.autograd.backward([y, s], [dy, ds])
     return y.detach(), s.detach(), x.grad, r.grad, None if w is None else w.grad, y.grad_fn
 
 
@@ -92,13 +100,7 @@ def _add_step(cpp, shape, dtype, wdtype, grad, in_place):
 def test_add_norm_same_bits_as_the_python_function(ext, shape, dtype, wdtype, grad, in_place):
     ref = _add_step(False, shape, dtype, wdtype, grad, in_place)
     out = _add_step(True, shape, dtype, wdtype, grad, in_place)
-    assert "CppNode" in out[5].name() and "CppNode" not in ref[5].name()
-    for name, a, b in zip(("y", "s", "dx", "dr", "dw"), ref[:5], out[:5]):
-        if a is None:
-            assert b is None, name
-            continue
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert torch.equal(a, b), name
+    _same_bits(("y", "s", "dx", "dr", "dw"), ref, out)
 
 
 @pytest.mark.cuda_only

@@ -4,7 +4,9 @@
 # sensible cap). The small selection only: without the [large] cases and the hidden ones (two ranks,
 # cold capture), which need two GPUs or a process of their own. racecheck's reports inside cuBLAS's
 # own GEMM kernels (nvjet: TMA and wgmma synchronised through mbarriers, the vendor library's code)
-# are counted apart; tigon's kernels must have none.
+# are counted apart; tigon's kernels must have none. initcheck does not see the writes of cuBLAS's GEMM
+# kernels, so the tests poison every buffer a GEMM writes (every byte initialised, NaN where the GEMM
+# does not write).
 #   scripts/sanitize-cases.sh OUTDIR TOOLS BINARY...     TOOLS: comma list, e.g. memcheck,racecheck
 # Environment: JOBS runs at a time (default 4; they share the GPU), CAP seconds per run (default 240),
 # DEADLINE (epoch seconds) after which no run starts.

@@ -105,6 +105,8 @@ void run_case(const Case& c, CublasLtGemm& blas) {
     b.upload(bh);
   }
   tb.upload(t);
+  // initcheck does not see the writes of cuBLAS's GEMM kernels (the logits chunks in the workspace,
+  // dx, dW, db): the poison makes every byte initialised and a byte the GEMM does not write NaN.
   dxb.poison();
   dwb.poison();
   dbb.poison();
@@ -132,6 +134,7 @@ void run_case(const Case& c, CublasLtGemm& blas) {
   std::size_t bytes = 0;
   TIGON_OK(linear_cross_entropy_workspace_bytes(a, bytes));
   DeviceBuffer<unsigned char> ws(bytes);
+  ws.poison();
   a.workspace = ws.ptr;
   a.workspace_bytes = bytes;
   TIGON_OK(linear_cross_entropy(a, blas, nullptr));
@@ -196,6 +199,9 @@ TEST_CASE("linear_cross_entropy: equals the unfused composition", "[lce][gpu]") 
   std::vector<std::int64_t> t(N);
   for (std::int64_t i = 0; i < N; ++i) t[i] = (i * 7919) % V;
   tb.upload(t);
+  for (auto* p : {&logits, &dx1, &dx2}) p->poison();
+  dw1.poison();
+  dw2.poison();
   // Unfused: all the logits, cross-entropy in place, the two gradient GEMMs.
   TIGON_OK(blas.gemm(GemmArgs<bf16>{.a = x.ptr, .b = w.ptr, .d = logits.ptr, .m = N, .n = V, .k = D, .op_b = Op::t},
                      nullptr));
@@ -224,6 +230,7 @@ TEST_CASE("linear_cross_entropy: equals the unfused composition", "[lce][gpu]") 
   TIGON_OK(linear_cross_entropy_workspace_bytes(a, bytes));
   CHECK(bytes < 512u * V * 2 + (4u << 20));  // one logits chunk plus a few MB
   DeviceBuffer<unsigned char> ws(bytes);
+  ws.poison();
   a.workspace = ws.ptr;
   a.workspace_bytes = bytes;
   TIGON_OK(linear_cross_entropy(a, blas, nullptr));
@@ -308,6 +315,10 @@ void check_heads(std::int64_t N, std::int64_t D, std::int64_t V, int K, Reductio
     std::size_t bytes = 0;
     TIGON_OK(linear_cross_entropy_workspace_bytes(a, bytes));
     DeviceBuffer<unsigned char> ws(bytes);
+    ws.poison();
+    dx1.poison();
+    dw1[k].poison();
+    if (k % 2 == 0) db1[k].poison();
     a.workspace = ws.ptr;
     a.workspace_bytes = bytes;
     TIGON_OK(linear_cross_entropy(a, blas, nullptr));
@@ -344,7 +355,12 @@ void check_heads(std::int64_t N, std::int64_t D, std::int64_t V, int K, Reductio
   DeviceBuffer<unsigned char> ws(bytes);
   h.workspace = ws.ptr;
   h.workspace_bytes = bytes;
+  ws.poison();
   dx2.poison();
+  for (int k = 0; k < K; ++k) {
+    dw2[k].poison();
+    if (k % 2 == 0) db2[k].poison();
+  }
   TIGON_OK(linear_cross_entropy_heads(h, blas, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
   if (red != Reduction::none) {
@@ -459,6 +475,9 @@ TEST_CASE("linear_cross_entropy: gradients in the weight's dtype", "[lce][gpu]")
     TIGON_OK(linear_cross_entropy_workspace_bytes(a2, bytes2));
     CHECK(bytes1 == bytes2);
     DeviceBuffer<unsigned char> ws(bytes1);
+    ws.poison();
+    dx1.poison();
+    dx2.poison();
     a.workspace = a2.workspace = ws.ptr;
     a.workspace_bytes = a2.workspace_bytes = bytes1;
     TIGON_OK(linear_cross_entropy(a, blas, nullptr));
@@ -526,6 +545,10 @@ TEST_CASE("linear_cross_entropy_heads: gradients in the weight's dtype", "[lce][
   std::size_t bytes = 0;
   TIGON_OK(linear_cross_entropy_heads_workspace_bytes(h, bytes));
   DeviceBuffer<unsigned char> ws(bytes);
+  ws.poison();
+  dx1.poison();
+  dx2.poison();
+  for (int k = 0; k < K; ++k) dwf[k].poison(), dwb[k].poison();
   h.workspace = h2.workspace = ws.ptr;
   h.workspace_bytes = h2.workspace_bytes = bytes;
   TIGON_OK(linear_cross_entropy_heads(h, blas, nullptr));

@@ -129,6 +129,8 @@ void run_case(const Case& c, CublasLtGemm& blas) {
   tw.upload(twh);
   lb.upload(lab);
   if (!go.empty()) gob.upload(go);
+  // initcheck does not see the writes of cuBLAS's GEMM kernels (the logits chunks in the workspace,
+  // dx, dW): the poison makes every byte initialised and a byte the GEMM does not write NaN.
   dxb.poison();
   dwb.poison();
   LinearDivergenceArgs<T> a;
@@ -157,6 +159,7 @@ void run_case(const Case& c, CublasLtGemm& blas) {
   const std::int64_t chunk = c.chunk > 0 && c.chunk < c.N ? c.chunk : c.N;
   CHECK(bytes <= 2 * ((chunk * c.V * sizeof(T) + 255) / 256 * 256) + (c.N * 4 + 16 + 255) / 256 * 256);
   DeviceBuffer<unsigned char> ws(bytes);
+  ws.poison();
   a.workspace = ws.ptr;
   a.workspace_bytes = bytes;
   TIGON_OK(dispatch(c.div, [&](const auto& d) { return linear_divergence(a, d, blas, nullptr); }));
@@ -211,6 +214,9 @@ TEST_CASE("linear_divergence: equals the unfused composition", "[ldiv][gpu]") {
   std::vector<std::int64_t> lab(N);
   for (std::int64_t i = 0; i < N; ++i) lab[i] = i % 5 == 2 ? -100 : i;
   lb.upload(lab);
+  for (auto* p : {&s, &t, &dx1, &dx2}) p->poison();
+  dw1.poison();
+  dw2.poison();
   const GeneralizedJSD jsd{0.3f};
   // Unfused: both logits, the divergence in place over all tokens, the two gradient GEMMs.
   TIGON_OK(blas.gemm(GemmArgs<bf16>{.a = x.ptr, .b = w.ptr, .d = s.ptr, .m = N, .n = V, .k = D, .op_b = Op::t},
@@ -250,6 +256,7 @@ TEST_CASE("linear_divergence: equals the unfused composition", "[ldiv][gpu]") {
   TIGON_OK(linear_divergence_workspace_bytes(a, bytes));
   CHECK(bytes <= 2u * 512u * V * 2 + 256u + (N * 4u + 16u + 255u) / 256u * 256u);  // two logits chunks
   DeviceBuffer<unsigned char> ws(bytes);
+  ws.poison();
   a.workspace = ws.ptr;
   a.workspace_bytes = bytes;
   TIGON_OK(linear_divergence(a, jsd, blas, nullptr));

@@ -154,6 +154,8 @@ void run_case(const Case& c, CublasLtGemm& blas) {
   tb.upload(t);
   glb.upload(gl);
   geb.upload(ge);
+  // initcheck does not see the writes of cuBLAS's GEMM kernels (the logits chunks in the workspace,
+  // dx, dW, db): the poison makes every byte initialised and a byte the GEMM does not write NaN.
   for (auto* p : {&lp, &ls, &en, &su, &dwb, &dbb}) p->poison();
   dxb.poison();
   CUDA_OK(cudaMemset(top.ptr, 0xff, c.N));
@@ -171,6 +173,7 @@ void run_case(const Case& c, CublasLtGemm& blas) {
   TIGON_OK(linear_logprob_workspace_bytes(a, true, bb));
   if (c.keep) CHECK(fb == bb);  // one workspace for both
   DeviceBuffer<unsigned char> ws(std::max(fb, bb));
+  ws.poison();
   a.workspace = ws.ptr;
   a.workspace_bytes = ws.count;
   TIGON_OK(linear_logprob_forward(a, blas, nullptr));
@@ -279,6 +282,7 @@ TEST_CASE("linear_logprob: every target ignored gives zeros and no gradient", "[
   std::size_t bytes = 0;
   TIGON_OK(linear_logprob_workspace_bytes(a, true, bytes));
   DeviceBuffer<unsigned char> ws(bytes);
+  ws.poison();
   a.workspace = ws.ptr;
   a.workspace_bytes = bytes;
   TIGON_OK(linear_logprob_forward(a, blas, nullptr));

@@ -1,8 +1,8 @@
 // The tigon operator library: schemas of every operator (implementations for CUDA are registered
 // by the .cu files). Outputs are arguments, allocated by the Python side and marked mutable (a!),
-// so the operators return nothing and torch.compile can functionalise them; rms_norm and
-// add_rms_norm, which return their outputs and carry their autograd in C++ for eager calls, are the
-// exceptions.
+// so the operators return nothing and torch.compile can functionalise them; rms_norm, layer_norm,
+// add_rms_norm and gated, which return their outputs and carry their autograd in C++ for eager calls,
+// are the exceptions.
 #include <torch/library.h>
 
 TORCH_LIBRARY(tigon, m) {
@@ -15,6 +15,7 @@ TORCH_LIBRARY(tigon, m) {
         "Tensor(c!) rstd, float eps) -> ()");
   m.def("layer_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, Tensor(a!) dx, "
         "Tensor(b!)? dweight, Tensor(c!)? dbias) -> ()");
+  m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor");
   m.def("add_rms_norm_fwd(Tensor x, Tensor residual, Tensor? weight, Tensor(a!) y, Tensor(b!) sum, "
         "Tensor(c!)? rstd, float eps, float offset, int casting) -> ()");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor? weight, float eps, float offset, int casting, "
@@ -27,6 +28,7 @@ TORCH_LIBRARY(tigon, m) {
         "float down_multiplier) -> ()");
   m.def("gated_bwd(Tensor dc, Tensor a, Tensor b, Tensor(a!) da, Tensor(b!) db, int act, "
         "float gate_multiplier, float down_multiplier) -> ()");
+  m.def("gated(Tensor a, Tensor b, int act, float gate_multiplier, float down_multiplier) -> Tensor");
   m.def("relu2_fwd(Tensor a, Tensor(a!) c) -> ()");
   m.def("relu2_bwd(Tensor dc, Tensor a, Tensor(a!) da) -> ()");
   m.def("cross_entropy(Tensor logits, Tensor target, Tensor? class_weights, Tensor? grad_output, "

@@ -171,4 +171,14 @@ T* ptr(const OptTensor& t) {
   return t.has_value() ? reinterpret_cast<T*>(t->data_ptr()) : nullptr;
 }
 
+// t as a [rows, cols] matrix with unit column stride and a row stride >= cols: a view when the
+// strides allow it, else a copy (an expanded gradient, say). For the C++ autograd functions.
+inline Tensor rows_view(const Tensor& t, std::int64_t cols) {
+  Tensor r = t.reshape({-1, cols});
+  if ((cols > 1 && r.stride(1) != 1) || (r.size(0) > 1 && r.stride(0) < cols)) r = r.contiguous();
+  return r;
+}
+
+inline OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
 }  // namespace tigon_torch

@@ -1,6 +1,9 @@
-// LayerNorm forward and backward through tigon/norm/layer_norm.cuh ([rows, cols] matrices).
-#include "common.h"
+// LayerNorm forward and backward through tigon/norm/layer_norm.cuh ([rows, cols] matrices), and
+// tigon.layer_norm: the two as one operator whose autograd is C++.
+#include "norm_common.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <tigon/norm/layer_norm.cuh>
@@ -71,11 +74,96 @@ void layer_norm_bwd(const Tensor& dy, const Tensor& x, const OptTensor& weight, 
   });
 }
 
+// The operators above, called through the dispatcher (so that a fake-tensor mode sees them).
+const auto& fwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("tigon::layer_norm_fwd", "")
+                             .typed<void(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&,
+                                         const Tensor&, const Tensor&, double)>();
+  return op;
+}
+
+const auto& bwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("tigon::layer_norm_bwd", "")
+                             .typed<void(const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
+                                         const Tensor&, const Tensor&, const OptTensor&, const OptTensor&)>();
+  return op;
+}
+
+// LayerNorm with its autograd in C++, as TigonLayerNormFunction: the forward saves x, the weight,
+// mean and rstd; the backward writes dX, dW and dB (each only when asked for). x must be
+// contiguous (the Python side sends other layouts through TigonLayerNormFunction). A missing weight
+// or bias is an empty placeholder with has_weight / has_bias false (an autograd function's tensor
+// arguments must be defined).
+class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
+ public:
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& weight,
+                        bool has_weight, const Tensor& bias, bool has_bias, double eps) {
+    TORCH_CHECK_VALUE(x.dim() >= 1 && x.is_contiguous(), "tigon.layer_norm: 'x' must be contiguous with at least "
+                      "one dimension, got shape ", x.sizes(), " and strides ", x.strides());
+    const std::int64_t cols = x.size(-1);
+    const Tensor x2 = x.view({-1, cols});
+    Tensor y = at::empty(x.sizes(), x.options());
+    const Tensor mean = at::empty({x2.size(0)}, x.options().dtype(at::kFloat));
+    const Tensor rstd = at::empty({x2.size(0)}, x.options().dtype(at::kFloat));
+    const Tensor w = has_weight ? weight.contiguous() : Tensor();
+    const Tensor b = has_bias ? bias.contiguous() : Tensor();
+    if (x2.numel() > 0) fwd_op().call(x2, opt(w), opt(b), y.view({-1, cols}), mean, rstd, eps);
+    ctx->save_for_backward({x2, w, mean, rstd});
+    ctx->saved_data["has_bias"] = has_bias;
+    if (has_bias) {  // dB's shape and dtype
+      ctx->saved_data["bias_shape"] = b.sizes().vec();
+      ctx->saved_data["bias_dtype"] = static_cast<std::int64_t>(b.scalar_type());
+    }
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor& x2 = saved[0];
+    const Tensor& w = saved[1];
+    const Tensor& mean = saved[2];
+    const Tensor& rstd = saved[3];
+    const Tensor& dy = grads[0];
+    const std::int64_t cols = x2.size(1);
+    const Tensor dy2 = rows_view(dy, cols);
+    Tensor dx = at::empty(dy.sizes(), x2.options());
+    Tensor dw, db;
+    if (w.defined() && ctx->needs_input_grad(1)) dw = at::empty_like(w);
+    // needs_input_grad counts the tensor arguments only: x 0, weight 1, bias 2.
+    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
+      const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt());
+      db = at::empty(ctx->saved_data["bias_shape"].toIntVector(), x2.options().dtype(dtype));
+    }
+    if (x2.numel() > 0) {
+      bwd_op().call(dy2, x2, opt(w), mean, rstd, dx.view({-1, cols}), opt(dw), opt(db));
+    } else {
+      if (dw.defined()) dw.zero_();
+      if (db.defined()) db.zero_();
+    }
+    return {dx, dw, Tensor(), db, Tensor(), Tensor()};
+  }
+};
+
+Tensor layer_norm(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps) {
+  const bool has_weight = weight.has_value(), has_bias = bias.has_value();
+  const Tensor none = at::empty({0}, x.options());
+  return LayerNormFunction::apply(x, has_weight ? *weight : none, has_weight, has_bias ? *bias : none, has_bias,
+                                  eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tigon, CUDA, m) {
   m.impl("layer_norm_fwd", &layer_norm_fwd);
   m.impl("layer_norm_bwd", &layer_norm_bwd);
+  m.impl("layer_norm", &layer_norm);
+}
+
+TORCH_LIBRARY_IMPL(tigon, Autograd, m) {
+  m.impl("layer_norm", &layer_norm);
 }
 
 }  // namespace tigon_torch

@@ -1,9 +1,11 @@
-"""tigon.rms_norm and tigon.add_rms_norm, the norms whose autograd is C++ (TIGON_TORCH_CPP_AUTOGRAD=1),
-against TigonRMSNormFunction and TigonFusedAddRMSNormFunction: the same operators behind both, so the
-outputs, dX (dR) and dW agree bit for bit, with and without a weight, with a float32 weight on 16-bit
-inputs, with an empty input, with gradients that are contiguous, expanded (the gradient of a sum) or
-strided, with the sum's gradient or without it, in place and not. In the CPU reference mode the C++
-autograd runs over the reference operators."""
+"""tigon.rms_norm, tigon.add_rms_norm, tigon.layer_norm and tigon.gated, the operators whose autograd
+is C++ (what eager calls on contiguous CUDA inputs take), against TigonRMSNormFunction,
+TigonFusedAddRMSNormFunction, TigonLayerNormFunction and TigonGatedMulFunction: the same kernels behind
+both, so the outputs and every gradient agree bit for bit, with and without a weight (and a bias),
+with a float32 weight on 16-bit inputs, with an empty input, with gradients that are contiguous,
+expanded (the gradient of a sum) or strided, with the sum's gradient or without it, in place and
+not; the gated backward writes over a and b exactly when the Python one does. In the CPU reference
+mode the C++ autograd runs over the reference operators."""
 
 from __future__ import annotations
 
@@ -106,6 +108,105 @@ def test_add_norm_same_bits_as_the_python_function(ext, shape, dtype, wdtype, gr
     _same_bits(("y", "s", "dx", "dr", "dw"), ref, out)
 
 
+LN_CASES = [
+    ((2, 3, 256), torch.bfloat16, torch.bfloat16, True),
+    ((7, 4096), torch.bfloat16, torch.float32, True),
+    ((5, 1, 64), torch.float32, torch.float32, False),
+    ((4, 96), torch.float16, None, False),
+    ((0, 128), torch.bfloat16, torch.bfloat16, True),
+]
+
+
+def _ln_step(cpp, shape, dtype, wdtype, bias, grad):
+    g, (x,), w = _inputs(2, shape, dtype, wdtype, 1)
+    b = None
+    if bias:
+        b = (0.1 * torch.randn(shape[-1], generator=g, device=DEVICE)).to(wdtype).requires_grad_()
+    if cpp:
+        y = _ops.ops().layer_norm(x, w, b, 1e-5)
+    else:
+        y = fn.TigonLayerNormFunction.apply(x, w, b, 1e-5)
+    if grad == "sum":
+        y.float().sum().backward()
+    else:
+        y.backward(_dy(g, shape, dtype, grad))
+    return y.detach(), x.grad, None if w is None else w.grad, None if b is None else b.grad, y.grad_fn
+
+
+@pytest.mark.parametrize("grad", ["contiguous", "sum", "strided"])
+@pytest.mark.parametrize("shape,dtype,wdtype,bias", LN_CASES)
+@pytest.mark.gpu
+def test_layer_norm_same_bits_as_the_python_function(ext, shape, dtype, wdtype, bias, grad):
+    ref = _ln_step(False, shape, dtype, wdtype, bias, grad)
+    out = _ln_step(True, shape, dtype, wdtype, bias, grad)
+    _same_bits(("y", "dx", "dw", "db"), ref, out)
+
+
+GATED = [("silu", 1.0, 1.0), ("silu", 0.5, 2.0), ("gelu_tanh", 1.0, 1.0), ("gelu", 1.0, 1.0)]
+
+
+def _gated_step(cpp, shape, dtype, act, gm, dm, computed, grad):
+    """c = act(gm a) b dm; a and b leaves, or (computed) projections x Wg^T and x Wu^T of leaves."""
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    rows, cols = shape[:-1], shape[-1]
+    if computed:
+        x = torch.randn(*rows, 64, generator=g, device=DEVICE).to(dtype).requires_grad_()
+        wg = (0.1 * torch.randn(cols, 64, generator=g, device=DEVICE)).to(dtype).requires_grad_()
+        wu = (0.1 * torch.randn(cols, 64, generator=g, device=DEVICE)).to(dtype).requires_grad_()
+        a, b = x @ wg.t(), x @ wu.t()
+        leaves = (x, wg, wu)
+    else:
+        a = torch.randn(shape, generator=g, device=DEVICE).to(dtype).requires_grad_()
+        b = torch.randn(shape, generator=g, device=DEVICE).to(dtype).requires_grad_()
+        leaves = (a, b)
+    va, vb = a._version, b._version
+    if cpp:
+        c = _ops.ops().gated(a, b, _ops.ACTIVATIONS[act], gm, dm)
+    else:
+        c = fn.TigonGatedMulFunction.apply(a, b, act, gm, dm)
+    node = c.grad_fn
+    if grad == "sum":
+        c.float().sum().backward()
+    else:
+        c.backward(_dy(g, shape, dtype, grad))
+    over = (a._version > va, b._version > vb)
+    return (c.detach(),) + tuple(t.grad for t in leaves) + (over, node)
+
+
+@pytest.mark.parametrize("computed", [False, True])
+@pytest.mark.parametrize("grad", ["contiguous", "sum", "strided"])
+@pytest.mark.parametrize("act,gm,dm", GATED)
+@pytest.mark.parametrize("shape,dtype", [((2, 3, 256), torch.bfloat16), ((5, 512), torch.float32),
+                                         ((4, 96), torch.float16), ((0, 128), torch.bfloat16)])
+@pytest.mark.gpu
+def test_gated_same_bits_as_the_python_function(ext, shape, dtype, act, gm, dm, grad, computed):
+    ref = _gated_step(False, shape, dtype, act, gm, dm, computed, grad)
+    out = _gated_step(True, shape, dtype, act, gm, dm, computed, grad)
+    assert out[-2] == ref[-2]  # written over a and b (version bumped) exactly when the Python one does
+    assert out[-2] == ((computed,) * 2 if shape[0] > 0 else out[-2])
+    names = ("c", "dx", "dwg", "dwu") if computed else ("c", "da", "db")
+    _same_bits(names, ref[:-2] + ref[-1:], out[:-2] + out[-1:])
+
+
+@pytest.mark.gpu
+def test_gated_over_a_and_b_guards_other_readers(ext):
+    """A node that saved a sees its version bumped and raises, instead of reading the gradient the C++
+    backward wrote over a; leaves are never written."""
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    x = torch.randn(8, 64, generator=g, device=DEVICE, requires_grad=True)
+    wg = torch.randn(256, 64, generator=g, device=DEVICE, requires_grad=True)
+    wu = torch.randn(256, 64, generator=g, device=DEVICE, requires_grad=True)
+    a, b = x @ wg.t(), x @ wu.t()
+    loss = (a * a).sum() + _ops.ops().gated(a, b, 0, 1.0, 1.0).sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    a0 = torch.randn(8, 256, generator=g, device=DEVICE, requires_grad=True)
+    b0 = torch.randn(8, 256, generator=g, device=DEVICE, requires_grad=True)
+    keep = (a0.detach().clone(), b0.detach().clone())
+    _ops.ops().gated(a0, b0, 0, 1.0, 1.0).sum().backward()
+    assert torch.equal(a0.detach(), keep[0]) and torch.equal(b0.detach(), keep[1])
+
+
 @pytest.mark.cuda_only
 def test_routing_without_autograd_and_other_layouts(ext, monkeypatch):
     x = torch.randn(6, 4, 512, device="cuda", dtype=torch.bfloat16)
@@ -138,6 +239,32 @@ def test_routing_without_autograd_and_other_layouts(ext, monkeypatch):
     with torch.inference_mode():
         y, s = tt.tigon_fused_add_rms_norm(x.detach(), r, w, 1e-6)
         assert torch.equal(y, ref_y) and torch.equal(s, ref_s)
+    # LayerNorm: the functional call and the module.
+    b = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(fn, "CPP_AUTOGRAD", False)
+    ref_ln = tt.tigon_layer_norm(x.detach(), w, b, 1e-5)
+    assert "CppNode" not in type(tt.tigon_layer_norm(x, w, b, 1e-5).grad_fn).__name__
+    monkeypatch.setattr(fn, "CPP_AUTOGRAD", True)
+    out = tt.tigon_layer_norm(x, w, b, 1e-5)
+    assert "CppNode" in out.grad_fn.name() and torch.equal(out.detach(), ref_ln)
+    ln = tt.TigonLayerNorm(512).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        ln.weight.copy_(w)
+        ln.bias.copy_(b)
+    out = ln(x)
+    assert "CppNode" in out.grad_fn.name() and torch.equal(out.detach(), ref_ln)
+    # The gated product: tigon_swiglu and tigon_geglu; halves of one buffer (not contiguous) take
+    # TigonGatedMulFunction.
+    a2 = torch.randn(6, 4, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for call in (lambda u, v: tt.tigon_swiglu(u, v, 0.5, 2.0), tt.tigon_geglu):
+        monkeypatch.setattr(fn, "CPP_AUTOGRAD", False)
+        ref_c = call(x.detach(), r)
+        ref_h = call(a2[..., :512].detach(), a2[..., 512:].detach())
+        monkeypatch.setattr(fn, "CPP_AUTOGRAD", True)
+        c = call(x, r)
+        assert "CppNode" in c.grad_fn.name() and torch.equal(c.detach(), ref_c)
+        c = call(a2[..., :512], a2[..., 512:])
+        assert "CppNode" not in type(c.grad_fn).__name__ and torch.equal(c.detach(), ref_h)
 
 
 @pytest.mark.cuda_only
@@ -150,3 +277,10 @@ def test_bad_calls_raise(ext, monkeypatch):
         tt.tigon_rms_norm(x, torch.ones(32, device="cuda", dtype=torch.bfloat16), 1e-6)
     with pytest.raises(ValueError):  # an unknown casting mode
         tt.tigon_rms_norm(x, None, 1e-6, 0.0, "mistral")
+    with pytest.raises(ValueError):  # a bias of the wrong size
+        tt.tigon_layer_norm(x, torch.ones(64, device="cuda", dtype=torch.bfloat16),
+                            torch.zeros(32, device="cuda", dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError):  # an unknown activation
+        fn.gated(x, x, "relu")
+    with pytest.raises(TypeError):  # a and b of two dtypes (the Python function names them)
+        tt.tigon_swiglu(x, x.float())

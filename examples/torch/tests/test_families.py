@@ -548,11 +548,9 @@ def test_phi_signature():
 # ------------------------------------------------------------------------------------------------
 
 _COUNTED = {
-    "layer_norm": functions.TigonLayerNormFunction,
     "rope": functions.TigonRopeFunction,
     "rope_interleaved": functions.TigonInterleavedRopeFunction,
     "rope_mrope": functions.TigonQwen2VLMRopeFunction,
-    "gated_mul": functions.TigonGatedMulFunction,
     "gate_up": functions.TigonFusedGateUpMulFunction,
     "relu2": functions.TigonReLUSquaredFunction,
     "gated_mlp": functions.TigonGatedMLPFunction,
@@ -561,11 +559,13 @@ _COUNTED = {
 }
 
 
-# The norms are counted where their callers reach them (functions.rms_norm / add_rms_norm, which take
-# the Python autograd functions or, under TIGON_TORCH_CPP_AUTOGRAD=1, the C++ ones).
+# The norms and the gated product are counted where their callers reach them (functions.rms_norm,
+# add_rms_norm, layer_norm and gated, which take the C++ or the Python autograd functions).
 _ROUTED = {
     "rms_norm": [(tt.functional, "_rms_norm"), (tt.modules, "_rms_norm")],
     "add_rms_norm": [(tt.functional, "_add_rms_norm")],
+    "layer_norm": [(tt.functional, "_layer_norm"), (tt.modules, "_layer_norm")],
+    "gated_mul": [(tt.functional, "_gated"), (tt.modules, "_gated"), (patch, "_gated")],
 }
 
 

@@ -55,10 +55,12 @@ def _cases():
     s, rstd3 = _e(N, H), _e(N, dtype=F32)
     ops.ops().add_rms_norm_fwd(x, dy, w, _e(N, H), s, rstd3, 1e-6, 0.0, 0)
     cases["add_rms_norm_bwd"] = (dy, _r(N, H), s, w, rstd3, _e(N, H), torch.empty_like(w), 1e-6, 0.0, 0)
-    # The norms with their autograd in C++ (outputs returned; inputs that require a gradient).
+    # The operators with their autograd in C++ (outputs returned; inputs that require a gradient).
     cases["rms_norm"] = (x.clone().requires_grad_(), w.clone().requires_grad_(), 1e-6, 0.0, 0, False)
     cases["add_rms_norm"] = (x.clone().requires_grad_(), _r(N, H).requires_grad_(), w.clone().requires_grad_(),
                              1e-6, 0.0, 0, False)
+    cases["layer_norm"] = (x.clone().requires_grad_(), w.clone().requires_grad_(), _r(H).requires_grad_(), 1e-5)
+    cases["gated"] = (_r(N, H).requires_grad_(), _r(N, H).requires_grad_(), 0, 0.5, 2.0)
     # RoPE: q [B, T, Hq, D], k [B, T, Hk, D], tables [1, T, D].
     B, T, D = 2, 5, 16
     ang = torch.rand(1, T, D // 2, device=DEVICE).repeat(1, 1, 2)
@@ -115,7 +117,7 @@ _CASE_NAMES = ["rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd
                "add_rms_norm_bwd", "rope", "gated_fwd", "gated_bwd", "relu2_fwd", "relu2_bwd", "cross_entropy",
                "linear_cross_entropy", "linear_cross_entropy_heads", "linear_logprob", "linear_logprob_bwd",
                "scale_rows", "divergence", "adamw_plan", "adamw_step", "adamw_step@lr_value", "adamw_grad_norm",
-               "rms_norm", "add_rms_norm"]
+               "rms_norm", "add_rms_norm", "layer_norm", "gated"]
 
 # The plan holds its input tensors' addresses, which tracing changes (AOT dispatch runs it on copies):
 # not a function of the inputs' values, so not traced (an optimizer step is not compiled).

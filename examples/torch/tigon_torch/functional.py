@@ -16,19 +16,18 @@ from .functions import (
     TigonFusedLinearCrossEntropyFunction,
     TigonFusedLinearJSDFunction,
     TigonGatedMLPFunction,
-    TigonGELUMulFunction,
     TigonInterleavedRopeFunction,
     TigonJSDFunction,
     TigonKLDivLossFunction,
-    TigonLayerNormFunction,
     TigonLlama4RopeFunction,
     TigonQwen2VLMRopeFunction,
     TigonReLUSquaredFunction,
     TigonRopeFunction,
-    TigonSiLUMulFunction,
     TigonTVDLossFunction,
 )
 from .functions import add_rms_norm as _add_rms_norm
+from .functions import gated as _gated
+from .functions import layer_norm as _layer_norm
 from .functions import rms_norm as _rms_norm
 
 
@@ -81,7 +80,7 @@ def tigon_rms_norm(X, W, eps=1e-6, offset=0.0, casting_mode="llama", in_place=Tr
 
 
 def tigon_layer_norm(X, W, B, eps=1e-5):
-    return TigonLayerNormFunction.apply(X, _local(W), _local(B), eps)
+    return _layer_norm(X, _local(W), _local(B), eps)
 
 
 def tigon_fused_add_rms_norm(X, R, W, eps=1e-6, offset=0.0, casting_mode="llama", in_place=True):
@@ -204,11 +203,11 @@ def _reference_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1
 
 
 def tigon_swiglu(a, b, gate_multiplier=1.0, down_multiplier=1.0):
-    return TigonSiLUMulFunction.apply(a, b, gate_multiplier, down_multiplier)
+    return _gated(a, b, "silu", gate_multiplier, down_multiplier)
 
 
 def tigon_geglu(a, b):
-    return TigonGELUMulFunction.apply(a, b)
+    return _gated(a, b, "gelu_tanh")
 
 
 def tigon_relu_squared(x):

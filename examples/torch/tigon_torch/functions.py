@@ -161,21 +161,24 @@ class TigonRMSNormFunction(torch.autograd.Function):
         return dX, dW, None, None, None, None, None
 
 
-def _cpp_autograd() -> bool:
-    import os
+# Eager calls on contiguous CUDA inputs go through the operators whose autograd is C++ (tigon.rms_norm,
+# tigon.layer_norm, tigon.add_rms_norm, tigon.gated): the same kernels, bit for bit the results of the
+# Python Functions, at a fraction of their host cost (no Python in the forward's or the backward's
+# path). Other layouts, tensor subclasses (DTensor) and torch.compile take the Python Functions. The
+# test suite switches this off to compare the two.
+CPP_AUTOGRAD = True
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
-    return os.environ.get("TIGON_TORCH_CPP_AUTOGRAD") == "1"
 
-
-CPP_AUTOGRAD = _cpp_autograd()
+def _cpp(*tensors) -> bool:
+    return CPP_AUTOGRAD and _o.on_device(tensors[0]) and not _compiling() \
+        and all(type(t) in _PLAIN and t.is_contiguous() for t in tensors)
 
 
 def rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
-    """TigonRMSNormFunction's op for tigon_rms_norm and TigonRMSNorm. With TIGON_TORCH_CPP_AUTOGRAD=1 in
-    the environment (read at import), eager calls on contiguous CUDA inputs go through tigon.rms_norm,
-    the same kernels with the autograd in C++ (no Python in the forward's or the backward's path);
-    torch.compile traces TigonRMSNormFunction either way. The same holds for add_rms_norm below."""
-    if CPP_AUTOGRAD and _o.on_device(X) and X.is_contiguous() and not _compiling():
+    """TigonRMSNormFunction's op for tigon_rms_norm and TigonRMSNorm (tigon.rms_norm for eager calls on
+    contiguous CUDA inputs)."""
+    if _cpp(X):
         return ops().rms_norm(X, W, float(eps), float(offset), _casting(casting_mode), bool(in_place))
     return TigonRMSNormFunction.apply(X, W, eps, offset, casting_mode, in_place, None)
 
@@ -225,6 +228,14 @@ class TigonLayerNormFunction(torch.autograd.Function):
                 if g is not None:
                     g.zero_()
         return dX, dW, dB, None
+
+
+def layer_norm(X, W, B, eps):
+    """TigonLayerNormFunction's op for tigon_layer_norm and TigonLayerNorm (tigon.layer_norm for eager
+    calls on contiguous CUDA inputs)."""
+    if _cpp(X):
+        return ops().layer_norm(X, W, B, float(eps))
+    return TigonLayerNormFunction.apply(X, W, B, eps)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -278,10 +289,9 @@ class TigonFusedAddRMSNormFunction(torch.autograd.Function):
 
 def add_rms_norm(X, R, W, eps, offset=0.0, casting_mode="llama", in_place=False):
     """TigonFusedAddRMSNormFunction's op for tigon_fused_add_rms_norm (and so TigonFusedAddRMSNorm and
-    the patches' fused_add_norm); with TIGON_TORCH_CPP_AUTOGRAD=1, eager calls on contiguous CUDA inputs
-    of one shape go through tigon.add_rms_norm (the autograd in C++), as rms_norm."""
-    if CPP_AUTOGRAD and _o.on_device(X) and X.is_contiguous() and R.is_contiguous() and X.shape == R.shape \
-            and not _compiling():
+    the patches' fused_add_norm); tigon.add_rms_norm for eager calls on contiguous CUDA inputs of one
+    shape."""
+    if _cpp(X, R) and X.shape == R.shape:
         return ops().add_rms_norm(X, R, W, float(eps), float(offset), _casting(casting_mode), bool(in_place))
     return TigonFusedAddRMSNormFunction.apply(X, R, W, eps, offset, casting_mode, in_place)
 
@@ -618,6 +628,16 @@ class TigonGatedMulFunction(torch.autograd.Function):
     def backward(ctx, dc):
         da, db = _gated_backward(ctx, dc)
         return da, db, None, None, None
+
+
+def gated(a, b, activation="silu", gate_multiplier=1.0, down_multiplier=1.0):
+    """TigonGatedMulFunction's op for tigon_swiglu, tigon_geglu and the MLP modules (tigon.gated for
+    eager calls on contiguous CUDA inputs of one shape)."""
+    if activation not in _o.ACTIVATIONS:
+        raise ValueError(f"tigon_torch: activation must be one of {sorted(_o.ACTIVATIONS)}, got {activation!r}")
+    if _cpp(a, b) and a.shape == b.shape and a.dtype == b.dtype and a.dim() > 0:
+        return ops().gated(a, b, _o.ACTIVATIONS[activation], float(gate_multiplier), float(down_multiplier))
+    return TigonGatedMulFunction.apply(a, b, activation, gate_multiplier, down_multiplier)
 
 
 class TigonFusedGateUpMulFunction(torch.autograd.Function):

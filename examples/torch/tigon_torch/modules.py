@@ -10,13 +10,13 @@ from torch import nn
 from . import functional as F
 from .functional import _local
 from . import ops as _ops
+from .functions import gated as _gated
+from .functions import layer_norm as _layer_norm
 from .functions import rms_norm as _rms_norm
 from .functions import (
-    TigonGatedMulFunction,
     TigonJSDFunction,
     TigonKLDivLossFunction,
     TigonFusedLinearMultiHeadCrossEntropyFunction,
-    TigonLayerNormFunction,
     TigonTVDLossFunction,
     _casting,
     _check_beta,
@@ -101,8 +101,7 @@ class TigonLayerNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states):
-        return TigonLayerNormFunction.apply(hidden_states, _local(self.weight), _local(self.bias),
-                                            self.variance_epsilon)
+        return _layer_norm(hidden_states, _local(self.weight), _local(self.bias), self.variance_epsilon)
 
     def extra_repr(self):
         return f"{self.hidden_size}, eps={self.eps}"
@@ -191,7 +190,7 @@ class TigonGEGLUMLP(nn.Module):
         if F.gated_mlp_fusable(self, x):
             return F.tigon_gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
                                      self.act_kind)
-        return self.down_proj(TigonGatedMulFunction.apply(self.gate_proj(x), self.up_proj(x), self.act_kind))
+        return self.down_proj(_gated(self.gate_proj(x), self.up_proj(x), self.act_kind))
 
 
 class TigonPhi3SwiGLUMLP(nn.Module):

@@ -106,9 +106,10 @@ def _fake_checks():
 
 
 def _register_fakes() -> None:
-    """Fake (meta) kernels for torch.compile and FakeTensorMode: every operator but adamw_plan, rms_norm
-    and add_rms_norm writes only into its arguments, so each returns None after the shape and dtype
-    checks of its CUDA implementation (_fake_checks) where it has them."""
+    """Fake (meta) kernels for torch.compile and FakeTensorMode: every operator but adamw_plan and the
+    four with a C++ autograd (rms_norm, layer_norm, add_rms_norm, gated) writes only into its
+    arguments, so each returns None after the shape and dtype checks of its CUDA implementation
+    (_fake_checks) where it has them."""
     global _fakes_registered
     if _fakes_registered:
         return
@@ -165,6 +166,22 @@ def _register_fakes() -> None:
                 torch.empty_like(x, memory_format=torch.contiguous_format))
 
     torch.library.register_fake("tigon::add_rms_norm", add_rms_norm_fake)
+
+    def layer_norm_fake(x, weight, bias, eps):
+        if not x.is_contiguous():
+            raise ValueError("tigon.layer_norm: 'x' must be contiguous")
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    torch.library.register_fake("tigon::layer_norm", layer_norm_fake)
+
+    def gated_fake(a, b, act, gate_multiplier, down_multiplier):
+        if not (a.is_contiguous() and b.is_contiguous()):
+            raise ValueError("tigon.gated: 'a' and 'b' must be contiguous")
+        if a.shape != b.shape:
+            raise ValueError(f"tigon.gated: a {tuple(a.shape)} and b {tuple(b.shape)} must have one shape")
+        return torch.empty_like(a, memory_format=torch.contiguous_format)
+
+    torch.library.register_fake("tigon::gated", gated_fake)
     _fakes_registered = True
 
 

@@ -89,7 +89,8 @@ from torch import nn
 
 from . import functional as F
 from . import ops as _ops
-from .functions import TigonFusedGateUpMulFunction, TigonGatedMulFunction, TigonReLUSquaredFunction, _compiling
+from .functions import TigonFusedGateUpMulFunction, TigonReLUSquaredFunction, _compiling
+from .functions import gated as _gated
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ def _gated_mlp_forward(self, x):
     a, b = self.gate_proj(x), self.up_proj(x)
     if a.dtype not in _FLOAT_TYPES or a.dtype != b.dtype:
         return self.down_proj(_act(self)(a) * b)
-    return self.down_proj(TigonGatedMulFunction.apply(a, b, kind, 1.0, 1.0))
+    return self.down_proj(_gated(a, b, kind, 1.0, 1.0))
 
 
 def _scaled_gated_mlp_forward(self, x):
@@ -211,7 +212,7 @@ def _scaled_gated_mlp_forward(self, x):
     a, b = self.gate_proj(x), self.up_proj(x)
     if a.dtype not in _FLOAT_TYPES or a.dtype != b.dtype:
         return self.down_proj(b * _act(self)(a * self.gate_multiplier)) * self.down_multiplier
-    return self.down_proj(TigonGatedMulFunction.apply(a, b, kind, gate_multiplier, 1.0)) * self.down_multiplier
+    return self.down_proj(_gated(a, b, kind, gate_multiplier, 1.0)) * self.down_multiplier
 
 
 def _fused_gate_up_mlp_forward(self, hidden_states):

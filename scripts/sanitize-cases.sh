@@ -6,7 +6,9 @@
 # own GEMM kernels (nvjet: TMA and wgmma synchronised through mbarriers, the vendor library's code)
 # are counted apart; tigon's kernels must have none. initcheck does not see the writes of cuBLAS's GEMM
 # kernels, so the tests poison every buffer a GEMM writes (every byte initialised, NaN where the GEMM
-# does not write).
+# does not write). The processes run with TIGON_TEST_SANITIZER=1: the suites' slowest cases then run
+# their sanitizer-sized shapes (gpu_test::sanitizer_sized(): fewer and smaller shapes that still reach
+# every kernel, dtype and option), so that each case finishes in minutes under any tool.
 #   scripts/sanitize-cases.sh OUTDIR TOOLS BINARY...     TOOLS: comma list, e.g. memcheck,racecheck
 # Environment: JOBS runs at a time (default 4; they share the GPU), CAP seconds per run (default 240),
 # DEADLINE (epoch seconds) after which no run starts.
@@ -17,6 +19,7 @@ out=${1:?usage: scripts/sanitize-cases.sh OUTDIR TOOLS BINARY...}
 tools=${2:?usage: scripts/sanitize-cases.sh OUTDIR TOOLS BINARY...}
 shift 2
 mkdir -p "$out"
+export TIGON_TEST_SANITIZER=1
 jobs_max=${JOBS:-4}
 cap_max=${CAP:-240}
 deadline=${DEADLINE:-0}

@@ -1,6 +1,7 @@
 // Shared pieces of the GPU tests: a main that reports "skipped" (exit 77) without a GPU, device
-// buffers, fresh random inputs, poisoned outputs, tolerance checks where NaN never passes, the
-// tolerances of outputs rounded to a dtype, and dense / strided views of host matrices.
+// buffers, fresh random inputs, the sanitizer-sized switch, poisoned outputs, tolerance checks where
+// NaN never passes, the tolerances of outputs rounded to a dtype, and dense / strided views of host
+// matrices.
 #pragma once
 
 #define CATCH_CONFIG_RUNNER
@@ -12,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -46,6 +48,20 @@ inline std::uint64_t run_seed() {
     return (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ static_cast<std::uint64_t>(std::random_device{}());
   }();
   return seed;
+}
+
+// Whether the suites run sanitizer-sized (TIGON_TEST_SANITIZER set and not "0"; read once): under
+// compute-sanitizer (memcheck, racecheck, initcheck, synccheck) every kernel launch and memory access
+// costs many times its plain time, so the slowest cases run a reduced set of shapes that still
+// reaches every kernel and option (each kernel family, each dispatch branch, each dtype, each
+// option), with fewer repetitions, rows, chunks or hidden columns, so that each case finishes in
+// minutes. Unset, every case runs its full set.
+inline bool sanitizer_sized() {
+  static const bool on = [] {
+    const char* s = std::getenv("TIGON_TEST_SANITIZER");
+    return s != nullptr && std::strcmp(s, "0") != 0;
+  }();
+  return on;
 }
 
 inline std::mt19937_64& rng() {
@@ -126,6 +142,16 @@ inline bool all_bytes_ff(const void* p, std::size_t n) {
   const auto* b = static_cast<const unsigned char*>(p);
   for (std::size_t i = 0; i < n; ++i)
     if (b[i] != 0xFF) return false;
+  return true;
+}
+
+// Whether every element of a downloaded output is finite: an output poisoned (NaN) before the call
+// and never written fails. For checks that compare two such outputs byte for byte, which would
+// pass if neither were written.
+template <class T>
+bool all_finite(const std::vector<T>& v) {
+  for (const T& e : v)
+    if (!std::isfinite(tigon::to_float(e))) return false;
   return true;
 }
 

@@ -276,9 +276,13 @@ std::vector<Case> option_cases(std::int64_t rows, std::int64_t V, bool with_plai
 
 }  // namespace
 
+// 7 columns take the row kernel's single elements, 1000 its vectors, 32000 the resident kernels
+// (clusters of 2 blocks; 4 in fp32). Sanitizer-sized: the same vocabularies over 100 and 32 rows
+// (300 and 64).
 TEST_CASE("cross_entropy: each option alone and all combined, every dtype", "[ce][gpu]") {
+  const bool small = gpu_test::sanitizer_sized();
   for (std::int64_t V : {std::int64_t{7}, std::int64_t{1000}, std::int64_t{32000}}) {
-    const std::int64_t rows = V == 32000 ? 64 : 300;
+    const std::int64_t rows = V == 32000 ? (small ? 32 : 64) : (small ? 100 : 300);
     const Case base{.rows = rows, .V = V};
     std::vector<Case> cases = {base};
     cases.push_back(Case{base}), cases.back().eps = 0.1;
@@ -361,10 +365,15 @@ TEST_CASE("cross_entropy: every policy computes the same function", "[ce][gpu]")
 // alone: the policy case's options at rows that fit one block (1000 and 8192 columns: the row
 // kernel), rows held in 2 (20000 and 32000), 5 (40000, 128 threads x 8 vectors: uneven cluster),
 // 8 (128256) and 16 (262144: beyond the portable cluster size) blocks, and 262144 fp32 logits with
-// 256 x 8 (32 blocks: over the cluster limit, the row kernel).
+// 256 x 8 (32 blocks: over the cluster limit, the row kernel). Sanitizer-sized: 1000, 8192, 40000
+// and 262144 columns, which keep the row kernel, one block a row, clusters of 3 to 5 blocks (uneven
+// with 128 threads) and of 16, and fp32's row kernel past the cluster limit (with its wide gradient
+// blocks); 20000 and 32000 (clusters of 2 to 4) and 128256 (8; 16 in fp32) are left out.
 TEST_CASE("cross_entropy: the resident kernels compute the same function", "[ce][gpu]") {
-  for (std::int64_t V : {std::int64_t{1000}, std::int64_t{8192}, std::int64_t{20000}, std::int64_t{32000},
-                         std::int64_t{40000}, std::int64_t{128256}, std::int64_t{262144}}) {
+  const auto vocabs = gpu_test::sanitizer_sized()
+                          ? std::vector<std::int64_t>{1000, 8192, 40000, 262144}
+                          : std::vector<std::int64_t>{1000, 8192, 20000, 32000, 40000, 128256, 262144};
+  for (const std::int64_t V : vocabs) {
     const std::int64_t rows = V >= 128256 ? 12 : 40;
     for (const Case& c : option_cases(rows, V, true)) {
       run_case<bf16, std::int64_t, ResPolicy<256, 8, 1>>(c);

@@ -378,12 +378,17 @@ std::vector<std::pair<Form, Form>> forms_of() {
 }
 
 // Every form and reduction of D at one shape, with and without labels, with upstream gradients.
+// The sanitizer-sized sweep (`small`) runs the call without options under batchmean alone (the one
+// with labels, an upstream gradient, grad_scale and a temperature still takes every reduction);
+// logits_only: only the forms with logits on a side (the others take the streaming kernel, one
+// chunk a row below 8192 columns, as at a shorter row).
 template <class D, class T, class TT, class I = std::int64_t>
-void sweep(const D& div, std::int64_t rows, std::int64_t V) {
+void sweep(const D& div, std::int64_t rows, std::int64_t V, bool small = false, bool logits_only = false) {
   for (const auto& [s, t] : forms_of<D>()) {
+    if (logits_only && s != Form::logits && t != Form::logits) continue;
     for (Red red : {Red::none, Red::sum, Red::mean, Red::batchmean}) {
       Case c{.rows = rows, .V = V, .s = s, .t = t, .red = red};
-      run_case<D, T, TT, I>(div, c);
+      if (!small || red == Red::batchmean) run_case<D, T, TT, I>(div, c);
       c.labels = 1;
       c.grad_output = true;
       c.grad_scale = 0.75f;
@@ -395,24 +400,31 @@ void sweep(const D& div, std::int64_t rows, std::int64_t V) {
 
 }  // namespace
 
+// 8 and 1000 columns take the streaming kernel and, with logits, the row kernel (fewer vectors than
+// the resident kernel's block has threads); 4104 the resident kernel (one block a row) with logits.
+// Sanitizer-sized: 1000 and 4104 (the latter with logits on a side only: see sweep()), and the fp32
+// JSD at beta 0.3 alone (beta 0 and 1, the functor's ForwardKL and ReverseKL branches, stay in bf16).
 TEST_CASE("divergence: every divergence, input form and reduction, bf16 / fp32 / fp16", "[div][gpu]") {
-  for (std::int64_t V : {std::int64_t{8}, std::int64_t{1000}, std::int64_t{4104}}) {
+  const bool small = gpu_test::sanitizer_sized();
+  const auto vocabs = small ? std::vector<std::int64_t>{1000, 4104} : std::vector<std::int64_t>{8, 1000, 4104};
+  for (const std::int64_t V : vocabs) {
     const std::int64_t rows = V == 8 ? 5 : 9;
+    const bool lo = small && V == 4104;  // logits only
     for (float beta : {0.0f, 0.3f, 1.0f}) {
-      sweep<GeneralizedJSD, bf16, bf16>(GeneralizedJSD{beta}, rows, V);
-      sweep<GeneralizedJSD, float, float>(GeneralizedJSD{beta}, rows, V);
+      sweep<GeneralizedJSD, bf16, bf16>(GeneralizedJSD{beta}, rows, V, small, lo);
+      if (!small || beta == 0.3f) sweep<GeneralizedJSD, float, float>(GeneralizedJSD{beta}, rows, V, small, lo);
     }
-    sweep<ForwardKL, bf16, bf16>(ForwardKL{}, rows, V);
-    sweep<ReverseKL, float, float>(ReverseKL{}, rows, V);
-    sweep<KLDiv, bf16, bf16>(KLDiv{}, rows, V);
-    sweep<KLDiv, float, float>(KLDiv{}, rows, V);
-    sweep<TVD, bf16, bf16>(TVD{}, rows, V);
-    sweep<TVD, float, float>(TVD{}, rows, V);
-    sweep<GeneralizedJSD, half, half, std::int32_t>(GeneralizedJSD{0.5f}, rows, V);
-    sweep<ForwardKL, half, half, std::int32_t>(ForwardKL{}, rows, V);
-    sweep<ReverseKL, half, half, std::int32_t>(ReverseKL{}, rows, V);
-    sweep<KLDiv, half, half, std::int32_t>(KLDiv{}, rows, V);
-    sweep<TVD, half, half, std::int32_t>(TVD{}, rows, V);
+    sweep<ForwardKL, bf16, bf16>(ForwardKL{}, rows, V, small, lo);
+    sweep<ReverseKL, float, float>(ReverseKL{}, rows, V, small, lo);
+    sweep<KLDiv, bf16, bf16>(KLDiv{}, rows, V, small, lo);
+    sweep<KLDiv, float, float>(KLDiv{}, rows, V, small, lo);
+    sweep<TVD, bf16, bf16>(TVD{}, rows, V, small, lo);
+    sweep<TVD, float, float>(TVD{}, rows, V, small, lo);
+    sweep<GeneralizedJSD, half, half, std::int32_t>(GeneralizedJSD{0.5f}, rows, V, small, lo);
+    sweep<ForwardKL, half, half, std::int32_t>(ForwardKL{}, rows, V, small, lo);
+    sweep<ReverseKL, half, half, std::int32_t>(ReverseKL{}, rows, V, small, lo);
+    sweep<KLDiv, half, half, std::int32_t>(KLDiv{}, rows, V, small, lo);
+    sweep<TVD, half, half, std::int32_t>(TVD{}, rows, V, small, lo);
   }
 }
 
@@ -518,9 +530,16 @@ TEST_CASE("divergence: other policies compute the same function", "[div][gpu]") 
 // Logits rows of 4096 to 131072 columns (the row kernel: three passes over each row): logits on
 // either side or both, masked teacher logits, per-element losses and upstream gradients (KLDiv and
 // TVD under none), ignored rows and all-ignored batches, the loss alone, fp32, half and mixed dtypes.
+// Sanitizer-sized: 4096, 20008 and 131072 columns, 5 rows each (two ignored). The resident kernel's
+// shapes stay: one block a row (4096; ResWide's at 4096 and 20008), clusters of 2 (ResSmall at 4096),
+// 3 with an uneven last slice (20008) and 10 (ResSmall at 20008) blocks, and 16 (131072); 16384
+// (clusters of 2 and 8 blocks) is left out.
 TEST_CASE("divergence: logits rows of LM-head widths", "[div][gpu]") {
-  for (std::int64_t V : {std::int64_t{4096}, std::int64_t{16384}, std::int64_t{20008}, std::int64_t{131072}}) {
-    const std::int64_t rows = V > 65536 ? 5 : 9;
+  const bool small = gpu_test::sanitizer_sized();
+  const auto vocabs = small ? std::vector<std::int64_t>{4096, 20008, 131072}
+                            : std::vector<std::int64_t>{4096, 16384, 20008, 131072};
+  for (const std::int64_t V : vocabs) {
+    const std::int64_t rows = small || V > 65536 ? 5 : 9;
     for (const auto& [s, t] : std::vector<std::pair<Form, Form>>{
              {Form::logits, Form::logits}, {Form::logits, Form::log_probs}, {Form::log_probs, Form::logits}}) {
       const Case base{.rows = rows, .V = V, .s = s, .t = t, .temperature = 1.5, .labels = 1, .grad_output = true};

@@ -167,13 +167,19 @@ double rel_l2_bf16(const std::vector<bf16>& got, const std::vector<float>& ref) 
 
 }  // namespace
 
+// Sanitizer-sized: chunks of one token over 12 tokens instead of 47, and the two larger shapes at
+// 256 tokens x 256 hidden (3 chunks of at most 96 where the full one has 4 of 256): the same
+// vocabularies, so the same cross-entropy kernels (single elements at 123 columns, the row kernel at
+// 128, the resident kernel at 4096, plain in bf16 and optioned in fp32).
 TEST_CASE("linear_cross_entropy: small shapes against the double reference", "[lce][gpu]") {
   DeviceBuffer<unsigned char> ws(32u << 20);
   CublasLtGemm blas(ws.ptr, ws.count);
   TIGON_OK(blas.status());
+  const bool small = gpu_test::sanitizer_sized();
   for (std::int64_t chunk : {std::int64_t{0}, std::int64_t{1}, std::int64_t{17}}) {
-    run_case<bf16>({.chunk = chunk}, blas);
-    run_case<float>({.bias = true, .chunk = chunk}, blas);
+    const std::int64_t n = small && chunk == 1 ? 12 : 47;  // chunk 1: a chunk (and its GEMMs) a token
+    run_case<bf16>({.N = n, .chunk = chunk}, blas);
+    run_case<float>({.N = n, .bias = true, .chunk = chunk}, blas);
   }
   run_case<bf16>({.bias = true, .eps = 0.1, .z = 1e-4, .cap = 15, .chunk = 20}, blas);
   run_case<bf16>({.red = Reduction::sum, .chunk = 16}, blas);
@@ -181,14 +187,19 @@ TEST_CASE("linear_cross_entropy: small shapes against the double reference", "[l
   run_case<float>({.bias = true, .red = Reduction::none, .chunk = 16, .token = true}, blas);
   run_case<bf16>({.red = Reduction::none, .chunk = 16}, blas);
   run_case<bf16>({.grads = false}, blas);
-  run_case<bf16>({.N = 1024, .D = 1024, .V = 4096, .bias = true, .chunk = 256}, blas);
+  const std::int64_t big = small ? 256 : 1024;
+  run_case<bf16>({.N = big, .D = big, .V = 4096, .bias = true, .chunk = small ? 96 : 256}, blas);
   run_case<bf16>({.V = 128, .bias = true, .chunk = 20, .bias_unaligned = true}, blas);
   run_case<float>({.bias = true, .eps = 0.1, .chunk = 16, .bias_unaligned = true}, blas);
-  run_case<float>({.N = 1024, .D = 1024, .V = 4096, .eps = 0.1}, blas);
+  run_case<float>({.N = big, .D = big, .V = 4096, .eps = 0.1}, blas);
 }
 
+// Sanitizer-sized: 512 tokens in chunks of 128 and a hidden size of 128 (2048 tokens in chunks of
+// 512, hidden 1024): still four chunks, and 32000 columns still take the resident kernel in clusters
+// of 2 blocks.
 TEST_CASE("linear_cross_entropy: equals the unfused composition", "[lce][gpu]") {
-  const std::int64_t N = 2048, D = 1024, V = 32000;
+  const bool small = gpu_test::sanitizer_sized();
+  const std::int64_t N = small ? 512 : 2048, D = small ? 128 : 1024, V = 32000, chunk = small ? 128 : 512;
   DeviceBuffer<unsigned char> gws(32u << 20);
   CublasLtGemm blas(gws.ptr, gws.count);
   DeviceBuffer<bf16> x(N * D), w(V * D), logits(N * V), dx1(N * D), dx2(N * D);
@@ -214,7 +225,7 @@ TEST_CASE("linear_cross_entropy: equals the unfused composition", "[lce][gpu]") 
   TIGON_OK(blas.gemm(GemmArgs<bf16, float>{.a = logits.ptr, .b = x.ptr, .d = dw1.ptr, .m = V, .n = D, .k = N,
                                            .op_a = Op::t},
                      nullptr));
-  // Fused, in chunks of 512 tokens.
+  // Fused, in chunks of `chunk` tokens.
   LinearCrossEntropyArgs<bf16> a;
   a.x = x.ptr;
   a.weight = w.ptr;
@@ -225,10 +236,10 @@ TEST_CASE("linear_cross_entropy: equals the unfused composition", "[lce][gpu]") 
   a.loss.loss = l2.ptr;
   a.dx = dx2.ptr;
   a.dweight = dw2.ptr;
-  a.chunk = 512;
+  a.chunk = chunk;
   std::size_t bytes = 0;
   TIGON_OK(linear_cross_entropy_workspace_bytes(a, bytes));
-  CHECK(bytes < 512u * V * 2 + (4u << 20));  // one logits chunk plus a few MB
+  CHECK(bytes < static_cast<std::size_t>(chunk * V * 2) + (4u << 20));  // one logits chunk plus a few MB
   DeviceBuffer<unsigned char> ws(bytes);
   ws.poison();
   a.workspace = ws.ptr;
@@ -236,8 +247,8 @@ TEST_CASE("linear_cross_entropy: equals the unfused composition", "[lce][gpu]") 
   TIGON_OK(linear_cross_entropy(a, blas, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
   CHECK(std::abs(l1.download()[0] - l2.download()[0]) <= 1e-5f * std::abs(l1.download()[0]));
-  // dx: the same products, but cuBLAS may pick another algorithm (split-K) for a 512-row chunk
-  // than for all 2048 rows, so the bf16 results agree to rounding, not bitwise. dW sums the chunks
+  // dx: the same products, but cuBLAS may pick another algorithm (split-K) for a chunk than for
+  // all the rows, so the bf16 results agree to rounding, not bitwise. dW sums the chunks
   // in another order.
   {
     const auto a1 = dx1.download(), a2 = dx2.download();
@@ -374,23 +385,31 @@ void check_heads(std::int64_t N, std::int64_t D, std::int64_t V, int K, Reductio
   std::vector<double> got_dx;
   for (const auto& e : dx2.download()) got_dx.push_back(to_float(e));
   CHECK(rel_l2<T>(got_dx, dx_ref) < (std::is_same_v<T, float> ? 1e-5 : 1e-2));  // K roundings of the sum
+  // Bitwise the single-head calls' dW and db, which are finite: both were poisoned (NaN) before
+  // their calls, so equal bytes alone would pass were neither written.
   for (int k = 0; k < K; ++k) {
     const auto a1 = dw1[k].download(), a2 = dw2[k].download();
+    CHECK(gpu_test::all_finite(a1));
     CHECK(std::memcmp(a1.data(), a2.data(), a1.size() * sizeof(float)) == 0);
     if (k % 2 == 0) {
       const auto b1 = db1[k].download(), b2 = db2[k].download();
+      CHECK(gpu_test::all_finite(b1));
       CHECK(std::memcmp(b1.data(), b2.data(), b1.size() * sizeof(float)) == 0);
     }
   }
 }
 
+// Sanitizer-sized: 3 heads instead of 5 in the first call (heads 0 to 2 are the three kinds: an
+// aligned bias with its gradient, an unaligned bias without, no bias with a bias gradient) and 2
+// chunks instead of 4 in the third; every shape, dtype and reduction stays.
 TEST_CASE("linear_cross_entropy_heads: K heads equal K single-head calls", "[lce][gpu]") {
   DeviceBuffer<unsigned char> ws(32u << 20);
   CublasLtGemm blas(ws.ptr, ws.count);
   TIGON_OK(blas.status());
-  check_heads<bf16>(300, 64, 1000, 5, Reduction::mean, 128, blas);
+  const bool small = gpu_test::sanitizer_sized();
+  check_heads<bf16>(300, 64, 1000, small ? 3 : 5, Reduction::mean, 128, blas);
   check_heads<float>(257, 48, 333, 3, Reduction::sum, 0, blas);
-  check_heads<bf16>(200, 64, 512, 2, Reduction::none, 64, blas);
+  check_heads<bf16>(200, 64, 512, 2, Reduction::none, small ? 100 : 64, blas);
   check_heads<bf16>(96, 32, 256, 1, Reduction::mean, 0, blas);
 }
 
@@ -420,8 +439,11 @@ TEST_CASE("linear_cross_entropy: bad arguments are rejected by name", "[lce][gpu
 
 TEST_CASE("linear_cross_entropy: gradients in the weight's dtype", "[lce][gpu]") {
   // G = bf16 against G = float: the loss and dx are the same bytes (G touches only dW and db), dW and
-  // db the fp32 ones rounded once per chunk (accumulate on: added to what they held).
-  const std::int64_t N = 1000, D = 256, V = 5000, chunk = 256;
+  // db the fp32 ones rounded once per chunk (accumulate on: added to what they held). Sanitizer-sized:
+  // 300 tokens in chunks of 128 and a hidden size of 64 (1000 tokens in chunks of 256, hidden 256):
+  // still several chunks, and the same vocabulary (the resident kernel, one block a row).
+  const bool small = gpu_test::sanitizer_sized();
+  const std::int64_t N = small ? 300 : 1000, D = small ? 64 : 256, V = 5000, chunk = small ? 128 : 256;
   DeviceBuffer<unsigned char> gws(32u << 20);
   CublasLtGemm blas(gws.ptr, gws.count);
   TIGON_OK(blas.status());
@@ -485,16 +507,20 @@ TEST_CASE("linear_cross_entropy: gradients in the weight's dtype", "[lce][gpu]")
     CUDA_OK(cudaDeviceSynchronize());
     CHECK(l1.download()[0] == l2.download()[0]);
     const auto d1 = dx1.download(), d2 = dx2.download();
+    CHECK(gpu_test::all_finite(d1));  // both were poisoned: equal bytes alone would pass unwritten
     CHECK(std::memcmp(d1.data(), d2.data(), d1.size() * sizeof(bf16)) == 0);
-    // Four chunks: at most four roundings of a bf16 sum (2^-9 each) on top of the fp32 result.
+    // At most four chunks: at most four roundings of a bf16 sum (2^-9 each) on top of the fp32 result.
     CHECK(rel_l2_bf16(dw2.download(), dw1.download()) < 8e-3);
     CHECK(rel_l2_bf16(db2.download(), db1.download()) < 8e-3);
   }
 }
 
+// Sanitizer-sized: 2 heads over 256 tokens in chunks of 128 with a hidden size of 64 (3 heads, 600
+// tokens in chunks of 200, hidden 128): still several heads and chunks, the same vocabulary.
 TEST_CASE("linear_cross_entropy_heads: gradients in the weight's dtype", "[lce][gpu]") {
-  const std::int64_t N = 600, D = 128, V = 3000;
-  const int K = 3;
+  const bool small = gpu_test::sanitizer_sized();
+  const std::int64_t N = small ? 256 : 600, D = small ? 64 : 128, V = 3000, chunk = small ? 128 : 200;
+  const int K = small ? 2 : 3;
   DeviceBuffer<unsigned char> gws(32u << 20);
   CublasLtGemm blas(gws.ptr, gws.count);
   DeviceBuffer<bf16> x(N * D), dx1(N * D), dx2(N * D);
@@ -531,7 +557,7 @@ TEST_CASE("linear_cross_entropy_heads: gradients in the weight's dtype", "[lce][
   h.loss.loss = l1.ptr;
   h.dx = dx1.ptr;
   h.dweights = dwfp.data();
-  h.chunk = 200;
+  h.chunk = chunk;
   LinearCrossEntropyHeadsArgs<bf16, std::int64_t, bf16> h2;
   h2.x = x.ptr;
   h2.hidden = D;
@@ -541,7 +567,7 @@ TEST_CASE("linear_cross_entropy_heads: gradients in the weight's dtype", "[lce][
   h2.loss.loss = l2.ptr;
   h2.dx = dx2.ptr;
   h2.dweights = dwbp.data();
-  h2.chunk = 200;
+  h2.chunk = chunk;
   std::size_t bytes = 0;
   TIGON_OK(linear_cross_entropy_heads_workspace_bytes(h, bytes));
   DeviceBuffer<unsigned char> ws(bytes);
@@ -556,6 +582,7 @@ TEST_CASE("linear_cross_entropy_heads: gradients in the weight's dtype", "[lce][
   CUDA_OK(cudaDeviceSynchronize());
   CHECK(l1.download()[0] == l2.download()[0]);
   const auto d1 = dx1.download(), d2 = dx2.download();
+  CHECK(gpu_test::all_finite(d1));  // both were poisoned: equal bytes alone would pass unwritten
   CHECK(std::memcmp(d1.data(), d2.data(), d1.size() * sizeof(bf16)) == 0);
   for (int k = 0; k < K; ++k) CHECK(rel_l2_bf16(dwb[k].download(), dwf[k].download()) < 6e-3);
 }

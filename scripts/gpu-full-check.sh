@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole check of prebuilt binaries in one call on a GPU machine, in the order that keeps the
 # timings clean: the benchmarks (and examples) alone on the GPU, then every GPU test suite side by
-# side (large shapes included), then compute-sanitizer memcheck and racecheck on every case of the
-# small selection (scripts/sanitize-cases.sh) side by side. Writes OUTDIR/summary.txt as it goes (so
+# side (large shapes included), then compute-sanitizer memcheck, racecheck, initcheck and synccheck
+# on every case of the small selection (scripts/sanitize-cases.sh) side by side. Writes OUTDIR/summary.txt as it goes (so
 # a run cut by its time limit still leaves what it did), the logs under OUTDIR/x, and OUTDIR/x.tgz of
 # them at the end.
 #   scripts/gpu-full-check.sh BINS OUTDIR

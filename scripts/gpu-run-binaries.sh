@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run already-built GPU test, example and benchmark binaries on a GPU machine (when the build happened
 # elsewhere; scripts/stage-prebuilt.sh copies and strips them): the GPU tests, the examples, the
-# benchmarks, then compute-sanitizer memcheck and racecheck on every case of the tests' small
-# selection (scripts/sanitize-cases.sh). Logs to OUTDIR; a summary is printed last.
+# benchmarks, then compute-sanitizer memcheck, racecheck, initcheck and synccheck on every case of
+# the tests' small selection (scripts/sanitize-cases.sh). Logs to OUTDIR; a summary is printed last.
 #   scripts/gpu-run-binaries.sh BINDIR OUTDIR [seconds per step, default 120]
 # Optional globs narrow each step: TESTS (default *), EXAMPLES (default *), BENCHES (default *),
 # SANITIZE (default *, none: no sanitizer runs), matched against the part of the name after
@@ -48,7 +48,7 @@ for b in "${tuning[@]}"; do
   grep -E "^ceiling" "$out/$n.log" | tee -a "$out/summary.txt"
   sed -n '/^benchmark (median/,$p' "$out/$n.log" | tee -a "$out/summary.txt"
 done
-# racecheck and memcheck on every case of the small selection, one process per case (sanitize-cases.sh),
+# The four sanitizers on every case of the small selection, one process per case (sanitize-cases.sh),
 # SANITIZE_JOBS at a time (default 1; they share the GPU), each capped at the step limit; none starts
 # after DEADLINE (epoch seconds) when it is set.
 san=()
@@ -56,7 +56,7 @@ for t in "$bin"/tigon_gpu_tests_${SANITIZE:-*}; do
   [ -e "$t" ] && san+=("$t")
 done
 if [ "${#san[@]}" -gt 0 ]; then
-  JOBS=${SANITIZE_JOBS:-1} CAP=$limit "$(dirname "$0")/sanitize-cases.sh" "$out/sanitizer" racecheck,memcheck "${san[@]}" \
+  JOBS=${SANITIZE_JOBS:-1} CAP=$limit "$(dirname "$0")/sanitize-cases.sh" "$out/sanitizer" memcheck,racecheck,initcheck,synccheck "${san[@]}" \
     > "$out/sanitizer.txt" 2>&1
   grep "^compute-sanitizer" "$out/sanitizer.txt" | tee -a "$out/summary.txt"
 fi

@@ -247,7 +247,7 @@ def test_routing_without_autograd_and_other_layouts(ext, monkeypatch):
     monkeypatch.setattr(fn, "CPP_AUTOGRAD", True)
     out = tt.tigon_layer_norm(x, w, b, 1e-5)
     assert "CppNode" in out.grad_fn.name() and torch.equal(out.detach(), ref_ln)
-    ln = tt.TigonLayerNorm(512).to("cuda", torch.bfloat16)
+    ln = tt.TigonLayerNorm(512, eps=1e-5).to("cuda", torch.bfloat16)
     with torch.no_grad():
         ln.weight.copy_(w)
         ln.bias.copy_(b)

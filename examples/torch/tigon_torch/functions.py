@@ -172,7 +172,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def _cpp(*tensors) -> bool:
     return CPP_AUTOGRAD and _o.on_device(tensors[0]) and not _compiling() \
-        and all(type(t) in _PLAIN and t.is_contiguous() for t in tensors)
+        and all(type(t) in _PLAIN and t.dim() > 0 and t.is_contiguous() for t in tensors)
 
 
 def rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
@@ -635,7 +635,7 @@ def gated(a, b, activation="silu", gate_multiplier=1.0, down_multiplier=1.0):
     eager calls on contiguous CUDA inputs of one shape)."""
     if activation not in _o.ACTIVATIONS:
         raise ValueError(f"tigon_torch: activation must be one of {sorted(_o.ACTIVATIONS)}, got {activation!r}")
-    if _cpp(a, b) and a.shape == b.shape and a.dtype == b.dtype and a.dim() > 0:
+    if _cpp(a, b) and a.shape == b.shape and a.dtype == b.dtype:
         return ops().gated(a, b, _o.ACTIVATIONS[activation], float(gate_multiplier), float(down_multiplier))
     return TigonGatedMulFunction.apply(a, b, activation, gate_multiplier, down_multiplier)
 

@@ -2,7 +2,6 @@
 // tigon.add_rms_norm: the two as one operator whose autograd is C++.
 #include "norm_common.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -77,24 +76,6 @@ void add_rms_norm_bwd(const Tensor& dy, const OptTensor& dsum, const Tensor& sum
   });
 }
 
-// The operators above, called through the dispatcher (so that a fake-tensor mode sees them).
-const auto& fwd_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("tigon::add_rms_norm_fwd", "")
-                             .typed<void(const Tensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
-                                         const OptTensor&, double, double, std::int64_t)>();
-  return op;
-}
-
-const auto& bwd_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("tigon::add_rms_norm_bwd", "")
-                             .typed<void(const Tensor&, const OptTensor&, const Tensor&, const OptTensor&,
-                                         const OptTensor&, const Tensor&, const OptTensor&, double, double,
-                                         std::int64_t)>();
-  return op;
-}
-
 // S = X + R and Y = RMSNorm(S) with the autograd in C++, as TigonFusedAddRMSNormFunction: the forward
 // saves S, the weight and rstd; the backward returns one tensor for dX and dR (over dY when in_place
 // and dY is contiguous) and dW. x and residual must be contiguous. Without a weight, `weight` is an
@@ -115,8 +96,9 @@ class AddRmsNormFunction : public torch::autograd::Function<AddRmsNormFunction> 
     const Tensor rstd = at::empty({x2.size(0)}, x.options().dtype(at::kFloat));
     const Tensor w = has_weight ? weight.contiguous() : Tensor();
     if (x2.numel() > 0) {
-      fwd_op().call(x2, residual.view({-1, cols}), opt(w), y.view({-1, cols}), s.view({-1, cols}), rstd, eps, offset,
-                    casting);
+      dispatched<add_rms_norm_fwd>("tigon::add_rms_norm_fwd")
+          .call(x2, residual.view({-1, cols}), opt(w), y.view({-1, cols}), s.view({-1, cols}), rstd, eps, offset,
+                casting);
     }
     // S itself is saved (an output; a view of it made here, under no_grad, may not outlive the forward).
     ctx->save_for_backward({s, w, rstd});
@@ -148,8 +130,9 @@ class AddRmsNormFunction : public torch::autograd::Function<AddRmsNormFunction> 
     Tensor dw;
     if (w.defined() && ctx->needs_input_grad(2)) dw = at::empty_like(w);
     if (s2.numel() > 0) {
-      bwd_op().call(dy2, ds2, s2, opt(w), rstd, dx2, opt(dw), ctx->saved_data["eps"].toDouble(),
-                    ctx->saved_data["offset"].toDouble(), ctx->saved_data["casting"].toInt());
+      dispatched<add_rms_norm_bwd>("tigon::add_rms_norm_bwd")
+          .call(dy2, ds2, s2, opt(w), rstd, dx2, opt(dw), ctx->saved_data["eps"].toDouble(),
+                ctx->saved_data["offset"].toDouble(), ctx->saved_data["casting"].toInt());
     } else if (dw.defined()) {
       dw.zero_();
     }

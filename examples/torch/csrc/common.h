@@ -10,6 +10,7 @@
 #include "hidden_sizes.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
@@ -172,11 +173,21 @@ T* ptr(const OptTensor& t) {
 }
 
 // t as a [rows, cols] matrix with unit column stride and a row stride >= cols: a view when the
-// strides allow it, else a copy (an expanded gradient, say). For the C++ autograd functions.
-inline Tensor rows_view(const Tensor& t, std::int64_t cols) {
-  Tensor r = t.reshape({-1, cols});
-  if ((cols > 1 && r.stride(1) != 1) || (r.size(0) > 1 && r.stride(0) < cols)) r = r.contiguous();
+// strides allow it, else a copy (an expanded gradient, say). For the C++ autograd functions; sizes
+// as SymInts, as torch's tracers pass them.
+inline Tensor rows_view(const Tensor& t, const c10::SymInt& cols) {
+  Tensor r = t.reshape_symint({-1, cols});
+  if ((cols > 1 && r.sym_stride(1) != 1) || (r.sym_size(0) > 1 && r.sym_stride(0) < cols)) r = r.contiguous();
   return r;
+}
+
+// The operator `name` whose CUDA implementation is kImpl, called through the dispatcher (so that a
+// fake-tensor mode sees it), typed by kImpl's own signature. For the C++ autograd functions.
+template <auto& kImpl>
+const auto& dispatched(const char* name) {
+  using Signature = std::remove_reference_t<decltype(kImpl)>;
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+  return op;
 }
 
 inline OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }

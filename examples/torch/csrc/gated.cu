@@ -4,7 +4,6 @@
 #include "common.h"
 
 #include <ATen/TensorSubclassLikeUtils.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -110,22 +109,6 @@ void relu2_bwd(const Tensor& dc, const Tensor& a, const Tensor& da) {
   });
 }
 
-// The operators above, called through the dispatcher (so that a fake-tensor mode sees them).
-const auto& fwd_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("tigon::gated_fwd", "")
-                             .typed<void(const Tensor&, const Tensor&, const Tensor&, std::int64_t, double, double)>();
-  return op;
-}
-
-const auto& bwd_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("tigon::gated_bwd", "")
-                             .typed<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                         std::int64_t, double, double)>();
-  return op;
-}
-
 // Whether the byte ranges x and y span (from their first to their last element) intersect. Tensors
 // without plain data (fake, functional or of symbolic sizes, as torch's tracers pass) count as
 // overlapping: the backward then writes fresh buffers, as the Python function does when tracing.
@@ -171,8 +154,9 @@ class GatedFunction : public torch::autograd::Function<GatedFunction> {
     const c10::SymInt cols = a.sym_size(-1);
     Tensor c = at::empty_symint(a.sym_sizes(), a.options());
     if (a.sym_numel() != 0) {
-      fwd_op().call(a.view_symint({-1, cols}), b.view_symint({-1, cols}), c.view_symint({-1, cols}), act,
-                    gate_multiplier, down_multiplier);
+      dispatched<gated_fwd>("tigon::gated_fwd")
+          .call(a.view_symint({-1, cols}), b.view_symint({-1, cols}), c.view_symint({-1, cols}), act, gate_multiplier,
+                down_multiplier);
     }
     ctx->save_for_backward({a, b});
     ctx->saved_data["over"] = computed(a) && computed(b);
@@ -194,11 +178,10 @@ class GatedFunction : public torch::autograd::Function<GatedFunction> {
     const Tensor da = over ? a.detach() : at::empty_symint(a.sym_sizes(), a.options());
     const Tensor db = over ? b.detach() : at::empty_symint(a.sym_sizes(), a.options());
     if (a.sym_numel() != 0) {
-      Tensor dc2 = dc.reshape_symint({-1, cols});
-      if (!dc2.is_contiguous()) dc2 = dc2.contiguous();  // an expanded or strided gradient
-      bwd_op().call(dc2, a.view_symint({-1, cols}), b.view_symint({-1, cols}), da.view_symint({-1, cols}),
-                    db.view_symint({-1, cols}), ctx->saved_data["act"].toInt(),
-                    ctx->saved_data["gate_multiplier"].toDouble(), ctx->saved_data["down_multiplier"].toDouble());
+      dispatched<gated_bwd>("tigon::gated_bwd")
+          .call(rows_view(dc, cols), a.view_symint({-1, cols}), b.view_symint({-1, cols}), da.view_symint({-1, cols}),
+                db.view_symint({-1, cols}), ctx->saved_data["act"].toInt(),
+                ctx->saved_data["gate_multiplier"].toDouble(), ctx->saved_data["down_multiplier"].toDouble());
     }
     if (over) {
       torch::autograd::impl::bump_version(a);

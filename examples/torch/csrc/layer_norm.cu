@@ -2,7 +2,6 @@
 // tigon.layer_norm: the two as one operator whose autograd is C++.
 #include "norm_common.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -74,23 +73,6 @@ void layer_norm_bwd(const Tensor& dy, const Tensor& x, const OptTensor& weight, 
   });
 }
 
-// The operators above, called through the dispatcher (so that a fake-tensor mode sees them).
-const auto& fwd_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("tigon::layer_norm_fwd", "")
-                             .typed<void(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&,
-                                         const Tensor&, const Tensor&, double)>();
-  return op;
-}
-
-const auto& bwd_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("tigon::layer_norm_bwd", "")
-                             .typed<void(const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
-                                         const Tensor&, const Tensor&, const OptTensor&, const OptTensor&)>();
-  return op;
-}
-
 // LayerNorm with its autograd in C++, as TigonLayerNormFunction: the forward saves x, the weight,
 // mean and rstd; the backward writes dX, dW and dB (each only when asked for). x must be
 // contiguous (the Python side sends other layouts through TigonLayerNormFunction). A missing weight
@@ -109,7 +91,9 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     const Tensor rstd = at::empty({x2.size(0)}, x.options().dtype(at::kFloat));
     const Tensor w = has_weight ? weight.contiguous() : Tensor();
     const Tensor b = has_bias ? bias.contiguous() : Tensor();
-    if (x2.numel() > 0) fwd_op().call(x2, opt(w), opt(b), y.view({-1, cols}), mean, rstd, eps);
+    if (x2.numel() > 0) {
+      dispatched<layer_norm_fwd>("tigon::layer_norm_fwd").call(x2, opt(w), opt(b), y.view({-1, cols}), mean, rstd, eps);
+    }
     ctx->save_for_backward({x2, w, mean, rstd});
     ctx->saved_data["has_bias"] = has_bias;
     if (has_bias) {  // dB's shape and dtype
@@ -138,7 +122,8 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
       db = at::empty(ctx->saved_data["bias_shape"].toIntVector(), x2.options().dtype(dtype));
     }
     if (x2.numel() > 0) {
-      bwd_op().call(dy2, x2, opt(w), mean, rstd, dx.view({-1, cols}), opt(dw), opt(db));
+      dispatched<layer_norm_bwd>("tigon::layer_norm_bwd")
+          .call(dy2, x2, opt(w), mean, rstd, dx.view({-1, cols}), opt(dw), opt(db));
     } else {
       if (dw.defined()) dw.zero_();
       if (db.defined()) db.zero_();

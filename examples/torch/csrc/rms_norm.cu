@@ -2,7 +2,6 @@
 // tigon.rms_norm: the two as one operator whose autograd is C++.
 #include "norm_common.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -65,23 +64,6 @@ void rms_norm_bwd(const Tensor& dy, const Tensor& x, const OptTensor& weight, co
   });
 }
 
-// The operators above, called through the dispatcher (so that a fake-tensor mode sees them).
-const auto& fwd_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("tigon::rms_norm_fwd", "")
-                             .typed<void(const Tensor&, const OptTensor&, const Tensor&, const OptTensor&, double,
-                                         double, std::int64_t)>();
-  return op;
-}
-
-const auto& bwd_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("tigon::rms_norm_bwd", "")
-                             .typed<void(const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
-                                         const Tensor&, const OptTensor&, double, double, std::int64_t)>();
-  return op;
-}
-
 // RMSNorm with its autograd in C++: the forward saves x, the weight and rstd; the backward writes dX
 // (over dY when in_place and dY is contiguous, as TigonRMSNormFunction does) and dW. x must be
 // contiguous (the Python side sends other layouts through TigonRMSNormFunction). Without a weight,
@@ -98,7 +80,9 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     Tensor y = at::empty(x.sizes(), x.options());
     const Tensor rstd = at::empty({x2.size(0)}, x.options().dtype(at::kFloat));
     const Tensor w = has_weight ? weight.contiguous() : Tensor();
-    if (x2.numel() > 0) fwd_op().call(x2, opt(w), y.view({-1, cols}), rstd, eps, offset, casting);
+    if (x2.numel() > 0) {
+      dispatched<rms_norm_fwd>("tigon::rms_norm_fwd").call(x2, opt(w), y.view({-1, cols}), rstd, eps, offset, casting);
+    }
     ctx->save_for_backward({x2, w, rstd});
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["offset"] = offset;
@@ -128,7 +112,7 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     Tensor dw;
     if (w.defined() && ctx->needs_input_grad(1)) dw = at::empty_like(w);
     if (x2.numel() > 0) {
-      bwd_op().call(dy2, x2, opt(w), rstd, dx2, opt(dw), eps, offset, casting);
+      dispatched<rms_norm_bwd>("tigon::rms_norm_bwd").call(dy2, x2, opt(w), rstd, dx2, opt(dw), eps, offset, casting);
     } else if (dw.defined()) {
       dw.zero_();
     }

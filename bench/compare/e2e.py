@@ -8,8 +8,14 @@ each in a fresh process, from identical weights and batches.
                                 [--seqs 4096,8192] [--max-seconds 500]
     python bench/compare/e2e.py --dry --out /tmp/e2e      # tiny model on the CPU: a smoke test
 
-Variants: hf, liger, tigon (the default three) and tigon_unfused_adds (tigon with
-fused_add_norm=False: the residual adds as Hugging Face's adds).
+Variants: hf, liger, tigon (the default three), tigon_unfused_adds (tigon with fused_add_norm=False:
+the residual adds as Hugging Face's adds) and tigon_torch_adamw (tigon's kernels, torch's fused AdamW).
+The hf and liger variants step with torch.optim.AdamW(fused=True); the tigon variants (but
+tigon_torch_adamw) with tigon_torch.optim.AdamW, same arguments, torch's fused numerics bit for bit.
+
+--profile: after each sequence's timed steps, one more step under torch.profiler; the device time
+of its kernels by category (GEMM, attention, each tigon op, optimizer, elementwise and copies) and
+the longest kernels go to OUTDIR/e2e-profile-<variant>-<seq>.md (the step itself is not timed).
 
 Phases:
   train  no gradient checkpointing, each sequence of --seqs: --warmup steps, then --steps timed
@@ -46,7 +52,8 @@ sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Budget, environment, log, probe_tigon, write_json  # noqa: E402
 
-VARIANTS = ["hf", "liger", "tigon", "tigon_unfused_adds"]  # the last: tigon with fused_add_norm=False
+VARIANTS = ["hf", "liger", "tigon", "tigon_unfused_adds", "tigon_torch_adamw"]
+TIGON_VARIANTS = ("tigon", "tigon_unfused_adds", "tigon_torch_adamw")
 DEFAULT_VARIANTS = ["hf", "liger", "tigon"]
 PHASES = ["train", "ckpt"]
 
@@ -97,7 +104,7 @@ def preflight(variant: str, device: str, cpu_reference: bool = False) -> None:
     """Imports what the variant needs before the model is built (raises ImportError)."""
     if variant == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: F401
-    elif variant == "tigon":
+    elif variant in TIGON_VARIANTS:
         tt, desc = probe_tigon(need_ops=device.startswith("cuda") or cpu_reference)
         if tt is None:
             raise ImportError(desc)
@@ -122,13 +129,13 @@ def patch(model, variant: str, cpu_reference: bool = False) -> str:
         import liger_kernel
 
         return f"apply_liger_kernel_to_llama(model=model) from {os.path.dirname(liger_kernel.__file__)}"
-    if variant in ("tigon", "tigon_unfused_adds"):
+    if variant in TIGON_VARIANTS:
         tt, desc = probe_tigon(need_ops=model.device.type == "cuda")
         if tt is None:
             raise ImportError(desc)
         # rope, rms_norm (the residual adds fused with the norms unless asked not to), swiglu, fused
         # linear cross-entropy
-        fused = variant == "tigon"
+        fused = variant != "tigon_unfused_adds"
         tt.apply_tigon_to_llama(model=model, fused_add_norm=fused)
         if model.device.type != "cuda":
             desc += (" (CPU: the CPU reference kernels, --cpu-reference)" if cpu_reference
@@ -155,6 +162,75 @@ def static_bytes(model, opt) -> dict:
     params = list(model.parameters())
     state = [v for st in opt.state.values() for v in st.values() if hasattr(v, "numel")]
     return {"weights": tensor_bytes(params), "gradients": tensor_bytes(params), "optimizer": tensor_bytes(state)}
+
+
+def make_optimizer(model, args, cuda: bool):
+    """torch's fused AdamW, or tigon_torch's for the tigon variants on the GPU (same arguments)."""
+    import torch
+
+    kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    desc = f"AdamW(lr={args.lr}, betas=(0.9, 0.95), weight_decay=0.1"
+    if cuda and args.variant in TIGON_VARIANTS and args.variant != "tigon_torch_adamw":
+        from tigon_torch.optim import AdamW
+
+        return AdamW(model.parameters(), **kw), "tigon_torch.optim." + desc + ")"
+    return torch.optim.AdamW(model.parameters(), fused=cuda, **kw), "torch.optim." + desc + f", fused={cuda})"
+
+
+# Kernel categories of the profile, first match wins (names as the profiler reports them).
+PROFILE_CATEGORIES = [
+    ("tigon AdamW", r"tigon.*adamw|adamw.*tigon"),
+    ("tigon linear cross-entropy + cross-entropy", r"tigon.*(cross_entropy|lce|linear_ce)"),
+    ("tigon RMSNorm, add + RMSNorm", r"tigon.*(rms|norm)"),
+    ("tigon SwiGLU", r"tigon.*(gated|swiglu|glu)"),
+    ("tigon RoPE", r"tigon.*rope"),
+    ("tigon, other", r"tigon"),
+    ("torch AdamW", r"(fused_?adam|FusedAdam|multi_tensor_apply)"),
+    ("attention", r"(flash|fmha|attention|attn|cudnn)"),
+    ("GEMM", r"(gemm|cutlass|xmma|nvjet|cublas|sm90_|Kernel2)"),
+    ("reductions", r"(reduce_kernel|Reduce)"),
+    ("elementwise, copies, fills", r"(elementwise|vectorized|unrolled|copy|Copy|fill|cat_|index|gather|scatter|memcpy|memset)"),
+]
+
+
+def profile_step(model, opt, ids, path: Path, title: str) -> dict:
+    """One training step under torch.profiler: kernel device time by category and the longest kernels."""
+    import re as _re
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sync("cuda")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        train_step(model, opt, ids)
+        sync("cuda")
+    kernels = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.device_time_total  # a device event's own span, in µs
+        k = kernels.setdefault(e.name, [0.0, 0])
+        k[0] += us
+        k[1] += 1
+    total = sum(v[0] for v in kernels.values())
+    cats = {c: [0.0, 0] for c, _ in PROFILE_CATEGORIES}
+    cats["other"] = [0.0, 0]
+    for name, (us, n) in kernels.items():
+        c = next((c for c, rx in PROFILE_CATEGORIES if _re.search(rx, name)), "other")
+        cats[c][0] += us
+        cats[c][1] += n
+    L = [f"# Profile: {title}", "", f"Kernel device time of one step: {total / 1e3:.1f} ms over "
+         f"{sum(v[1] for v in kernels.values())} launches.", "",
+         "| category | ms | % | launches |", "|---|---|---|---|"]
+    for c, (us, n) in sorted(cats.items(), key=lambda kv: -kv[1][0]):
+        if n:
+            L.append(f"| {c} | {us / 1e3:.2f} | {100 * us / max(total, 1e-9):.1f} | {n} |")
+    L += ["", "Longest kernels:", "", "| kernel | ms | launches |", "|---|---|---|"]
+    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]:
+        L.append(f"| `{name[:110]}` | {us / 1e3:.2f} | {n} |")
+    path.write_text("\n".join(L) + "\n")
+    return {"kernel_ms": round(total / 1e3, 2), "categories_ms": {c: round(v[0] / 1e3, 2) for c, v in cats.items() if v[1]},
+            "file": path.name}
 
 
 def make_batch(args, seq: int, step: int):
@@ -213,9 +289,7 @@ def worker(args) -> dict:
         "vocab_size", "rope_parameters", "rms_norm_eps", "max_position_embeddings")}
     res["config"]["attn_implementation"] = getattr(config, "_attn_implementation", None)
     res["params"] = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=cuda)
-    res["optimizer"] = f"AdamW(lr={args.lr}, betas=(0.9, 0.95), weight_decay=0.1, fused={cuda})"
+    opt, res["optimizer"] = make_optimizer(model, args, cuda)
     tag = f"[{args.variant} {args.phase}]"
     log(f"{tag} built {res['params'] / 1e9:.2f} B params in {res['build_s']} s; {res['patch']}")
 
@@ -278,6 +352,15 @@ def worker(args) -> dict:
                 run["peak_bytes"] = torch.cuda.max_memory_allocated()
                 run["activation_bytes"] = run["peak_bytes"] - sum(st.values())
                 run["reserved_bytes"] = torch.cuda.max_memory_reserved()
+            if cuda and args.profile and "error" not in run and args.result:
+                try:
+                    path = Path(args.result).parent / f"e2e-profile-{args.variant}-{seq}.md"
+                    run["profile"] = profile_step(model, opt, make_batch(args, seq, n_total), path,
+                                                  f"{args.variant}, seq {seq}, {res['optimizer']}")
+                    log(f"{tag} seq {seq}: profile {run['profile']}")
+                except Exception as e:  # noqa: BLE001
+                    run["profile"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    log(f"{tag} seq {seq}: profile failed: {run['profile']['error']}")
         return res
 
     # ckpt: the longest sequence one full step trains with gradient checkpointing.
@@ -377,6 +460,8 @@ def passthrough(args) -> list[str]:
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if args.cpu_reference:
         out.append("--cpu-reference")
+    if args.profile:
+        out.append("--profile")
     return out
 
 
@@ -554,6 +639,8 @@ def parse(argv=None):
     p.add_argument("--cpu-reference", action="store_true",
                    help="smoke tests on the CPU: tigon through the test suite's reference kernels "
                         "(examples/torch/tests/reference_ops.py) instead of Hugging Face's code")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step per sequence under torch.profiler: OUTDIR/e2e-profile-<variant>-<seq>.md")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help="run one variant in this process (a worker)")
     p.add_argument("--phase", default="train", help="the worker's phase")

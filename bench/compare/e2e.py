@@ -180,7 +180,7 @@ def make_optimizer(model, args, cuda: bool):
 # Kernel categories of the profile, first match wins (names as the profiler reports them).
 PROFILE_CATEGORIES = [
     ("tigon AdamW", r"tigon.*adamw|adamw.*tigon"),
-    ("tigon linear cross-entropy + cross-entropy", r"tigon.*(cross_entropy|lce|linear_ce)"),
+    ("tigon linear cross-entropy + cross-entropy", r"tigon.*(cross_entropy|::ce_|lce_)"),
     ("tigon RMSNorm, add + RMSNorm", r"tigon.*(rms|norm)"),
     ("tigon SwiGLU", r"tigon.*(gated|swiglu|glu)"),
     ("tigon RoPE", r"tigon.*rope"),
@@ -191,6 +191,23 @@ PROFILE_CATEGORIES = [
     ("reductions", r"(reduce_kernel|Reduce)"),
     ("elementwise, copies, fills", r"(elementwise|vectorized|unrolled|copy|Copy|fill|cat_|index|gather|scatter|memcpy|memset)"),
 ]
+
+
+def device_idle(spans):
+    """(span, busy, gaps) of (start, end, name) device intervals in µs: from the first start to the last
+    end, the time covered by any interval, and each gap as (length, the interval before, the one after)."""
+    spans = sorted(spans)
+    gaps, busy, reach, last = [], 0.0, None, None
+    for a, b, name in spans:
+        if reach is None or a > reach:
+            if reach is not None:
+                gaps.append((a - reach, last, name))
+            busy += b - a
+            reach, last = b, name
+        elif b > reach:
+            busy += b - reach
+            reach, last = b, name
+    return ((reach - spans[0][0]) if spans else 0.0), busy, gaps
 
 
 def profile_step(model, opt, ids, path: Path, title: str) -> dict:
@@ -204,14 +221,18 @@ def profile_step(model, opt, ids, path: Path, title: str) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         train_step(model, opt, ids)
         sync("cuda")
-    kernels = {}
+    kernels, spans = {}, []
     for e in prof.events():
         if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
+        if getattr(e, "is_user_annotation", False) or "#" in e.name or e.name.startswith("ProfilerStep"):
+            continue  # a range annotation (Optimizer.step#AdamW.step) drawn on the device: not a kernel
         us = e.device_time_total  # a device event's own span, in µs
         k = kernels.setdefault(e.name, [0.0, 0])
         k[0] += us
         k[1] += 1
+        spans.append((e.time_range.start, e.time_range.end, e.name))
+    span, busy, gaps = device_idle(spans)
     total = sum(v[0] for v in kernels.values())
     cats = {c: [0.0, 0] for c, _ in PROFILE_CATEGORIES}
     cats["other"] = [0.0, 0]
@@ -220,7 +241,8 @@ def profile_step(model, opt, ids, path: Path, title: str) -> dict:
         cats[c][0] += us
         cats[c][1] += n
     L = [f"# Profile: {title}", "", f"Kernel device time of one step: {total / 1e3:.1f} ms over "
-         f"{sum(v[1] for v in kernels.values())} launches.", "",
+         f"{sum(v[1] for v in kernels.values())} launches; from the first kernel's start to the last one's end "
+         f"{span / 1e3:.1f} ms, of which the device ran no kernel for {(span - busy) / 1e3:.1f} ms.", "",
          "| category | ms | % | launches |", "|---|---|---|---|"]
     for c, (us, n) in sorted(cats.items(), key=lambda kv: -kv[1][0]):
         if n:
@@ -228,8 +250,11 @@ def profile_step(model, opt, ids, path: Path, title: str) -> dict:
     L += ["", "Longest kernels:", "", "| kernel | ms | launches |", "|---|---|---|"]
     for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]:
         L.append(f"| `{name[:110]}` | {us / 1e3:.2f} | {n} |")
+    L += ["", "Longest idle gaps on the device:", "", "| gap ms | after | before |", "|---|---|---|"]
+    for us, before, after in sorted(gaps, key=lambda g: -g[0])[:12]:
+        L.append(f"| {us / 1e3:.3f} | `{before[:70]}` | `{after[:70]}` |")
     path.write_text("\n".join(L) + "\n")
-    return {"kernel_ms": round(total / 1e3, 2), "categories_ms": {c: round(v[0] / 1e3, 2) for c, v in cats.items() if v[1]},
+    return {"kernel_ms": round(total / 1e3, 2), "span_ms": round(span / 1e3, 2), "idle_ms": round((span - busy) / 1e3, 2), "categories_ms": {c: round(v[0] / 1e3, 2) for c, v in cats.items() if v[1]},
             "file": path.name}
 
 

@@ -178,6 +178,32 @@ def test_moved_and_missing_gradients(ext):
     _close(ours_p, ref_p, torch.float32)
 
 
+def test_step_holds_no_gradient(ext):
+    """After step() (and clip_grad_norm_(optimizer=)), the optimizer keeps no reference to a gradient:
+    zero_grad(set_to_none=True) frees it at once, so the next backward's gradients do not come on top
+    of the last step's; the plan is still reused while the addresses stay."""
+    import weakref
+
+    ps = _params(torch.float32)
+    opt = topt.AdamW(ps, lr=1e-2)
+    for t in range(3):
+        for p, g in zip(ps, _grads(ps, t)):
+            p.grad = g
+        del g  # the loop's last reference
+        if t == 1:
+            topt.clip_grad_norm_(ps, 1.0, optimizer=opt)
+        opt.step()
+        refs = [weakref.ref(p.grad) for p in ps]
+        opt.zero_grad(set_to_none=True)
+        assert all(r() is None for r in refs), "a gradient outlived zero_grad(set_to_none=True)"
+    for p in ps:
+        p.grad = torch.zeros_like(p)  # kept in place from here on
+    opt.step()
+    plans = [b.plan for b in opt._buckets.values()]
+    opt.step()
+    assert all(a is b for a, b in zip(plans, [b.plan for b in opt._buckets.values()])), "the plan was rebuilt"
+
+
 def test_fp32_moments_and_master_weights(ext):
     """bf16 parameters with fp32 moments and fp32 masters follow torch's fp32 AdamW on the masters'
     values; each parameter is its master rounded to bf16."""

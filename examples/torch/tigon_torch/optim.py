@@ -51,7 +51,9 @@ def plan_bytes(numels: list[int]) -> int:
 
 class _Bucket:
     """One launch's parameters: a group's tensors of one device, dtype, moment dtype, master choice and
-    step count (a device tensor they share), with the plan (rebuilt when any buffer moved)."""
+    step count (a device tensor they share), with the plan (rebuilt when any buffer moved). Between
+    steps it keeps only the buffers' addresses and sizes (key), no tensor: a gradient set to None is
+    freed at once, not held until the next step."""
 
     __slots__ = ("params", "grads", "exp_avgs", "exp_avg_sqs", "masters", "step", "key", "plan")
 
@@ -60,6 +62,9 @@ class _Bucket:
         self.step = None
         self.key = None
         self.plan = None
+
+    def release(self):
+        self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.masters = [], [], [], [], []
 
 
 class AdamW(torch.optim.Optimizer):
@@ -270,6 +275,7 @@ class AdamW(torch.optim.Optimizer):
                              *self._lr_args(g, dev), b.step, float(beta1), float(beta2), float(g["eps"]),
                              float(g["weight_decay"]), self._decoupled, _on(grad_scale, dev), _on(clip, dev),
                              _on(found_inf, dev), stochastic, self.seed)
+            b.release()
         return loss
 
 
@@ -332,6 +338,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         for i, (_, b) in enumerate(buckets):
             ops().adamw_grad_norm(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.masters, b.plan, max_norm,
                                   norms[i], factor if len(buckets) == 1 else None, grad_scale)
+            b.release()
         if len(buckets) == 1:
             total = norms[0]
         else:  # the buckets' norms combined, and torch's factor from the total

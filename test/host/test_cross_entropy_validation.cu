@@ -377,6 +377,9 @@ TEST_CASE("linear_cross_entropy workspace query rejects bad arguments by name", 
   expect(linear_cross_entropy_workspace_bytes(bad, bytes), Errc::aliasing, "dbias");
   CHECK(linear_cross_entropy_default_chunk(100000, 128256, 2) == 4096);
   CHECK(linear_cross_entropy_default_chunk(1000, 128256, 2) == 1000);
+  CHECK(linear_cross_entropy_heads_default_chunk(100000, 128256, 2) == 512);
+  CHECK(linear_cross_entropy_heads_default_chunk(300, 128256, 2) == 300);
+  CHECK(linear_cross_entropy_heads_default_chunk(100000, std::int64_t{1} << 21, 2) == 256);  // 1 GiB caps it
 }
 
 TEST_CASE("linear_cross_entropy with gradients in the weight's dtype: their extents in that dtype",

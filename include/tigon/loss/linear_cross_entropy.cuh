@@ -93,7 +93,7 @@ struct LinearCrossEntropyHeadsArgs {
   G* const* dweights = nullptr;          // [heads] -> [vocab, hidden] (entries may be null)
   G* const* dbiases = nullptr;           // [heads] -> [vocab] (entries may be null)
   bool accumulate = false;               // dweights / dbiases += instead of =
-  std::int64_t chunk = 0;                // tokens per chunk; 0: linear_cross_entropy_default_chunk()
+  std::int64_t chunk = 0;                // tokens per chunk; 0: linear_cross_entropy_heads_default_chunk()
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
 };
@@ -102,6 +102,18 @@ struct LinearCrossEntropyHeadsArgs {
 inline std::int64_t linear_cross_entropy_default_chunk(std::int64_t tokens, std::int64_t vocab,
                                                        std::size_t elem_bytes) {
   return rows_per_chunk(tokens, vocab, elem_bytes, std::size_t{1} << 30);
+}
+
+// Default chunk of several heads: 512 tokens (at most the single head's default). Every chunk adds its
+// product into each head's weight gradient (a GEMM with K = chunk and beta = 1, reading and writing the
+// [vocab, hidden] gradient), which does chunk / 2 FLOPs per byte: at 512, about the bf16 balance of
+// an H100 or H200, so a smaller chunk makes those GEMMs memory-bound while a larger one only adds
+// logits memory beside K weight gradients.
+inline constexpr std::int64_t kLceHeadsChunk = 512;
+inline std::int64_t linear_cross_entropy_heads_default_chunk(std::int64_t tokens, std::int64_t vocab,
+                                                             std::size_t elem_bytes) {
+  const std::int64_t c = linear_cross_entropy_default_chunk(tokens, vocab, elem_bytes);
+  return c < kLceHeadsChunk ? c : kLceHeadsChunk;
 }
 
 namespace detail {
@@ -173,7 +185,7 @@ LceHeadsLayout lce_heads_layout(const LinearCrossEntropyHeadsArgs<T, I, G>& a) {
   LceHeadsLayout l{};
   const std::int64_t tokens = a.loss.rows, vocab = a.loss.vocab;
   l.chunk = a.chunk > 0 ? (a.chunk < tokens ? a.chunk : tokens)
-                        : linear_cross_entropy_default_chunk(tokens, vocab, sizeof(T));
+                        : linear_cross_entropy_heads_default_chunk(tokens, vocab, sizeof(T));
   l.ce_bytes = ce_workspace_bytes(tokens);
   l.logits_offset = l.ce_bytes * static_cast<std::size_t>(a.heads);
   l.ones_offset = l.logits_offset + round_up<std::size_t>(static_cast<std::size_t>(l.chunk * vocab) * sizeof(T), 256);

@@ -6,9 +6,11 @@
 # own GEMM kernels (nvjet: TMA and wgmma synchronised through mbarriers, the vendor library's code)
 # are counted apart; tigon's kernels must have none. initcheck does not see the writes of cuBLAS's GEMM
 # kernels, so the tests poison every buffer a GEMM writes (every byte initialised, NaN where the GEMM
-# does not write). The processes run with TIGON_TEST_SANITIZER=1: the suites' slowest cases then run
-# their sanitizer-sized shapes (gpu_test::sanitizer_sized(): fewer and smaller shapes that still reach
-# every kernel, dtype and option), so that each case finishes in minutes under any tool.
+# does not write). The processes run with TIGON_TEST_SANITIZER=<tool>: the suites' slowest cases then
+# run their sanitizer-sized shapes (gpu_test::sanitizer_sized(): fewer and smaller shapes that still
+# reach every kernel, dtype and option), so that each case finishes in minutes under any tool; under
+# synccheck, launches with clusters over 8 blocks are left out (gpu_test::synccheck_skips_cluster:
+# the tool stops 16-block launches, scripts/probes/cluster_synccheck.cu).
 #   scripts/sanitize-cases.sh OUTDIR TOOLS BINARY...     TOOLS: comma list, e.g. memcheck,racecheck
 # Environment: JOBS runs at a time (default 4; they share the GPU), CAP seconds per run (default 240),
 # DEADLINE (epoch seconds) after which no run starts.
@@ -19,7 +21,6 @@ out=${1:?usage: scripts/sanitize-cases.sh OUTDIR TOOLS BINARY...}
 tools=${2:?usage: scripts/sanitize-cases.sh OUTDIR TOOLS BINARY...}
 shift 2
 mkdir -p "$out"
-export TIGON_TEST_SANITIZER=1
 jobs_max=${JOBS:-4}
 cap_max=${CAP:-240}
 deadline=${DEADLINE:-0}
@@ -40,7 +41,7 @@ one() {  # tool binary case
   [ "$deadline" -gt 0 ] && [ $(( deadline - s0 )) -lt "$cap" ] && cap=$(( deadline - s0 ))
   f=$out/$tool-$suite-$(printf '%s' "$name" | tr -c 'A-Za-z0-9' '_' | cut -c1-60).log
   # Catch2 reads a comma in a test spec as "or": escaped.
-  timeout "$cap" compute-sanitizer --tool "$tool" --error-exitcode 9 "$t" \
+  TIGON_TEST_SANITIZER=$tool timeout "$cap" compute-sanitizer --tool "$tool" --error-exitcode 9 "$t" \
     "$(printf '%s' "$name" | sed 's/,/\\,/g')" > "$f" 2>&1
   rc=$?
   state=clean

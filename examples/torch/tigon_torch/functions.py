@@ -80,13 +80,21 @@ def _graph_kept() -> bool:
 
 def _scaled_grad(t, go, dtype):
     """A saved gradient (_saved_grad) times the upstream scalar go, in dtype. In place when the saved
-    gradient belongs to this backward alone (no second [V, H] buffer); out of place when the graph is
-    kept for another backward (retain_graph, create_graph) and while torch.compile traces (which does not
-    mutate a backward graph's inputs)."""
+    gradient belongs to this backward alone (no second [V, H] buffer): on the device through
+    scale_rows, which reads go there and leaves the gradient untouched when it is exactly 1 (the usual
+    upstream gradient of a loss: one launch, no pass over the gradient, no host synchronisation), the
+    product rounded once from fp32; out of place when the graph is kept for another backward
+    (retain_graph, create_graph) and while torch.compile traces (which does not mutate a backward
+    graph's inputs)."""
     if t is None:
         return None
-    scale = go.to(t.dtype)
-    return _cast(t * scale if _compiling() or _graph_kept() else t.mul_(scale), dtype)
+    if _compiling() or _graph_kept():
+        return _cast(t * go.to(t.dtype), dtype)
+    if _o.on_device(t) and t.is_contiguous() and t.numel() > 0:
+        n = t.shape[-1] if t.dim() > 1 else (1024 if t.numel() % 1024 == 0 else t.numel())
+        ops().scale_rows(t.view(-1, n), go.to(torch.float32).reshape(1).contiguous())
+        return _cast(t, dtype)
+    return _cast(t.mul_(go.to(t.dtype)), dtype)
 
 
 def _head_grad_dtype(w_dtype, accum_dtype=None):

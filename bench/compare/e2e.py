@@ -181,7 +181,7 @@ def make_optimizer(model, args, cuda: bool):
 PROFILE_CATEGORIES = [
     ("tigon AdamW", r"tigon.*adamw|adamw.*tigon"),
     ("tigon linear cross-entropy + cross-entropy", r"tigon.*(cross_entropy|::ce_|lce_)"),
-    ("tigon RMSNorm, add + RMSNorm", r"tigon.*(rms|norm)"),
+    ("tigon RMSNorm, add + RMSNorm", r"tigon.*(rms_norm|layer_norm)"),
     ("tigon SwiGLU", r"tigon.*(gated|swiglu|glu)"),
     ("tigon RoPE", r"tigon.*rope"),
     ("tigon, other", r"tigon"),
@@ -189,7 +189,7 @@ PROFILE_CATEGORIES = [
     ("attention", r"(flash|fmha|attention|attn|cudnn)"),
     ("GEMM", r"(gemm|cutlass|xmma|nvjet|cublas|sm90_|Kernel2)"),
     ("reductions", r"(reduce_kernel|Reduce)"),
-    ("elementwise, copies, fills", r"(elementwise|vectorized|unrolled|copy|Copy|fill|cat_|index|gather|scatter|memcpy|memset)"),
+    ("elementwise, copies, fills", r"(elementwise|vectorized|unrolled|copy|Copy|fill|cat_|index|gather|scatter|[Mm]emcpy|[Mm]emset)"),
 ]
 
 

@@ -355,6 +355,30 @@ struct GatedBwdParams {
   float gate_mult, down_mult;
 };
 
+// One vector of c = gated_math::forward<Act, T> over a and b, the activations rounded to T two at a
+// time (round_pair_to: one paired conversion for bfloat16), the same bits as the scalar form.
+template <class T, class Act, int kV>
+TIGON_DEVICE AlignedVec<T, kV> gated_fwd_vec(const AlignedVec<T, kV>& av, const AlignedVec<T, kV>& bv, float gate_mult,
+                                             float down_mult) {
+  AlignedVec<T, kV> cv;
+  if constexpr (kV % 2 == 0) {
+#pragma unroll
+    for (int k = 0; k < kV; k += 2) {
+      float v0 = Act::value(gate_mult * to_float(av.v[k]));
+      float v1 = Act::value(gate_mult * to_float(av.v[k + 1]));
+      round_pair_to<T>(v0, v1);
+      cv.v[k] = from_float<T>(down_mult * v0 * to_float(bv.v[k]));
+      cv.v[k + 1] = from_float<T>(down_mult * v1 * to_float(bv.v[k + 1]));
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kV; ++k) {
+      cv.v[k] = from_float<T>(gated_math::forward<Act, T>(to_float(av.v[k]), to_float(bv.v[k]), gate_mult, down_mult));
+    }
+  }
+  return cv;
+}
+
 // Elementwise over [rows, cols] in vectors of kV elements (16 bytes, or 1 element when pointers,
 // strides or cols do not allow 16-byte accesses). Rows: threadIdx.y + blockDim.y * blockIdx.y,
 // then every blockDim.y * gridDim.y; column vectors: threadIdx.x + blockDim.x * blockIdx.x, then
@@ -376,14 +400,11 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads, 1) gated_fwd_kernel(const Gat
       AlignedVec<T, kV> bv;
       if constexpr (kGated) bv = load_vec_stream<kV>(br + i * kV);
       AlignedVec<T, kV> cv;
+      if constexpr (kGated) {
+        cv = gated_fwd_vec<T, Act, kV>(av, bv, p.gate_mult, p.down_mult);
+      } else {
 #pragma unroll
-      for (int k = 0; k < kV; ++k) {
-        if constexpr (kGated) {
-          cv.v[k] = from_float<T>(gated_math::forward<Act, T>(to_float(av.v[k]), to_float(bv.v[k]),
-                                                           p.gate_mult, p.down_mult));
-        } else {
-          cv.v[k] = from_float<T>(gated_math::activation_forward<Act>(to_float(av.v[k])));
-        }
+        for (int k = 0; k < kV; ++k) cv.v[k] = from_float<T>(gated_math::activation_forward<Act>(to_float(av.v[k])));
       }
       store_vec_hinted<true>(cr + i * kV, cv);
     }
@@ -412,12 +433,11 @@ TIGON_KERNEL void __launch_bounds__(kGatedThreads) gated_fwd_flat_kernel(const G
     const unsigned v = base + u * kGatedThreads;
     if (v < total) {
       AlignedVec<T, kV> cv;
+      if constexpr (kGated) {
+        cv = gated_fwd_vec<T, Act, kV>(av[u], bv[u], p.gate_mult, p.down_mult);
+      } else {
 #pragma unroll
-      for (int k = 0; k < kV; ++k) {
-        if constexpr (kGated) {
-          cv.v[k] = from_float<T>(
-              gated_math::forward<Act, T>(to_float(av[u].v[k]), to_float(bv[u].v[k]), p.gate_mult, p.down_mult));
-        } else {
+        for (int k = 0; k < kV; ++k) {
           cv.v[k] = from_float<T>(gated_math::activation_forward<Act>(to_float(av[u].v[k])));
         }
       }

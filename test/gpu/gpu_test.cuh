@@ -69,14 +69,14 @@ inline const std::string& sanitizer_tool() {
 // minutes. Unset, every case runs its full set.
 inline bool sanitizer_sized() { return !sanitizer_tool().empty(); }
 
-// Under synccheck, whether a launch with clusters of `blocks` blocks is left out: compute-sanitizer's
-// synccheck (CUDA 13.0, sm_90) stops kernels launched with 16-block clusters (a non-portable size)
-// with an illegal-address error, also a minimal kernel that only exchanges one message between every
-// two blocks of its cluster and computes right without the tool, at 2 and 8 blocks under the tool too
-// (scripts/probes/cluster_synccheck.cu); memcheck, racecheck and initcheck run those launches.
+// Under synccheck, whether a launch with clusters of `blocks` blocks is left out. compute-sanitizer's
+// synccheck (CUDA 13.0, sm_90) stops launches with 16-block clusters (a non-portable size) with an
+// illegal-address error, also those of scripts/probes/cluster_synccheck.cu: a minimal kernel with the
+// resident kernels' message pattern, right without the tool, and right under it at 2 and 8 blocks.
+// So under synccheck the non-portable sizes (over 8) are left out; the other tools run them.
 inline bool synccheck_skips_cluster(int blocks) {
   if (blocks <= 8 || sanitizer_tool() != "synccheck") return false;
-  std::printf("synccheck: a launch with %d-block clusters left out (the tool stops any cluster over 8)\n", blocks);
+  std::printf("synccheck: a launch with %d-block clusters left out (non-portable cluster sizes)\n", blocks);
   return true;
 }
 

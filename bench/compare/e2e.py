@@ -14,8 +14,9 @@ The hf and liger variants step with torch.optim.AdamW(fused=True); the tigon var
 tigon_torch_adamw) with tigon_torch.optim.AdamW, same arguments, torch's fused numerics bit for bit.
 
 --profile: after each sequence's timed steps, one more step under torch.profiler; the device time
-of its kernels by category (GEMM, attention, each tigon op, optimizer, elementwise and copies) and
-the longest kernels go to OUTDIR/e2e-profile-<variant>-<seq>.md (the step itself is not timed).
+of its kernels by category (GEMM, attention, each tigon op, optimizer, elementwise and copies), the
+longest kernels and the device's longest idle gaps go to OUTDIR/e2e-profile-<variant>-<seq>.md (the
+step itself is not timed).
 
 Phases:
   train  no gradient checkpointing, each sequence of --seqs: --warmup steps, then --steps timed
@@ -54,6 +55,7 @@ from common import Budget, environment, log, probe_tigon, write_json  # noqa: E4
 
 VARIANTS = ["hf", "liger", "tigon", "tigon_unfused_adds", "tigon_torch_adamw"]
 TIGON_VARIANTS = ("tigon", "tigon_unfused_adds", "tigon_torch_adamw")
+TIGON_ADAMW = ("tigon", "tigon_unfused_adds")  # stepped by tigon_torch.optim.AdamW on the GPU
 DEFAULT_VARIANTS = ["hf", "liger", "tigon"]
 PHASES = ["train", "ckpt"]
 
@@ -170,7 +172,7 @@ def make_optimizer(model, args, cuda: bool):
 
     kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     desc = f"AdamW(lr={args.lr}, betas=(0.9, 0.95), weight_decay=0.1"
-    if cuda and args.variant in TIGON_VARIANTS and args.variant != "tigon_torch_adamw":
+    if cuda and args.variant in TIGON_ADAMW:
         from tigon_torch.optim import AdamW
 
         return AdamW(model.parameters(), **kw), "tigon_torch.optim." + desc + ")"
@@ -193,6 +195,13 @@ PROFILE_CATEGORIES = [
 ]
 
 
+def category(kernel: str) -> str:
+    """The profile's category of a kernel name (PROFILE_CATEGORIES, first match), else "other"."""
+    import re
+
+    return next((c for c, rx in PROFILE_CATEGORIES if re.search(rx, kernel)), "other")
+
+
 def device_idle(spans):
     """(span, busy, gaps) of (start, end, name) device intervals in µs: from the first start to the last
     end, the time covered by any interval, and each gap as (length, the interval before, the one after)."""
@@ -212,8 +221,6 @@ def device_idle(spans):
 
 def profile_step(model, opt, ids, path: Path, title: str) -> dict:
     """One training step under torch.profiler: kernel device time by category and the longest kernels."""
-    import re as _re
-
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -237,7 +244,7 @@ def profile_step(model, opt, ids, path: Path, title: str) -> dict:
     cats = {c: [0.0, 0] for c, _ in PROFILE_CATEGORIES}
     cats["other"] = [0.0, 0]
     for name, (us, n) in kernels.items():
-        c = next((c for c, rx in PROFILE_CATEGORIES if _re.search(rx, name)), "other")
+        c = category(name)
         cats[c][0] += us
         cats[c][1] += n
     L = [f"# Profile: {title}", "", f"Kernel device time of one step: {total / 1e3:.1f} ms over "
@@ -254,8 +261,9 @@ def profile_step(model, opt, ids, path: Path, title: str) -> dict:
     for us, before, after in sorted(gaps, key=lambda g: -g[0])[:12]:
         L.append(f"| {us / 1e3:.3f} | `{before[:70]}` | `{after[:70]}` |")
     path.write_text("\n".join(L) + "\n")
-    return {"kernel_ms": round(total / 1e3, 2), "span_ms": round(span / 1e3, 2), "idle_ms": round((span - busy) / 1e3, 2), "categories_ms": {c: round(v[0] / 1e3, 2) for c, v in cats.items() if v[1]},
-            "file": path.name}
+    return {"kernel_ms": round(total / 1e3, 2), "span_ms": round(span / 1e3, 2),
+            "idle_ms": round((span - busy) / 1e3, 2),
+            "categories_ms": {c: round(v[0] / 1e3, 2) for c, v in cats.items() if v[1]}, "file": path.name}
 
 
 def make_batch(args, seq: int, step: int):

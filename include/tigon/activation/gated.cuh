@@ -115,13 +115,17 @@ struct ActivationBackwardArgs {
 
 namespace gated_math {
 
+// c before its rounding to T from the activation already rounded to T (forward's product, in its
+// order; the kernels round the activations two at a time, then call it).
+TIGON_HD float product(float act, float b, float down_mult) { return down_mult * act * b; }
+
 // c before its rounding to T. act(gate_mult * a) is rounded to T before the product, as a module of
 // dtype T computes it (Hugging Face's MLPs: the activation's output is a tensor of its own, then
 // multiplied by up_proj's), so that 16-bit outputs match that module's bit for bit where the fp32
 // activations agree; for T = float the roundings are the identity.
 template <Activation Act, class T = float>
 TIGON_HD float forward(float a, float b, float gate_mult, float down_mult) {
-  return down_mult * round_to<T>(Act::value(gate_mult * a)) * b;
+  return product(round_to<T>(Act::value(gate_mult * a)), b, down_mult);
 }
 
 // da and db before their rounding to T, with the intermediate roundings of that module's autograd:
@@ -367,8 +371,8 @@ TIGON_DEVICE AlignedVec<T, kV> gated_fwd_vec(const AlignedVec<T, kV>& av, const 
       float v0 = Act::value(gate_mult * to_float(av.v[k]));
       float v1 = Act::value(gate_mult * to_float(av.v[k + 1]));
       round_pair_to<T>(v0, v1);
-      cv.v[k] = from_float<T>(down_mult * v0 * to_float(bv.v[k]));
-      cv.v[k + 1] = from_float<T>(down_mult * v1 * to_float(bv.v[k + 1]));
+      cv.v[k] = from_float<T>(gated_math::product(v0, to_float(bv.v[k]), down_mult));
+      cv.v[k + 1] = from_float<T>(gated_math::product(v1, to_float(bv.v[k + 1]), down_mult));
     }
   } else {
 #pragma unroll

@@ -13,7 +13,8 @@
 # the tool stops 16-block launches, scripts/probes/cluster_synccheck.cu).
 #   scripts/sanitize-cases.sh OUTDIR TOOLS BINARY...     TOOLS: comma list, e.g. memcheck,racecheck
 # Environment: JOBS runs at a time (default 4; they share the GPU), CAP seconds per run (default 240),
-# DEADLINE (epoch seconds) after which no run starts.
+# DEADLINE (epoch seconds) after which no run starts, DONE a results.txt of an earlier run whose
+# finished runs (clean, errors or stopped) are not run again.
 # Writes OUTDIR/<tool>-<suite>-<case>.log; prints one line per run, then one per tool and suite:
 # its cases, the clean ones, those with errors and those stopped at the cap.
 set -uo pipefail
@@ -59,7 +60,13 @@ one() {  # tool binary case
 }
 results=$out/results.txt
 : > "$results"
+done_runs=${DONE:-}
 while IFS=$'\t' read -r tool t name; do
+  if [ -n "$done_runs" ] && [ -f "$done_runs" ]; then
+    suite=$(basename "$t")
+    awk -F'\t' -v a="$tool" -v b="${suite#tigon_gpu_tests_}" -v c="$name" \
+      '$1 == a && $2 == b && $3 == c && $4 != "not started" { f = 1 } END { exit !f }' "$done_runs" && continue
+  fi
   if [ "$deadline" -gt 0 ] && [ "$(date +%s)" -ge "$deadline" ]; then
     suite=$(basename "$t")
     printf '%s\t%s\t%s\tnot started\n' "$tool" "${suite#tigon_gpu_tests_}" "$name" >> "$results"

@@ -254,20 +254,33 @@ struct GeneralizedJSD {
     if (beta >= 0.0f && beta <= 1.0f) return Status();
     return Status::error(Errc::invalid_value, op, "beta", "must be in [0, 1], got " + std::to_string(beta));
   }
-  template <class E>
-  TIGON_HD DivergenceValue operator()(const E& e) const {
-    if (beta == 0.0f) return ForwardKL{}(e);
-    if (beta == 1.0f) return ReverseKL{}(e);
+  // The divergence for beta strictly inside (0, 1), without the two limits' branches: the functor
+  // the resident kernel takes for such a beta (branches on a runtime beta inside its unrolled
+  // element loops cost every element all three formulas).
+  struct Mixture {
+    static constexpr const char* kName = "GeneralizedJSD";
+    static constexpr DivergenceInput kGradForm = DivergenceInput::log_probs;
+    static constexpr bool kElementwiseNone = false;
+    float beta = 0.5f;
     // l = bp log p + bq log q - m log m = bp (log p - log m) + bq (log q - log m), m = bp + bq: no
     // cancellation, and no branches: m is floored at 2^-126 (a smaller m adds nothing and its
     // log would be -inf), each log-probability at -2^126 (so that a side whose probability is 0,
     // log -inf, gives 0 * finite = 0).
-    constexpr float kLogFloor = -8.50705917e37f;
-    const float bp = beta * e.y_prob;
-    const float bq = (1.0f - beta) * e.x_prob;
-    const float log_m = div_math::log_of<E>(fmaxf(bp + bq, 1.17549435e-38f));
-    const float gq = bq * (fmaxf(e.x_log, kLogFloor) - log_m);
-    return {fmaf(bp, fmaxf(e.y_log, kLogFloor) - log_m, gq), gq};
+    template <class E>
+    TIGON_HD DivergenceValue operator()(const E& e) const {
+      constexpr float kLogFloor = -8.50705917e37f;
+      const float bp = beta * e.y_prob;
+      const float bq = (1.0f - beta) * e.x_prob;
+      const float log_m = div_math::log_of<E>(fmaxf(bp + bq, 1.17549435e-38f));
+      const float gq = bq * (fmaxf(e.x_log, kLogFloor) - log_m);
+      return {fmaf(bp, fmaxf(e.y_log, kLogFloor) - log_m, gq), gq};
+    }
+  };
+  template <class E>
+  TIGON_HD DivergenceValue operator()(const E& e) const {
+    if (beta == 0.0f) return ForwardKL{}(e);
+    if (beta == 1.0f) return ReverseKL{}(e);
+    return Mixture{beta}(e);
   }
 };
 
@@ -1351,6 +1364,14 @@ bool div_vectorizable(const DivParams<T, TT, I>& p) {
 template <class P, class D, DivergenceInput kS, DivergenceInput kT, int kN, class T, class TT, class I>
 Status div_launch_resident(const DivParams<T, TT, I>& p, const D& div, cudaStream_t stream, const char* op,
                            bool& launched) {
+  // The generalised JSD (or a functor derived from it) with beta inside (0, 1): its Mixture, the
+  // same formula without the per-element tests of the two limits.
+  if constexpr (std::is_base_of_v<GeneralizedJSD, D>) {
+    if (div.beta > 0.0f && div.beta < 1.0f) {
+      return div_launch_resident<P, GeneralizedJSD::Mixture, kS, kT, kN>(p, GeneralizedJSD::Mixture{div.beta}, stream,
+                                                                          op, launched);
+    }
+  }
   constexpr int kThreads = P::kResThreads;
   constexpr int kVecs = P::kResElems / kN > 0 ? P::kResElems / kN : 1;
   // 16-bit inputs: pass 1's exponentials kept in registers for pass 2's probabilities.

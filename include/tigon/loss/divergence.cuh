@@ -255,8 +255,8 @@ struct GeneralizedJSD {
     return Status::error(Errc::invalid_value, op, "beta", "must be in [0, 1], got " + std::to_string(beta));
   }
   // The divergence for beta strictly inside (0, 1), without the two limits' branches: the functor
-  // the resident kernel takes for such a beta (branches on a runtime beta inside its unrolled
-  // element loops cost every element all three formulas).
+  // the kernels take for such a beta (divergence() substitutes it; tests of a runtime beta inside
+  // the kernels' unrolled element loops cost every element all three formulas).
   struct Mixture {
     static constexpr const char* kName = "GeneralizedJSD";
     static constexpr DivergenceInput kGradForm = DivergenceInput::log_probs;
@@ -1364,14 +1364,6 @@ bool div_vectorizable(const DivParams<T, TT, I>& p) {
 template <class P, class D, DivergenceInput kS, DivergenceInput kT, int kN, class T, class TT, class I>
 Status div_launch_resident(const DivParams<T, TT, I>& p, const D& div, cudaStream_t stream, const char* op,
                            bool& launched) {
-  // The generalised JSD (or a functor derived from it) with beta inside (0, 1): its Mixture, the
-  // same formula without the per-element tests of the two limits.
-  if constexpr (std::is_base_of_v<GeneralizedJSD, D>) {
-    if (div.beta > 0.0f && div.beta < 1.0f) {
-      return div_launch_resident<P, GeneralizedJSD::Mixture, kS, kT, kN>(p, GeneralizedJSD::Mixture{div.beta}, stream,
-                                                                          op, launched);
-    }
-  }
   constexpr int kThreads = P::kResThreads;
   constexpr int kVecs = P::kResElems / kN > 0 ? P::kResElems / kN : 1;
   // 16-bit inputs: pass 1's exponentials kept in registers for pass 2's probabilities.
@@ -1401,6 +1393,14 @@ Status div_launch_resident(const DivParams<T, TT, I>& p, const D& div, cudaStrea
 
 template <class P, class D, DivergenceInput kS, DivergenceInput kT, class T, class TT, class I>
 Status div_launch(const DivParams<T, TT, I>& p, const D& div, cudaStream_t stream, const char* op) {
+  // The generalised JSD (or a functor derived from it) with beta inside (0, 1) runs as its Mixture:
+  // the same formula without the tests of the two limits, which inside the kernels' unrolled
+  // element loops cost every element all three formulas.
+  if constexpr (std::is_base_of_v<GeneralizedJSD, D>) {
+    if (div.beta > 0.0f && div.beta < 1.0f) {
+      return div_launch<P, GeneralizedJSD::Mixture, kS, kT>(p, GeneralizedJSD::Mixture{div.beta}, stream, op);
+    }
+  }
   constexpr int kN = kVecElems<T> > kVecElems<TT> ? kVecElems<T> : kVecElems<TT>;
   const bool vec = div_vectorizable<kN>(p);
   const unsigned grid =

@@ -2,7 +2,9 @@
 // kernel's L2 prefetch distance (kStreamAhead) and vectors in flight (kStreamUnroll) for the
 // generalised JSD and the forward KL; the resident kernel's block size, elements per thread, blocks
 // per SM and rows asked of the L2 ahead (kResThreads, kResElems, kResMinBlocks, kResAhead) for the
-// JSD on logits. Same body and counting as bench/bench_divergence.cu.
+// JSD on logits; the JSD through a functor that tests beta's limits per element (what
+// GeneralizedJSD::Mixture leaves out) on logits and on log-probs. Same body and counting as
+// bench/bench_divergence.cu.
 #include "../harness.cuh"
 
 #include <tigon/loss/divergence.cuh>
@@ -42,7 +44,33 @@ using Res32x1a16t512 = Res<32, 1, 16, 512>;
 using Res16x1a16t1024 = Res<16, 1, 16, 1024>;
 constexpr auto kZ = tigon::DivergenceInput::logits;
 
+// GeneralizedJSD's operator() as a user functor: divergence() runs it as it is, with the tests of
+// beta's two limits inside the kernels' element loops.
+struct LimitTestsJSD {
+  static constexpr const char* kName = "LimitTestsJSD";
+  float beta = 0.5f;
+  static constexpr bool accepts(tigon::DivergenceInput s, tigon::DivergenceInput t) {
+    return s == t && s != tigon::DivergenceInput::probs;
+  }
+  template <class E>
+  TIGON_HD tigon::DivergenceValue operator()(const E& e) const {
+    if (beta == 0.0f) return tigon::ForwardKL{}(e);
+    if (beta == 1.0f) return tigon::ReverseKL{}(e);
+    return tigon::GeneralizedJSD::Mixture{beta}(e);
+  }
+};
+void BM_jsd_limit_tests(benchmark::State& st) {
+  div_bench::run_with(st, Opt{.which = Which::jsd}, LimitTestsJSD{0.5f}, "limit tests per element");
+}
+void BM_jsd_logits_limit_tests(benchmark::State& st) {
+  div_bench::run_with(st, Opt{.which = Which::jsd, .student = kZ, .teacher = kZ}, LimitTestsJSD{0.5f},
+                      "limit tests per element");
+}
+
 }  // namespace
+
+BENCHMARK(BM_jsd_limit_tests)->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond)->Args({8192, 128256});
+BENCHMARK(BM_jsd_logits_limit_tests)->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond)->Args({8192, 128256})->Args({8192, 32000});
 
 #define DIV_TUNE(label, P, opt)                                                                     \
   void BM_##label(benchmark::State& st) { div_bench::run<P>(st, opt, #label); }                   \

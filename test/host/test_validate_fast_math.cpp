@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include <tigon/core/validate.hpp>
+#include <tigon/loss/divergence.cuh>
 #include <tigon/optim/adamw.cuh>
 
 namespace {
@@ -56,4 +57,18 @@ TEST_CASE("the AdamW step's constants are checked under -ffast-math", "[validate
     INFO("field " << field);
     CHECK(tigon::detail::validate_adamw_hyper(h, true, "adamw_step").code() == tigon::Errc::invalid_value);
   }
+}
+
+TEST_CASE("the divergence functors' parameters are checked under -ffast-math", "[validate][fast-math][divergence]") {
+  const float nan = from_bits(0x7fc00000u), neg_nan = from_bits(0xffc00001u);
+  const float inf = from_bits(0x7f800000u), neg_inf = from_bits(0xff800000u);
+  for (float bad : {nan, neg_nan, inf, neg_inf, -from_bits(0x00000001u), from_bits(0x3f800001u), 2.0f}) {
+    INFO("beta bits " << std::hex << [&] { std::uint32_t u; std::memcpy(&u, &bad, 4); return u; }());
+    CHECK_FALSE(tigon::GeneralizedJSD{bad}.validate("op").ok());
+  }
+  for (float good : {0.0f, 0.5f, 1.0f}) CHECK(tigon::GeneralizedJSD{good}.validate("op").ok());
+  for (float bad : {nan, neg_nan, inf, neg_inf, -from_bits(0x00000001u), -1e-10f}) {
+    CHECK_FALSE(tigon::KLDiv{bad}.validate("op").ok());
+  }
+  for (float good : {0.0f, 1e-10f, from_bits(0x7f7fffffu)}) CHECK(tigon::KLDiv{good}.validate("op").ok());
 }

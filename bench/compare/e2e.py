@@ -43,6 +43,7 @@ import gc
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -197,8 +198,6 @@ PROFILE_CATEGORIES = [
 
 def category(kernel: str) -> str:
     """The profile's category of a kernel name (PROFILE_CATEGORIES, first match), else "other"."""
-    import re
-
     return next((c for c, rx in PROFILE_CATEGORIES if re.search(rx, kernel)), "other")
 
 

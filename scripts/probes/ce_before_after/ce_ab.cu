@@ -30,10 +30,10 @@ int main(int argc, char** argv) {
     size_t n = (size_t)rows * V;
     const int sets = 3;
     std::vector<void*> x(sets);
-    for (int i = 0; i < sets; ++i) { CK(cudaMalloc(&x[i], n * 2)); fill<<<1024, 256>>>((uint16_t*)x[i], n, 77 + i); }
+    for (int i = 0; i < sets; ++i) { CK(cudaMalloc(&x[i], n * 2)); fill<<<1024, 256>>>((uint16_t*)x[i], n, 77 + i); CK(cudaGetLastError()); }
     long* t; CK(cudaMalloc(&t, rows * 8));
     std::vector<long> th(rows); for (long r = 0; r < rows; ++r) th[r] = (r * 7919) % V;
-    cudaMemcpy(t, th.data(), rows * 8, cudaMemcpyHostToDevice);
+    CK(cudaMemcpy(t, th.data(), rows * 8, cudaMemcpyHostToDevice));
     float* loss; CK(cudaMalloc(&loss, 4));
     unsigned long wsb = 1 << 20; void* ws; CK(cudaMalloc(&ws, wsb));
     void* cp; CK(cudaMalloc(&cp, n * 2));

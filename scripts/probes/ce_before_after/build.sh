@@ -2,20 +2,27 @@
 # Same-process before/after of the cross-entropy (loss + gradient in place, mean, bf16): this tree's
 # cross_entropy() and that of commit REV in one binary, on the same buffers, alternating, with the
 # copy rate of the same buffers (buffer placement and process state then cannot tell them apart).
-# REV's tree is checked out into a temporary worktree and compiled with its version namespace
-# renamed (-Dv0_1=vbefore), so that both versions' kernels link side by side.
-#   scripts/probes/ce_before_after/build.sh REV OUT      then, on a GPU: OUT [rounds, default 5]
+# REV's tree is checked out into a temporary worktree (or REV names a folder that holds that tree,
+# e.g. `git archive REV | tar -x -C DIR`, where no repository is at hand) and compiled with its version
+# namespace renamed (-Dv0_1=vbefore), so that both versions' kernels link side by side.
+#   scripts/probes/ce_before_after/build.sh REV|DIR OUT      then, on a GPU: OUT [rounds, default 5]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../../.." && pwd)
 rev=${1:?usage: build.sh REV OUT}
 out=${2:?usage: build.sh REV OUT}
 tmp=$(mktemp -d)
-trap 'git -C "$root" worktree remove --force "$tmp/before" >/dev/null 2>&1 || true; rm -rf "$tmp"' EXIT
-git -C "$root" worktree add --detach "$tmp/before" "$rev" >/dev/null
+if [ -d "$rev/include/tigon" ]; then
+  before=$(cd "$rev" && pwd)
+  trap 'rm -rf "$tmp"' EXIT
+else
+  before=$tmp/before
+  trap 'git -C "$root" worktree remove --force "$tmp/before" >/dev/null 2>&1 || true; rm -rf "$tmp"' EXIT
+  git -C "$root" worktree add --detach "$before" "$rev" >/dev/null
+fi
 flags=(-std=c++20 -O3 -arch=${ARCH:-sm_90} --expt-relaxed-constexpr)
 nvcc "${flags[@]}" -I"$root/include" -DAB_NAME=ce_head -c "$here/ce_version.cu" -o "$tmp/head.o"
-nvcc "${flags[@]}" -I"$tmp/before/include" -Dv0_1=vbefore -DAB_NAME=ce_before -c "$here/ce_version.cu" -o "$tmp/before.o"
+nvcc "${flags[@]}" -I"$before/include" -Dv0_1=vbefore -DAB_NAME=ce_before -c "$here/ce_version.cu" -o "$tmp/before.o"
 nvcc "${flags[@]}" -c "$here/ce_ab.cu" -o "$tmp/main.o"
 nvcc -arch=${ARCH:-sm_90} "$tmp/main.o" "$tmp/head.o" "$tmp/before.o" -o "$out"
 echo "built $out (this tree against $rev)"

@@ -1,5 +1,7 @@
 // Same-process A/B of two builds of the cross-entropy (same buffers, same launch order): medians of
-// event-timed calls, alternating A and B per round, and the copy rate of the same buffers.
+// event-timed calls, alternating A and B per round, and the copy rate of the same buffers. Up to four
+// variant builds (ce_v1 .. ce_v4, weak: linked only when build.sh is given their include folders)
+// are timed in the same rounds, each against the earlier build.
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <vector>
@@ -8,6 +10,11 @@
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e_)); exit(2); } } while (0)
 extern "C" int ce_head(void*, const long*, long, long, float*, void*, unsigned long, cudaStream_t);
 extern "C" int ce_before(void*, const long*, long, long, float*, void*, unsigned long, cudaStream_t);
+using CeFn = int (*)(void*, const long*, long, long, float*, void*, unsigned long, cudaStream_t);
+extern "C" __attribute__((weak)) int ce_v1(void*, const long*, long, long, float*, void*, unsigned long, cudaStream_t);
+extern "C" __attribute__((weak)) int ce_v2(void*, const long*, long, long, float*, void*, unsigned long, cudaStream_t);
+extern "C" __attribute__((weak)) int ce_v3(void*, const long*, long, long, float*, void*, unsigned long, cudaStream_t);
+extern "C" __attribute__((weak)) int ce_v4(void*, const long*, long, long, float*, void*, unsigned long, cudaStream_t);
 __global__ void fill(uint16_t* x, size_t n, unsigned seed) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
     unsigned h = (unsigned)i * 2654435761u ^ seed; h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
@@ -51,8 +58,15 @@ int main(int argc, char** argv) {
       float a = time([&](int it) { if (ce_head(x[it % sets], t, rows, V, loss, ws, wsb, s)) exit(1); });
       float b = time([&](int it) { if (ce_before(x[it % sets], t, rows, V, loss, ws, wsb, s)) exit(1); });
       float a2 = time([&](int it) { if (ce_head(x[it % sets], t, rows, V, loss, ws, wsb, s)) exit(1); });
-      printf("%ld x %ld round %d: copy %.4f ms (%.0f GB/s)  head %.4f / %.4f  before %.4f  head/before %.4f\n", rows, V, r, c,
+      printf("%ld x %ld round %d: copy %.4f ms (%.0f GB/s)  head %.4f / %.4f  before %.4f  head/before %.4f", rows, V, r, c,
              2.0 * n * 2 / c / 1e6, a, a2, b, 0.5 * (a + a2) / b);
+      const CeFn variants[] = {ce_v1, ce_v2, ce_v3, ce_v4};
+      for (int k = 0; k < 4; ++k) {
+        if (variants[k] == nullptr) continue;
+        float v = time([&](int it) { if (variants[k](x[it % sets], t, rows, V, loss, ws, wsb, s)) exit(1); });
+        printf("  v%d %.4f (v%d/before %.4f)", k + 1, v, k + 1, v / b);
+      }
+      printf("\n");
     }
     for (int i = 0; i < sets; ++i) cudaFree(x[i]);
     cudaFree(t); cudaFree(loss); cudaFree(ws); cudaFree(cp);

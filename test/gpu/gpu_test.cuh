@@ -99,7 +99,10 @@ struct DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   ~DeviceBuffer() { cudaFree(ptr); }
   std::size_t bytes() const { return count * sizeof(T); }
-  // Every byte 0xFF: NaN in float, half and bfloat16.
+  // Every byte 0xFF: NaN in float, half and bfloat16. A buffer a cuBLASLt GEMM writes is poisoned
+  // before the call, and so is the scratch handed to CublasLtGemm (its split-K reduction reads the
+  // partial sums its GEMM kernel stored there): initcheck does not see the stores of cuBLAS's GEMM
+  // kernels, so without the poison their output reads as uninitialised.
   // The memset runs on the legacy default stream, which does not order work on the non-blocking
   // streams some tests use: synchronise so that no later kernel races with the poison.
   void poison() {

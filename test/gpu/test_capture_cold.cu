@@ -215,6 +215,7 @@ TEST_CASE("cold capture: the generalised JSD on logits", "[.cold][divergence]") 
 TEST_CASE("cold capture: GEMM and linear cross-entropy on cuBLASLt", "[.cold][blas]") {
   const std::int64_t N = 1024, D = 1024, V = 32000;
   DeviceBuffer<unsigned char> blas_ws(std::size_t{32} << 20);
+  blas_ws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(blas_ws.ptr, blas_ws.bytes());  // the handle: before the capture
   DeviceBuffer<bf16> x(N * D), w(V * D), dx(N * D), g(N * N);
   DeviceBuffer<float> dw(V * D), loss(1);

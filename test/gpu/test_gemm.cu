@@ -76,6 +76,7 @@ void run(std::int64_t M, std::int64_t N, std::int64_t K, Op op_a, Op op_b, std::
 
 TEST_CASE("gemm: row-major products through cuBLASLt", "[gemm][gpu]") {
   DeviceBuffer<unsigned char> ws(32u << 20);
+  ws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(ws.ptr, ws.count);
   TIGON_OK(blas.status());
   for (Op oa : {Op::n, Op::t})
@@ -94,6 +95,7 @@ TEST_CASE("gemm: a shape planned for aligned pointers runs on less aligned ones"
   // Sanitizer-sized: 64 x 128 x 256 instead of 256 x 512 x 1024 (the alignments, not the shape,
   // pick the plans; a 2-byte aligned product may take a kernel without tensor cores).
   DeviceBuffer<unsigned char> ws(32u << 20);
+  ws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(ws.ptr, ws.count);
   TIGON_OK(blas.status());
   const bool small = gpu_test::sanitizer_sized();
@@ -117,6 +119,7 @@ TEST_CASE("gemm: a shape planned for aligned pointers runs on less aligned ones"
 
 TEST_CASE("gemm: a product captured in a CUDA graph replays as the eager call computes it", "[gemm][gpu]") {
   DeviceBuffer<unsigned char> ws(32u << 20);
+  ws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(ws.ptr, ws.count);
   TIGON_OK(blas.status());
   // The shape is met first inside the capture: its plan is made there (no synchronisation) and the
@@ -159,6 +162,7 @@ TEST_CASE("gemm: a product captured in a CUDA graph replays as the eager call co
 
 TEST_CASE("gemm: the bias epilogue adds a bias to every row", "[gemm][gpu]") {
   DeviceBuffer<unsigned char> ws(32u << 20);
+  ws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(ws.ptr, ws.count);
   TIGON_OK(blas.status());
   run<bf16, bf16>(96, 80, 64, Op::n, Op::t, 0, 1.0f, 0.0f, blas, true);      // the LM head's layout
@@ -177,6 +181,7 @@ TEST_CASE("gemm: the bias epilogue adds a bias to every row", "[gemm][gpu]") {
 TEST_CASE("gemm: the bias epilogue rounds the product plus the bias once", "[gemm][gpu]") {
   const std::int64_t M = 64, N = 256, K = 64;
   DeviceBuffer<unsigned char> ws(32u << 20);
+  ws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(ws.ptr, ws.count);
   TIGON_OK(blas.status());
   std::vector<bf16> ah(M * K), bh(N * K), biash(N);
@@ -228,6 +233,7 @@ TEST_CASE("gemm: the bias epilogue rounds the product plus the bias once", "[gem
 
 TEST_CASE("gemm: bad arguments are rejected by name", "[gemm][gpu]") {
   DeviceBuffer<unsigned char> ws(1u << 20);
+  ws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(ws.ptr, ws.count);
   DeviceBuffer<bf16> a(64), b(64), d(64);
   GemmArgs<bf16> g{.a = a.ptr, .b = b.ptr, .d = d.ptr, .m = 8, .n = 8, .k = 8};

@@ -173,6 +173,7 @@ double rel_l2_bf16(const std::vector<bf16>& got, const std::vector<float>& ref) 
 // 128, the resident kernel at 4096, plain in bf16 and optioned in fp32).
 TEST_CASE("linear_cross_entropy: small shapes against the double reference", "[lce][gpu]") {
   DeviceBuffer<unsigned char> ws(32u << 20);
+  ws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(ws.ptr, ws.count);
   TIGON_OK(blas.status());
   const bool small = gpu_test::sanitizer_sized();
@@ -201,6 +202,7 @@ TEST_CASE("linear_cross_entropy: equals the unfused composition", "[lce][gpu]") 
   const bool small = gpu_test::sanitizer_sized();
   const std::int64_t N = small ? 512 : 2048, D = small ? 128 : 1024, V = 32000, chunk = small ? 128 : 512;
   DeviceBuffer<unsigned char> gws(32u << 20);
+  gws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(gws.ptr, gws.count);
   DeviceBuffer<bf16> x(N * D), w(V * D), logits(N * V), dx1(N * D), dx2(N * D);
   DeviceBuffer<float> dw1(V * D), dw2(V * D), l1(1), l2(1);
@@ -404,6 +406,7 @@ void check_heads(std::int64_t N, std::int64_t D, std::int64_t V, int K, Reductio
 // chunks instead of 4 in the third; every shape, dtype and reduction stays.
 TEST_CASE("linear_cross_entropy_heads: K heads equal K single-head calls", "[lce][gpu]") {
   DeviceBuffer<unsigned char> ws(32u << 20);
+  ws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(ws.ptr, ws.count);
   TIGON_OK(blas.status());
   const bool small = gpu_test::sanitizer_sized();
@@ -415,6 +418,7 @@ TEST_CASE("linear_cross_entropy_heads: K heads equal K single-head calls", "[lce
 
 TEST_CASE("linear_cross_entropy: bad arguments are rejected by name", "[lce][gpu]") {
   DeviceBuffer<unsigned char> gws(1u << 20);
+  gws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(gws.ptr, gws.count);
   DeviceBuffer<bf16> x(64), w(64);
   DeviceBuffer<std::int64_t> t(8);
@@ -445,6 +449,7 @@ TEST_CASE("linear_cross_entropy: gradients in the weight's dtype", "[lce][gpu]")
   const bool small = gpu_test::sanitizer_sized();
   const std::int64_t N = small ? 300 : 1000, D = small ? 64 : 256, V = 5000, chunk = small ? 128 : 256;
   DeviceBuffer<unsigned char> gws(32u << 20);
+  gws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(gws.ptr, gws.count);
   TIGON_OK(blas.status());
   DeviceBuffer<bf16> x(N * D), w(V * D), b(V), dx1(N * D), dx2(N * D), dw2(V * D), db2(V);
@@ -522,6 +527,7 @@ TEST_CASE("linear_cross_entropy_heads: gradients in the weight's dtype", "[lce][
   const std::int64_t N = small ? 256 : 600, D = small ? 64 : 128, V = 3000, chunk = small ? 128 : 200;
   const int K = small ? 2 : 3;
   DeviceBuffer<unsigned char> gws(32u << 20);
+  gws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(gws.ptr, gws.count);
   DeviceBuffer<bf16> x(N * D), dx1(N * D), dx2(N * D);
   DeviceBuffer<std::int64_t> tb(K * N);

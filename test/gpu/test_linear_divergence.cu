@@ -185,6 +185,7 @@ void run_case(const Case& c, CublasLtGemm& blas) {
 // the resident kernel's, as 123 columns take the row kernel's single elements.
 TEST_CASE("linear_divergence: small shapes against the double reference", "[ldiv][gpu]") {
   DeviceBuffer<unsigned char> ws(32u << 20);
+  ws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(ws.ptr, ws.count);
   TIGON_OK(blas.status());
   using tigon_ref::Div;
@@ -221,6 +222,7 @@ TEST_CASE("linear_divergence: equals the unfused composition", "[ldiv][gpu]") {
   const std::int64_t N = small ? 512 : 2048, D = small ? 128 : 1024, Dt = small ? 192 : 1536, V = 32000;
   const std::int64_t chunk = small ? 128 : 512;
   DeviceBuffer<unsigned char> gws(32u << 20);
+  gws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(gws.ptr, gws.count);
   DeviceBuffer<bf16> x(N * D), w(V * D), tx(N * Dt), tw(V * Dt), s(N * V), t(N * V), dx1(N * D), dx2(N * D);
   DeviceBuffer<float> dw1(V * D), dw2(V * D), l1(1), l2(1);
@@ -289,6 +291,7 @@ TEST_CASE("linear_divergence: equals the unfused composition", "[ldiv][gpu]") {
 
 TEST_CASE("linear_divergence: bad arguments are rejected by name", "[ldiv][gpu]") {
   DeviceBuffer<unsigned char> gws(1u << 20);
+  gws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(gws.ptr, gws.count);
   DeviceBuffer<bf16> x(64), w(64), tx(64), tw(64);
   LinearDivergenceArgs<bf16> a;

@@ -248,6 +248,7 @@ void run_case(const Case& c, CublasLtGemm& blas) {
 // vector per thread are still reached.
 TEST_CASE("linear_logprob: forward and backward against the double reference", "[llp][gpu]") {
   DeviceBuffer<unsigned char> ws(32u << 20);
+  ws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(ws.ptr, ws.count);
   TIGON_OK(blas.status());
   const bool small = gpu_test::sanitizer_sized();
@@ -274,6 +275,7 @@ TEST_CASE("linear_logprob: forward and backward against the double reference", "
 TEST_CASE("linear_logprob: every target ignored gives zeros and no gradient", "[llp][gpu]") {
   const std::int64_t N = 16, D = 32, V = 256;
   DeviceBuffer<unsigned char> gws(32u << 20);
+  gws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(gws.ptr, gws.count);
   DeviceBuffer<bf16> x(N * D), w(V * D), dx(N * D);
   DeviceBuffer<std::int64_t> tb(N);

@@ -245,6 +245,7 @@ TEST_CASE("vocab_parallel_linear_cross_entropy: one rank against linear_cross_en
   CUDA_OK(cudaGetDevice(&dev));
   REQUIRE(ncclCommInitAll(&comm, 1, &dev) == ncclSuccess);
   DeviceBuffer<unsigned char> blas_ws(std::size_t{32} << 20);
+  blas_ws.poison();  // cuBLASLt's scratch (see DeviceBuffer::poison)
   CublasLtGemm blas(blas_ws.ptr, blas_ws.bytes());
   const bool small = gpu_test::sanitizer_sized();
   const std::int64_t N = small ? 150 : 300, D = small ? 64 : 256, V = small ? 20000 : 32000;

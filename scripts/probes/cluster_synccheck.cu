@@ -49,6 +49,7 @@ int main(int argc, char** argv) {
   cudaFuncSetAttribute(probe, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   cudaFuncSetAttribute(bare, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
+  cudaFuncSetAttribute(bare, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
   int bad_total = 0;
   for (int smem : {0, 1}) {
     for (unsigned cs : {2u, 8u, 16u}) {

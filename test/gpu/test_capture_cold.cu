@@ -190,6 +190,54 @@ TEST_CASE("cold capture: cross-entropy", "[.cold][cross_entropy]") {
       {{dx.ptr, dx.bytes()}, {loss.ptr, loss.bytes()}, {rows.ptr, rows.bytes()}});
 }
 
+// The split-vocabulary path (each shard's statistics, their merge, each shard's loss and gradient),
+// in a process of its own: its kernels' caches are cold too.
+TEST_CASE("cold capture: cross-entropy over a split vocabulary", "[.cold][cross_entropy_split]") {
+  const std::int64_t R = 256, V = 128256, n = R * V, cut = 64128;
+  DeviceBuffer<bf16> x(n), dx(n);
+  DeviceBuffer<std::int64_t> t(R), am(R);
+  std::vector<std::int64_t> th(R);
+  for (std::int64_t i = 0; i < R; ++i) th[i] = i % 13 == 0 ? -100 : (i * 7919) % V;
+  DeviceBuffer<float> loss(1), rows(R);
+  DeviceBuffer<CrossEntropyStats> stats(2 * R), merged(R);
+  CrossEntropyArgs<bf16> a{.logits = x.ptr, .targets = t.ptr, .rows = R, .vocab = V, .dlogits = dx.ptr,
+                           .label_smoothing = 0.1f, .loss = loss.ptr, .loss_rows = rows.ptr, .argmax = am.ptr};
+  std::size_t bytes = 0;
+  TIGON_OK(cross_entropy_workspace_bytes(a, bytes));
+  DeviceBuffer<unsigned char> ws(std::max<std::size_t>(bytes, 1));
+  a.workspace = ws.ptr;
+  a.workspace_bytes = bytes;
+  const std::int64_t cuts[3] = {0, cut, V};
+  auto shard = [&](int k) {
+    CrossEntropyArgs<bf16> sa = a;
+    sa.logits = x.ptr + cuts[k];
+    sa.dlogits = dx.ptr + cuts[k];
+    sa.vocab = cuts[k + 1] - cuts[k];
+    sa.logits_stride = sa.dlogits_stride = V;
+    return sa;
+  };
+  captured_equals_eager(
+      [&] {
+        fill(x.ptr, n, 13, -8.0f, 8.0f);
+        t.upload(th);
+        poison(dx), poison(loss), poison(rows), poison(am), poison(stats), poison(merged);
+        settle();
+      },
+      [&](cudaStream_t s) {
+        for (int k = 0; k < 2; ++k) {
+          CrossEntropyArgs<bf16> sa = shard(k);
+          sa.dlogits = nullptr;
+          if (const Status st = cross_entropy_shard_stats(sa, cuts[k], V, stats.ptr + k * R, s); !st.ok()) return st;
+        }
+        if (const Status st = cross_entropy_merge_stats(stats.ptr, 2, R, merged.ptr, s); !st.ok()) return st;
+        for (int k = 0; k < 2; ++k) {
+          if (const Status st = cross_entropy_shard_finalize(shard(k), cuts[k], V, merged.ptr, s); !st.ok()) return st;
+        }
+        return Status();
+      },
+      {{dx.ptr, dx.bytes()}, {loss.ptr, loss.bytes()}, {rows.ptr, rows.bytes()}, {am.ptr, am.bytes()}});
+}
+
 TEST_CASE("cold capture: the generalised JSD on logits", "[.cold][divergence]") {
   const std::int64_t R = 128, V = 128256, n = R * V;
   DeviceBuffer<bf16> xs(n), xt(n), dx(n);

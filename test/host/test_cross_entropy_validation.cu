@@ -65,6 +65,11 @@ TEST_CASE("cross_entropy rejects bad arguments by name", "[ce][validation]") {
   a = good();
   a.softcap = -3.0f;
   expect(cross_entropy(a, nullptr), Errc::invalid_value, "softcap");
+  for (const float g : {__builtin_nanf(""), -__builtin_nanf(""), __builtin_huge_valf(), -__builtin_huge_valf()}) {
+    a = good();
+    a.grad_scale = g;  // checked by its bits, so the check stands under -ffast-math too
+    expect(cross_entropy(a, nullptr), Errc::invalid_value, "grad_scale");
+  }
   a = good();
   a.reduction = Reduction::none;  // with a reduced-loss output
   expect(cross_entropy(a, nullptr), Errc::invalid_value, "loss");

@@ -138,7 +138,14 @@ tigon::CublasLtGemm& gemm_for(const Tensor& ref, cudaStream_t stream) {
   const std::pair<int, cudaStream_t> key{ref.device().index(), stream};
   auto it = slots->find(key);
   if (it == slots->end()) {
+    // A stream's first call may come inside a CUDA-graph capture (torch.cuda.graph captures on a
+    // stream of its own; torch.compile's "reduce-overhead" warm-up): the handle is made under the
+    // relaxed capture mode, in which the calls of cuBLASLt's set-up that a capture forbids (it may
+    // allocate) run instead of invalidating the capture. Outside a capture the mode changes nothing.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
     auto gemm = std::make_unique<tigon::CublasLtGemm>(nullptr, kGemmWorkspaceBytes);
+    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
     check_status(gemm->status());
     it = slots->emplace(key, gemm.release()).first;
   }

@@ -106,6 +106,10 @@ def test_norm_modules_take_liger_arguments():
     g = tt.TigonRMSNormForGemma2(8)
     assert (g.offset, g.casting_mode, g.in_place) == (1.0, "gemma", False) and not g.weight.detach().any()
     assert tt.TigonRMSNormForGemma3(8).in_place is False
+    # The safe default (Liger's is in place): the backward writes dX over dY only when asked to.
+    assert tt.TigonRMSNorm(8).in_place is False and tt.TigonRMSNormForGemma(8).in_place is False
+    for fn in (tt.tigon_rms_norm, tt.tigon_fused_add_rms_norm):
+        assert inspect.signature(fn).parameters["in_place"].default is False
 
     ln = tt.TigonLayerNorm(8)
     assert ln.eps == ln.variance_epsilon == 1e-6 and ln.hidden_size == 8
@@ -280,6 +284,33 @@ def test_gemma3_class_patch_leaves_torch_nn_alone():
 # ------------------------------------------------------------------------------------------------
 # With the operators (GPU, or the CPU reference mode)
 # ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_norm_defaults_keep_a_gradient_another_branch_needs(ext, seed):
+    """x + norm(x) and norm(x) + norm2(x): dY of the norm's output is also the gradient of another
+    branch, so with the defaults of the modules and functional calls the backward must leave it
+    alone; the gradients equal the same graph in plain PyTorch."""
+    x = torch.randn(3, 16, 64, device=DEVICE, requires_grad=True)
+    w = torch.rand(64, device=DEVICE) + 0.5
+
+    def plain(v):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    m = tt.TigonRMSNorm(64).to(DEVICE)
+    with torch.no_grad():
+        m.weight.copy_(w)
+    calls = {
+        "module": lambda v: m(v),
+        "functional": lambda v: tt.tigon_rms_norm(v, w, 1e-6),
+        "fused add": lambda v: tt.tigon_fused_add_rms_norm(v, torch.zeros_like(v), w, 1e-6)[0],
+    }
+    xr = x.detach().clone().requires_grad_()
+    (xr + plain(xr)).pow(2).sum().backward()
+    for name, norm in calls.items():
+        x.grad = None
+        (x + norm(x)).pow(2).sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4, msg=name)
 
 
 @pytest.mark.gpu

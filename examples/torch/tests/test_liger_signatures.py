@@ -201,6 +201,13 @@ DEFAULTED = {
     "tigon_fused_add_rms_norm": {"eps": 1e-6},
 }
 
+# Where tigon's default is the safe one and Liger's writes over an input: the norms' in_place=True
+# writes dX over dY, which is wrong whenever autograd hands dY to another branch too (x + norm(x)).
+# The modules and functional calls default to False; the patches pass True where the model's graph
+# allows it, and the autograd function keeps Liger's default.
+SAFE_DEFAULTS = {name: {"in_place": False} for name in (
+    "TigonRMSNorm.__init__", "TigonRMSNormForGemma.__init__", "tigon_rms_norm", "tigon_fused_add_rms_norm")}
+
 # Patch functions for families Liger 0.8.2 has none for: tigon's own signature, written out.
 TIGON_ONLY = {
     "apply_tigon_to_phi": [("rope", True, POS), ("cross_entropy", False, POS),
@@ -253,6 +260,8 @@ def _check(name: str, liger: list[tuple]) -> None:
         assert p.kind is POS, f"{name}: {pname} is {p.kind.description}, Liger's is positional or keyword"
         if want is R and pname in DEFAULTED.get(name, {}):
             want = DEFAULTED[name][pname]
+        if pname in SAFE_DEFAULTS.get(name, {}):
+            want = SAFE_DEFAULTS[name][pname]
         assert _same_default(p.default, want), f"{name}: {pname} defaults to {p.default!r}, Liger's to {want!r}"
     extra = [(p.name, p.default, p.kind) for p in got[n:]]
     assert extra == EXTRA.get(name, []), f"{name}: tigon-only parameters {extra}"

@@ -75,7 +75,9 @@ def _loss_result(out, return_z_loss, return_token_accuracy, return_predicted_tok
 
 # Liger's liger_rms_norm, liger_layer_norm and liger_fused_add_rms_norm take eps without a default; the
 # defaults here (Llama's 1e-6, torch's 1e-5 for LayerNorm) only add calls that Liger rejects.
-def tigon_rms_norm(X, W, eps=1e-6, offset=0.0, casting_mode="llama", in_place=True):
+def tigon_rms_norm(X, W, eps=1e-6, offset=0.0, casting_mode="llama", in_place=False):
+    """RMSNorm over the last dimension (TigonRMSNorm's call). in_place=True writes the backward's dX
+    over dY, right only when dY is needed nowhere else; the default is False (Liger's is True)."""
     return _rms_norm(X, _local(W), eps, offset, casting_mode, in_place)
 
 
@@ -83,9 +85,10 @@ def tigon_layer_norm(X, W, B, eps=1e-5):
     return _layer_norm(X, _local(W), _local(B), eps)
 
 
-def tigon_fused_add_rms_norm(X, R, W, eps=1e-6, offset=0.0, casting_mode="llama", in_place=True):
-    """(norm(X + R), X + R). in_place=True (Liger's default here; the module's and the autograd
-    function's is False) writes the backward's dX over dY: pass False when dY is needed elsewhere."""
+def tigon_fused_add_rms_norm(X, R, W, eps=1e-6, offset=0.0, casting_mode="llama", in_place=False):
+    """(norm(X + R), X + R). in_place=True writes the backward's dX over dY, right only when dY is
+    needed nowhere else; the default is False, as the module's and the autograd function's (Liger's
+    functional default is True)."""
     return _add_rms_norm(X, R, _local(W), eps, offset, casting_mode, in_place)
 
 

@@ -32,9 +32,12 @@ class TigonRMSNorm(nn.Module):
     """Liger's LigerRMSNorm: RMSNorm over the last dimension. offset=1.0 with casting_mode="gemma" and
     init_fn="zeros" is Gemma's RMSNorm; the defaults are Llama's. row_mode picks one of two Triton
     kernels of the same math in Liger: accepted and kept, with no effect on the result (tigon picks
-    its kernel itself). elementwise_affine=False: no weight."""
+    its kernel itself). elementwise_affine=False: no weight. in_place=True writes the backward's dX
+    over dY (less memory), which is right only when dY is needed nowhere else: not where the norm's
+    input also reaches the loss another way (x + norm(x)). The default is False (Liger's is True);
+    the patches pass True where the model's graph allows it."""
 
-    def __init__(self, hidden_size, eps=1e-6, offset=0.0, casting_mode="llama", init_fn="ones", in_place=True,
+    def __init__(self, hidden_size, eps=1e-6, offset=0.0, casting_mode="llama", init_fn="ones", in_place=False,
                  row_mode=None, elementwise_affine=True):
         super().__init__()
         _check_init_fn(init_fn)
@@ -65,7 +68,7 @@ class TigonRMSNorm(nn.Module):
 class TigonRMSNormForGemma(TigonRMSNorm):
     """Liger's LigerRMSNormForGemma: GemmaRMSNorm (offset 1, Gemma casting, zero-initialised weight)."""
 
-    def __init__(self, hidden_size, eps=1e-6, offset=1.0, casting_mode="gemma", init_fn="zeros", in_place=True,
+    def __init__(self, hidden_size, eps=1e-6, offset=1.0, casting_mode="gemma", init_fn="zeros", in_place=False,
                  row_mode=None):
         super().__init__(hidden_size, eps, offset, casting_mode, init_fn, in_place, row_mode)
 

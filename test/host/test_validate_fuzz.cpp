@@ -4,14 +4,19 @@
 // the compiler has it, so a signed overflow inside a validator aborts the test. The property: a call
 // a validator accepts has every matrix's byte extent, ((rows - 1) * stride + cols) * element bytes,
 // representable in int64 and its address range unwrapped (the kernels' 64-bit offsets come from it).
+// Second property, on the same ops and the divergence functors: a call a validator accepts has every
+// scalar parameter finite. The file is also built with -ffast-math (tigon_validation_fuzz_fast_math),
+// where a check written as a float comparison could be folded away; the oracle reads the bits.
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include <tigon/activation/gated.cuh>
 #include <tigon/loss/cross_entropy.cuh>
 #include <tigon/loss/divergence.cuh>
+#include <tigon/norm/add_rms_norm.cuh>
 #include <tigon/norm/layer_norm.cuh>
 #include <tigon/norm/rms_norm.cuh>
 
@@ -54,6 +59,25 @@ bool representable(const void* p, std::int64_t rows, std::int64_t cols, std::int
 }
 
 constexpr int kTrials = 20000;
+
+// A scalar parameter: mostly the values a float check can lose (NaN of either sign, the infinities,
+// the subnormals, the largest finite values), sometimes an ordinary one in [-2, 2].
+float scalar(Draw& d) {
+  static const float kPicks[] = {__builtin_nanf(""), -__builtin_nanf(""), __builtin_huge_valf(),
+                                 -__builtin_huge_valf(), 0.0f, -0.0f, 1.0f, -1.0f, 0.5f, 1e-6f,
+                                 std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min(),
+                                 std::numeric_limits<float>::max(), -std::numeric_limits<float>::max()};
+  constexpr std::size_t n = sizeof(kPicks) / sizeof(kPicks[0]);
+  const std::uint64_t r = d.next();
+  return r % 4 == 0 ? static_cast<float>(static_cast<double>(r % 4001) / 1000.0 - 2.0) : kPicks[r % n];
+}
+
+// Finite by the bits (an exponent below all ones), as no -ffast-math build can fold away.
+bool finite(float v) {
+  std::uint32_t b;
+  std::memcpy(&b, &v, sizeof(b));
+  return (b & 0x7f800000u) != 0x7f800000u;
+}
 
 }  // namespace
 
@@ -136,4 +160,79 @@ TEST_CASE("validators at int64's extremes: accepted calls have representable ext
   }
   INFO(accepted << " of " << 6 * kTrials << " calls accepted");
   CHECK(accepted > 0);  // the draw reaches valid calls too
+}
+
+TEST_CASE("validators at float's edges: accepted calls have finite scalars", "[validation][fuzz]") {
+  Draw d;
+  int accepted = 0, rejected = 0;
+  auto count = [&](bool ok) { ok ? ++accepted : ++rejected; };
+  for (int i = 0; i < kTrials; ++i) {
+    RmsNormForwardArgs<bf16> a{.x = reinterpret_cast<bf16*>(arena[0]), .y = reinterpret_cast<bf16*>(arena[1]),
+                               .weight = reinterpret_cast<bf16*>(arena[2]), .rstd = reinterpret_cast<float*>(arena[3]),
+                               .rows = 4, .cols = 64};
+    a.eps = scalar(d), a.offset = scalar(d);
+    const bool ok = detail::validate(a, "rms_norm_forward").ok();
+    count(ok);
+    if (ok) CHECK((finite(a.eps) && finite(a.offset)));
+  }
+  for (int i = 0; i < kTrials; ++i) {
+    LayerNormForwardArgs<bf16> a{.x = reinterpret_cast<bf16*>(arena[0]), .y = reinterpret_cast<bf16*>(arena[1]),
+                                 .rows = 4, .cols = 64};
+    a.eps = scalar(d);
+    const bool ok = detail::validate(a, "layer_norm_forward").ok();
+    count(ok);
+    if (ok) CHECK(finite(a.eps));
+  }
+  for (int i = 0; i < kTrials; ++i) {
+    AddRmsNormForwardArgs<bf16> a{.x = reinterpret_cast<bf16*>(arena[0]),
+                                  .residual = reinterpret_cast<bf16*>(arena[1]),
+                                  .y = reinterpret_cast<bf16*>(arena[2]), .sum = reinterpret_cast<bf16*>(arena[3]),
+                                  .rows = 4, .cols = 64};
+    a.eps = scalar(d), a.offset = scalar(d);
+    const bool ok = detail::validate(a, "add_rms_norm_forward").ok();
+    count(ok);
+    if (ok) CHECK((finite(a.eps) && finite(a.offset)));
+  }
+  for (int i = 0; i < kTrials; ++i) {
+    GatedForwardArgs<bf16> a{.a = reinterpret_cast<bf16*>(arena[0]), .b = reinterpret_cast<bf16*>(arena[1]),
+                             .c = reinterpret_cast<bf16*>(arena[2]), .rows = 4, .cols = 64};
+    a.gate_multiplier = scalar(d), a.down_multiplier = scalar(d);
+    const bool ok = detail::validate(a, "swiglu_forward").ok();
+    count(ok);
+    if (ok) CHECK((finite(a.gate_multiplier) && finite(a.down_multiplier)));
+  }
+  for (int i = 0; i < kTrials; ++i) {
+    CrossEntropyArgs<bf16> a{.logits = reinterpret_cast<bf16*>(arena[0]),
+                             .targets = reinterpret_cast<std::int64_t*>(arena[1]), .rows = 4, .vocab = 64,
+                             .dlogits = reinterpret_cast<bf16*>(arena[2]), .loss = reinterpret_cast<float*>(arena[3]),
+                             .workspace = arena[5], .workspace_bytes = sizeof(arena[5])};
+    a.label_smoothing = scalar(d), a.z_loss_scale = scalar(d), a.softcap = scalar(d), a.grad_scale = scalar(d);
+    const bool ok = detail::validate(a, "cross_entropy").ok();
+    count(ok);
+    if (ok) CHECK((finite(a.label_smoothing) && finite(a.z_loss_scale) && finite(a.softcap) && finite(a.grad_scale)));
+  }
+  for (int i = 0; i < kTrials; ++i) {
+    DivergenceArgs<bf16, float> a{.student = reinterpret_cast<bf16*>(arena[0]),
+                                  .student_input = DivergenceInput::logits,
+                                  .teacher = reinterpret_cast<float*>(arena[1]),
+                                  .teacher_input = DivergenceInput::logits, .rows = 4, .vocab = 64};
+    a.dx = reinterpret_cast<bf16*>(arena[2]), a.loss = reinterpret_cast<float*>(arena[3]);
+    a.temperature = scalar(d), a.grad_scale = scalar(d);
+    const bool ok = detail::validate_divergence_args(a, "divergence").ok();
+    count(ok);
+    if (ok) CHECK((finite(a.temperature) && finite(a.grad_scale)));
+  }
+  for (int i = 0; i < kTrials; ++i) {
+    const GeneralizedJSD jsd{scalar(d)};
+    const bool ok = jsd.validate("divergence").ok();
+    count(ok);
+    if (ok) CHECK(finite(jsd.beta));
+    const KLDiv kl{scalar(d)};
+    const bool ok_kl = kl.validate("divergence").ok();
+    count(ok_kl);
+    if (ok_kl) CHECK(finite(kl.eps));
+  }
+  INFO(accepted << " accepted, " << rejected << " rejected");
+  CHECK(accepted > 0);  // the draw reaches valid calls too
+  CHECK(rejected > 0);
 }

@@ -164,15 +164,19 @@ TEST_CASE("validators at int64's extremes: accepted calls have representable ext
 
 TEST_CASE("validators at float's edges: accepted calls have finite scalars", "[validation][fuzz]") {
   Draw d;
-  int accepted = 0, rejected = 0;
-  auto count = [&](bool ok) { ok ? ++accepted : ++rejected; };
+  // Per validator: the calls it accepted and rejected (each must do both, so that no property holds
+  // vacuously).
+  const char* names[] = {"rms_norm_forward", "layer_norm_forward", "add_rms_norm_forward", "swiglu_forward",
+                         "cross_entropy", "divergence", "GeneralizedJSD", "KLDiv"};
+  int accepted[8] = {}, rejected[8] = {};
+  auto count = [&](int k, bool ok) { ok ? ++accepted[k] : ++rejected[k]; };
   for (int i = 0; i < kTrials; ++i) {
     RmsNormForwardArgs<bf16> a{.x = reinterpret_cast<bf16*>(arena[0]), .y = reinterpret_cast<bf16*>(arena[1]),
                                .weight = reinterpret_cast<bf16*>(arena[2]), .rstd = reinterpret_cast<float*>(arena[3]),
                                .rows = 4, .cols = 64};
     a.eps = scalar(d), a.offset = scalar(d);
     const bool ok = detail::validate(a, "rms_norm_forward").ok();
-    count(ok);
+    count(0, ok);
     if (ok) CHECK((finite(a.eps) && finite(a.offset)));
   }
   for (int i = 0; i < kTrials; ++i) {
@@ -180,7 +184,7 @@ TEST_CASE("validators at float's edges: accepted calls have finite scalars", "[v
                                  .rows = 4, .cols = 64};
     a.eps = scalar(d);
     const bool ok = detail::validate(a, "layer_norm_forward").ok();
-    count(ok);
+    count(1, ok);
     if (ok) CHECK(finite(a.eps));
   }
   for (int i = 0; i < kTrials; ++i) {
@@ -190,7 +194,7 @@ TEST_CASE("validators at float's edges: accepted calls have finite scalars", "[v
                                   .rows = 4, .cols = 64};
     a.eps = scalar(d), a.offset = scalar(d);
     const bool ok = detail::validate(a, "add_rms_norm_forward").ok();
-    count(ok);
+    count(2, ok);
     if (ok) CHECK((finite(a.eps) && finite(a.offset)));
   }
   for (int i = 0; i < kTrials; ++i) {
@@ -198,7 +202,7 @@ TEST_CASE("validators at float's edges: accepted calls have finite scalars", "[v
                              .c = reinterpret_cast<bf16*>(arena[2]), .rows = 4, .cols = 64};
     a.gate_multiplier = scalar(d), a.down_multiplier = scalar(d);
     const bool ok = detail::validate(a, "swiglu_forward").ok();
-    count(ok);
+    count(3, ok);
     if (ok) CHECK((finite(a.gate_multiplier) && finite(a.down_multiplier)));
   }
   for (int i = 0; i < kTrials; ++i) {
@@ -208,7 +212,7 @@ TEST_CASE("validators at float's edges: accepted calls have finite scalars", "[v
                              .workspace = arena[5], .workspace_bytes = sizeof(arena[5])};
     a.label_smoothing = scalar(d), a.z_loss_scale = scalar(d), a.softcap = scalar(d), a.grad_scale = scalar(d);
     const bool ok = detail::validate(a, "cross_entropy").ok();
-    count(ok);
+    count(4, ok);
     if (ok) CHECK((finite(a.label_smoothing) && finite(a.z_loss_scale) && finite(a.softcap) && finite(a.grad_scale)));
   }
   for (int i = 0; i < kTrials; ++i) {
@@ -219,20 +223,22 @@ TEST_CASE("validators at float's edges: accepted calls have finite scalars", "[v
     a.dx = reinterpret_cast<bf16*>(arena[2]), a.loss = reinterpret_cast<float*>(arena[3]);
     a.temperature = scalar(d), a.grad_scale = scalar(d);
     const bool ok = detail::validate_divergence_args(a, "divergence").ok();
-    count(ok);
+    count(5, ok);
     if (ok) CHECK((finite(a.temperature) && finite(a.grad_scale)));
   }
   for (int i = 0; i < kTrials; ++i) {
     const GeneralizedJSD jsd{scalar(d)};
     const bool ok = jsd.validate("divergence").ok();
-    count(ok);
+    count(6, ok);
     if (ok) CHECK(finite(jsd.beta));
     const KLDiv kl{scalar(d)};
     const bool ok_kl = kl.validate("divergence").ok();
-    count(ok_kl);
+    count(7, ok_kl);
     if (ok_kl) CHECK(finite(kl.eps));
   }
-  INFO(accepted << " accepted, " << rejected << " rejected");
-  CHECK(accepted > 0);  // the draw reaches valid calls too
-  CHECK(rejected > 0);
+  for (int v = 0; v < 8; ++v) {
+    INFO(names[v] << ": " << accepted[v] << " accepted, " << rejected[v] << " rejected");
+    CHECK(accepted[v] > 0);
+    CHECK(rejected[v] > 0);
+  }
 }

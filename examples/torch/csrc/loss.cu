@@ -7,6 +7,7 @@
 #include "loss_common.h"
 
 #include <torch/library.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 
 #include <algorithm>
 #include <map>
@@ -142,10 +143,11 @@ tigon::CublasLtGemm& gemm_for(const Tensor& ref, cudaStream_t stream) {
     // stream of its own; torch.compile's "reduce-overhead" warm-up): the handle is made under the
     // relaxed capture mode, in which the calls of cuBLASLt's set-up that a capture forbids (it may
     // allocate) run instead of invalidating the capture. Outside a capture the mode changes nothing.
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-    auto gemm = std::make_unique<tigon::CublasLtGemm>(nullptr, kGemmWorkspaceBytes);
-    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    std::unique_ptr<tigon::CublasLtGemm> gemm;
+    {
+      const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+      gemm = std::make_unique<tigon::CublasLtGemm>(nullptr, kGemmWorkspaceBytes);
+    }
     check_status(gemm->status());
     it = slots->emplace(key, gemm.release()).first;
   }

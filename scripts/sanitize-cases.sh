@@ -56,10 +56,13 @@ one() {  # tool binary case
   # report is such an error raised inside ncclCommInit* leaves tigon's code clean.
   if [ "$tool" = memcheck ] && [ "$state" = errors ] && [ "$rc" = 9 ]; then
     local reports nccl total
-    reports=$(awk '/^=+ [^ ]/ && !/COMPUTE-SANITIZER|ERROR SUMMARY|Target application/ { b++ } END { print b + 0 }' "$f")
-    nccl=$(awk '/^=+ [^ ]/ { inb = !/COMPUTE-SANITIZER|ERROR SUMMARY|Target application/
-                             if (inb) { cur = b++; probe[cur] = /on CUDA API call to cudaFuncGetAttributes/ } }
-                inb && probe[cur] && /ncclCommInit/ && !(cur in seen) { seen[cur] = 1; n++ } END { print n + 0 }' "$f")
+    # Report blocks begin at an unindented "=== " line; a block counts as NCCL's when it is a
+    # cudaFuncGetAttributes API error whose backtrace passes through ncclCommInit*.
+    read -r reports nccl < <(awk '
+      /^=+ [^ ]/ { inb = !/COMPUTE-SANITIZER|ERROR SUMMARY|Target application/
+                   if (inb) { cur = b++; probe[cur] = /on CUDA API call to cudaFuncGetAttributes/ } }
+      inb && probe[cur] && /ncclCommInit/ && !(cur in seen) { seen[cur] = 1; n++ }
+      END { print b + 0, n + 0 }' "$f")
     total=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$f" | grep -oE '[0-9]+$' | head -1)
     extra=" (NCCL set-up's cudaFuncGetAttributes errors: $nccl of ${total:-?} reports)"
     [ "$nccl" -gt 0 ] && [ "$reports" = "$nccl" ] && [ "${total:-x}" = "$nccl" ] && grep -q "All tests passed" "$f" &&

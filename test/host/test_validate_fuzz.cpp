@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include <tigon/activation/gated.cuh>
 #include <tigon/loss/cross_entropy.cuh>
@@ -164,81 +165,72 @@ TEST_CASE("validators at int64's extremes: accepted calls have representable ext
 
 TEST_CASE("validators at float's edges: accepted calls have finite scalars", "[validation][fuzz]") {
   Draw d;
-  // Per validator: the calls it accepted and rejected (each must do both, so that no property holds
-  // vacuously).
-  const char* names[] = {"rms_norm_forward", "layer_norm_forward", "add_rms_norm_forward", "swiglu_forward",
-                         "cross_entropy", "divergence", "GeneralizedJSD", "KLDiv"};
-  int accepted[8] = {}, rejected[8] = {};
-  auto count = [&](int k, bool ok) { ok ? ++accepted[k] : ++rejected[k]; };
-  for (int i = 0; i < kTrials; ++i) {
+  // trial() draws one call's scalars and returns {whether the validator accepts it, whether every
+  // scalar is finite}; each validator must both accept and reject, so that no property holds
+  // vacuously.
+  auto fuzz = [&](const char* name, auto trial) {
+    int accepted = 0, rejected = 0;
+    for (int i = 0; i < kTrials; ++i) {
+      const auto [ok, all_finite] = trial();
+      ok ? ++accepted : ++rejected;
+      if (ok) CHECK(all_finite);
+    }
+    INFO(name << ": " << accepted << " accepted, " << rejected << " rejected");
+    CHECK(accepted > 0);
+    CHECK(rejected > 0);
+  };
+  fuzz("rms_norm_forward", [&] {
     RmsNormForwardArgs<bf16> a{.x = reinterpret_cast<bf16*>(arena[0]), .y = reinterpret_cast<bf16*>(arena[1]),
                                .weight = reinterpret_cast<bf16*>(arena[2]), .rstd = reinterpret_cast<float*>(arena[3]),
                                .rows = 4, .cols = 64};
     a.eps = scalar(d), a.offset = scalar(d);
-    const bool ok = detail::validate(a, "rms_norm_forward").ok();
-    count(0, ok);
-    if (ok) CHECK((finite(a.eps) && finite(a.offset)));
-  }
-  for (int i = 0; i < kTrials; ++i) {
+    return std::pair{detail::validate(a, "rms_norm_forward").ok(), finite(a.eps) && finite(a.offset)};
+  });
+  fuzz("layer_norm_forward", [&] {
     LayerNormForwardArgs<bf16> a{.x = reinterpret_cast<bf16*>(arena[0]), .y = reinterpret_cast<bf16*>(arena[1]),
                                  .rows = 4, .cols = 64};
     a.eps = scalar(d);
-    const bool ok = detail::validate(a, "layer_norm_forward").ok();
-    count(1, ok);
-    if (ok) CHECK(finite(a.eps));
-  }
-  for (int i = 0; i < kTrials; ++i) {
+    return std::pair{detail::validate(a, "layer_norm_forward").ok(), finite(a.eps)};
+  });
+  fuzz("add_rms_norm_forward", [&] {
     AddRmsNormForwardArgs<bf16> a{.x = reinterpret_cast<bf16*>(arena[0]),
                                   .residual = reinterpret_cast<bf16*>(arena[1]),
                                   .y = reinterpret_cast<bf16*>(arena[2]), .sum = reinterpret_cast<bf16*>(arena[3]),
                                   .rows = 4, .cols = 64};
     a.eps = scalar(d), a.offset = scalar(d);
-    const bool ok = detail::validate(a, "add_rms_norm_forward").ok();
-    count(2, ok);
-    if (ok) CHECK((finite(a.eps) && finite(a.offset)));
-  }
-  for (int i = 0; i < kTrials; ++i) {
+    return std::pair{detail::validate(a, "add_rms_norm_forward").ok(), finite(a.eps) && finite(a.offset)};
+  });
+  fuzz("swiglu_forward", [&] {
     GatedForwardArgs<bf16> a{.a = reinterpret_cast<bf16*>(arena[0]), .b = reinterpret_cast<bf16*>(arena[1]),
                              .c = reinterpret_cast<bf16*>(arena[2]), .rows = 4, .cols = 64};
     a.gate_multiplier = scalar(d), a.down_multiplier = scalar(d);
-    const bool ok = detail::validate(a, "swiglu_forward").ok();
-    count(3, ok);
-    if (ok) CHECK((finite(a.gate_multiplier) && finite(a.down_multiplier)));
-  }
-  for (int i = 0; i < kTrials; ++i) {
+    return std::pair{detail::validate(a, "swiglu_forward").ok(), finite(a.gate_multiplier) && finite(a.down_multiplier)};
+  });
+  fuzz("cross_entropy", [&] {
     CrossEntropyArgs<bf16> a{.logits = reinterpret_cast<bf16*>(arena[0]),
                              .targets = reinterpret_cast<std::int64_t*>(arena[1]), .rows = 4, .vocab = 64,
                              .dlogits = reinterpret_cast<bf16*>(arena[2]), .loss = reinterpret_cast<float*>(arena[3]),
                              .workspace = arena[5], .workspace_bytes = sizeof(arena[5])};
     a.label_smoothing = scalar(d), a.z_loss_scale = scalar(d), a.softcap = scalar(d), a.grad_scale = scalar(d);
-    const bool ok = detail::validate(a, "cross_entropy").ok();
-    count(4, ok);
-    if (ok) CHECK((finite(a.label_smoothing) && finite(a.z_loss_scale) && finite(a.softcap) && finite(a.grad_scale)));
-  }
-  for (int i = 0; i < kTrials; ++i) {
+    return std::pair{detail::validate(a, "cross_entropy").ok(), finite(a.label_smoothing) && finite(a.z_loss_scale) &&
+                                                                    finite(a.softcap) && finite(a.grad_scale)};
+  });
+  fuzz("divergence", [&] {
     DivergenceArgs<bf16, float> a{.student = reinterpret_cast<bf16*>(arena[0]),
                                   .student_input = DivergenceInput::logits,
                                   .teacher = reinterpret_cast<float*>(arena[1]),
                                   .teacher_input = DivergenceInput::logits, .rows = 4, .vocab = 64};
     a.dx = reinterpret_cast<bf16*>(arena[2]), a.loss = reinterpret_cast<float*>(arena[3]);
     a.temperature = scalar(d), a.grad_scale = scalar(d);
-    const bool ok = detail::validate_divergence_args(a, "divergence").ok();
-    count(5, ok);
-    if (ok) CHECK((finite(a.temperature) && finite(a.grad_scale)));
-  }
-  for (int i = 0; i < kTrials; ++i) {
-    const GeneralizedJSD jsd{scalar(d)};
-    const bool ok = jsd.validate("divergence").ok();
-    count(6, ok);
-    if (ok) CHECK(finite(jsd.beta));
-    const KLDiv kl{scalar(d)};
-    const bool ok_kl = kl.validate("divergence").ok();
-    count(7, ok_kl);
-    if (ok_kl) CHECK(finite(kl.eps));
-  }
-  for (int v = 0; v < 8; ++v) {
-    INFO(names[v] << ": " << accepted[v] << " accepted, " << rejected[v] << " rejected");
-    CHECK(accepted[v] > 0);
-    CHECK(rejected[v] > 0);
-  }
+    return std::pair{detail::validate_divergence_args(a, "divergence").ok(),
+                     finite(a.temperature) && finite(a.grad_scale)};
+  });
+  fuzz("GeneralizedJSD", [&] {
+    const GeneralizedJSD f{scalar(d)};
+    return std::pair{f.validate("divergence").ok(), finite(f.beta)};
+  });
+  fuzz("KLDiv", [&] {
+    const KLDiv f{scalar(d)};
+    return std::pair{f.validate("divergence").ok(), finite(f.eps)};
+  });
 }

@@ -613,7 +613,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   __shared__ float2 part[kWarps];
   __shared__ float2 part_w[kSecond ? kWarps : 1];  // per warp: sum of x, then the max's column
   __shared__ float row_lse, row_xt;
-  __shared__ float row_mem[2];  // upstream gradient, the mean's denominator
   const unsigned csize = cluster_blocks();
   const unsigned rank = cluster_rank();
   const bool solo = csize == 1;  // a row in one block: no messages
@@ -659,22 +658,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   const std::int64_t t_raw = static_cast<std::int64_t>(p.targets[row]);
   const std::int64_t t = t_raw - p.col0;
   const bool in_row = t >= 0 && t < p.vocab;
-  // The gradient's factors held in memory, copied to shared memory by thread 0 while the logits
-  // are in flight (as in the optioned kernel); thread 0 waits for them before the barrier after
-  // the exchange.
-  if (tid == 0) {
-    if (p.dx != nullptr && p.grad_output != nullptr) {
-      __pipeline_memcpy_async(&row_mem[0], p.grad_output + (p.reduction == Reduction::none ? row : 0), 4);
-    } else {
-      row_mem[0] = 1.0f;
-    }
-    if (p.dx != nullptr && p.reduction == Reduction::mean) {
-      __pipeline_memcpy_async(&row_mem[1], p.denom, 4);
-    } else {
-      row_mem[1] = 1.0f;
-    }
-    __pipeline_commit();
-  }
   // The target's logit, read by one thread of the first block before its message leaves, so
   // before any block of the cluster (all wait for that message) writes its gradient over it.
   float xt = 0.0f;
@@ -740,7 +723,6 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   if (!solo) cluster_wait();  // every block's barrier is ready (pairs cluster_arrive_relaxed above)
   if (tid < 32) {  // warp 0: the block's statistics, the messages, the row's
     const int lane = tid;
-    if (lane == 0) __pipeline_wait_prior(0);  // row_mem
     float bm, bs;
     const float2 mine_part = lane < kWarps ? part[lane] : make_float2(0.0f, 0.0f);
     ce_merge_lanes(lane, mine_part.x, mine_part.y, kWarps, bm, bs);
@@ -812,7 +794,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks) ce_resident_kernel(con
   const float lse = row_lse;
   const bool ignored = t_raw == p.ignore_index;
   const bool skip = ignored || t_raw < 0 || t_raw >= p.total_vocab;
-  const float scale = skip ? 0.0f : p.grad_scale * row_mem[0] / row_mem[1];  // ce_grad_scale
+  const float scale = ce_grad_scale(p, row, skip);
   // d loss / d x_i = p_i * factor - b off the target, factor = scale (1 + 2 z lse) (with smoothing
   // and no class weights (1 - eps) + eps / V * V = 1 as well), b = scale * eps / V (0 without
   // smoothing); for factor > 0 its log2 joins the exponent: p_i * factor = 2^(x_i log2(e) +

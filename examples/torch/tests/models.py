@@ -52,11 +52,13 @@ def make_config(family: str, vocab: int | None = None, hidden: int = 64, layers:
     return cfg
 
 
-def build_model(family: str, seed: int = 0, dtype=torch.float32, device="cpu", **config_kwargs):
+def build_model(family: str, seed: int = 0, dtype=torch.float32, device="cpu", attn_implementation="eager",
+                **config_kwargs):
     import transformers
 
     _, lm_name, _ = FAMILIES[family]
     cfg = make_config(family, **config_kwargs)
+    cfg._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = getattr(transformers, lm_name)(cfg)
     return model.to(device=device, dtype=dtype)

@@ -20,8 +20,11 @@ VOCAB = 4096
 
 
 def _pair(dtype):
-    ref = build_model("llama", dtype=dtype, device="cuda", vocab=VOCAB, hidden=256, heads=4, kv_heads=2)
-    model = build_model("llama", dtype=dtype, device="cuda", vocab=VOCAB, hidden=256, heads=4, kv_heads=2)
+    # SDPA attention: HF's eager attention builds its mask from a host scalar copied to the device on
+    # every forward, which a CUDA-graph capture rejects (transformers' masking_utils, eager_mask).
+    kw = dict(dtype=dtype, device="cuda", vocab=VOCAB, hidden=256, heads=4, kv_heads=2, attn_implementation="sdpa")
+    ref = build_model("llama", **kw)
+    model = build_model("llama", **kw)
     model.load_state_dict(ref.state_dict())
     return ref, model
 

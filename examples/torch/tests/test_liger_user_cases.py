@@ -77,6 +77,31 @@ def test_flce_autocast_mixed_dtypes(ext, seed, x_dtype, w_dtype, cast_dtype, bia
             assert_close(b2.grad, b1.grad, atol, rtol, "dB")
 
 
+def test_flce_weight_cast_by_autocast_accumulates_in_float32():
+    """A weight that autocast casts for the GEMMs (bfloat16 under float16, #603) has its gradients
+    accumulated in float32, the one dtype besides the GEMMs' own that the operator adds into; a weight
+    already in the GEMMs' dtype keeps its own. The operator's check (also the fake kernel's) refuses
+    a bfloat16 dW beside float16 inputs."""
+    from tigon_torch import ops
+    from tigon_torch.functions import _head_grad_dtype
+
+    assert _head_grad_dtype(torch.bfloat16, None, torch.float16) == torch.float32
+    assert _head_grad_dtype(torch.bfloat16, None, torch.bfloat16) == torch.bfloat16
+    assert _head_grad_dtype(torch.float32, None, torch.bfloat16) == torch.float32
+    assert _head_grad_dtype(torch.float16, None, torch.float16) == torch.float32
+    checks = ops._fake_checks()
+    x = torch.empty(4, 8, dtype=torch.float16)
+    w32, w16 = torch.empty(16, 8), torch.empty(16, 8, dtype=torch.bfloat16)
+    checks["linear_cross_entropy"](x, None, None, None, None, None, None, w32, None)
+    with pytest.raises(TypeError, match="float32 or x's dtype"):
+        checks["linear_cross_entropy"](x, None, None, None, None, None, None, w16, None)
+    with pytest.raises(TypeError, match="share one dtype"):
+        checks["linear_logprob_bwd"](x, None, None, None, None, None, None, None, None, w32,
+                                     torch.empty(16, dtype=torch.float16))
+    with pytest.raises(TypeError, match="float32 or x's dtype"):
+        checks["linear_cross_entropy_heads"](x, [], [], None, None, None, None, None, [w16], [])
+
+
 # ------------------------------------------------------------------------------------------------
 # reduction="none" with a per-token upstream gradient
 # ------------------------------------------------------------------------------------------------

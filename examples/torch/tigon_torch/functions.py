@@ -97,15 +97,19 @@ def _scaled_grad(t, go, dtype):
     return _cast(t.mul_(go.to(t.dtype)), dtype)
 
 
-def _head_grad_dtype(w_dtype, accum_dtype=None):
+def _head_grad_dtype(w_dtype, accum_dtype=None, operand_dtype=None):
     """The dtype a chunked head's weight and bias gradients accumulate in, as Liger's accum_dtype has it:
     by default the weight's own (each chunk's GEMM adds into the gradient and rounds once: no fp32
     [V, H] beside it), float32 when asked for. float16 weights accumulate in float32: a sum-reduced
-    gradient can exceed float16's range before the upstream scale brings it back."""
+    gradient can exceed float16's range before the upstream scale brings it back. So does a weight
+    that autocast casts to another dtype for the GEMMs (operand_dtype: the GEMMs' dtype; a bfloat16
+    weight under float16 autocast): the GEMMs add only into float32 or their own dtype."""
     if accum_dtype is not None and accum_dtype not in (torch.float32, w_dtype):
         raise ValueError(f"tigon_torch: accum_dtype must be None, torch.float32 or the weight's dtype ({w_dtype}), "
                          f"got {accum_dtype}")
     if accum_dtype == torch.float32 or w_dtype in (torch.float32, torch.float16):
+        return torch.float32
+    if operand_dtype is not None and operand_dtype != w_dtype:
         return torch.float32
     return w_dtype
 
@@ -1071,7 +1075,8 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
     the unfused head would be. accum_dtype, as Liger's: None (the default) accumulates dW and dB in the
     weight's dtype (each chunk's product adds into them and rounds once, no fp32 copy of [V, H]: Liger's
     and PyTorch's memory), torch.float32 in an fp32 buffer cast at the end (one rounding; 4 bytes an
-    element more while the head runs); float16 weights always accumulate in fp32.
+    element more while the head runs); float16 weights, and weights autocast casts to another dtype, always
+    accumulate in fp32.
     use_token_scaling=True multiplies each token's loss, z-loss and gradient by its predicted
     probability of the target, exp(logit_t - lse) in fp32 (softcapped logits), held constant. The
     chunk size is tigon's default (about 1 GiB of logits) unless the environment sets
@@ -1123,7 +1128,7 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         red, loss, loss_rows, z_loss, lse, argmax = _ce_outputs(
             rows, x2.device, reduction, return_z_loss, return_token_accuracy or return_predicted_tokens, z_scale)
         dx = dw = db = None
-        gdt = _head_grad_dtype(w_dtype, accum_dtype)  # the parameter's dtype (fp32 masters under autocast)
+        gdt = _head_grad_dtype(w_dtype, accum_dtype, w.dtype)  # the parameter's dtype (fp32 masters under autocast)
         if needs_grad and not defer:
             dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
             dw = torch.empty(w.shape, dtype=gdt, device=w.device) if want_dw else None
@@ -1238,7 +1243,7 @@ class TigonFusedLinearMultiHeadCrossEntropyFunction(torch.autograd.Function):
         loss = torch.empty((), dtype=torch.float32, device=dev)
         head_losses = torch.empty(heads, dtype=torch.float32, device=dev)
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
-        gdt = _head_grad_dtype(weights[0].dtype)  # as the single head's default (accum_dtype None)
+        gdt = _head_grad_dtype(weights[0].dtype, None, ws[0].dtype)  # as the single head's default (accum_dtype None)
         dws = [torch.empty(w.shape, dtype=gdt, device=dev) for w in ws] if want_dw else []
         dbs = [torch.empty(vocab, dtype=gdt, device=dev) for _ in bs] if want_db else []
         cap = 0.0 if softcap is None else float(softcap)
@@ -1588,7 +1593,7 @@ class TigonFusedLinearJSDFunction(torch.autograd.Function):
         else:
             inv, grad_scale = None, 1.0 / max(rows, 1)
         dx = torch.empty(rows, hidden, dtype=x.dtype, device=x.device) if want_dx else None
-        gdt = _head_grad_dtype(w_dtype, accum_dtype)
+        gdt = _head_grad_dtype(w_dtype, accum_dtype, w.dtype)
         dw = torch.zeros(vocab, hidden, dtype=gdt, device=x.device) if want_dw else None
         in_place = not _compiling()
         chunk = _jsd_chunk(rows, vocab, x.element_size())
@@ -1711,7 +1716,7 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
         gl = grad_logp.reshape(-1).to(torch.float32).contiguous() if grad_logp is not None else None
         ge = grad_entropy.reshape(-1).to(torch.float32).contiguous() if grad_entropy is not None else None
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
-        gdt = _head_grad_dtype(w_dtype)
+        gdt = _head_grad_dtype(w_dtype, None, w.dtype)
         dw = torch.empty(w.shape, dtype=gdt, device=w.device) if want_dw else None
         db = torch.empty(w.shape[0], dtype=gdt, device=w.device) if want_db else None
         if x2.shape[0] > 0:

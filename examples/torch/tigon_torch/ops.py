@@ -78,6 +78,17 @@ def _divergence(s, t, labels, go, dx, loss, loss_rows, loss_elems, kind, student
         raise ValueError(f"{op}: reduction none has no reduced loss: use loss_rows or loss_elems")
 
 
+def _head_grads(op: str, x, *grads) -> None:
+    """A chunked head's weight and bias gradients (None skipped): float32 or x's dtype, one dtype for all
+    (the GEMMs add into them)."""
+    given = [g for g in grads if g is not None]
+    for g in given:
+        if g.dtype not in (torch.float32, x.dtype):
+            raise TypeError(f"{op}: the weight gradients must be float32 or x's dtype ({x.dtype}), got {g.dtype}")
+    if len({g.dtype for g in given}) > 1:
+        raise TypeError(f"{op}: the weight gradients must share one dtype")
+
+
 def _fake_checks():
     """Per operator, the shape and dtype checks its CUDA implementation makes before it launches,
     so that torch.compile and FakeTensorMode reject a bad call when they trace it."""
@@ -101,6 +112,12 @@ def _fake_checks():
         "relu2_bwd": lambda dc, a, da: _like("tigon.relu2_bwd", "a", a, "dc", dc, "da", da),
         "cross_entropy": lambda logits, target, cw, go, dlogits, *r: _like("tigon.cross_entropy", "logits", logits,
                                                                            "dlogits", dlogits),
+        "linear_cross_entropy": lambda x, w, b, t, cw, go, dx, dw, db, *r: _head_grads(
+            "tigon.linear_cross_entropy", x, dw, db),
+        "linear_cross_entropy_heads": lambda x, ws, bs, t, cw, go, hw, dx, dws, dbs, *r: _head_grads(
+            "tigon.linear_cross_entropy_heads", x, dws[0] if dws else None, dbs[0] if dbs else None),
+        "linear_logprob_bwd": lambda x, w, b, t, lse, ent, gl, ge, dx, dw, db, *r: _head_grads(
+            "tigon.linear_logprob_bwd", x, dw, db),
         "divergence": _divergence,
     }
 

@@ -73,8 +73,8 @@ inline bool sanitizer_sized() { return !sanitizer_tool().empty(); }
 // synccheck (CUDA 13.0, sm_90) stops launches with 16-block clusters (a non-portable size) that
 // exchange messages with an illegal-address error, also those of scripts/probes/cluster_synccheck.cu:
 // a minimal kernel with the resident kernels' message pattern, right without the tool, and right
-// under it at 2 and 8 blocks (the probe's 16-block launches with 1 KiB or 100 KiB of dynamic shared
-// memory and no messages run right under it).
+// under it at 2 and 8 blocks (the probe's 16-block launches with 1 KiB of dynamic shared memory and
+// no messages run right under it).
 // So under synccheck the non-portable sizes (over 8) are left out; the other tools run them.
 inline bool synccheck_skips_cluster(int blocks) {
   if (blocks <= 8 || sanitizer_tool() != "synccheck") return false;

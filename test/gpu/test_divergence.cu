@@ -572,6 +572,32 @@ TEST_CASE("divergence: logits rows of LM-head widths", "[div][gpu]") {
   }
 }
 
+// The resident kernel's grid holds as many clusters as the device does at once, each walking rows
+// c, c + n, ...: more rows than clusters (a 65536-column row takes 8 blocks, 131072 16, 20008
+// three), with every third row ignored, so that the clusters' barriers turn over many phases and
+// skip rows with the next row's loads in flight. Sanitizer-sized: 65536 columns (clusters of 8
+// blocks, which synccheck runs).
+TEST_CASE("divergence: resident clusters walking many rows", "[div][gpu]") {
+  const bool small = gpu_test::sanitizer_sized();
+  std::vector<std::pair<std::int64_t, std::int64_t>> shapes{{72, 65536}};
+  if (!small) shapes.insert(shapes.end(), {{40, 131072}, {300, 20008}});
+  for (const auto& [rows, V] : shapes) {
+    const Case c{.rows = rows, .V = V, .s = Form::logits, .t = Form::logits, .temperature = 1.5, .labels = 1,
+                 .grad_output = true};
+    run_case<GeneralizedJSD, bf16, bf16>(GeneralizedJSD{0.5f}, c);
+    Case lp = c;
+    lp.t = Form::log_probs;
+    lp.red = Red::sum;
+    run_case<ForwardKL, half, half>(ForwardKL{}, lp);
+    if (small) continue;
+    Case k = c;
+    k.red = Red::none;
+    k.t = Form::probs;
+    run_case<KLDiv, bf16, bf16>(KLDiv{}, k);
+    run_case<GeneralizedJSD, float, float>(GeneralizedJSD{0.25f}, c);
+  }
+}
+
 TEST_CASE("divergence: LLaMA-3's vocabulary, every divergence", "[div][gpu][large]") {
   const std::int64_t V = 128256, rows = 24;
   for (Form f : {Form::log_probs, Form::logits}) {

@@ -154,15 +154,15 @@ template <class... Params, class... Args>
   return check_launch(op);
 }
 
-// Whether one cluster of `one.cluster` blocks of `kKernel`, launched with `one`'s block and shared
-// memory, fits the current device (cross-entropy's row-per-cluster kernels take its row kernel
-// where it does not). Asked of cudaOccupancyMaxActiveClusters
+// How many clusters of `one.cluster` blocks of `kKernel`, launched with `one`'s block and shared
+// memory, the current device holds at once (0: not one; cross-entropy's and the divergences'
+// row-per-cluster kernels take their row kernels then). Asked of cudaOccupancyMaxActiveClusters
 // once per kernel, device and cluster size (1 to kMaxCluster), so that a call costs no occupancy
 // query; clusters beyond the portable 8 blocks are allowed on the kernel first.
 template <auto kKernel, int kMaxCluster>
-[[nodiscard]] inline Status cluster_fits(const LaunchShape& one, const char* op, bool& fits) {
-  fits = false;
-  static std::atomic<int> known[kMaxDevices][kMaxCluster + 1] = {};  // 0: not asked, 1: fits, -1: does not
+[[nodiscard]] inline Status cluster_residency(const LaunchShape& one, const char* op, int& clusters) {
+  clusters = 0;
+  static std::atomic<int> known[kMaxDevices][kMaxCluster + 1] = {};  // 0: not asked, -1: none, else the count
   const int csize = static_cast<int>(one.cluster);
   if (csize < 1 || csize > kMaxCluster) return Status();
   DeviceInfo dev;
@@ -180,10 +180,19 @@ template <auto kKernel, int kMaxCluster>
     int resident = 0;
     TIGON_CHECK(Status::from_cuda(cudaOccupancyMaxActiveClusters(&resident, kKernel, &query), op,
                                   "cudaOccupancyMaxActiveClusters"));
-    f = resident >= 1 ? 1 : -1;
+    f = resident >= 1 ? resident : -1;
     k.store(f, std::memory_order_relaxed);
   }
-  fits = f > 0;
+  clusters = f > 0 ? f : 0;
+  return Status();
+}
+
+// Whether one such cluster fits the current device (cluster_residency above).
+template <auto kKernel, int kMaxCluster>
+[[nodiscard]] inline Status cluster_fits(const LaunchShape& one, const char* op, bool& fits) {
+  int clusters = 0;
+  TIGON_CHECK((cluster_residency<kKernel, kMaxCluster>(one, op, clusters)));
+  fits = clusters > 0;
   return Status();
 }
 

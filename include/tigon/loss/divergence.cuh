@@ -339,7 +339,7 @@ TIGON_HD constexpr DivergenceInput div_grad_form() {
 }
 
 template <class D>
-constexpr bool div_elementwise_none() {
+TIGON_HD constexpr bool div_elementwise_none() {
   if constexpr (requires { D::kElementwiseNone; }) {
     return D::kElementwiseNone;
   } else {
@@ -613,11 +613,12 @@ struct DivergencePolicy {
   static constexpr int kStreamAhead = 0;
   // Resident kernel (logits on either side, sm_90+, rows of 16-byte units that fit a cluster of
   // 16 blocks): block size, elements of each input a thread holds, blocks per SM the registers
-  // are sized for, and rows ahead whose slices each block asks of the L2 (0: none).
+  // are sized for, and how many of its cluster's rows ahead each block asks the L2 for its slices
+  // of (0: none).
   static constexpr int kResThreads = 256;
   static constexpr int kResElems = 32;
   static constexpr int kResMinBlocks = 2;
-  static constexpr int kResAhead = 16;
+  static constexpr int kResAhead = 2;
   // Row kernel (logits on other GPUs, unaligned rows, rows over 16 blocks of the resident
   // kernel): block size, and vectors of each input in flight per thread in each pass.
   static constexpr int kRowThreads = 512;
@@ -640,7 +641,7 @@ constexpr bool check_divergence_policy() {
   static_assert(P::kResElems >= 8 && P::kResElems <= 64 && P::kResElems % 8 == 0,
                 "resident kernel: 8 to 64 elements of each input per thread, a multiple of 8");
   static_assert(P::kResMinBlocks >= 1 && P::kResMinBlocks <= 8, "resident kernel: 1 to 8 blocks per SM");
-  static_assert(P::kResAhead >= 0, "kResAhead: 0 (off) or more rows");
+  static_assert(P::kResAhead >= 0, "kResAhead: 0 (off) or more of the cluster's rows");
   return true;
 }
 }  // namespace detail
@@ -1033,45 +1034,152 @@ TIGON_DEVICE void div_merge_lanes(int lane, int n, float pm, float ps, float& om
   os = ss[0];
 }
 
-// This thread's max of v / T over its units, then the warp's; then this thread's sum of exp
-// relative to the warp's max, summed over the warp (-inf, 0 for a warp with no finite element).
-// kKeep: each element's exp(v / T - m) kept in e (0 for the units that are not the thread's), so
-// that pass 2 forms the probability with one multiply instead of a second exponential.
-template <int kN, int kVecs, int kThreads, bool kFast, bool kKeep = false, class X>
-TIGON_DEVICE void div_warp_lse(const DivVecs<X, kN> (&raw)[kVecs], int mine, float inv_temp, float& m, float& s,
-                               float (*e)[kN] = nullptr) {
-  PackedMax<X> pm;  // bfloat16 / half compared two at a time
+// The sum of kN values as a balanced tree (independent adds instead of one chain).
+template <int kN>
+TIGON_DEVICE float div_tree_sum(const float (&v)[kN]) {
+  static_assert((kN & (kN - 1)) == 0, "a power of two");
+  float t[kN];
 #pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    if (j * kThreads < mine) {
+  for (int k = 0; k < kN; ++k) t[k] = v[k];
 #pragma unroll
-      for (int a = 0; a < DivVecs<X, kN>::kCount; ++a) pm.add(raw[j].v[a]);
+  for (int w = kN / 2; w >= 1; w /= 2) {
+#pragma unroll
+    for (int k = 0; k < w; ++k) t[k] += t[k + w];
+  }
+  return t[0];
+}
+
+// The resident kernel's unit: kN elements of X held as 32-bit words (16-bit elements two to a
+// word, the lower element in the low half), so that a unit is loaded, selected and unpacked as
+// whole registers.
+template <class X, int kN>
+struct DivWords {
+  static constexpr int kWords = static_cast<int>(kN * sizeof(X) / 4);
+  static_assert(kWords % 4 == 0, "whole 16-byte vectors");
+  unsigned w[kWords];
+};
+
+// -inf in each element of a word of X.
+template <class X>
+inline constexpr unsigned kDivNegInfWord =
+    sizeof(X) == 4 ? 0xff800000u : (std::is_same_v<X, __half> ? 0xfc00fc00u : 0xff80ff80u);
+
+// A unit's elements from p when `own`, else -inf in each (what a thread holds in place of the units
+// of a slice that are not its own: the max ignores them, their exponentials are 0): the load lands
+// in registers that hold -inf before it.
+template <int kN, class X>
+TIGON_DEVICE DivWords<X, kN> div_load_own(const X* p, bool own, std::uint64_t pol) {
+  using U = DivWords<X, kN>;
+  constexpr int kV = 16 / static_cast<int>(sizeof(X));
+  U r;
+#pragma unroll
+  for (int i = 0; i < U::kWords; ++i) r.w[i] = kDivNegInfWord<X>;
+  if (own) {
+#pragma unroll
+    for (int a = 0; a < U::kWords / 4; ++a) {
+      const AlignedVec<X, kV> v = load_vec_policy<kV>(p + a * kV, pol);
+      __builtin_memcpy(&r.w[4 * a], &v, 16);
     }
   }
-  float mx[1] = {pm.value()};
+  return r;
+}
+
+// A unit's elements as floats.
+template <int kN, class X>
+TIGON_DEVICE void div_floats(const DivWords<X, kN>& u, float (&f)[kN]) {
+#pragma unroll
+  for (int i = 0; i < DivWords<X, kN>::kWords; ++i) {
+    if constexpr (sizeof(X) == 4) {
+      f[i] = __uint_as_float(u.w[i]);
+    } else if constexpr (std::is_same_v<X, __half>) {
+      __half2 h;
+      __builtin_memcpy(&h, &u.w[i], 4);
+      const float2 t = __half22float2(h);
+      f[2 * i] = t.x;
+      f[2 * i + 1] = t.y;
+    } else {
+      f[2 * i] = __uint_as_float(u.w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(u.w[i] & 0xffff0000u);
+    }
+  }
+}
+
+// The largest element of kVecs units (bfloat16 / half pairs compared two at a time).
+template <int kN, int kVecs, class X>
+TIGON_DEVICE float div_units_max(const DivWords<X, kN> (&u)[kVecs]) {
+  if constexpr (sizeof(X) == 4) {
+    float m = div_math::kNegInf;
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+#pragma unroll
+      for (int i = 0; i < DivWords<X, kN>::kWords; ++i) m = fmaxf(m, __uint_as_float(u[j].w[i]));
+    }
+    return m;
+  } else {
+    using Pair = std::conditional_t<std::is_same_v<X, __half>, __half2, __nv_bfloat162>;
+    unsigned m = kDivNegInfWord<X>;
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+#pragma unroll
+      for (int i = 0; i < DivWords<X, kN>::kWords; ++i) {
+        Pair a, b;
+        __builtin_memcpy(&a, &m, 4);
+        __builtin_memcpy(&b, &u[j].w[i], 4);
+        a = __hmax2(a, b);
+        __builtin_memcpy(&m, &a, 4);
+      }
+    }
+    float f[2];
+    if constexpr (std::is_same_v<X, __half>) {
+      __half2 h;
+      __builtin_memcpy(&h, &m, 4);
+      const float2 g = __half22float2(h);
+      f[0] = g.x, f[1] = g.y;
+    } else {
+      f[0] = __uint_as_float(m << 16), f[1] = __uint_as_float(m & 0xffff0000u);
+    }
+    return fmaxf(f[0], f[1]);
+  }
+}
+
+// This thread's max of v / T over its units, then the warp's; then this thread's sum of exp
+// relative to the warp's max, summed over the warp (-inf, 0 for a warp with no finite element).
+// kKeep: each element's exp(v / T - m) kept in e, so that pass 2 forms the probability with one
+// multiply instead of a second exponential. Units that are not the thread's hold -inf (exp 0).
+template <int kN, int kVecs, bool kFast, bool kKeep = false, class X>
+TIGON_DEVICE void div_warp_lse(const DivWords<X, kN> (&raw)[kVecs], float inv_temp, float& m, float& s,
+                               float (*e)[kN] = nullptr) {
+  float mx[1] = {div_units_max(raw)};
   warp_allreduce<32>(mx, MaxOp{});
   m = mx[0] * inv_temp;  // inv_temp > 0: the max of v / T
   // exp(v / T - m): with the hardware exp2, log2(e) folded into the FMA's constants.
   const float scale = kFast ? inv_temp * 1.4426950408889634f : inv_temp;
   const float shift = kFast ? -m * 1.4426950408889634f : -m;
-  float sm[1] = {0.0f};
+  float part[kVecs];
+  if (m != div_math::kNegInf) {  // the same in the whole warp
 #pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    if (m != div_math::kNegInf && j * kThreads < mine) {
-      float v[kN];
+    for (int j = 0; j < kVecs; ++j) {
+      float v[kN], x[kN];
       div_floats(raw[j], v);
 #pragma unroll
       for (int k = 0; k < kN; ++k) {
         const float u = fmaf(v[k], scale, shift);
-        const float x = kFast ? exp2_ftz(u) : div_math::exp_f32<false>(u);
-        if constexpr (kKeep) e[j][k] = x;
-        sm[0] += x;
+        x[k] = kFast ? exp2_ftz(u) : div_math::exp_f32<false>(u);
+        if constexpr (kKeep) e[j][k] = x[k];
       }
-    } else if constexpr (kKeep) {
+      part[j] = div_tree_sum(x);
+    }
+  } else {
 #pragma unroll
-      for (int k = 0; k < kN; ++k) e[j][k] = 0.0f;
+    for (int j = 0; j < kVecs; ++j) {
+      part[j] = 0.0f;
+      if constexpr (kKeep) {
+#pragma unroll
+        for (int k = 0; k < kN; ++k) e[j][k] = 0.0f;
+      }
     }
   }
+  float sm[1] = {div_tree_sum(part)};
   warp_allreduce_sum<32>(sm);
   s = sm[0];
 }
@@ -1079,27 +1187,37 @@ TIGON_DEVICE void div_warp_lse(const DivVecs<X, kN> (&raw)[kVecs], int mine, flo
 // The resident kernel's largest cluster (beyond the portable 8: allowed per kernel on sm_90).
 inline constexpr int kDivResMaxCluster = 16;
 
-// One row per cluster of csize blocks and one slice per block; no block walks rows (the grid holds
-// a cluster per row). Each thread loads its kVecs units (kN elements of each side) of the slice at
-// once and keeps them in registers, so each input is read from DRAM once. Exchange 1: the block's
-// (max, sum of exp) of each logits side's v / T, one 16-byte asynchronous store to every block of
-// the cluster (lane r of warp 0 to block r), counted on the receiver's first barrier; every block
-// merges the messages in rank order, so all hold the same log-sum-exps. Pass 2 from the registers:
-// each element's loss and gradient with respect to its log-probability. A student given as logits
-// keeps its elements' w_i g_i and q_i (fp32) in the registers the raw values leave; exchange 2
-// (the block's loss and S = sum w_i g_i, on the second barrier) gives the row's S, and the gradient
-// f / T (w_i g_i - q_i S) is written from the registers. A student in another form has its gradient
-// written in pass 2. `ahead` rows on, each block asks the L2 for its slices of both inputs.
+// One slice of a row per block and one row per cluster at a time: the grid holds as many clusters
+// as the device does at once (at most one a row), and cluster c of the grid's n takes rows c,
+// c + n, c + 2n, .... Each thread holds
+// its kVecs units (kN elements of each side) of the slice in registers, so each input is read from
+// DRAM once; a thread's units beyond the slice hold -inf, so that every pass runs whole vectors
+// without branches and masks only their sums and stores. Exchange 1: the block's (max, sum of exp)
+// of each logits side's v / T, one 16-byte asynchronous store to every block of the cluster (lane
+// r of warp 0 to block r), counted on the receiver's first barrier; every block merges the
+// messages in rank order, so all hold the same log-sum-exps. Pass 2 from the registers: each
+// element's loss and gradient with respect to its log-probability. A student given as logits keeps
+// its elements' w_i g_i and q_i (fp32) in the registers the raw values leave; the cluster's next
+// row is then loaded into the raw registers, in flight through exchange 2 (the block's loss and
+// S = sum w_i g_i, on the second barrier, which gives the row's S) and the writing of the gradient
+// f / T (w_i g_i - q_i S) from the registers. A student in another form has its gradient written
+// in pass 2. Each block asks the L2 for its slices of both inputs `ahead` of the cluster's rows on.
+// The barriers' phases alternate row by row: a block sends a row's first message only after every
+// block's second message of the row before (which each sends after reading the first slots), and
+// its second message only after every block's first message of the row (sent after the slots of
+// the second were read).
 template <class D, DivergenceInput kS, DivergenceInput kT, class T, class TT, class I, int kN, int kThreads,
           int kVecs, int kMinBlocks, bool kKeepExp>
 TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
-    div_resident_kernel(const DivParams<T, TT, I> p, const D div, std::int64_t row0, int slice, int ahead) {
+    div_resident_kernel(const DivParams<T, TT, I> p, const D div, int slice, int ahead) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kSL = kS == DivergenceInput::logits;
   constexpr bool kTL = kT == DivergenceInput::logits;
   constexpr bool kKeepX = kKeepExp && kSL;  // the student's exponentials kept from pass 1 (in qq)
   constexpr bool kKeepY = kKeepExp && kTL;  // the teacher's (in ey)
   constexpr bool kFast = kDivFastMath<T>;
+  // A per-element upstream gradient exists only for a functor whose reduction none is per element.
+  constexpr bool kElems = div_elementwise_none<D>();
   constexpr int kWarps = kThreads / 32;
   __shared__ std::uint64_t bar[2];
   __shared__ float4 slots[2][kDivResMaxCluster];
@@ -1112,111 +1230,120 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
   const int lane = tid & 31;
   if (!solo) {
     if (tid == 0) {
-      mbarrier_init(&bar[0]);  // each completes after one arrival and its messages' bytes
+      mbarrier_init(&bar[0]);  // each phase completes after one arrival and its messages' bytes
       mbarrier_init(&bar[1]);
     }
     cluster_arrive_relaxed();  // the barriers are ready (the init's fence releases them)
   }
   detail::grid_dependency_sync();
-  const std::int64_t row = row0 + blockIdx.x / csize;
+  const std::int64_t ncl = gridDim.x / csize;
   const int nvec = static_cast<int>(p.vocab / kN);
   const int v0 = min(static_cast<int>(rank) * slice, nvec);
   const int v1 = min(v0 + slice, nvec);
   const int first = v0 + tid;  // this thread's first unit
   const int mine = v1 - first;  // unit j is this thread's when j * kThreads < mine
   const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
-  if (ahead > 0 && tid == 0 && row + ahead < p.rows && v1 > v0) {
-    const std::int64_t na = row + ahead;
-    prefetch_l2_bulk(p.x + na * p.xs + static_cast<std::int64_t>(v0) * kN,
-                     static_cast<unsigned>((v1 - v0) * kN * sizeof(T)));
-    prefetch_l2_bulk(p.y + na * p.ys + static_cast<std::int64_t>(v0) * kN,
-                     static_cast<unsigned>((v1 - v0) * kN * sizeof(TT)));
-  }
-  if (div_ignored(p, row)) {  // the same in every block of the cluster: zeros, no messages
-    div_zero<kN, kThreads>(p, row, v0, v1, drop);
-    if (rank == 0 && tid == 0 && p.partials != nullptr) p.partials[row] = 0.0f;
-    if (!solo) cluster_wait();
-    return;
-  }
-  const T* xr = p.x + row * p.xs;
-  const TT* yr = p.y + row * p.ys;
-  T* dr = p.dx != nullptr ? p.dx + row * p.dxs : nullptr;
-  float* lr = p.loss_elems != nullptr ? p.loss_elems + row * p.les : nullptr;
-  const float* wr = (p.go_elems != nullptr && dr != nullptr) ? p.go_elems + row * p.gos : nullptr;
-  DivVecs<T, kN> xv[kVecs];
-  DivVecs<TT, kN> yv[kVecs];
+  DivWords<T, kN> xv[kVecs];
+  DivWords<TT, kN> yv[kVecs];
+  // Unit j of this thread is column off + j * kThreads * kN of the row (constant offsets).
+  const std::int64_t off = static_cast<std::int64_t>(first) * kN;
+  const auto load_row = [&](std::int64_t r) {
+    const T* xr = p.x + r * p.xs + off;
+    const TT* yr = p.y + r * p.ys + off;
 #pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    if (j * kThreads < mine) {
-      const std::int64_t c0 = static_cast<std::int64_t>(first + j * kThreads) * kN;
-      xv[j] = div_load<kN>(xr + c0, drop);
-      yv[j] = div_load<kN>(yr + c0, drop);
+    for (int j = 0; j < kVecs; ++j) {
+      xv[j] = div_load_own<kN>(xr + j * kThreads * kN, j * kThreads < mine, drop);
+      yv[j] = div_load_own<kN>(yr + j * kThreads * kN, j * kThreads < mine, drop);
     }
-  }
-  float gq[kSL ? kVecs : 1][kSL ? kN : 1];      // w_i g_i (student logits)
-  float qq[kSL ? kVecs : 1][kSL ? kN : 1];      // q_i (student logits); before pass 2, exp(x_i / T - m_w)
-  float ey[kKeepY ? kVecs : 1][kKeepY ? kN : 1];  // exp(y_i / T - m_w) (kKeepY)
-  // Exchange 1: the log-sum-exps.
-  float4 st = make_float4(div_math::kNegInf, 0.0f, div_math::kNegInf, 0.0f);
-  if constexpr (kKeepX) {
-    div_warp_lse<kN, kVecs, kThreads, kFast, true>(xv, mine, p.inv_temp, st.x, st.y, qq);
-  } else if constexpr (kSL) {
-    div_warp_lse<kN, kVecs, kThreads, kFast>(xv, mine, p.inv_temp, st.x, st.y);
-  }
-  if constexpr (kKeepY) {
-    div_warp_lse<kN, kVecs, kThreads, kFast, true>(yv, mine, p.inv_temp, st.z, st.w, ey);
-  } else if constexpr (kTL) {
-    div_warp_lse<kN, kVecs, kThreads, kFast>(yv, mine, p.inv_temp, st.z, st.w);
-  }
-  const float mwx = st.x, mwy = st.z;  // the warp's maxima of v / T
-  if (lane == 0) part[tid >> 5] = st;
-  __syncthreads();
-  if (!solo) cluster_wait();  // every block's barriers are ready (pairs cluster_arrive_relaxed above)
-  if (tid < 32) {
-    const float4 w = lane < kWarps ? part[lane] : make_float4(div_math::kNegInf, 0.0f, div_math::kNegInf, 0.0f);
-    float4 b;
-    div_merge_lanes(lane, kWarps, w.x, w.y, b.x, b.y);
-    div_merge_lanes(lane, kWarps, w.z, w.w, b.z, b.w);
-    if (!solo) {
-      if (lane == 0) mbarrier_arrive_expect_tx(&bar[0], csize * static_cast<unsigned>(sizeof(float4)));
-      if (lane < static_cast<int>(csize)) {
-        const auto to = static_cast<unsigned>(lane);
-        cluster_store_async_f4(cluster_smem_addr(&slots[0][rank], to), cluster_smem_addr(&bar[0], to), b.x, b.y, b.z,
-                               b.w);
+  };
+  std::int64_t row = blockIdx.x / csize;
+  if (row < p.rows && !div_ignored(p, row)) load_row(row);
+  bool waited = solo;  // the cluster barrier that pairs cluster_arrive_relaxed above
+  unsigned phase = 0;
+  for (; row < p.rows; row += ncl) {
+    const std::int64_t next = row + ncl;
+    const std::int64_t na = row + static_cast<std::int64_t>(ahead) * ncl;
+    if (ahead > 0 && tid == 0 && na < p.rows && v1 > v0) {
+      prefetch_l2_bulk(p.x + na * p.xs + static_cast<std::int64_t>(v0) * kN,
+                       static_cast<unsigned>((v1 - v0) * kN * sizeof(T)));
+      prefetch_l2_bulk(p.y + na * p.ys + static_cast<std::int64_t>(v0) * kN,
+                       static_cast<unsigned>((v1 - v0) * kN * sizeof(TT)));
+    }
+    if (div_ignored(p, row)) {  // the same in every block of the cluster: zeros, no messages
+      div_zero<kN, kThreads>(p, row, v0, v1, drop);
+      if (rank == 0 && tid == 0 && p.partials != nullptr) p.partials[row] = 0.0f;
+      if (next < p.rows && !div_ignored(p, next)) load_row(next);
+      continue;
+    }
+    T* dr = p.dx != nullptr ? p.dx + row * p.dxs + off : nullptr;
+    float* lr = p.loss_elems != nullptr ? p.loss_elems + row * p.les + off : nullptr;
+    const float* wr = (kElems && p.go_elems != nullptr && dr != nullptr) ? p.go_elems + row * p.gos + off : nullptr;
+    const float f = div_row_factor(p, row);
+    float gq[kSL ? kVecs : 1][kSL ? kN : 1];      // w_i g_i (student logits)
+    float qq[kSL ? kVecs : 1][kSL ? kN : 1];      // q_i (student logits); before pass 2, exp(x_i / T - m_w)
+    float ey[kKeepY ? kVecs : 1][kKeepY ? kN : 1];  // exp(y_i / T - m_w) (kKeepY)
+    // Pass 1 and exchange 1: the log-sum-exps.
+    float4 st = make_float4(div_math::kNegInf, 0.0f, div_math::kNegInf, 0.0f);
+    if constexpr (kKeepX) {
+      div_warp_lse<kN, kVecs, kFast, true>(xv, p.inv_temp, st.x, st.y, qq);
+    } else if constexpr (kSL) {
+      div_warp_lse<kN, kVecs, kFast>(xv, p.inv_temp, st.x, st.y);
+    }
+    if constexpr (kKeepY) {
+      div_warp_lse<kN, kVecs, kFast, true>(yv, p.inv_temp, st.z, st.w, ey);
+    } else if constexpr (kTL) {
+      div_warp_lse<kN, kVecs, kFast>(yv, p.inv_temp, st.z, st.w);
+    }
+    const float mwx = st.x, mwy = st.z;  // the warp's maxima of v / T
+    if (lane == 0) part[tid >> 5] = st;
+    __syncthreads();
+    if (!waited) {
+      cluster_wait();  // every block's barriers are ready
+      waited = true;
+    }
+    if (tid < 32) {
+      const float4 w = lane < kWarps ? part[lane] : make_float4(div_math::kNegInf, 0.0f, div_math::kNegInf, 0.0f);
+      float4 b;
+      div_merge_lanes(lane, kWarps, w.x, w.y, b.x, b.y);
+      div_merge_lanes(lane, kWarps, w.z, w.w, b.z, b.w);
+      if (!solo) {
+        if (lane == 0) mbarrier_arrive_expect_tx(&bar[0], csize * static_cast<unsigned>(sizeof(float4)));
+        if (lane < static_cast<int>(csize)) {
+          const auto to = static_cast<unsigned>(lane);
+          cluster_store_async_f4(cluster_smem_addr(&slots[0][rank], to), cluster_smem_addr(&bar[0], to), b.x, b.y,
+                                 b.z, b.w);
+        }
+        mbarrier_wait<true>(&bar[0], phase);
+        const bool from = lane < static_cast<int>(csize);
+        const float4 msg = from ? slots[0][lane] : make_float4(div_math::kNegInf, 0.0f, div_math::kNegInf, 0.0f);
+        div_merge_lanes(lane, static_cast<int>(csize), msg.x, msg.y, b.x, b.y);
+        div_merge_lanes(lane, static_cast<int>(csize), msg.z, msg.w, b.z, b.w);
       }
-      mbarrier_wait<true>(&bar[0], 0);
-      const bool from = lane < static_cast<int>(csize);
-      const float4 msg = from ? slots[0][lane] : make_float4(div_math::kNegInf, 0.0f, div_math::kNegInf, 0.0f);
-      div_merge_lanes(lane, static_cast<int>(csize), msg.x, msg.y, b.x, b.y);
-      div_merge_lanes(lane, static_cast<int>(csize), msg.z, msg.w, b.z, b.w);
+      if (lane == 0) {
+        row_stats.x = kSL ? b.x + div_math::log_f32(b.y) : 0.0f;
+        row_stats.y = kTL ? b.z + div_math::log_f32(b.w) : 0.0f;
+      }
     }
-    if (lane == 0) {
-      row_stats.x = kSL ? b.x + div_math::log_f32(b.y) : 0.0f;
-      row_stats.y = kTL ? b.z + div_math::log_f32(b.w) : 0.0f;
-    }
-  }
-  __syncthreads();
-  const float lse_x = row_stats.x, lse_y = row_stats.y;
-  const float f = div_row_factor(p, row);
-  // Pass 2. A kept exponential becomes the probability with one multiply: exp(v / T - lse) =
-  // exp(v / T - m_w) exp(m_w - lse).
-  const float cx = kKeepX ? div_math::exp_f32<kFast>(mwx - lse_x) : 0.0f;
-  const float cy = kKeepY ? div_math::exp_f32<kFast>(mwy - lse_y) : 0.0f;
-  float sums[2] = {0.0f, 0.0f};  // the thread's loss, S
+    __syncthreads();
+    const float lse_x = row_stats.x, lse_y = row_stats.y;
+    // Pass 2. A kept exponential becomes the probability with one multiply: exp(v / T - lse) =
+    // exp(v / T - m_w) exp(m_w - lse). Each unit's sums are masked whole (a unit that is not the
+    // thread's computes on -inf).
+    const float cx = kKeepX ? div_math::exp_f32<kFast>(mwx - lse_x) : 0.0f;
+    const float cy = kKeepY ? div_math::exp_f32<kFast>(mwy - lse_y) : 0.0f;
+    float sums[2] = {0.0f, 0.0f};  // the thread's loss, S
 #pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    if (j * kThreads < mine) {
-      const std::int64_t c0 = static_cast<std::int64_t>(first + j * kThreads) * kN;
-      float xf[kN], yf[kN], l[kN], w[kN];
+    for (int j = 0; j < kVecs; ++j) {
+      const bool own = j * kThreads < mine;
+      const int c0 = j * kThreads * kN;
+      float xf[kN], yf[kN], l[kN], w[kN], g[kN];
       div_floats(xv[j], xf);
       div_floats(yv[j], yf);
-      if (wr != nullptr) {
-        div_floats(div_load<kN>(wr + c0, drop), w);
-      } else {
 #pragma unroll
-        for (int k = 0; k < kN; ++k) w[k] = 1.0f;
+      for (int k = 0; k < kN; ++k) w[k] = 1.0f;
+      if constexpr (kElems) {
+        if (wr != nullptr && own) div_floats(div_load<kN>(wr + c0, drop), w);
       }
-      float g[kN];
 #pragma unroll
       for (int k = 0; k < kN; ++k) {
         float q;
@@ -1228,70 +1355,78 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
         } else {
           v = div_math::evaluate<D, kS, kT, kFast>(div, xf[k], yf[k], p.inv_temp, lse_x, lse_y, q);
         }
-        sums[0] += v.loss;
         l[k] = v.loss;
         if constexpr (kSL) {
-          gq[j][k] = w[k] * v.grad;
+          gq[j][k] = kElems ? w[k] * v.grad : v.grad;
           qq[j][k] = q;
-          sums[1] += gq[j][k];
         } else {
-          g[k] = v.grad * f * w[k];
+          g[k] = kElems ? v.grad * f * w[k] : v.grad * f;
         }
       }
-      if constexpr (!kSL) {
-        if (dr != nullptr) div_store<kN>(dr + c0, g, drop);
+      const float lj = div_tree_sum(l);
+      sums[0] += own ? lj : 0.0f;
+      if constexpr (kSL) {
+        const float sj = div_tree_sum(gq[j]);
+        sums[1] += own ? sj : 0.0f;
+      } else {
+        if (dr != nullptr && own) div_store<kN>(dr + c0, g, drop);
       }
-      if (lr != nullptr) div_store<kN>(lr + c0, l, drop);
+      if (lr != nullptr && own) div_store<kN>(lr + c0, l, drop);
     }
-  }
-  // Exchange 2: the row's loss and S (the loss alone needs no S, the student's gradient in another
-  // form none; the messages are the same size).
-  warp_allreduce_sum<32>(sums);
-  if (lane == 0) part[tid >> 5] = make_float4(sums[0], sums[1], 0.0f, 0.0f);
-  __syncthreads();
-  if (tid < 32) {
-    float bs[2] = {0.0f, 0.0f};
-    if (lane < kWarps) {
-      bs[0] = part[lane].x;
-      bs[1] = part[lane].y;
-    }
-    warp_allreduce_sum<32>(bs);
-    if (!solo) {
-      if (lane == 0) mbarrier_arrive_expect_tx(&bar[1], csize * static_cast<unsigned>(sizeof(float4)));
-      if (lane < static_cast<int>(csize)) {
-        const auto to = static_cast<unsigned>(lane);
-        cluster_store_async_f4(cluster_smem_addr(&slots[1][rank], to), cluster_smem_addr(&bar[1], to), bs[0], bs[1],
-                               0.0f, 0.0f);
+    // The cluster's next row, in flight through exchange 2 and the gradient's stores.
+    if (next < p.rows && !div_ignored(p, next)) load_row(next);
+    // Exchange 2: the row's loss and S (the loss alone needs no S, the student's gradient in another
+    // form none; the messages are the same size).
+    warp_allreduce_sum<32>(sums);
+    if (lane == 0) part[tid >> 5] = make_float4(sums[0], sums[1], 0.0f, 0.0f);
+    __syncthreads();
+    if (tid < 32) {
+      float bs[2] = {0.0f, 0.0f};
+      if (lane < kWarps) {
+        bs[0] = part[lane].x;
+        bs[1] = part[lane].y;
       }
-      mbarrier_wait<true>(&bar[1], 0);
-      const float4 msg = lane < static_cast<int>(csize) ? slots[1][lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      bs[0] = msg.x;
-      bs[1] = msg.y;
       warp_allreduce_sum<32>(bs);
+      if (!solo) {
+        if (lane == 0) mbarrier_arrive_expect_tx(&bar[1], csize * static_cast<unsigned>(sizeof(float4)));
+        if (lane < static_cast<int>(csize)) {
+          const auto to = static_cast<unsigned>(lane);
+          cluster_store_async_f4(cluster_smem_addr(&slots[1][rank], to), cluster_smem_addr(&bar[1], to), bs[0], bs[1],
+                                 0.0f, 0.0f);
+        }
+        mbarrier_wait<true>(&bar[1], phase);
+        const float4 msg = lane < static_cast<int>(csize) ? slots[1][lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        bs[0] = msg.x;
+        bs[1] = msg.y;
+        warp_allreduce_sum<32>(bs);
+      }
+      if (lane == 0) {
+        row_stats.z = bs[0];
+        row_stats.w = bs[1];
+        if (rank == 0 && p.partials != nullptr) p.partials[row] = bs[0];
+      }
     }
-    if (lane == 0) {
-      row_stats.z = bs[0];
-      row_stats.w = bs[1];
-      if (rank == 0 && p.partials != nullptr) p.partials[row] = bs[0];
-    }
-  }
-  // Pass 3: the student's gradient from the registers.
-  if constexpr (kSL) {
-    if (dr != nullptr) {
-      __syncthreads();
-      const float s_total = row_stats.w;
-      const float fs = f * p.inv_temp;
+    // Every warp is past its reads of part and the first slots before the next row writes them.
+    __syncthreads();
+    // Pass 3: the student's gradient from the registers.
+    if constexpr (kSL) {
+      if (dr != nullptr) {
+        const float s_total = row_stats.w;
+        const float fs = f * p.inv_temp;
 #pragma unroll
-      for (int j = 0; j < kVecs; ++j) {
-        if (j * kThreads < mine) {
-          float g[kN];
+        for (int j = 0; j < kVecs; ++j) {
+          if (j * kThreads < mine) {
+            float g[kN];
 #pragma unroll
-          for (int k = 0; k < kN; ++k) g[k] = fs * fmaf(-qq[j][k], s_total, gq[j][k]);
-          div_store<kN>(dr + static_cast<std::int64_t>(first + j * kThreads) * kN, g, drop);
+            for (int k = 0; k < kN; ++k) g[k] = fs * fmaf(-qq[j][k], s_total, gq[j][k]);
+            div_store<kN>(dr + j * kThreads * kN, g, drop);
+          }
         }
       }
     }
+    phase ^= 1u;
   }
+  if (!waited) cluster_wait();
 #endif
 }
 
@@ -1377,16 +1512,15 @@ Status div_launch_resident(const DivParams<T, TT, I>& p, const D& div, cudaStrea
   if (shape.csize == 0) return Status();
   const auto c = static_cast<unsigned>(shape.csize);
   LaunchShape one{dim3(c), dim3(kThreads), 0, stream, c};
-  bool fits = false;
-  TIGON_CHECK((cluster_fits<kernel, kDivResMaxCluster>(one, op, fits)));
-  if (!fits) return Status();
-  // One cluster per row; grids over 2^31 - 1 blocks go in several launches.
-  const std::int64_t max_rows = (std::int64_t{1} << 31) / shape.csize - 1;
-  for (std::int64_t r0 = 0; r0 < p.rows; r0 += max_rows) {
-    const std::int64_t n = std::min(max_rows, p.rows - r0);
-    one.grid = dim3(static_cast<unsigned>(n * shape.csize));
-    TIGON_CHECK(launch(op, kernel, one, p, div, r0, shape.slice, P::kResAhead));
-  }
+  int resident = 0;
+  TIGON_CHECK((cluster_residency<kernel, kDivResMaxCluster>(one, op, resident)));
+  if (resident == 0) return Status();
+  // As many clusters as the device holds at once, each walking its rows (at most one a row, and a
+  // grid under 2^31 blocks).
+  const std::int64_t max_clusters = ((std::int64_t{1} << 31) - 1) / shape.csize;
+  const std::int64_t n = std::min({p.rows, static_cast<std::int64_t>(resident), max_clusters});
+  one.grid = dim3(static_cast<unsigned>(n * shape.csize));
+  TIGON_CHECK(launch(op, kernel, one, p, div, shape.slice, P::kResAhead));
   launched = true;
   return Status();
 }

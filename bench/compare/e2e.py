@@ -21,7 +21,8 @@ step itself is not timed).
 Phases:
   train  no gradient checkpointing, each sequence of --seqs: --warmup steps, then --steps timed
          steps: tokens/s, peak memory, activation memory (peak minus weights, gradients and
-         optimizer state, counted from the tensors), the per-step losses (warm-up steps included).
+         optimizer state, counted from the tensors), the per-step losses (warm-up steps included),
+         and the SM clock and board power during the timed steps (nvidia-smi, where it runs).
   ckpt   gradient checkpointing (non-reentrant), batch 1: the longest sequence that trains one
          full step (forward, backward, optimizer step), doubling from --ckpt-start, then bisecting
          to --ckpt-resolution, up to --ckpt-max (262144); an OOM ends an attempt. An attempt
@@ -218,6 +219,55 @@ def device_idle(spans):
     return ((reach - spans[0][0]) if spans else 0.0), busy, gaps
 
 
+class ClockSampler:
+    """The GPU's SM clock (MHz), board power (W) and temperature (C), read by nvidia-smi every 50 ms
+    from start() to stop() (nothing where nvidia-smi is missing): a step that takes longer with the
+    same kernels shows here whether the clocks were lower."""
+
+    def __init__(self, device: str):
+        import shutil
+
+        self.cmd = None
+        if device.startswith("cuda") and shutil.which("nvidia-smi"):
+            import torch
+
+            index = torch.device(device).index
+            self.cmd = ["nvidia-smi", "-i", str(torch.cuda.current_device() if index is None else index),
+                        "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
+                        "-lms", "50"]
+        self.proc, self.samples = None, []
+
+    def start(self):
+        if self.cmd and self.proc is None:
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def stop(self):
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        for line in out.splitlines():
+            try:
+                self.samples.append(tuple(float(v) for v in line.split(",")))
+            except ValueError:
+                continue  # "[N/A]" or a partial line
+        self.proc = None
+
+    def summary(self) -> dict:
+        """Median and lowest SM clock, mean power, highest temperature, and the sample count."""
+        if not self.samples:
+            return {}
+        mhz = sorted(s[0] for s in self.samples)
+        return {"sm_mhz_median": mhz[len(mhz) // 2], "sm_mhz_min": mhz[0],
+                "power_w_mean": round(sum(s[1] for s in self.samples) / len(self.samples), 1),
+                "temp_c_max": max((s[2] for s in self.samples if len(s) > 2), default=None),
+                "samples": len(self.samples)}
+
+
 def profile_step(model, opt, ids, path: Path, title: str) -> dict:
     """One training step under torch.profiler: kernel device time by category and the longest kernels."""
     import torch
@@ -339,11 +389,13 @@ def worker(args) -> dict:
             if cuda:
                 torch.cuda.empty_cache()
             n_total = args.warmup + args.steps
+            clocks = ClockSampler(args.device)
             try:
                 for step in range(n_total):
                     if step == args.warmup and cuda:
                         sync(args.device)
                         torch.cuda.reset_peak_memory_stats()
+                        clocks.start()
                     ids = make_batch(args, seq, step)
                     sync(args.device)
                     t0 = time.perf_counter()
@@ -369,6 +421,11 @@ def worker(args) -> dict:
                 run["error"] = ("OOM: " if is_oom(e) else "") + f"{type(e).__name__}: {str(e)[:300]}"
                 log(f"{tag} seq {seq}: {run['error']}")
                 opt.zero_grad(set_to_none=True)
+            finally:
+                clocks.stop()
+            if clocks.samples:
+                run["clocks"] = clocks.summary()
+                log(f"{tag} seq {seq}: during the timed steps {run['clocks']}")
             timed = run["step_s"][args.warmup:]
             if timed:
                 mean = sum(timed) / len(timed)
@@ -618,6 +675,12 @@ def markdown(summary: dict) -> str:
                          f"{r.get('peak_bytes', 0) / gib:.1f} | {c.get('peak_vs_hf', '')} | "
                          f"{r.get('activation_bytes', 0) / gib:.1f} | {c.get('activation_vs_hf', '')} | "
                          f"{c.get('max_abs_loss_diff_vs_hf', '') if v != 'hf' else ''} |")
+        clocked = [(v, r) for v, rv in res["train"].items() for r in rv.get("runs", []) if r.get("clocks")]
+        if clocked:
+            L += ["", "During the timed steps (nvidia-smi every 50 ms): SM clock median / lowest, mean board power, "
+                  "highest temperature:", ""]
+            L += [f"- {v} seq {r['seq']}: {r['clocks']['sm_mhz_median']:.0f} / {r['clocks']['sm_mhz_min']:.0f} MHz, "
+                  f"{r['clocks']['power_w_mean']:.0f} W, {r['clocks']['temp_c_max']} C" for v, r in clocked]
         L += ["", "Per-step losses (warm-up steps first):", ""]
         for v, rv in res["train"].items():
             for r in rv.get("runs", []):

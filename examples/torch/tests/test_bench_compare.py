@@ -33,6 +33,18 @@ def test_device_idle_merges_overlaps_and_lists_gaps():
     assert e2e.device_idle([]) == (0.0, 0.0, [])
 
 
+def test_clock_sampler_summary_and_no_device():
+    e2e = _e2e()
+    idle = e2e.ClockSampler("cpu")  # no GPU: nothing is started and nothing is sampled
+    idle.start()
+    idle.stop()
+    assert idle.cmd is None and idle.samples == [] and idle.summary() == {}
+    s = e2e.ClockSampler("cpu")
+    s.samples = [(1980.0, 650.5, 61.0), (1755.0, 699.5, 64.0), (1830.0, 690.0, 63.0)]
+    assert s.summary() == {"sm_mhz_median": 1830.0, "sm_mhz_min": 1755.0, "power_w_mean": 680.0,
+                           "temp_c_max": 64.0, "samples": 3}
+
+
 @pytest.mark.parametrize("name, category", [
     ("void tigon::v0_1::detail::adamw_step_kernel<__nv_bfloat16, __nv_bfloat16, tigon::v0_1::AdamWRule>", "tigon AdamW"),
     ("void tigon::v0_1::detail::add_rms_norm_bwd_kernel<__nv_bfloat16>", "tigon RMSNorm, add + RMSNorm"),

@@ -187,15 +187,6 @@ template <auto kKernel, int kMaxCluster>
   return Status();
 }
 
-// Whether one such cluster fits the current device (cluster_residency above).
-template <auto kKernel, int kMaxCluster>
-[[nodiscard]] inline Status cluster_fits(const LaunchShape& one, const char* op, bool& fits) {
-  int clusters = 0;
-  TIGON_CHECK((cluster_residency<kKernel, kMaxCluster>(one, op, clusters)));
-  fits = clusters > 0;
-  return Status();
-}
-
 }  // namespace detail
 
 TIGON_NAMESPACE_END

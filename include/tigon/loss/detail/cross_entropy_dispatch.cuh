@@ -91,9 +91,9 @@ Status launch_ce_resident(const CeParams<T, I>& p, cudaStream_t stream, const ch
   if (shape.csize == 0) return Status();
   const auto c = static_cast<unsigned>(shape.csize);
   LaunchShape one{dim3(c), dim3(kThreads), 0, stream, c};
-  bool fits = false;
-  TIGON_CHECK((cluster_fits<kKernel, kCeResMaxCluster>(one, op, fits)));
-  if (!fits) return Status();
+  int resident = 0;
+  TIGON_CHECK((cluster_residency<kKernel, kCeResMaxCluster>(one, op, resident)));
+  if (resident == 0) return Status();
   // One cluster per row; grids over 2^31 - 1 blocks go in several launches.
   const std::int64_t max_rows = (std::int64_t{1} << 31) / shape.csize - 1;
   for (std::int64_t r0 = 0; r0 < p.rows; r0 += max_rows) {

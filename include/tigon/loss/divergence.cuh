@@ -124,6 +124,11 @@ struct DivergenceValue {
 namespace div_math {
 
 inline constexpr float kNegInf = -__builtin_huge_valf();
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+// -2^126: a floor for a log-probability, so that a side whose probability is 0 (log -inf) gives
+// 0 * finite = 0 in a p log p term.
+inline constexpr float kLogFloor = -8.50705917e37f;
 
 // exp and log in fp32. Accurate (kFast false): CUDA's expf / logf, a couple of ulp, for fp32
 // students. Fast: the hardware approximations __expf (2 + floor(|1.173 x|) ulp) and __logf
@@ -268,7 +273,7 @@ struct GeneralizedJSD {
     // log -inf, gives 0 * finite = 0).
     template <class E>
     TIGON_HD DivergenceValue operator()(const E& e) const {
-      constexpr float kLogFloor = -8.50705917e37f;
+      using div_math::kLogFloor;
       const float bp = beta * e.y_prob;
       const float bq = (1.0f - beta) * e.x_prob;
       const float log_m = div_math::log_of<E>(fmaxf(bp + bq, 1.17549435e-38f));
@@ -1184,6 +1189,18 @@ TIGON_DEVICE void div_warp_lse(const DivWords<X, kN> (&raw)[kVecs], float inv_te
   s = sm[0];
 }
 
+// The generalised JSD's beta and 1 / (1 - beta), for the resident kernel's pass 2 in log2 units.
+struct DivMixLog2 {
+  float beta = 0.5f, inv_1mb = 1.0f;
+};
+template <class D>
+TIGON_DEVICE DivMixLog2 div_mix_log2(const D& d) {
+  DivMixLog2 m;
+  if constexpr (requires { d.beta; }) m.beta = d.beta;
+  m.inv_1mb = m.beta < 1.0f ? 1.0f / (1.0f - m.beta) : 0.0f;  // beta 1: (1 - beta) q_i, the gradient, is 0
+  return m;
+}
+
 // The resident kernel's largest cluster (beyond the portable 8: allowed per kernel on sm_90).
 inline constexpr int kDivResMaxCluster = 16;
 
@@ -1218,6 +1235,9 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
   constexpr bool kFast = kDivFastMath<T>;
   // A per-element upstream gradient exists only for a functor whose reduction none is per element.
   constexpr bool kElems = div_elementwise_none<D>();
+  // The generalised JSD inside (0, 1) on two 16-bit logits sides: pass 2 in log2 units with beta and
+  // 1 - beta folded into the probabilities' factors.
+  constexpr bool kMix2 = std::is_same_v<D, GeneralizedJSD::Mixture> && kKeepX && kKeepY && kFast;
   constexpr int kWarps = kThreads / 32;
   __shared__ std::uint64_t bar[2];
   __shared__ float4 slots[2][kDivResMaxCluster];
@@ -1243,6 +1263,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
   const int first = v0 + tid;  // this thread's first unit
   const int mine = v1 - first;  // unit j is this thread's when j * kThreads < mine
   const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
+  const DivMixLog2 mix = kMix2 ? div_mix_log2(div) : DivMixLog2{};
   DivWords<T, kN> xv[kVecs];
   DivWords<TT, kN> yv[kVecs];
   // Unit j of this thread is column off + j * kThreads * kN of the row (constant offsets).
@@ -1329,8 +1350,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
     // Pass 2. A kept exponential becomes the probability with one multiply: exp(v / T - lse) =
     // exp(v / T - m_w) exp(m_w - lse). Each unit's sums are masked whole (a unit that is not the
     // thread's computes on -inf).
-    const float cx = kKeepX ? div_math::exp_f32<kFast>(mwx - lse_x) : 0.0f;
-    const float cy = kKeepY ? div_math::exp_f32<kFast>(mwy - lse_y) : 0.0f;
+    const float cx = kKeepX ? div_math::exp_f32<kFast>(mwx - lse_x) * (kMix2 ? 1.0f - mix.beta : 1.0f) : 0.0f;
+    const float cy = kKeepY ? div_math::exp_f32<kFast>(mwy - lse_y) * (kMix2 ? mix.beta : 1.0f) : 0.0f;
+    const float it2 = p.inv_temp * div_math::kLog2e;  // (kMix2) the log-probabilities' scale and shifts
+    const float cxm = -lse_x * div_math::kLog2e, cym = -lse_y * div_math::kLog2e;
     float sums[2] = {0.0f, 0.0f};  // the thread's loss, S
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
@@ -1346,21 +1369,35 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
       }
 #pragma unroll
       for (int k = 0; k < kN; ++k) {
-        float q;
-        DivergenceValue v;
-        if constexpr (kKeepExp) {
-          const float px = kKeepX ? qq[j][k] * cx : 0.0f;
-          const float py = kKeepY ? ey[j][k] * cy : 0.0f;
-          v = div_math::evaluate_given<D, kS, kT, kFast>(div, xf[k], yf[k], p.inv_temp, lse_x, lse_y, px, py, q);
+        if constexpr (kMix2) {
+          // bq = (1 - beta) q_i, bp = beta p_i (beta and 1 - beta folded into the kept exponentials'
+          // factors); a = log2 q_i, b = log2 p_i. In bits: gq holds bq (log2 q_i - log2 m_i), l the
+          // element's loss; the row's gradient and losses take the factor ln 2
+          // (f ln2 / T (gq - bq S / (1 - beta)), S = sum gq).
+          const float bq = qq[j][k] * cx, bp = ey[j][k] * cy;
+          const float a = fmaf(xf[k], it2, cxm), b = fmaf(yf[k], it2, cym);
+          const float lm = log2_ftz(fmaxf(bp + bq, 1.17549435e-38f));
+          const float g2 = bq * fmaxf(a - lm, div_math::kLogFloor);
+          l[k] = fmaf(bp, fmaxf(b - lm, div_math::kLogFloor), g2);
+          gq[j][k] = g2;
+          qq[j][k] = bq;
         } else {
-          v = div_math::evaluate<D, kS, kT, kFast>(div, xf[k], yf[k], p.inv_temp, lse_x, lse_y, q);
-        }
-        l[k] = v.loss;
-        if constexpr (kSL) {
-          gq[j][k] = kElems ? w[k] * v.grad : v.grad;
-          qq[j][k] = q;
-        } else {
-          g[k] = kElems ? v.grad * f * w[k] : v.grad * f;
+          float q;
+          DivergenceValue v;
+          if constexpr (kKeepExp) {
+            const float px = kKeepX ? qq[j][k] * cx : 0.0f;
+            const float py = kKeepY ? ey[j][k] * cy : 0.0f;
+            v = div_math::evaluate_given<D, kS, kT, kFast>(div, xf[k], yf[k], p.inv_temp, lse_x, lse_y, px, py, q);
+          } else {
+            v = div_math::evaluate<D, kS, kT, kFast>(div, xf[k], yf[k], p.inv_temp, lse_x, lse_y, q);
+          }
+          l[k] = v.loss;
+          if constexpr (kSL) {
+            gq[j][k] = kElems ? w[k] * v.grad : v.grad;
+            qq[j][k] = q;
+          } else {
+            g[k] = kElems ? v.grad * f * w[k] : v.grad * f;
+          }
         }
       }
       const float lj = div_tree_sum(l);
@@ -1371,7 +1408,15 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
       } else {
         if (dr != nullptr && own) div_store<kN>(dr + c0, g, drop);
       }
-      if (lr != nullptr && own) div_store<kN>(lr + c0, l, drop);
+      if (lr != nullptr && own) {
+        if constexpr (kMix2) {
+#pragma unroll
+          for (int k = 0; k < kN; ++k) g[k] = div_math::kLn2 * l[k];
+          div_store<kN>(lr + c0, g, drop);
+        } else {
+          div_store<kN>(lr + c0, l, drop);
+        }
+      }
     }
     // The cluster's next row, in flight through exchange 2 and the gradient's stores.
     if (next < p.rows && !div_ignored(p, next)) load_row(next);
@@ -1403,7 +1448,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
       if (lane == 0) {
         row_stats.z = bs[0];
         row_stats.w = bs[1];
-        if (rank == 0 && p.partials != nullptr) p.partials[row] = bs[0];
+        if (rank == 0 && p.partials != nullptr) p.partials[row] = kMix2 ? div_math::kLn2 * bs[0] : bs[0];
       }
     }
     // Every warp is past its reads of part and the first slots before the next row writes them.
@@ -1411,8 +1456,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
     // Pass 3: the student's gradient from the registers.
     if constexpr (kSL) {
       if (dr != nullptr) {
-        const float s_total = row_stats.w;
-        const float fs = f * p.inv_temp;
+        const float s_total = kMix2 ? row_stats.w * mix.inv_1mb : row_stats.w;
+        const float fs = kMix2 ? f * p.inv_temp * div_math::kLn2 : f * p.inv_temp;
 #pragma unroll
         for (int j = 0; j < kVecs; ++j) {
           if (j * kThreads < mine) {

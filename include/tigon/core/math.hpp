@@ -71,6 +71,10 @@ TIGON_HD float rsqrt_f32(float x) {
 #endif
 }
 
+inline constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = 2^(x log2(e))
+inline constexpr float kLn2 = 0.6931471805599453f;     // ln(2): log(x) = log2(x) ln(2)
+inline constexpr float kMinNormal = 1.17549435e-38f;   // 2^-126, float's smallest normal number
+
 // 2^x and log2(x) on the special-function unit, subnormal inputs and results flushed to zero
 // (ex2.approx.ftz / lg2.approx.ftz: a single MUFU instruction each; the non-ftz forms add the
 // subnormal range's scaling around it). Exact std::exp2 / std::log2 on the host. Under 2^-126 a

@@ -124,8 +124,6 @@ struct DivergenceValue {
 namespace div_math {
 
 inline constexpr float kNegInf = -__builtin_huge_valf();
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.6931471805599453f;
 // -2^126: a floor for a log-probability, so that a side whose probability is 0 (log -inf) gives
 // 0 * finite = 0 in a p log p term.
 inline constexpr float kLogFloor = -8.50705917e37f;
@@ -138,14 +136,14 @@ inline constexpr float kLogFloor = -8.50705917e37f;
 template <bool kFast = false>
 TIGON_HD float exp_f32(float x) {
 #if defined(__CUDA_ARCH__)
-  if constexpr (kFast) return exp2_ftz(x * 1.4426950408889634f);  // __expf, subnormals flushed
+  if constexpr (kFast) return exp2_ftz(x * kLog2e);  // __expf, subnormals flushed
 #endif
   return ::expf(x);
 }
 template <bool kFast = false>
 TIGON_HD float log_f32(float x) {
 #if defined(__CUDA_ARCH__)
-  if constexpr (kFast) return log2_ftz(x) * 0.6931471805599453f;  // __logf, subnormals flushed
+  if constexpr (kFast) return log2_ftz(x) * kLn2;  // __logf, subnormals flushed
 #endif
   return ::logf(x);
 }
@@ -276,7 +274,7 @@ struct GeneralizedJSD {
       using div_math::kLogFloor;
       const float bp = beta * e.y_prob;
       const float bq = (1.0f - beta) * e.x_prob;
-      const float log_m = div_math::log_of<E>(fmaxf(bp + bq, 1.17549435e-38f));
+      const float log_m = div_math::log_of<E>(fmaxf(bp + bq, kMinNormal));
       const float gq = bq * (fmaxf(e.x_log, kLogFloor) - log_m);
       return {fmaf(bp, fmaxf(e.y_log, kLogFloor) - log_m, gq), gq};
     }
@@ -307,7 +305,7 @@ struct KLDiv {
     const float t = e.y_prob;
     if constexpr (E::teacher_input == DivergenceInput::probs) {
       // Under fast math the logarithm flushes a subnormal t to 0: such a t adds nothing.
-      const bool live = E::fast_math ? t >= 1.17549435e-38f : t != 0.0f;
+      const bool live = E::fast_math ? t >= kMinNormal : t != 0.0f;
       return {live ? t * (div_math::log_of<E>(fmaxf(t, eps)) - e.x_log) : 0.0f, -t};
     } else {
       return {t != 0.0f ? t * (e.y_log - e.x_log) : 0.0f, -t};
@@ -1158,8 +1156,8 @@ TIGON_DEVICE void div_warp_lse(const DivWords<X, kN> (&raw)[kVecs], float inv_te
   warp_allreduce<32>(mx, MaxOp{});
   m = mx[0] * inv_temp;  // inv_temp > 0: the max of v / T
   // exp(v / T - m): with the hardware exp2, log2(e) folded into the FMA's constants.
-  const float scale = kFast ? inv_temp * 1.4426950408889634f : inv_temp;
-  const float shift = kFast ? -m * 1.4426950408889634f : -m;
+  const float scale = kFast ? inv_temp * kLog2e : inv_temp;
+  const float shift = kFast ? -m * kLog2e : -m;
   float part[kVecs];
   if (m != div_math::kNegInf) {  // the same in the whole warp
 #pragma unroll
@@ -1187,18 +1185,6 @@ TIGON_DEVICE void div_warp_lse(const DivWords<X, kN> (&raw)[kVecs], float inv_te
   float sm[1] = {div_tree_sum(part)};
   warp_allreduce_sum<32>(sm);
   s = sm[0];
-}
-
-// The generalised JSD's beta and 1 / (1 - beta), for the resident kernel's pass 2 in log2 units.
-struct DivMixLog2 {
-  float beta = 0.5f, inv_1mb = 1.0f;
-};
-template <class D>
-TIGON_DEVICE DivMixLog2 div_mix_log2(const D& d) {
-  DivMixLog2 m;
-  if constexpr (requires { d.beta; }) m.beta = d.beta;
-  m.inv_1mb = m.beta < 1.0f ? 1.0f / (1.0f - m.beta) : 0.0f;  // beta 1: (1 - beta) q_i, the gradient, is 0
-  return m;
 }
 
 // The resident kernel's largest cluster (beyond the portable 8: allowed per kernel on sm_90).
@@ -1263,7 +1249,12 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
   const int first = v0 + tid;  // this thread's first unit
   const int mine = v1 - first;  // unit j is this thread's when j * kThreads < mine
   const std::uint64_t drop = l2_policy<L2Hint::evict_first>();
-  const DivMixLog2 mix = kMix2 ? div_mix_log2(div) : DivMixLog2{};
+  // kMix2: beta and 1 / (1 - beta) (0 at beta 1, where (1 - beta) q_i, the gradient, is 0).
+  float beta = 0.0f, inv_1mb = 0.0f;
+  if constexpr (kMix2) {
+    beta = div.beta;
+    inv_1mb = beta < 1.0f ? 1.0f / (1.0f - beta) : 0.0f;
+  }
   DivWords<T, kN> xv[kVecs];
   DivWords<TT, kN> yv[kVecs];
   // Unit j of this thread is column off + j * kThreads * kN of the row (constant offsets).
@@ -1350,10 +1341,10 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
     // Pass 2. A kept exponential becomes the probability with one multiply: exp(v / T - lse) =
     // exp(v / T - m_w) exp(m_w - lse). Each unit's sums are masked whole (a unit that is not the
     // thread's computes on -inf).
-    const float cx = kKeepX ? div_math::exp_f32<kFast>(mwx - lse_x) * (kMix2 ? 1.0f - mix.beta : 1.0f) : 0.0f;
-    const float cy = kKeepY ? div_math::exp_f32<kFast>(mwy - lse_y) * (kMix2 ? mix.beta : 1.0f) : 0.0f;
-    const float it2 = p.inv_temp * div_math::kLog2e;  // (kMix2) the log-probabilities' scale and shifts
-    const float cxm = -lse_x * div_math::kLog2e, cym = -lse_y * div_math::kLog2e;
+    const float cx = kKeepX ? div_math::exp_f32<kFast>(mwx - lse_x) * (kMix2 ? 1.0f - beta : 1.0f) : 0.0f;
+    const float cy = kKeepY ? div_math::exp_f32<kFast>(mwy - lse_y) * (kMix2 ? beta : 1.0f) : 0.0f;
+    const float it2 = p.inv_temp * kLog2e;  // (kMix2) the log-probabilities' scale and shifts
+    const float cxm = -lse_x * kLog2e, cym = -lse_y * kLog2e;
     float sums[2] = {0.0f, 0.0f};  // the thread's loss, S
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
@@ -1376,7 +1367,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
           // (f ln2 / T (gq - bq S / (1 - beta)), S = sum gq).
           const float bq = qq[j][k] * cx, bp = ey[j][k] * cy;
           const float a = fmaf(xf[k], it2, cxm), b = fmaf(yf[k], it2, cym);
-          const float lm = log2_ftz(fmaxf(bp + bq, 1.17549435e-38f));
+          const float lm = log2_ftz(fmaxf(bp + bq, kMinNormal));
           const float g2 = bq * fmaxf(a - lm, div_math::kLogFloor);
           l[k] = fmaf(bp, fmaxf(b - lm, div_math::kLogFloor), g2);
           gq[j][k] = g2;
@@ -1411,11 +1402,9 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
       if (lr != nullptr && own) {
         if constexpr (kMix2) {
 #pragma unroll
-          for (int k = 0; k < kN; ++k) g[k] = div_math::kLn2 * l[k];
-          div_store<kN>(lr + c0, g, drop);
-        } else {
-          div_store<kN>(lr + c0, l, drop);
+          for (int k = 0; k < kN; ++k) l[k] *= kLn2;  // bits to nats (lj above is in bits)
         }
+        div_store<kN>(lr + c0, l, drop);
       }
     }
     // The cluster's next row, in flight through exchange 2 and the gradient's stores.
@@ -1448,7 +1437,7 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
       if (lane == 0) {
         row_stats.z = bs[0];
         row_stats.w = bs[1];
-        if (rank == 0 && p.partials != nullptr) p.partials[row] = kMix2 ? div_math::kLn2 * bs[0] : bs[0];
+        if (rank == 0 && p.partials != nullptr) p.partials[row] = kMix2 ? kLn2 * bs[0] : bs[0];
       }
     }
     // Every warp is past its reads of part and the first slots before the next row writes them.
@@ -1456,8 +1445,8 @@ TIGON_KERNEL void __launch_bounds__(kThreads, kMinBlocks)
     // Pass 3: the student's gradient from the registers.
     if constexpr (kSL) {
       if (dr != nullptr) {
-        const float s_total = kMix2 ? row_stats.w * mix.inv_1mb : row_stats.w;
-        const float fs = kMix2 ? f * p.inv_temp * div_math::kLn2 : f * p.inv_temp;
+        const float s_total = kMix2 ? row_stats.w * inv_1mb : row_stats.w;
+        const float fs = kMix2 ? f * p.inv_temp * kLn2 : f * p.inv_temp;
 #pragma unroll
         for (int j = 0; j < kVecs; ++j) {
           if (j * kThreads < mine) {

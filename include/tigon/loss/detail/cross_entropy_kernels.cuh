@@ -74,8 +74,6 @@ TIGON_DEVICE void to_x(const AlignedVec<T, kV>& v, float cap, float* x) {
   }
 }
 
-inline constexpr float kLog2e = 1.4426950408889634f;
-
 // exp2_ftz (core/math.hpp): probabilities under 2^-126 of the row's largest are zero in any dtype
 // the gradient is written in.
 

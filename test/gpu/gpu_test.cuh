@@ -1,10 +1,8 @@
-// Shared pieces of the GPU tests: a main that reports "skipped" (exit 77) without a GPU, device
-// buffers, fresh random inputs, the sanitizer-sized switch, poisoned outputs, tolerance checks where
-// NaN never passes, the tolerances of outputs rounded to a dtype, and dense / strided views of host
-// matrices.
+// Shared pieces of the GPU tests: device buffers, fresh random inputs, the sanitizer-sized switch,
+// poisoned outputs, tolerance checks where NaN never passes, the tolerances of outputs rounded to a
+// dtype, and dense / strided views of host matrices. Every suite links gpu_test_main.cu's main.
 #pragma once
 
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include <cuda_runtime.h>
@@ -343,20 +341,4 @@ struct WarpPerRow : P {  // 4096 bf16 / half: the forward's 512 vectors over one
   static constexpr int kBwdBlockThreads = 256;
 };
 
-inline int run_main(int argc, char** argv) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("SKIPPED: no CUDA GPU on this machine; the GPU tests did not run.\n");
-    return kSkipExitCode;
-  }
-  cudaDeviceProp prop{};
-  cudaGetDeviceProperties(&prop, 0);
-  std::printf("GPU: %s (sm_%d%d), random seed %llu (replay with TIGON_TEST_SEED)\n", prop.name,
-              prop.major, prop.minor, static_cast<unsigned long long>(run_seed()));
-  return Catch::Session().run(argc, argv);
-}
-
 }  // namespace gpu_test
-
-#define GPU_TEST_MAIN \
-  int main(int argc, char** argv) { return gpu_test::run_main(argc, argv); }

@@ -327,5 +327,3 @@ TEST_CASE("adamw: grad_norm_clip's norm, factor and determinism; the clipped ste
   CUDA_OK(cudaDeviceSynchronize());
   CHECK(model.compare(1.0 / 128) == 0);
 }
-
-GPU_TEST_MAIN

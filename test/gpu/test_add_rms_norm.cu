@@ -410,5 +410,3 @@ TEST_CASE("add_rms_norm: an invalid call launches nothing and writes nothing", "
   CHECK(gpu_test::all_bytes_ff(dx.download().data(), n * sizeof(bf16)));
   CHECK(gpu_test::all_bytes_ff(dw.download().data(), cols * sizeof(bf16)));
 }
-
-GPU_TEST_MAIN

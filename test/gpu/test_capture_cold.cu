@@ -336,5 +336,3 @@ TEST_CASE("cold capture: the gradient clip and the AdamW step", "[.cold][adamw]"
       {{p[0].ptr, p[0].bytes()}, {p[1].ptr, p[1].bytes()}, {p[2].ptr, p[2].bytes()}, {m[2].ptr, m[2].bytes()},
        {v[2].ptr, v[2].bytes()}, {scalars.ptr, scalars.bytes()}});
 }
-
-GPU_TEST_MAIN

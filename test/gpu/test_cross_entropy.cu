@@ -602,5 +602,3 @@ TEST_CASE("cross_entropy: split vocabulary equals the unsplit op", "[ce][gpu]") 
   check_split<bf16>(64, 32000, {0, 16000, 32000}, 0.1f, 30.0f, 1e-4);
   check_split<half>(64, 32000, {0, 16000, 32000}, 0.1f, 30.0f, 1e-4);
 }
-
-GPU_TEST_MAIN

@@ -725,5 +725,3 @@ TEST_CASE("divergence: graph capture matches eager bitwise", "[div][gpu][graph]"
     cudaStreamDestroy(s);
   }
 }
-
-GPU_TEST_MAIN

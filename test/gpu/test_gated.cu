@@ -599,5 +599,3 @@ TEST_CASE("activation: the ungated forward and backward (squared ReLU, SiLU, GEL
   const auto h3 = c.download();
   CHECK(gpu_test::all_bytes_ff(h3.data(), h3.size() * sizeof(bf16)));
 }
-
-GPU_TEST_MAIN

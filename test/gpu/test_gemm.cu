@@ -261,5 +261,3 @@ TEST_CASE("gemm: bad arguments are rejected by name", "[gemm][gpu]") {
   bad.bias = d.ptr;  // over D
   CHECK(blas.gemm(bad, nullptr).code() == Errc::aliasing);
 }
-
-GPU_TEST_MAIN

@@ -113,5 +113,3 @@ TEST_CASE("rms_norm over 2^31 elements equals its row chunks", "[rms_norm][gpu][
   CHECK(std::isfinite(rs[R - 1]));
   CHECK(rs[R - 1] > 0.0f);
 }
-
-GPU_TEST_MAIN

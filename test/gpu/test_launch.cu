@@ -186,5 +186,3 @@ TEST_CASE("launch: the programmatic-launch switch is process-wide and on by defa
   TIGON_OK(tigon::detail::programmatic_launch_here(kernel, again));
   CHECK(again == here);
 }
-
-GPU_TEST_MAIN

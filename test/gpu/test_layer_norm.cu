@@ -417,5 +417,3 @@ TEST_CASE("layer_norm: an invalid call launches nothing and writes nothing", "[l
   CHECK(gpu_test::all_bytes_ff(dw.download().data(), cols * sizeof(bf16)));
   CHECK(gpu_test::all_bytes_ff(db.download().data(), cols * sizeof(bf16)));
 }
-
-GPU_TEST_MAIN

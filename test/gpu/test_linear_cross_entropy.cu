@@ -592,5 +592,3 @@ TEST_CASE("linear_cross_entropy_heads: gradients in the weight's dtype", "[lce][
   CHECK(std::memcmp(d1.data(), d2.data(), d1.size() * sizeof(bf16)) == 0);
   for (int k = 0; k < K; ++k) CHECK(rel_l2_bf16(dwb[k].download(), dwf[k].download()) < 6e-3);
 }
-
-GPU_TEST_MAIN

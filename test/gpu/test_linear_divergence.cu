@@ -312,5 +312,3 @@ TEST_CASE("linear_divergence: bad arguments are rejected by name", "[ldiv][gpu]"
   bad = a;
   CHECK(std::string(linear_divergence(bad, ForwardKL{}, blas, nullptr).argument()) == "workspace");
 }
-
-GPU_TEST_MAIN

@@ -303,5 +303,3 @@ TEST_CASE("linear_logprob: every target ignored gives zeros and no gradient", "[
   for (const auto& v : dx.download()) CHECK(to_float(v) == 0.0f);
   for (float v : dw.download()) CHECK(v == 0.0f);
 }
-
-GPU_TEST_MAIN

@@ -253,5 +253,3 @@ TEST_CASE("rejected: the optimizer step", "[rejected][gpu]") {
   expect_rejected("adamw_step, an empty plan", Errc::invalid_value, "plan",
                   [&](cudaStream_t s) { return adamw_step<bf16, float>(AdamWPlan{}, h, s); });
 }
-
-GPU_TEST_MAIN

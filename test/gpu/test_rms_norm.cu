@@ -355,5 +355,3 @@ TEST_CASE("rms_norm: an invalid call launches nothing and writes nothing", "[rms
   CHECK(gpu_test::all_bytes_ff(dxh.data(), n * sizeof(bf16)));
   CHECK(gpu_test::all_bytes_ff(dwh.data(), cols * sizeof(bf16)));
 }
-
-GPU_TEST_MAIN

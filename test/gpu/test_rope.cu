@@ -519,7 +519,6 @@ TEST_CASE("rope: an out-of-range position gives NaN for its token only", "[rope]
     }
 }
 
-GPU_TEST_MAIN
 
 TEST_CASE("rope: M-RoPE sections (Qwen2-VL), every dtype, both kernels", "[rope][gpu]") {
   // Liger-Kernel's M-RoPE shapes, sections on and off the 16-byte chunks (8 / 12 / 12 straddles),

@@ -34,6 +34,8 @@ from .functions import rms_norm as _rms_norm
 def _local(weight):
     """A weight sharded as a DTensor (FSDP2, tensor parallel) gathered inside the caller's forward, so
     the gradient flows back through the redistribution."""
+    if weight is None or type(weight) is torch.Tensor or type(weight) is torch.nn.Parameter:
+        return weight  # the usual case, before the import below (a per-call cost)
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover

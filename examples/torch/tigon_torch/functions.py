@@ -116,6 +116,8 @@ def _head_grad_dtype(w_dtype, accum_dtype=None, operand_dtype=None):
 
 def _casting(mode) -> int:
     """tigon's casting-mode code. Liger's integer code for "none" is -1 (tigon's is 2): both are taken."""
+    if type(mode) is str and mode in _o.CASTING_MODES:
+        return _o.CASTING_MODES[mode]
     value = getattr(mode, "value", mode)
     if isinstance(value, int) and not isinstance(value, bool) and value == -1:
         return _o.CASTING_MODES["none"]
@@ -183,8 +185,12 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _cpp(*tensors) -> bool:
-    return CPP_AUTOGRAD and _o.on_device(tensors[0]) and not _compiling() \
-        and all(type(t) in _PLAIN and t.dim() > 0 and t.is_contiguous() for t in tensors)
+    if not (CPP_AUTOGRAD and _o.on_device(tensors[0])) or _compiling():
+        return False
+    for t in tensors:  # a loop, not all() over a generator: this runs on every eager call
+        if type(t) not in _PLAIN or t.dim() == 0 or not t.is_contiguous():
+            return False
+    return True
 
 
 def rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True):

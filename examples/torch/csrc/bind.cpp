@@ -2,7 +2,8 @@
 // by the .cu files). Outputs are arguments, allocated by the Python side and marked mutable (a!),
 // so the operators return nothing and torch.compile can functionalise them; rms_norm, layer_norm,
 // add_rms_norm and gated, which return their outputs and carry their autograd in C++ for eager calls,
-// are the exceptions.
+// are the exceptions, and target_range, the losses' eager target check, which returns two integers
+// (it synchronises the host, so nothing calls it under torch.compile or CUDA-graph capture).
 #include <torch/library.h>
 
 TORCH_LIBRARY(tigon, m) {
@@ -52,6 +53,7 @@ TORCH_LIBRARY(tigon, m) {
         "Tensor? grad_logp, Tensor? grad_entropy, Tensor(a!)? dx, Tensor(b!)? dweight, Tensor(c!)? dbias, "
         "int ignore_index, float temperature, int chunk, bool accumulate, Tensor(d!)? kept) -> ()");
   m.def("scale_rows(Tensor(a!) x, Tensor scale) -> ()");
+  m.def("target_range(Tensor target, int ignore_index) -> int[]");
   m.def("divergence(Tensor student, Tensor teacher, Tensor? labels, Tensor? grad_output, Tensor(a!)? dx, "
         "Tensor(b!)? loss, Tensor(c!)? loss_rows, Tensor(d!)? loss_elems, int kind, int student_input, "
         "int teacher_input, int reduction, int ignore_index, float beta, float eps, float temperature, "

@@ -7,7 +7,11 @@
 #include "loss_common.h"
 
 #include <torch/library.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
+
+#include <cub/block/block_reduce.cuh>
+#include <cuda/functional>
 
 #include <algorithm>
 #include <map>
@@ -119,6 +123,83 @@ void scale_rows(const Tensor& x, const Tensor& scale) {
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+// The smallest and largest target that is not ignore_index (an ignored target counts as 0, a valid
+// class of any vocabulary), for the losses' eager target check: one launch whose blocks each write
+// their (min, max) straight into mapped pinned host memory, then one synchronisation of the current
+// stream (c10's, so CUDA's sync debug mode sees it), with no device allocation and no copy. The host
+// buffers (one per device, kRangeBlocks pairs) are allocated on first use and kept for the life of the
+// process; a mutex per device holds one across its launch and synchronisation.
+constexpr int kRangeThreads = 256;
+constexpr int kRangeBlocks = 32;
+
+template <class I>
+__global__ void __launch_bounds__(kRangeThreads) target_range_kernel(const I* target, std::int64_t n,
+                                                                     std::int64_t ignore_index, long long* out) {
+  long long lo = 0, hi = 0;
+  for (std::int64_t i = blockIdx.x * std::int64_t{kRangeThreads} + threadIdx.x; i < n;
+       i += std::int64_t{gridDim.x} * kRangeThreads) {
+    const long long v = static_cast<long long>(target[i]) == ignore_index ? 0 : static_cast<long long>(target[i]);
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+  }
+  using Reduce = cub::BlockReduce<long long, kRangeThreads>;
+  __shared__ typename Reduce::TempStorage tmp[2];
+  lo = Reduce(tmp[0]).Reduce(lo, cuda::minimum<long long>{});
+  hi = Reduce(tmp[1]).Reduce(hi, cuda::maximum<long long>{});
+  if (threadIdx.x == 0) {
+    volatile long long* o = out + 2 * blockIdx.x;
+    o[0] = lo;
+    o[1] = hi;
+  }
+}
+
+std::vector<std::int64_t> target_range(const Tensor& target, std::int64_t ignore_index) {
+  constexpr const char* op = "tigon.target_range";
+  TORCH_CHECK_VALUE(target.is_cuda(), op, ": 'target' must be a CUDA tensor, got ", target.device());
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.is_contiguous(), op, ": 'target' must be 1-D and contiguous, got shape ",
+                    target.sizes(), " and strides ", target.strides());
+  const std::int64_t n = target.numel();
+  if (n == 0) return {0, 0};
+  const c10::cuda::CUDAGuard guard(target.device());
+  const int device = target.get_device();
+  TORCH_CHECK_VALUE(device >= 0 && device < tigon::detail::kMaxDevices, op, ": device ordinal ", device, " is out of range");
+  struct Slot {
+    std::once_flag once;
+    std::mutex mutex;
+    long long* host = nullptr;
+    long long* dev = nullptr;
+  };
+  static Slot slots[tigon::detail::kMaxDevices];
+  Slot& s = slots[device];
+  std::call_once(s.once, [&] {
+    void* h = nullptr;
+    C10_CUDA_CHECK(cudaHostAlloc(&h, sizeof(long long) * 2 * kRangeBlocks, cudaHostAllocMapped | cudaHostAllocPortable));
+    void* d = nullptr;
+    C10_CUDA_CHECK(cudaHostGetDevicePointer(&d, h, 0));
+    s.host = static_cast<long long*>(h);
+    s.dev = static_cast<long long*>(d);
+  });
+  TORCH_CHECK(s.host != nullptr, op, ": no pinned host buffer (its allocation failed earlier)");
+  const auto blocks = static_cast<int>(std::min<std::int64_t>(kRangeBlocks, (n + 8 * kRangeThreads - 1) / (8 * kRangeThreads)));
+  const cudaStream_t stream = current_stream(target);
+  const std::lock_guard<std::mutex> lock(s.mutex);
+  dispatch_index(target.scalar_type(), op, [&](auto ti) {
+    using I = typename decltype(ti)::type;
+    target_range_kernel<I><<<blocks, kRangeThreads, 0, stream>>>(static_cast<const I*>(target.data_ptr()), n,
+                                                                 ignore_index, s.dev);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  c10::cuda::stream_synchronize(stream);
+  long long lo = 0, hi = 0;
+  for (int b = 0; b < blocks; ++b) {
+    const volatile long long* o = s.host + 2 * b;
+    const long long block_lo = o[0], block_hi = o[1];
+    lo = std::min(lo, block_lo);
+    hi = std::max(hi, block_hi);
+  }
+  return {static_cast<std::int64_t>(lo), static_cast<std::int64_t>(hi)};
 }
 
 // One cuBLASLt back end per (device, stream): cuBLASLt plans are cached per shape inside it. Kept for
@@ -449,6 +530,7 @@ TORCH_LIBRARY_IMPL(tigon, CUDA, m) {
   m.impl("linear_logprob", &linear_logprob);
   m.impl("linear_logprob_bwd", &linear_logprob_bwd);
   m.impl("scale_rows", &scale_rows);
+  m.impl("target_range", &target_range);
 }
 
 }  // namespace tigon_torch

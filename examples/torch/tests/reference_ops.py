@@ -370,6 +370,11 @@ def scale_rows(x, scale):
     x.copy_(torch.where(s == 1.0, x.float(), x.float() * s).to(x.dtype))
 
 
+def target_range(target, ignore_index):
+    t = target.masked_fill(target == ignore_index, 0)
+    return [min(int(t.min()), 0), max(int(t.max()), 0)] if t.numel() else [0, 0]
+
+
 def _div_forms(v, form, temperature):
     """(log-probabilities, probabilities) of one side given in form 0 (log-probs), 1 (probs), 2 (logits)."""
     if form == 0:
@@ -549,6 +554,7 @@ def adamw_grad_norm(params, grads, exp_avgs, exp_avg_sqs, masters, plan, max_nor
 
 OPS = [rms_norm_fwd, rms_norm_bwd, layer_norm_fwd, layer_norm_bwd, add_rms_norm_fwd, add_rms_norm_bwd, rope,
        gated_fwd, gated_bwd, relu2_fwd, relu2_bwd, cross_entropy, linear_cross_entropy, linear_cross_entropy_heads, linear_logprob, linear_logprob_bwd, scale_rows,
+       target_range,
        divergence, adamw_plan, adamw_step, adamw_grad_norm]
 
 

@@ -363,6 +363,48 @@ def test_bad_target_raises_before_any_gradient(ext, seed, in_place):
     assert h.grad is None and w.grad is None
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("n", [1, 7, 3000, 200_003])
+def test_check_targets_finds_the_extreme_bad_target_anywhere(ext, dtype, n):
+    """check_targets on device targets (tigon.target_range: the blocks' (min, max) merged on the host):
+    a bad value at the start, the middle or the end of a long vector, on its own or beside others,
+    is reported as the smallest negative or, with none, the largest too-large target."""
+    vocab = 50
+    base = torch.arange(n, device=DEVICE, dtype=torch.int64).remainder(vocab).to(dtype)
+    base[::3] = -100
+    tt.check_targets(base, vocab)
+    for at in sorted({0, n // 2, n - 1}):
+        for bad in (vocab, -1, 10**6):
+            t = base.clone()
+            t[at] = bad
+            with pytest.raises(tt.TargetOutOfRangeError, match=rf"target {bad} is out of bounds"):
+                tt.check_targets(t, vocab)
+    if n > 2:
+        t = base.clone()
+        t[0], t[n - 1] = vocab + 5, -7  # a negative target is named first
+        with pytest.raises(tt.TargetOutOfRangeError, match=r"target -7 is out of bounds"):
+            tt.check_targets(t, vocab)
+    tt.check_targets(torch.full((n,), -100, device=DEVICE, dtype=dtype), vocab)  # all ignored
+    tt.check_targets(torch.full((n,), 7, device=DEVICE, dtype=dtype), 5, ignore_index=7)
+    strided = torch.stack([base, base]).t()[:, 0]  # not contiguous
+    tt.check_targets(strided, vocab)
+
+
+@pytest.mark.cuda_only
+def test_check_targets_is_a_synchronisation_torch_reports(ext):
+    """The eager target check's synchronisation goes through c10's, so CUDA's sync debug mode "warn"
+    reports it (and mode "error" skips the check: see _target_check_enabled)."""
+    target = torch.tensor([1, 2, -100], device="cuda")
+    prev = torch.cuda.get_sync_debug_mode()
+    try:
+        torch.cuda.set_sync_debug_mode("warn")
+        with pytest.warns(UserWarning, match="synchroniz"):
+            tt.check_targets(target, 5)
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
 @pytest.mark.cuda_only
 def test_bad_target_under_graph_capture_gives_nan_and_a_count(ext):
     """Under CUDA-graph capture the host check is skipped: the loss is NaN and count_invalid_targets,

@@ -815,14 +815,19 @@ def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int = -10
     """Raises TargetOutOfRangeError, naming the offending value, the vocabulary size and ignore_index,
     when a target is neither ignore_index nor in [0, vocab_size). Eager mode only (see
     _target_check_enabled); the cross-entropy functions call it before any kernel runs, so no loss or
-    gradient is written for a bad batch. Cost: one elementwise pass and one min/max reduction over
-    the targets, and one host synchronisation (a 16-byte copy to the host), which waits for the
-    device work queued before the loss."""
+    gradient is written for a bad batch. Cost: one min/max pass over the targets and one host
+    synchronisation, which waits for the device work queued before the loss. For int64 or int32
+    targets on the GPU that is one operator call (tigon.target_range: one launch whose blocks write
+    their (min, max) into pinned host memory, then the synchronisation); otherwise a few torch
+    operations and a 16-byte copy to the host."""
     if target.numel() == 0 or vocab_size < 1 or not _target_check_enabled(target):
         return
-    # Ignored targets become 0, a valid class, so that one (min, max) pair decides.
-    t = target.masked_fill(target == ignore_index, 0)
-    lo, hi = torch.stack(torch.aminmax(t)).tolist()
+    # Ignored targets count as 0, a valid class, so that one (min, max) pair decides.
+    if target.dtype in (torch.int64, torch.int32) and _o.on_device(target):
+        lo, hi = ops().target_range(target.reshape(-1).contiguous(), int(ignore_index))
+    else:
+        t = target.masked_fill(target == ignore_index, 0)
+        lo, hi = torch.stack(torch.aminmax(t)).tolist()
     if lo >= 0 and hi < vocab_size:
         return
     value = lo if lo < 0 else hi
@@ -866,8 +871,10 @@ def _ce_outputs(rows, device, reduction, want_z, want_argmax, z_scale):
 def _ce_extras(target, ignore_index, reduction, out_dtype, z_dtype, loss, loss_rows, z_loss, lse, argmax,
                z_scale, return_z_loss, return_token_accuracy, return_predicted_tokens):
     """The four return values (loss, z_loss, token_accuracy, predicted_tokens), all on the device."""
-    valid = target != ignore_index
     loss_out = _cast(loss_rows if reduction == "none" else loss, out_dtype)
+    if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
+        return loss_out, None, None, None
+    valid = target != ignore_index
     z_out = None
     if return_z_loss:
         if reduction == "none":

@@ -184,6 +184,11 @@ std::vector<std::int64_t> target_range(const Tensor& target, std::int64_t ignore
   TORCH_CHECK(s.host != nullptr, op, ": no pinned host buffer (its allocation failed earlier)");
   const auto blocks = static_cast<int>(std::min<std::int64_t>(kRangeBlocks, (n + 8 * kRangeThreads - 1) / (8 * kRangeThreads)));
   const cudaStream_t stream = current_stream(target);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  TORCH_CHECK_VALUE(capture == cudaStreamCaptureStatusNone, op,
+                    ": the target check synchronises the host, which a stream being captured into a CUDA graph "
+                    "does not allow (count_invalid_targets counts bad targets without synchronising)");
   const std::lock_guard<std::mutex> lock(s.mutex);
   dispatch_index(target.scalar_type(), op, [&](auto ti) {
     using I = typename decltype(ti)::type;

@@ -406,6 +406,18 @@ def test_check_targets_is_a_synchronisation_torch_reports(ext):
 
 
 @pytest.mark.cuda_only
+def test_target_range_refuses_graph_capture(ext):
+    """tigon.target_range synchronises, so under capture it raises a ValueError naming the reason
+    (check_targets does not call it there)."""
+    target = torch.tensor([1, 2, -100], device="cuda")
+    assert list(ops.ops().target_range(target, -100)) == [0, 2]
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="CUDA graph"):
+        with torch.cuda.graph(graph):
+            ops.ops().target_range(target, -100)
+
+
+@pytest.mark.cuda_only
 def test_bad_target_under_graph_capture_gives_nan_and_a_count(ext):
     """Under CUDA-graph capture the host check is skipped: the loss is NaN and count_invalid_targets,
     captured with it, counts the bad targets on the device."""

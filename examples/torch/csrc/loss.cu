@@ -7,7 +7,6 @@
 #include "loss_common.h"
 
 #include <torch/library.h>
-#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 
 #include <cub/block/block_reduce.cuh>
@@ -128,7 +127,8 @@ void scale_rows(const Tensor& x, const Tensor& scale) {
 // The smallest and largest target that is not ignore_index (an ignored target counts as 0, a valid
 // class of any vocabulary), for the losses' eager target check: one launch whose blocks each write
 // their (min, max) straight into mapped pinned host memory, then one synchronisation of the current
-// stream (c10's, so CUDA's sync debug mode sees it), with no device allocation and no copy. The host
+// stream, with no device allocation and no copy (check_targets reports the synchronisation when
+// CUDA's sync debug mode is "warn"). The host
 // buffers (one per device, kRangeBlocks pairs) are allocated on first use and kept for the life of the
 // process; a mutex per device holds one across its launch and synchronisation.
 constexpr int kRangeThreads = 256;
@@ -196,7 +196,7 @@ std::vector<std::int64_t> target_range(const Tensor& target, std::int64_t ignore
                                                                  ignore_index, s.dev);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  c10::cuda::stream_synchronize(stream);
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
   long long lo = 0, hi = 0;
   for (int b = 0; b < blocks; ++b) {
     const volatile long long* o = s.host + 2 * b;

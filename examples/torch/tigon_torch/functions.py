@@ -29,6 +29,7 @@ torch.compile.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -816,7 +817,8 @@ def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int = -10
     when a target is neither ignore_index nor in [0, vocab_size). Eager mode only (see
     _target_check_enabled); the cross-entropy functions call it before any kernel runs, so no loss or
     gradient is written for a bad batch. Cost: one min/max pass over the targets and one host
-    synchronisation, which waits for the device work queued before the loss. For int64 or int32
+    synchronisation, which waits for the device work queued before the loss (reported as a warning
+    when CUDA's sync debug mode is "warn", as torch's own synchronising calls are). For int64 or int32
     targets on the GPU that is one operator call (tigon.target_range: one launch whose blocks write
     their (min, max) into pinned host memory, then the synchronisation); otherwise a few torch
     operations and a 16-byte copy to the host."""
@@ -824,6 +826,8 @@ def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int = -10
         return
     # Ignored targets count as 0, a valid class, so that one (min, max) pair decides.
     if target.dtype in (torch.int64, torch.int32) and _o.on_device(target):
+        if target.is_cuda and torch.cuda.get_sync_debug_mode() == 1:  # as torch's synchronising calls do
+            warnings.warn("tigon_torch.check_targets: called a synchronizing CUDA operation", stacklevel=2)
         lo, hi = ops().target_range(target.reshape(-1).contiguous(), int(ignore_index))
     else:
         t = target.masked_fill(target == ignore_index, 0)

@@ -394,7 +394,7 @@ def test_check_targets_finds_the_extreme_bad_target_anywhere(ext, dtype, n):
 @pytest.mark.cuda_only
 def test_check_targets_is_a_synchronisation_torch_reports(ext):
     """CUDA's sync debug mode "warn" reports the eager target check's synchronisation, as it reports
-    torch's own (mode "error" skips the check: see _target_check_enabled)."""
+    torch's own (mode "error" skips the check: see _target_check_mode)."""
     target = torch.tensor([1, 2, -100], device="cuda")
     prev = torch.cuda.get_sync_debug_mode()
     try:

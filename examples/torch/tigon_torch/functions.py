@@ -29,6 +29,7 @@ torch.compile.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import torch
@@ -790,45 +791,50 @@ def count_invalid_targets(target: torch.Tensor, vocab_size: int, ignore_index: i
     return bad.sum()
 
 
-def _target_check_enabled(target: torch.Tensor) -> bool:
-    """Whether the eager host check runs: not while torch.compile traces, not on fake or meta tensors,
-    not while the current CUDA stream is being captured into a graph, not when CUDA's sync debug mode
-    is "error" (a step declared synchronisation-free), and not with TIGON_TORCH_CHECK_TARGETS=0. In
-    those cases the kernels' own contract holds: no out-of-bounds access, a NaN loss for the row."""
-    import os
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous 1-D tensor: itself when it is one (no operator call on the per-call path)."""
+    return t if t.dim() == 1 and t.is_contiguous() else t.reshape(-1).contiguous()
 
-    if _compiling() or target.device.type == "meta" or os.environ.get("TIGON_TORCH_CHECK_TARGETS") == "0":
-        return False
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-    except ImportError:  # pragma: no cover
-        pass
-    else:
-        if is_fake(target):
-            return False
-    if target.is_cuda:
-        if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode() == 2:
-            return False
-    return True
+
+def _target_check_mode(target: torch.Tensor) -> int:
+    """-1 when the eager host check does not run: while torch.compile traces, on fake or meta tensors,
+    while the current CUDA stream is being captured into a graph, when CUDA's sync debug mode is
+    "error" (a step declared synchronisation-free), and with TIGON_TORCH_CHECK_TARGETS=0. In those
+    cases the kernels' own contract holds: no out-of-bounds access, a NaN loss for the row. Otherwise
+    the sync debug mode the check runs under (0, or 1 for "warn"; 0 off the GPU). A plain tensor that
+    is not a functional wrapper is never fake, so it skips the fake-tensor test."""
+    if _compiling() or target.is_meta or os.environ.get("TIGON_TORCH_CHECK_TARGETS") == "0":
+        return -1
+    if (type(target) is not torch.Tensor or torch._is_functional_tensor(target)) and _is_fake(target):
+        return -1
+    if not target.is_cuda:
+        return 0
+    if torch.cuda.is_current_stream_capturing():
+        return -1
+    mode = torch.cuda.get_sync_debug_mode()
+    return -1 if mode == 2 else mode
 
 
 def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int = -100) -> None:
     """Raises TargetOutOfRangeError, naming the offending value, the vocabulary size and ignore_index,
     when a target is neither ignore_index nor in [0, vocab_size). Eager mode only (see
-    _target_check_enabled); the cross-entropy functions call it before any kernel runs, so no loss or
+    _target_check_mode); the cross-entropy functions call it before any kernel runs, so no loss or
     gradient is written for a bad batch. Cost: one min/max pass over the targets and one host
     synchronisation, which waits for the device work queued before the loss (reported as a warning
     when CUDA's sync debug mode is "warn", as torch's own synchronising calls are). For int64 or int32
     targets on the GPU that is one operator call (tigon.target_range: one launch whose blocks write
     their (min, max) into pinned host memory, then the synchronisation); otherwise a few torch
     operations and a 16-byte copy to the host."""
-    if target.numel() == 0 or vocab_size < 1 or not _target_check_enabled(target):
+    if target.numel() == 0 or vocab_size < 1:
+        return
+    mode = _target_check_mode(target)
+    if mode < 0:
         return
     # Ignored targets count as 0, a valid class, so that one (min, max) pair decides.
     if target.dtype in (torch.int64, torch.int32) and _o.on_device(target):
-        if target.is_cuda and torch.cuda.get_sync_debug_mode() == 1:  # as torch's synchronising calls do
+        if mode == 1:  # as torch's own synchronising calls do
             warnings.warn("tigon_torch.check_targets: called a synchronizing CUDA operation", stacklevel=2)
-        lo, hi = ops().target_range(target.reshape(-1).contiguous(), int(ignore_index))
+        lo, hi = ops().target_range(_flat(target), int(ignore_index))
     else:
         t = target.masked_fill(target == ignore_index, 0)
         lo, hi = torch.stack(torch.aminmax(t)).tolist()
@@ -901,7 +907,7 @@ def _ce_forward(ctx, _input, target, weight, ignore_index, lse_square_scale, lab
     if _input.dim() != 2:
         raise ValueError(f"tigon_torch: _input must be [BT, V], got shape {tuple(_input.shape)}")
     x2 = as_rows(_input)
-    target = target.reshape(-1).contiguous()
+    target = _flat(target)
     rows, vocab = x2.shape
     check_targets(target, vocab, int(ignore_index))  # before the kernel, which may write the gradient
     cw = _class_weights(weight, vocab, x2.device)
@@ -1071,8 +1077,6 @@ def _head_operands(x, w, b):
 
 
 def _lce_chunk() -> int:
-    import os
-
     return int(os.environ.get("TIGON_TORCH_LCE_CHUNK", "0"))
 
 
@@ -1129,7 +1133,7 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         x2 = as_rows(x.reshape(-1, hidden))
         w = w.contiguous()
         b = vector(b)
-        target = target.reshape(-1).contiguous()
+        target = _flat(target)
         rows, vocab = x2.shape[0], w.shape[0]
         if target.shape[0] != rows:
             raise ValueError(f"tigon_torch: target has {target.shape[0]} tokens, _input {rows}")
@@ -1525,8 +1529,6 @@ def _addmm_fp32(acc, a, b) -> None:
 def _jsd_chunk(tokens: int, vocab: int, elem_bytes: int) -> int:
     """Tokens per chunk of the fused linear JSD: TIGON_TORCH_JSD_CHUNK, else about 512 MiB of logits per
     chunk (a multiple of 128 tokens, at least 128), at most all of them."""
-    import os
-
     env = os.environ.get("TIGON_TORCH_JSD_CHUNK", "")
     if env not in ("", "0"):
         c = int(env)
@@ -1694,7 +1696,7 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
         w = w.contiguous()
         b = vector(b)
         tshape = target.shape
-        target = target.reshape(-1).contiguous()
+        target = _flat(target)
         rows, vocab = x2.shape[0], w.shape[0]
         if w.shape[1] != hidden:
             raise ValueError(f"tigon_torch: weight is {tuple(w.shape)}, _input has {hidden} features")

@@ -128,9 +128,9 @@ void scale_rows(const Tensor& x, const Tensor& scale) {
 // class of any vocabulary), for the losses' eager target check: one launch whose blocks each write
 // their (min, max) straight into mapped pinned host memory, then one synchronisation of the current
 // stream, with no device allocation and no copy (check_targets reports the synchronisation when
-// CUDA's sync debug mode is "warn"). The host
-// buffers (one per device, kRangeBlocks pairs) are allocated on first use and kept for the life of the
-// process; a mutex per device holds one across its launch and synchronisation.
+// CUDA's sync debug mode is "warn"). The host buffers (one per device, kRangeBlocks pairs) are
+// allocated on first use and kept for the life of the process; a mutex per device holds one across
+// its launch and synchronisation.
 constexpr int kRangeThreads = 256;
 constexpr int kRangeBlocks = 32;
 
@@ -140,7 +140,8 @@ __global__ void __launch_bounds__(kRangeThreads) target_range_kernel(const I* ta
   long long lo = 0, hi = 0;
   for (std::int64_t i = blockIdx.x * std::int64_t{kRangeThreads} + threadIdx.x; i < n;
        i += std::int64_t{gridDim.x} * kRangeThreads) {
-    const long long v = static_cast<long long>(target[i]) == ignore_index ? 0 : static_cast<long long>(target[i]);
+    long long v = static_cast<long long>(target[i]);
+    v = v == ignore_index ? 0 : v;
     lo = v < lo ? v : lo;
     hi = v > hi ? v : hi;
   }
@@ -181,7 +182,6 @@ std::vector<std::int64_t> target_range(const Tensor& target, std::int64_t ignore
     s.host = static_cast<long long*>(h);
     s.dev = static_cast<long long*>(d);
   });
-  TORCH_CHECK(s.host != nullptr, op, ": no pinned host buffer (its allocation failed earlier)");
   const auto blocks = static_cast<int>(std::min<std::int64_t>(kRangeBlocks, (n + 8 * kRangeThreads - 1) / (8 * kRangeThreads)));
   const cudaStream_t stream = current_stream(target);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;

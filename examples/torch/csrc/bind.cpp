@@ -1,8 +1,9 @@
 // The tigon operator library: schemas of every operator (implementations for CUDA are registered
-// by the .cu files). Outputs are arguments, allocated by the Python side and marked mutable (a!),
+// by the other source files). Outputs are arguments, allocated by the Python side and marked mutable (a!),
 // so the operators return nothing and torch.compile can functionalise them; rms_norm, layer_norm,
-// add_rms_norm and gated, which return their outputs and carry their autograd in C++ for eager calls,
-// are the exceptions, and target_range, the losses' eager target check, which returns two integers
+// add_rms_norm, gated, cross_entropy_loss and linear_cross_entropy_loss, which return their outputs and
+// carry their autograd in C++ for eager calls (cross_entropy_loss writes the gradient over the logits
+// when in_place), are the exceptions, and target_range, the losses' eager target check, which returns two integers
 // (it synchronises the host, so nothing calls it under torch.compile or CUDA-graph capture).
 #include <torch/library.h>
 
@@ -36,6 +37,12 @@ TORCH_LIBRARY(tigon, m) {
         "Tensor(a!)? dlogits, Tensor(b!)? loss, Tensor(c!)? loss_rows, Tensor(d!)? z_loss, Tensor(e!)? lse, "
         "Tensor(f!)? argmax, int ignore_index, float label_smoothing, float z_loss_scale, float softcap, "
         "int reduction, float grad_scale) -> ()");
+  m.def("cross_entropy_loss(Tensor(a!) logits, Tensor target, Tensor? weight, int ignore_index, "
+        "float lse_square_scale, float label_smoothing, int reduction, float softcap, bool in_place, bool fp32, "
+        "bool check) -> Tensor");
+  m.def("linear_cross_entropy_loss(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? ce_weight, "
+        "int ignore_index, float lse_square_scale, float label_smoothing, int reduction, float softcap, "
+        "bool accum_fp32, bool token_scaling, int chunk, bool check) -> Tensor");
   m.def("linear_cross_entropy(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weights, "
         "Tensor? grad_output, Tensor(a!)? dx, Tensor(b!)? dweight, Tensor(c!)? dbias, Tensor(d!)? loss, "
         "Tensor(e!)? loss_rows, Tensor(f!)? z_loss, Tensor(g!)? lse, Tensor(h!)? argmax, int ignore_index, "

@@ -284,3 +284,243 @@ def test_bad_calls_raise(ext, monkeypatch):
         fn.gated(x, x, "relu")
     with pytest.raises(TypeError):  # a and b of two dtypes (the Python function names them)
         tt.tigon_swiglu(x, x.float())
+
+
+# Cross-entropy: tigon.cross_entropy_loss (the loss alone) against TigonCrossEntropyFunction and its fp32
+# variant. (rows, vocab, dtype); options: class weights, label smoothing, z-loss, softcap.
+CE_CASES = [(7, 96, torch.bfloat16), (5, 300, torch.float32), (4, 96, torch.float16), (33, 2048, torch.bfloat16),
+            (0, 64, torch.bfloat16)]
+CE_OPTIONS = {"plain": {}, "weights+smoothing": {"weights": True, "smoothing": 0.1},
+              "z+softcap": {"z": 1e-4, "softcap": 30.0}}
+
+
+def _ce_step(cpp, rows, vocab, dtype, options, reduction, in_place, upstream, fp32):
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    x = (3 * torch.randn(rows, vocab, generator=g, device=DEVICE)).to(dtype).requires_grad_()
+    t = torch.randint(0, vocab, (rows,), generator=g, device=DEVICE)
+    if rows > 2:
+        t[1] = -100
+    w = torch.rand(vocab, generator=g, device=DEVICE) + 0.5 if options.get("weights") else None
+    z, s, cap = options.get("z", 0.0), options.get("smoothing", 0.0), options.get("softcap")
+    v0 = x._version
+    if cpp:
+        loss = _ops.ops().cross_entropy_loss(x, t, w, -100, z, s, _ops.REDUCTIONS[reduction],
+                                             0.0 if cap is None else cap, in_place, fp32, True)
+    elif fp32:
+        loss = fn.TigonCrossEntropyFP32Function.apply(x, t, w, -100, z, s, reduction, cap)[0]
+    else:
+        loss = fn.TigonCrossEntropyFunction.apply(x, t, w, -100, z, s, reduction, cap, False, False, False,
+                                                  in_place)[0]
+    node, bumped = loss.grad_fn, x._version > v0
+    if upstream == "one":
+        (loss.sum() if reduction == "none" else loss).backward()
+    else:  # 2.5, or a gradient per row
+        go = torch.randn(rows, generator=g, device=DEVICE) if reduction == "none" else torch.tensor(2.5)
+        loss.backward(go.to(device=DEVICE, dtype=loss.dtype))
+    return loss.detach(), x.grad, bumped, node
+
+
+@pytest.mark.parametrize("upstream", ["one", "scaled"])
+@pytest.mark.parametrize("in_place,fp32", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", list(CE_OPTIONS))
+@pytest.mark.parametrize("rows,vocab,dtype", CE_CASES)
+@pytest.mark.gpu
+def test_cross_entropy_same_bits_as_the_python_function(ext, rows, vocab, dtype, options, reduction, in_place, fp32,
+                                                        upstream):
+    args = (rows, vocab, dtype, CE_OPTIONS[options], reduction, in_place, upstream, fp32)
+    ref = _ce_step(False, *args)
+    out = _ce_step(True, *args)
+    assert out[2] == ref[2]  # the logits' version bumped (the gradient written over them) exactly when it is
+    assert out[2] == (in_place and dtype != torch.float16 and rows > 0)
+    _same_bits(("loss", "dlogits"), ref[:2] + ref[3:], out[:2] + out[3:])
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.gpu
+def test_cross_entropy_second_backward(ext, in_place):
+    """retain_graph: the gradient the forward wrote is handed out once and the second backward
+    recomputes it (the same bits as the Python Function); in place, the second backward raises."""
+    grads = []
+    for cpp in (False, True):
+        g = torch.Generator(device=DEVICE).manual_seed(6)
+        x = torch.randn(9, 500, generator=g, device=DEVICE).to(torch.bfloat16).requires_grad_()
+        t = torch.randint(0, 500, (9,), generator=g, device=DEVICE)
+        if cpp:
+            loss = _ops.ops().cross_entropy_loss(x, t, None, -100, 0.0, 0.0, 2, 0.0, in_place, False, True)
+        else:
+            loss = fn.TigonCrossEntropyFunction.apply(x, t, None, -100, 0.0, 0.0, "mean", None, False, False, False,
+                                                      in_place)[0]
+        loss.backward(retain_graph=True)
+        if in_place:
+            # (The CPU reference's scale_rows bumps the gradient's version, which autograd reports first.)
+            with pytest.raises(RuntimeError, match="second backward" if DEVICE == "cuda" else "second backward|inplace"):
+                loss.backward()
+            grads.append(x.grad.clone())
+            continue
+        first = x.grad.clone()
+        loss.backward()
+        grads.append((first, x.grad.clone()))
+    if in_place:
+        assert torch.equal(grads[0], grads[1])
+    else:
+        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+        assert torch.equal(grads[1][1], (2 * grads[1][0].float()).to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_cross_entropy_routing(ext, monkeypatch):
+    """tigon_cross_entropy, TigonCrossEntropyLoss and the patches' causal-LM loss take the C++ operator when
+    they ask for the loss alone on contiguous logits; a return_* flag, non-contiguous logits and
+    CPP_AUTOGRAD off take the Python Function, with the same results; bad targets raise
+    TargetOutOfRangeError (a ValueError and an AssertionError) before anything is written."""
+    from tigon_torch.functional import tigon_causal_lm_loss_from_logits as causal_lm_loss
+
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    x = torch.randn(12, 256, generator=g, device=DEVICE).to(torch.bfloat16)
+    t = torch.randint(0, 256, (3, 4), generator=g, device=DEVICE)  # 2-D targets are flattened
+    monkeypatch.setattr(fn, "CPP_AUTOGRAD", False)
+    ref = tt.tigon_cross_entropy(x, t, label_smoothing=0.05)
+    ref_lm = causal_lm_loss(x.view(3, 4, 256), t)
+    monkeypatch.setattr(fn, "CPP_AUTOGRAD", True)
+    xg = x.clone().requires_grad_()
+    out = tt.tigon_cross_entropy(xg, t, label_smoothing=0.05)
+    assert "CppNode" in out.grad_fn.name() and torch.equal(out.detach(), ref)
+    out = tt.TigonCrossEntropyLoss(label_smoothing=0.05)(xg, t)
+    assert "CppNode" in out.grad_fn.name() and torch.equal(out.detach(), ref)
+    out = causal_lm_loss(xg.view(3, 4, 256), t)
+    assert "CppNode" in out.grad_fn.name() and out.dtype == torch.float32 and torch.equal(out.detach(), ref_lm)
+    with torch.no_grad():
+        assert torch.equal(tt.tigon_cross_entropy(xg, t, label_smoothing=0.05), ref)
+    if DEVICE == "cuda":
+        with torch.inference_mode():
+            assert torch.equal(tt.tigon_cross_entropy(x, t, label_smoothing=0.05), ref)
+    res = tt.tigon_cross_entropy(xg, t, label_smoothing=0.05, return_z_loss=True)
+    assert "CppNode" not in type(res.loss.grad_fn).__name__ and torch.equal(res.loss.detach(), ref)
+    wide = torch.randn(12, 512, generator=g, device=DEVICE).to(torch.bfloat16)[:, :256].requires_grad_()
+    assert "CppNode" not in type(tt.tigon_cross_entropy(wide, t).grad_fn).__name__
+    bad = t.clone()
+    bad[1, 2] = 256
+    before = xg.detach().clone()
+    for in_place in (False, True):
+        with pytest.raises(tt.TargetOutOfRangeError, match=r"target 256 is out of bounds.*ignore_index \(-100\)"):
+            tt.tigon_cross_entropy(xg, bad, in_place=in_place)
+        with pytest.raises(AssertionError):
+            tt.tigon_cross_entropy(xg, bad, in_place=in_place)
+    assert torch.equal(xg.detach(), before) and xg.grad is None
+    with pytest.raises(ValueError, match="class weights"):
+        tt.tigon_cross_entropy(xg, t, torch.ones(255, device=DEVICE))
+    with pytest.raises(ValueError, match="reduction"):
+        tt.tigon_cross_entropy(xg, t, reduction="avg")
+    monkeypatch.setenv("TIGON_TORCH_CHECK_TARGETS", "0")
+    tt.tigon_cross_entropy(xg, torch.where(bad == 256, -100, bad))  # no check, a valid batch
+
+
+# Linear cross-entropy: tigon.linear_cross_entropy_loss against TigonFusedLinearCrossEntropyFunction.
+# (x's shape, vocab, dtype, bias); options as CE_OPTIONS, plus token scaling.
+LCE_CASES = [((37, 64), 300, torch.bfloat16, True), ((2, 5, 64), 96, torch.float32, False),
+             ((9, 64), 200, torch.float16, True), ((0, 64), 96, torch.bfloat16, True)]
+LCE_OPTIONS = dict(CE_OPTIONS, **{"token_scaling": {"token_scaling": True}})
+
+
+def _lce_step(cpp, shape, vocab, dtype, bias, options, reduction, accum, wants, upstream, autocast):
+    g = torch.Generator(device=DEVICE).manual_seed(8)
+    pdtype = torch.float32 if autocast else dtype
+    x = torch.randn(shape, generator=g, device=DEVICE).to(pdtype).requires_grad_("x" in wants)
+    w = (0.2 * torch.randn(vocab, shape[-1], generator=g, device=DEVICE)).to(pdtype).requires_grad_("w" in wants)
+    b = (0.1 * torch.randn(vocab, generator=g, device=DEVICE)).to(pdtype).requires_grad_("w" in wants) if bias else None
+    t = torch.randint(0, vocab, shape[:-1], generator=g, device=DEVICE).reshape(-1)
+    if t.numel() > 2:
+        t[1] = -100
+    cw = torch.rand(vocab, generator=g, device=DEVICE) + 0.5 if options.get("weights") else None
+    z, s, cap = options.get("z", 0.0), options.get("smoothing", 0.0), options.get("softcap")
+    ts = options.get("token_scaling", False)
+    acc = torch.float32 if accum else None
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        if cpp:
+            loss = _ops.ops().linear_cross_entropy_loss(x, w, b, t, cw, -100, z, s, _ops.REDUCTIONS[reduction],
+                                                        0.0 if cap is None else cap, accum, ts, 0, True)
+        else:
+            loss = fn.TigonFusedLinearCrossEntropyFunction.apply(x, w, t, b, cw, -100, z, s, reduction, cap, False,
+                                                                 acc, ts)[0]
+    node = loss.grad_fn
+    if not wants:
+        pass
+    elif upstream == "retain":  # the graph kept: scaled out of place, then a second backward
+        loss.backward(torch.tensor(0.75, device=DEVICE), retain_graph=True)
+        loss.backward(torch.tensor(1.5, device=DEVICE))
+    elif upstream == "one":
+        loss.backward()
+    else:
+        loss.backward(torch.tensor(2.5, device=DEVICE))
+    return (loss.detach(), x.grad, w.grad, None if b is None else b.grad, node)
+
+
+@pytest.mark.parametrize("upstream", ["one", "scaled", "retain"])
+@pytest.mark.parametrize("accum", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("options", list(LCE_OPTIONS))
+@pytest.mark.parametrize("shape,vocab,dtype,bias", LCE_CASES)
+@pytest.mark.gpu
+def test_linear_cross_entropy_same_bits_as_the_python_function(ext, shape, vocab, dtype, bias, options, reduction,
+                                                               accum, upstream):
+    args = (shape, vocab, dtype, bias, LCE_OPTIONS[options], reduction, accum, "xw", upstream, False)
+    ref = _lce_step(False, *args)
+    out = _lce_step(True, *args)
+    _same_bits(("loss", "dx", "dw", "db"), ref, out)
+
+
+@pytest.mark.parametrize("wants", ["x", "w", ""])
+@pytest.mark.gpu
+def test_linear_cross_entropy_partial_gradients(ext, wants):
+    """Only the gradients asked for are computed (a frozen head; frozen hidden states; none)."""
+    args = ((11, 64), 128, torch.bfloat16, True, {}, "mean", False, wants, "one", False)
+    ref = _lce_step(False, *args)
+    out = _lce_step(True, *args)
+    if not wants:
+        assert out[-1] is None and ref[-1] is None and torch.equal(out[0], ref[0])
+        return
+    _same_bits(("loss", "dx", "dw", "db"), ref, out)
+
+
+@pytest.mark.cuda_only
+def test_linear_cross_entropy_autocast_same_bits(ext):
+    """Under CUDA autocast (fp32 parameters, bf16 operands) the operands are cast as the Python Function
+    casts them, and the gradients come back in the parameters' dtype."""
+    args = ((16, 64), 300, torch.bfloat16, True, {}, "mean", False, "xw", "scaled", True)
+    ref = _lce_step(False, *args)
+    out = _lce_step(True, *args)
+    assert out[1].dtype == torch.float32 and out[2].dtype == torch.float32
+    _same_bits(("loss", "dx", "dw", "db"), ref, out)
+
+
+@pytest.mark.gpu
+def test_linear_cross_entropy_routing(ext, monkeypatch):
+    """tigon_fused_linear_cross_entropy and TigonFusedLinearCrossEntropyLoss take the C++ operator for the
+    loss alone with reduction mean or sum; reduction none, a return_* flag and accum_dtype equal to the
+    weight's take the Python Function; bad targets raise TargetOutOfRangeError before any gradient."""
+    g = torch.Generator(device=DEVICE).manual_seed(9)
+    x = torch.randn(2, 6, 64, generator=g, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    w = (0.2 * torch.randn(256, 64, generator=g, device=DEVICE)).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 256, (2, 6), generator=g, device=DEVICE)
+    monkeypatch.setattr(fn, "CPP_AUTOGRAD", False)
+    ref = tt.tigon_fused_linear_cross_entropy(x, w, t, reduction="sum")
+    assert "CppNode" not in type(ref.grad_fn).__name__
+    monkeypatch.setattr(fn, "CPP_AUTOGRAD", True)
+    out = tt.tigon_fused_linear_cross_entropy(x, w, t, reduction="sum")
+    assert "CppNode" in out.grad_fn.name() and torch.equal(out.detach(), ref.detach())
+    out = tt.TigonFusedLinearCrossEntropyLoss(reduction="sum")(w, x, t)
+    assert "CppNode" in out.grad_fn.name() and torch.equal(out.detach(), ref.detach())
+    for kw in ({"reduction": "none"}, {"return_z_loss": True}, {"accum_dtype": torch.bfloat16}):
+        res = tt.tigon_fused_linear_cross_entropy(x, w, t, **kw)
+        loss = res.loss if kw.get("return_z_loss") else res
+        assert "CppNode" not in type(loss.grad_fn).__name__
+    bad = t.clone()
+    bad[1, 3] = -5
+    with pytest.raises(tt.TargetOutOfRangeError, match=r"target -5 is out of bounds"):
+        tt.tigon_fused_linear_cross_entropy(x, w, bad)
+    with pytest.raises(TypeError, match="one dtype"):
+        tt.tigon_fused_linear_cross_entropy(x, w.detach().float(), t)
+    with pytest.raises(ValueError, match="tokens"):
+        tt.tigon_fused_linear_cross_entropy(x, w, t[:, :5])
+    assert x.grad is None and w.grad is None

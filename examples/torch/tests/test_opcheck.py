@@ -72,7 +72,12 @@ def _cases():
     cases["cross_entropy"] = (logits, t, None, None, _e(N, V), _e((), dtype=F32), _e(N, dtype=F32),
                               _e((), dtype=F32), _e(N, dtype=F32), _e(N, dtype=torch.int64), -100, 0.1, 1e-4,
                               0.0, 2, 1.0)
+    # The loss alone with its autograd in C++ (the target check off: it synchronises, see _EAGER_ONLY).
+    cases["cross_entropy_loss"] = (_r(N, V).requires_grad_(), t, None, -100, 1e-4, 0.1, 2, 0.0, False, False, False)
     xw, W = _r(N, H), _r(V, H, scale=0.1)
+    cases["linear_cross_entropy_loss"] = (xw.clone().requires_grad_(), W.clone().requires_grad_(),
+                                          _r(V).requires_grad_(), t, None, -100, 1e-4, 0.1, 2, 0.0, False, False, 4,
+                                          False)
     cases["linear_cross_entropy"] = (xw, W, _r(V), t, None, None, _e(N, H), _e(V, H, dtype=F32),
                                      _e(V, dtype=F32), _e((), dtype=F32), _e(N, dtype=F32), _e((), dtype=F32),
                                      _e(N, dtype=F32), _e(N, dtype=torch.int64), -100, 0.0, 0.0, 0.0, 2, 1.0,
@@ -118,7 +123,8 @@ _CASE_NAMES = ["rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd
                "add_rms_norm_bwd", "rope", "gated_fwd", "gated_bwd", "relu2_fwd", "relu2_bwd", "cross_entropy",
                "linear_cross_entropy", "linear_cross_entropy_heads", "linear_logprob", "linear_logprob_bwd",
                "scale_rows", "target_range", "divergence", "adamw_plan", "adamw_step", "adamw_step@lr_value", "adamw_grad_norm",
-               "rms_norm", "add_rms_norm", "layer_norm", "gated"]
+               "rms_norm", "add_rms_norm", "layer_norm", "gated", "cross_entropy_loss",
+               "linear_cross_entropy_loss"]
 
 # The plan holds its input tensors' addresses, which tracing changes (AOT dispatch runs it on copies):
 # not a function of the inputs' values, so not traced (an optimizer step is not compiled).

@@ -33,6 +33,7 @@ SOURCES = [
     "rope.cu",
     "gated.cu",
     "loss.cu",
+    "loss_autograd.cpp",
     "divergence.cu",
     "optim.cu",
 ]

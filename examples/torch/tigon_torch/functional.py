@@ -10,10 +10,7 @@ import torch
 
 from . import ops as _ops
 from .functions import (
-    TigonCrossEntropyFP32Function,
-    TigonCrossEntropyFunction,
     TigonFusedGateUpMulFunction,
-    TigonFusedLinearCrossEntropyFunction,
     TigonFusedLinearJSDFunction,
     TigonGatedMLPFunction,
     TigonInterleavedRopeFunction,
@@ -26,8 +23,10 @@ from .functions import (
     TigonTVDLossFunction,
 )
 from .functions import add_rms_norm as _add_rms_norm
+from .functions import cross_entropy as _cross_entropy
 from .functions import gated as _gated
 from .functions import layer_norm as _layer_norm
+from .functions import linear_cross_entropy as _linear_cross_entropy
 from .functions import rms_norm as _rms_norm
 
 
@@ -300,7 +299,7 @@ def tigon_cross_entropy(
         from torch.nn import _reduction
 
         reduction = _reduction.legacy_get_string(size_average, reduce)
-    out = TigonCrossEntropyFunction.apply(
+    out = _cross_entropy(
         input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
         return_z_loss, return_token_accuracy, return_predicted_tokens, bool(in_place) and torch.is_grad_enabled())
     return _loss_result(out, return_z_loss, return_token_accuracy, return_predicted_tokens)
@@ -325,7 +324,7 @@ def tigon_fused_linear_cross_entropy(
 ):
     """Liger's liger_fused_linear_cross_entropy: the loss, or a CrossEntropyOutput when a return_* flag
     is set (see TigonFusedLinearCrossEntropyFunction)."""
-    out = TigonFusedLinearCrossEntropyFunction.apply(
+    out = _linear_cross_entropy(
         input, _local(weight), target, _local(bias), ce_weight, ignore_index, lse_square_scale, label_smoothing,
         reduction, softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy,
         return_predicted_tokens)
@@ -373,8 +372,8 @@ def tigon_causal_lm_loss_from_logits(logits, labels=None, vocab_size=None, num_i
     logits = logits.reshape(-1, vocab_size)
     target = shift_labels.reshape(-1).to(logits.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = TigonCrossEntropyFP32Function.apply(logits, target, None, ignore_index, 0.0, 0.0, reduction, None,
-                                               False, False, False)[0]
+    loss = _cross_entropy(logits, target, None, ignore_index, 0.0, 0.0, reduction, None, False, False, False,
+                          fp32=True)[0]
     if reduction == "sum":
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)

@@ -1057,6 +1057,39 @@ class TigonCrossEntropyFP32Function(torch.autograd.Function):
         return _ce_backward(ctx, grad_output)
 
 
+_OUT_OF_RANGE = "tigon_torch: target "  # how tigon.cross_entropy_loss's out-of-range message begins
+
+
+def cross_entropy(_input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+                  return_z_loss, return_token_accuracy, return_predicted_tokens, in_place=False, fp32=False):
+    """TigonCrossEntropyFunction's four return values (fp32=True: TigonCrossEntropyFP32Function's). Eager
+    calls that ask for the loss alone on contiguous CUDA logits and targets go through
+    tigon.cross_entropy_loss, whose autograd is C++: the same target check, kernels and results, bit
+    for bit, with no Python in the forward's or the backward's path."""
+    if (return_z_loss is False and return_token_accuracy is False and return_predicted_tokens is False
+            and _cpp(_input, target) and (weight is None or type(weight) in _PLAIN)):
+        mode = _target_check_mode(target)
+        if mode == 1 and target.numel() > 0:
+            warnings.warn("tigon_torch.check_targets: called a synchronizing CUDA operation", stacklevel=3)
+        try:
+            loss = ops().cross_entropy_loss(
+                _input, target, weight, int(ignore_index), float(lse_square_scale), float(label_smoothing),
+                _o.reduction_code(reduction), 0.0 if softcap is None else float(softcap), bool(in_place), fp32,
+                mode >= 0)
+        except ValueError as e:
+            if str(e).startswith(_OUT_OF_RANGE):
+                raise TargetOutOfRangeError(str(e)) from None
+            raise
+        return loss, None, None, None
+    if fp32:
+        return TigonCrossEntropyFP32Function.apply(_input, target, weight, ignore_index, lse_square_scale,
+                                                   label_smoothing, reduction, softcap, return_z_loss,
+                                                   return_token_accuracy, return_predicted_tokens)
+    return TigonCrossEntropyFunction.apply(_input, target, weight, ignore_index, lse_square_scale, label_smoothing,
+                                           reduction, softcap, return_z_loss, return_token_accuracy,
+                                           return_predicted_tokens, in_place)
+
+
 # ------------------------------------------------------------------------------------------------
 # Fused linear cross-entropy
 # ------------------------------------------------------------------------------------------------
@@ -1207,6 +1240,35 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         if dx is not None:
             dx = dx.view(ctx.shape)
         return (dx, dw, None, db) + nones
+
+
+def linear_cross_entropy(_input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing,
+                         reduction, softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy,
+                         return_predicted_tokens):
+    """TigonFusedLinearCrossEntropyFunction's four return values. Eager calls with reduction "mean" or
+    "sum" that ask for the loss alone on contiguous CUDA tensors go through
+    tigon.linear_cross_entropy_loss, whose autograd is C++: the same target check, kernels and
+    results, bit for bit, with no Python in the forward's or the backward's path."""
+    if (return_z_loss is False and return_token_accuracy is False and return_predicted_tokens is False
+            and (reduction == "mean" or reduction == "sum") and (accum_dtype is None or accum_dtype is torch.float32)
+            and _cpp(_input, weight, target) and (bias is None or _cpp(bias))
+            and (ce_weight is None or type(ce_weight) in _PLAIN)):
+        mode = _target_check_mode(target)
+        if mode == 1 and target.numel() > 0:
+            warnings.warn("tigon_torch.check_targets: called a synchronizing CUDA operation", stacklevel=3)
+        try:
+            loss = ops().linear_cross_entropy_loss(
+                _input, weight, bias, target, ce_weight, int(ignore_index), float(lse_square_scale),
+                float(label_smoothing), 2 if reduction == "mean" else 1, 0.0 if softcap is None else float(softcap),
+                accum_dtype is not None, bool(use_token_scaling), _lce_chunk(), mode >= 0)
+        except ValueError as e:
+            if str(e).startswith(_OUT_OF_RANGE):
+                raise TargetOutOfRangeError(str(e)) from None
+            raise
+        return loss, None, None, None
+    return TigonFusedLinearCrossEntropyFunction.apply(
+        _input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+        return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy, return_predicted_tokens)
 
 
 class TigonFusedLinearMultiHeadCrossEntropyFunction(torch.autograd.Function):

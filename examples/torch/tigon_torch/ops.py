@@ -124,9 +124,9 @@ def _fake_checks():
 
 def _register_fakes() -> None:
     """Fake (meta) kernels for torch.compile and FakeTensorMode: every operator but adamw_plan and the
-    four with a C++ autograd (rms_norm, layer_norm, add_rms_norm, gated) writes only into its
-    arguments, so each returns None after the shape and dtype checks of its CUDA implementation
-    (_fake_checks) where it has them."""
+    six with a C++ autograd (rms_norm, layer_norm, add_rms_norm, gated, cross_entropy_loss,
+    linear_cross_entropy_loss) writes only into its arguments, so each returns None after the shape and dtype checks of its CUDA
+    implementation (_fake_checks) where it has them."""
     global _fakes_registered
     if _fakes_registered:
         return
@@ -199,6 +199,23 @@ def _register_fakes() -> None:
         return torch.empty_like(a, memory_format=torch.contiguous_format)
 
     torch.library.register_fake("tigon::gated", gated_fake)
+
+    def cross_entropy_loss_fake(logits, target, weight, ignore_index, z_scale, smoothing, reduction, softcap,
+                                in_place, fp32, check):
+        if logits.dim() != 2 or not logits.is_contiguous():
+            raise ValueError("tigon.cross_entropy_loss: 'logits' must be a contiguous [BT, V]")
+        shape = (logits.shape[0],) if reduction == 0 else ()
+        return logits.new_empty(shape, dtype=torch.float32 if fp32 else logits.dtype)
+
+    torch.library.register_fake("tigon::cross_entropy_loss", cross_entropy_loss_fake)
+
+    def linear_cross_entropy_loss_fake(x, weight, bias, target, ce_weight, *args):
+        if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+            raise ValueError(f"tigon.linear_cross_entropy_loss: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
+                             "must be [..., H] and [V, H]")
+        return x.new_empty((), dtype=torch.float32)
+
+    torch.library.register_fake("tigon::linear_cross_entropy_loss", linear_cross_entropy_loss_fake)
     _fakes_registered = True
 
 

@@ -70,7 +70,7 @@ void add_rms_norm_bwd(const Tensor& dy, const OptTensor& dsum, const Tensor& sum
     std::size_t bytes = 0;
     check_status(tigon::add_rms_norm_backward_workspace_bytes(a, bytes));
     const Tensor ws = workspace(bytes, sum);
-    a.workspace = bytes ? ws.data_ptr() : nullptr;
+    a.workspace = workspace_ptr(ws);
     a.workspace_bytes = bytes;
     check_status(tigon::add_rms_norm_backward(a, current_stream(sum)));
   });

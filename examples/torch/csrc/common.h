@@ -96,11 +96,13 @@ inline void same_shape(const Rows& a, const Rows& b, const char* op, const char*
                     a.cols, "] but '", bn, "' is [", b.rows, ", ", b.cols, "]");
 }
 
-// Scratch bytes from torch's caching allocator (at least 256-byte aligned), or null for 0 bytes.
+// Scratch bytes from torch's caching allocator (at least 256-byte aligned); for 0 bytes an undefined
+// tensor (no allocation), whose workspace_ptr() is null.
 inline Tensor workspace(std::size_t bytes, const Tensor& ref) {
-  return at::empty({static_cast<std::int64_t>(bytes == 0 ? 1 : bytes)},
-                   ref.options().dtype(at::kByte));
+  return bytes == 0 ? Tensor() : at::empty({static_cast<std::int64_t>(bytes)}, ref.options().dtype(at::kByte));
 }
+
+inline void* workspace_ptr(const Tensor& ws) { return ws.defined() ? ws.data_ptr() : nullptr; }
 
 // Calls f(tag<T>) for the tigon type of a float / half / bfloat16 torch dtype.
 template <class T>

@@ -67,7 +67,7 @@ void layer_norm_bwd(const Tensor& dy, const Tensor& x, const OptTensor& weight, 
     std::size_t bytes = 0;
     check_status(tigon::layer_norm_backward_workspace_bytes(a, bytes));
     const Tensor ws = workspace(bytes, x);
-    a.workspace = bytes ? ws.data_ptr() : nullptr;
+    a.workspace = workspace_ptr(ws);
     a.workspace_bytes = bytes;
     check_status(tigon::layer_norm_backward(a, current_stream(x)));
   });

@@ -53,7 +53,7 @@ void cross_entropy(const Tensor& logits, const Tensor& target, const OptTensor& 
       std::size_t bytes = 0;
       check_status(tigon::cross_entropy_workspace_bytes(a, bytes));
       const Tensor ws = workspace(bytes, logits);
-      a.workspace = ws.data_ptr();
+      a.workspace = workspace_ptr(ws);
       a.workspace_bytes = bytes;
       check_status(tigon::cross_entropy(a, current_stream(logits)));
     });
@@ -258,7 +258,7 @@ void run_on_gemm(const Tensor& x, A& a, Query&& query, Run&& run, const OptTenso
   } else {
     ws = workspace(bytes, x);
   }
-  a.workspace = ws.data_ptr();
+  a.workspace = workspace_ptr(ws);
   a.workspace_bytes = bytes;
   const Tensor gemm_ws = workspace(kGemmWorkspaceBytes, x);
   const cudaStream_t stream = current_stream(x);

@@ -174,7 +174,7 @@ void adamw_grad_norm(const TensorList& params, const TensorList& grads, const Te
               const Tensor ws = workspace(bytes, ref);
               check_status(tigon::grad_norm_clip<P, S>(view, static_cast<float>(max_norm),
                                                        scalar_of(norm, ref, op, "norm"),
-                                                       scalar_of(factor, ref, op, "factor"), ws.data_ptr(), bytes,
+                                                       scalar_of(factor, ref, op, "factor"), workspace_ptr(ws), bytes,
                                                        current_stream(ref),
                                                        scalar_of(grad_scale, ref, op, "grad_scale")));
             });

@@ -524,3 +524,28 @@ def test_linear_cross_entropy_routing(ext, monkeypatch):
     with pytest.raises(ValueError, match="tokens"):
         tt.tigon_fused_linear_cross_entropy(x, w, t[:, :5])
     assert x.grad is None and w.grad is None
+
+
+@pytest.mark.cuda_only
+def test_loss_operators_under_sync_debug_modes(ext, monkeypatch):
+    """The C++ losses' target check is reported under CUDA's sync debug mode "warn", as check_targets
+    reports it, and skipped under "error" (a step declared synchronisation-free), with nothing else in
+    their forward or backward synchronising."""
+    monkeypatch.setattr(fn, "CPP_AUTOGRAD", True)
+    x = torch.randn(3, 40, device="cuda", requires_grad=True)
+    h = torch.randn(3, 16, device="cuda", requires_grad=True)
+    w = torch.randn(40, 16, device="cuda", requires_grad=True)
+    t = torch.tensor([1, 2, -100], device="cuda")
+    calls = (lambda: tt.tigon_cross_entropy(x, t), lambda: tt.tigon_fused_linear_cross_entropy(h, w, t))
+    prev = torch.cuda.get_sync_debug_mode()
+    try:
+        torch.cuda.set_sync_debug_mode("warn")
+        for call in calls:
+            with pytest.warns(UserWarning, match="synchroniz"):
+                loss = call()
+            assert "CppNode" in loss.grad_fn.name()
+        torch.cuda.set_sync_debug_mode("error")
+        for call in calls:
+            call().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)

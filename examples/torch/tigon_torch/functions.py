@@ -1057,7 +1057,22 @@ class TigonCrossEntropyFP32Function(torch.autograd.Function):
         return _ce_backward(ctx, grad_output)
 
 
-_OUT_OF_RANGE = "tigon_torch: target "  # how tigon.cross_entropy_loss's out-of-range message begins
+_OUT_OF_RANGE = "tigon_torch: target "  # how the C++ target check's message begins
+
+
+def _checked_loss(op, target, *args):
+    """op(*args, check) for the loss operators whose autograd is C++ (tigon.cross_entropy_loss,
+    tigon.linear_cross_entropy_loss): check says whether they run the eager target check
+    (_target_check_mode), whose out-of-range error becomes TargetOutOfRangeError here."""
+    mode = _target_check_mode(target)
+    if mode == 1 and target.numel() > 0:  # as check_targets reports it
+        warnings.warn("tigon_torch.check_targets: called a synchronizing CUDA operation", stacklevel=4)
+    try:
+        return op(*args, mode >= 0)
+    except ValueError as e:
+        if str(e).startswith(_OUT_OF_RANGE):
+            raise TargetOutOfRangeError(str(e)) from None
+        raise
 
 
 def cross_entropy(_input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
@@ -1068,18 +1083,9 @@ def cross_entropy(_input, target, weight, ignore_index, lse_square_scale, label_
     for bit, with no Python in the forward's or the backward's path."""
     if (return_z_loss is False and return_token_accuracy is False and return_predicted_tokens is False
             and _cpp(_input, target) and (weight is None or type(weight) in _PLAIN)):
-        mode = _target_check_mode(target)
-        if mode == 1 and target.numel() > 0:
-            warnings.warn("tigon_torch.check_targets: called a synchronizing CUDA operation", stacklevel=3)
-        try:
-            loss = ops().cross_entropy_loss(
-                _input, target, weight, int(ignore_index), float(lse_square_scale), float(label_smoothing),
-                _o.reduction_code(reduction), 0.0 if softcap is None else float(softcap), bool(in_place), fp32,
-                mode >= 0)
-        except ValueError as e:
-            if str(e).startswith(_OUT_OF_RANGE):
-                raise TargetOutOfRangeError(str(e)) from None
-            raise
+        loss = _checked_loss(ops().cross_entropy_loss, target, _input, target, weight, int(ignore_index),
+                             float(lse_square_scale), float(label_smoothing), _o.reduction_code(reduction),
+                             0.0 if softcap is None else float(softcap), bool(in_place), fp32)
         return loss, None, None, None
     if fp32:
         return TigonCrossEntropyFP32Function.apply(_input, target, weight, ignore_index, lse_square_scale,
@@ -1253,18 +1259,10 @@ def linear_cross_entropy(_input, weight, target, bias, ce_weight, ignore_index, 
             and (reduction == "mean" or reduction == "sum") and (accum_dtype is None or accum_dtype is torch.float32)
             and _cpp(_input, weight, target) and (bias is None or _cpp(bias))
             and (ce_weight is None or type(ce_weight) in _PLAIN)):
-        mode = _target_check_mode(target)
-        if mode == 1 and target.numel() > 0:
-            warnings.warn("tigon_torch.check_targets: called a synchronizing CUDA operation", stacklevel=3)
-        try:
-            loss = ops().linear_cross_entropy_loss(
-                _input, weight, bias, target, ce_weight, int(ignore_index), float(lse_square_scale),
-                float(label_smoothing), 2 if reduction == "mean" else 1, 0.0 if softcap is None else float(softcap),
-                accum_dtype is not None, bool(use_token_scaling), _lce_chunk(), mode >= 0)
-        except ValueError as e:
-            if str(e).startswith(_OUT_OF_RANGE):
-                raise TargetOutOfRangeError(str(e)) from None
-            raise
+        loss = _checked_loss(ops().linear_cross_entropy_loss, target, _input, weight, bias, target, ce_weight,
+                             int(ignore_index), float(lse_square_scale), float(label_smoothing),
+                             2 if reduction == "mean" else 1, 0.0 if softcap is None else float(softcap),
+                             accum_dtype is not None, bool(use_token_scaling), _lce_chunk())
         return loss, None, None, None
     return TigonFusedLinearCrossEntropyFunction.apply(
         _input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,

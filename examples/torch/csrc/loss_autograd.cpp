@@ -61,12 +61,6 @@ Tensor class_weights(const std::optional<Tensor>& w, std::int64_t vocab, const T
   return w->to(logits.device(), at::kFloat).contiguous();
 }
 
-// Saved across forward and backward: the kernel's arguments.
-struct CeArgs {
-  std::int64_t ignore_index, reduction;
-  double smoothing, z_scale, softcap;
-};
-
 class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
  public:
   // logits [rows, V] contiguous; target [rows] (any shape of rows elements); returns the loss ([] or

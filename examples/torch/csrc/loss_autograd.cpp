@@ -41,6 +41,11 @@ const auto& target_range_op() {
 // The prefix of the out-of-range message, which the Python side turns into TargetOutOfRangeError.
 constexpr const char* kOutOfRange = "tigon_torch: target ";
 
+// target as a contiguous 1-D tensor (itself when it is one).
+Tensor flat(const Tensor& target) {
+  return target.dim() == 1 && target.is_contiguous() ? target : target.reshape({-1}).contiguous();
+}
+
 // check_targets of functions.py: one tigon.target_range call (a launch and a host synchronisation).
 void check_targets(const Tensor& target, std::int64_t vocab, std::int64_t ignore_index) {
   if (target.numel() == 0 || vocab < 1) return;
@@ -71,7 +76,7 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
                         double smoothing, std::int64_t reduction, double softcap, bool in_place,
                         at::ScalarType out_dtype, bool check, bool needs_grad) {
     const std::int64_t rows = logits.size(0), vocab = logits.size(1);
-    const Tensor t = target.dim() == 1 && target.is_contiguous() ? target : target.reshape({-1}).contiguous();
+    const Tensor t = flat(target);
     if (check) check_targets(t, vocab, ignore_index);  // before the kernel, which may write the gradient
     const Tensor cw = class_weights(weight, vocab, logits);
     const auto f32 = logits.options().dtype(at::kFloat);
@@ -238,7 +243,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     const Tensor x2 = rows_view(x, hidden);
     w = w.contiguous();
     if (b.defined()) b = b.contiguous();
-    const Tensor t = target.dim() == 1 && target.is_contiguous() ? target : target.reshape({-1}).contiguous();
+    const Tensor t = flat(target);
     const std::int64_t rows = x2.size(0), vocab = w.size(0);
     TORCH_CHECK_VALUE(t.size(0) == rows, "tigon_torch: target has ", t.size(0), " tokens, _input ", rows);
     if (check) check_targets(t, vocab, ignore_index);  // before any gradient is computed

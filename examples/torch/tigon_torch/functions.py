@@ -815,6 +815,12 @@ def _target_check_mode(target: torch.Tensor) -> int:
     return -1 if mode == 2 else mode
 
 
+def _report_sync(stacklevel: int) -> None:
+    """The target check's synchronisation reported under CUDA's sync debug mode "warn", as torch reports
+    its own synchronising calls; stacklevel counts from the caller of this function."""
+    warnings.warn("tigon_torch.check_targets: called a synchronizing CUDA operation", stacklevel=stacklevel)
+
+
 def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int = -100) -> None:
     """Raises TargetOutOfRangeError, naming the offending value, the vocabulary size and ignore_index,
     when a target is neither ignore_index nor in [0, vocab_size). Eager mode only (see
@@ -832,8 +838,8 @@ def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int = -10
         return
     # Ignored targets count as 0, a valid class, so that one (min, max) pair decides.
     if target.dtype in (torch.int64, torch.int32) and _o.on_device(target):
-        if mode == 1:  # as torch's own synchronising calls do
-            warnings.warn("tigon_torch.check_targets: called a synchronizing CUDA operation", stacklevel=2)
+        if mode == 1:
+            _report_sync(3)
         lo, hi = ops().target_range(_flat(target), int(ignore_index))
     else:
         t = target.masked_fill(target == ignore_index, 0)
@@ -1065,8 +1071,8 @@ def _checked_loss(op, target, *args):
     tigon.linear_cross_entropy_loss): check says whether they run the eager target check
     (_target_check_mode), whose out-of-range error becomes TargetOutOfRangeError here."""
     mode = _target_check_mode(target)
-    if mode == 1 and target.numel() > 0:  # as check_targets reports it
-        warnings.warn("tigon_torch.check_targets: called a synchronizing CUDA operation", stacklevel=4)
+    if mode == 1 and target.numel() > 0:
+        _report_sync(5)
     try:
         return op(*args, mode >= 0)
     except ValueError as e:

@@ -125,8 +125,8 @@ def _fake_checks():
 def _register_fakes() -> None:
     """Fake (meta) kernels for torch.compile and FakeTensorMode: every operator but adamw_plan and the
     six with a C++ autograd (rms_norm, layer_norm, add_rms_norm, gated, cross_entropy_loss,
-    linear_cross_entropy_loss) writes only into its arguments, so each returns None after the shape and dtype checks of its CUDA
-    implementation (_fake_checks) where it has them."""
+    linear_cross_entropy_loss) writes only into its arguments, so each returns None after the shape
+    and dtype checks of its CUDA implementation (_fake_checks) where it has them."""
     global _fakes_registered
     if _fakes_registered:
         return

@@ -3,8 +3,9 @@
 // so the operators return nothing and torch.compile can functionalise them; rms_norm, layer_norm,
 // add_rms_norm, gated, cross_entropy_loss and linear_cross_entropy_loss, which return their outputs and
 // carry their autograd in C++ for eager calls (cross_entropy_loss writes the gradient over the logits
-// when in_place), are the exceptions, and target_range, the losses' eager target check, which returns two integers
-// (it synchronises the host, so nothing calls it under torch.compile or CUDA-graph capture).
+// when in_place), are the exceptions, and target_range, the losses' eager target check, which returns three integers
+// (the smallest and largest target, the count of targets that are not ignore_index; it synchronises the host, so
+// nothing calls it under torch.compile or CUDA-graph capture).
 #include <torch/library.h>
 
 TORCH_LIBRARY(tigon, m) {

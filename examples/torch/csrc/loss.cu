@@ -125,34 +125,38 @@ void scale_rows(const Tensor& x, const Tensor& scale) {
 }
 
 // The smallest and largest target that is not ignore_index (an ignored target counts as 0, a valid
-// class of any vocabulary), for the losses' eager target check: one launch whose blocks each write
-// their (min, max) straight into mapped pinned host memory, then one synchronisation of the current
-// stream, with no device allocation and no copy (check_targets reports the synchronisation when
-// CUDA's sync debug mode is "warn"). The host buffers (one per device, kRangeBlocks pairs) are
-// allocated on first use and kept for the life of the process; a mutex per device holds one across
-// its launch and synchronisation.
+// class of any vocabulary) and the number of targets that are not ignore_index, for the losses' eager
+// target check: one launch whose blocks each write their (min, max, count) straight into mapped
+// pinned host memory, then one synchronisation of the current stream, with no device allocation and
+// no copy (check_targets reports the synchronisation when CUDA's sync debug mode is "warn"). The host
+// buffers (one per device, kRangeBlocks triples) are allocated on first use and kept for the life of
+// the process; a mutex per device holds one across its launch and synchronisation.
 constexpr int kRangeThreads = 256;
 constexpr int kRangeBlocks = 32;
 
 template <class I>
 __global__ void __launch_bounds__(kRangeThreads) target_range_kernel(const I* target, std::int64_t n,
                                                                      std::int64_t ignore_index, long long* out) {
-  long long lo = 0, hi = 0;
+  long long lo = 0, hi = 0, count = 0;
   for (std::int64_t i = blockIdx.x * std::int64_t{kRangeThreads} + threadIdx.x; i < n;
        i += std::int64_t{gridDim.x} * kRangeThreads) {
     long long v = static_cast<long long>(target[i]);
-    v = v == ignore_index ? 0 : v;
+    const bool ignored = v == ignore_index;
+    v = ignored ? 0 : v;
+    count += ignored ? 0 : 1;
     lo = v < lo ? v : lo;
     hi = v > hi ? v : hi;
   }
   using Reduce = cub::BlockReduce<long long, kRangeThreads>;
-  __shared__ typename Reduce::TempStorage tmp[2];
+  __shared__ typename Reduce::TempStorage tmp[3];
   lo = Reduce(tmp[0]).Reduce(lo, cuda::minimum<long long>{});
   hi = Reduce(tmp[1]).Reduce(hi, cuda::maximum<long long>{});
+  count = Reduce(tmp[2]).Sum(count);
   if (threadIdx.x == 0) {
-    volatile long long* o = out + 2 * blockIdx.x;
+    volatile long long* o = out + 3 * blockIdx.x;
     o[0] = lo;
     o[1] = hi;
+    o[2] = count;
   }
 }
 
@@ -162,7 +166,7 @@ std::vector<std::int64_t> target_range(const Tensor& target, std::int64_t ignore
   TORCH_CHECK_VALUE(target.dim() == 1 && target.is_contiguous(), op, ": 'target' must be 1-D and contiguous, got shape ",
                     target.sizes(), " and strides ", target.strides());
   const std::int64_t n = target.numel();
-  if (n == 0) return {0, 0};
+  if (n == 0) return {0, 0, 0};
   const c10::cuda::CUDAGuard guard(target.device());
   const int device = target.get_device();
   TORCH_CHECK_VALUE(device >= 0 && device < tigon::detail::kMaxDevices, op, ": device ordinal ", device, " is out of range");
@@ -176,7 +180,7 @@ std::vector<std::int64_t> target_range(const Tensor& target, std::int64_t ignore
   Slot& s = slots[device];
   std::call_once(s.once, [&] {
     void* h = nullptr;
-    C10_CUDA_CHECK(cudaHostAlloc(&h, sizeof(long long) * 2 * kRangeBlocks, cudaHostAllocMapped | cudaHostAllocPortable));
+    C10_CUDA_CHECK(cudaHostAlloc(&h, sizeof(long long) * 3 * kRangeBlocks, cudaHostAllocMapped | cudaHostAllocPortable));
     void* d = nullptr;
     C10_CUDA_CHECK(cudaHostGetDevicePointer(&d, h, 0));
     s.host = static_cast<long long*>(h);
@@ -197,14 +201,15 @@ std::vector<std::int64_t> target_range(const Tensor& target, std::int64_t ignore
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-  long long lo = 0, hi = 0;
+  long long lo = 0, hi = 0, count = 0;
   for (int b = 0; b < blocks; ++b) {
-    const volatile long long* o = s.host + 2 * b;
-    const long long block_lo = o[0], block_hi = o[1];
+    const volatile long long* o = s.host + 3 * b;
+    const long long block_lo = o[0], block_hi = o[1], block_count = o[2];
     lo = std::min(lo, block_lo);
     hi = std::max(hi, block_hi);
+    count += block_count;
   }
-  return {static_cast<std::int64_t>(lo), static_cast<std::int64_t>(hi)};
+  return {static_cast<std::int64_t>(lo), static_cast<std::int64_t>(hi), static_cast<std::int64_t>(count)};
 }
 
 // One cuBLASLt back end per (device, stream): cuBLASLt plans are cached per shape inside it. Kept for

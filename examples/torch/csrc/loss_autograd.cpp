@@ -46,14 +46,25 @@ Tensor flat(const Tensor& target) {
   return target.dim() == 1 && target.is_contiguous() ? target : target.reshape({-1}).contiguous();
 }
 
-// check_targets of functions.py: one tigon.target_range call (a launch and a host synchronisation).
-void check_targets(const Tensor& target, std::int64_t vocab, std::int64_t ignore_index) {
-  if (target.numel() == 0 || vocab < 1) return;
+// check_targets of functions.py: one tigon.target_range call (a launch and a host synchronisation);
+// returns the number of targets that are not ignore_index.
+std::int64_t check_targets(const Tensor& target, std::int64_t vocab, std::int64_t ignore_index) {
+  if (target.numel() == 0 || vocab < 1) return 0;
   const std::vector<std::int64_t> r = target_range_op().call(target, ignore_index);
-  if (r[0] >= 0 && r[1] < vocab) return;
+  if (r[0] >= 0 && r[1] < vocab) return r[2];
   TORCH_CHECK_VALUE(false, kOutOfRange, r[0] < 0 ? r[0] : r[1],
                     " is out of bounds: every target must be ignore_index (", ignore_index,
                     ") or a class in [0, ", vocab, ") (vocabulary size ", vocab, ")");
+}
+
+// _kept_rows of functions.py: the rows whose target is not ignore_index, when at least 1 / kSkipShare of
+// the rows are ignored (count: check_targets' count); else undefined.
+constexpr std::int64_t kSkipShare = 32;
+
+Tensor kept_rows(const Tensor& target, std::int64_t count, std::int64_t ignore_index) {
+  const std::int64_t rows = target.numel();
+  if (count <= 0 || (rows - count) * kSkipShare < rows) return Tensor();
+  return at::nonzero_static(target.ne(ignore_index), count).reshape({-1});
 }
 
 // _class_weights of functions.py: float32, contiguous, on the logits' device.
@@ -243,10 +254,14 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     const Tensor x2 = rows_view(x, hidden);
     w = w.contiguous();
     if (b.defined()) b = b.contiguous();
-    const Tensor t = flat(target);
+    Tensor t = flat(target);
     const std::int64_t rows = x2.size(0), vocab = w.size(0);
     TORCH_CHECK_VALUE(t.size(0) == rows, "tigon_torch: target has ", t.size(0), " tokens, _input ", rows);
-    if (check) check_targets(t, vocab, ignore_index);  // before any gradient is computed
+    // The target check before any gradient is computed; the rows the op runs on: every row, or those
+    // whose target is not ignored (kept_rows).
+    const Tensor keep = check ? kept_rows(t, check_targets(t, vocab, ignore_index), ignore_index) : Tensor();
+    const Tensor xk = keep.defined() ? x2.index_select(0, keep) : x2;
+    if (keep.defined()) t = t.index_select(0, keep);
     const Tensor cw = class_weights(ce_weight, vocab, x2);
     // _head_grad_dtype: the weight's dtype, or float32 when asked for, for float32 / float16 weights and
     // for a weight that autocast casts to another dtype.
@@ -254,12 +269,12 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     const at::ScalarType gdt = fp32_grads ? at::kFloat : w_dtype;
     want_db = want_db && b.defined();
     const auto dev = x2.options();
-    const Tensor dx = want_dx ? at::empty_like(x2, at::MemoryFormat::Contiguous) : Tensor();
+    Tensor dx = want_dx ? at::empty_like(xk, at::MemoryFormat::Contiguous) : Tensor();
     const Tensor dw = want_dw ? at::empty(w.sizes(), dev.dtype(gdt)) : Tensor();
     const Tensor db = want_db ? at::empty({vocab}, dev.dtype(gdt)) : Tensor();
     const Tensor loss = at::empty({}, dev.dtype(at::kFloat));
     if (rows > 0) {
-      linear_cross_entropy_op().call(x2, w, opt(b), t, opt(cw), std::nullopt, opt(dx), opt(dw), opt(db), loss,
+      linear_cross_entropy_op().call(xk, w, opt(b), t, opt(cw), std::nullopt, opt(dx), opt(dw), opt(db), loss,
                                      std::nullopt, std::nullopt, std::nullopt, std::nullopt, ignore_index, smoothing,
                                      z_scale, softcap, reduction, 1.0, token_scaling, chunk);
     } else {
@@ -267,6 +282,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       if (dw.defined()) dw.zero_();
       if (db.defined()) db.zero_();
     }
+    if (dx.defined() && keep.defined()) dx = at::zeros_like(x2, at::MemoryFormat::Contiguous).index_copy_(0, keep, dx);
     ctx->save_for_backward({saved_grad(dx, in_dtype), saved_grad(dw, w_dtype), saved_grad(db, b_dtype)});
     ctx->saved_data["dtypes"] = std::vector<std::int64_t>{static_cast<std::int64_t>(in_dtype),
                                                           static_cast<std::int64_t>(w_dtype),

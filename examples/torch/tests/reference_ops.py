@@ -371,8 +371,9 @@ def scale_rows(x, scale):
 
 
 def target_range(target, ignore_index):
-    t = target.masked_fill(target == ignore_index, 0)
-    return [min(int(t.min()), 0), max(int(t.max()), 0)] if t.numel() else [0, 0]
+    ignored = target == ignore_index
+    t = target.masked_fill(ignored, 0)
+    return [min(int(t.min()), 0), max(int(t.max()), 0), int((~ignored).sum())] if t.numel() else [0, 0, 0]
 
 
 def _div_forms(v, form, temperature):

@@ -367,13 +367,14 @@ def test_bad_target_raises_before_any_gradient(ext, seed, in_place):
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("n", [1, 7, 3000, 200_003])
 def test_check_targets_finds_the_extreme_bad_target_anywhere(ext, dtype, n):
-    """check_targets on device targets (tigon.target_range: the blocks' (min, max) merged on the host):
-    a bad value at the start, the middle or the end of a long vector, on its own or beside others,
-    is reported as the smallest negative or, with none, the largest too-large target."""
+    """check_targets on device targets (tigon.target_range: the blocks' (min, max, count) merged on the
+    host): a bad value at the start, the middle or the end of a long vector, on its own or beside others,
+    is reported as the smallest negative or, with none, the largest too-large target; a good batch
+    returns its number of targets that are not ignore_index."""
     vocab = 50
     base = torch.arange(n, device=DEVICE, dtype=torch.int64).remainder(vocab).to(dtype)
     base[::3] = -100
-    tt.check_targets(base, vocab)
+    assert tt.check_targets(base, vocab) == n - (n + 2) // 3
     for at in sorted({0, n // 2, n - 1}):
         for bad in (vocab, -1, 10**6):
             t = base.clone()
@@ -385,10 +386,10 @@ def test_check_targets_finds_the_extreme_bad_target_anywhere(ext, dtype, n):
         t[0], t[n - 1] = vocab + 5, -7  # a negative target is named first
         with pytest.raises(tt.TargetOutOfRangeError, match=r"target -7 is out of bounds"):
             tt.check_targets(t, vocab)
-    tt.check_targets(torch.full((n,), -100, device=DEVICE, dtype=dtype), vocab)  # all ignored
-    tt.check_targets(torch.full((n,), 7, device=DEVICE, dtype=dtype), 5, ignore_index=7)
+    assert tt.check_targets(torch.full((n,), -100, device=DEVICE, dtype=dtype), vocab) == 0  # all ignored
+    assert tt.check_targets(torch.full((n,), 7, device=DEVICE, dtype=dtype), 5, ignore_index=7) == 0
     strided = torch.stack([base, base]).t()[:, 0]  # not contiguous
-    tt.check_targets(strided, vocab)
+    assert tt.check_targets(strided, vocab) == n - (n + 2) // 3
 
 
 @pytest.mark.cuda_only
@@ -410,7 +411,7 @@ def test_target_range_refuses_graph_capture(ext):
     """tigon.target_range synchronises, so under capture it raises a ValueError naming the reason
     (check_targets does not call it there)."""
     target = torch.tensor([1, 2, -100], device="cuda")
-    assert list(ops.ops().target_range(target, -100)) == [0, 2]
+    assert list(ops.ops().target_range(target, -100)) == [0, 2, 2]
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(ValueError, match="CUDA graph"):
         with torch.cuda.graph(graph):

@@ -821,35 +821,76 @@ def _report_sync(stacklevel: int) -> None:
     warnings.warn("tigon_torch.check_targets: called a synchronizing CUDA operation", stacklevel=stacklevel)
 
 
-def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int = -100) -> None:
+def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int = -100) -> int | None:
     """Raises TargetOutOfRangeError, naming the offending value, the vocabulary size and ignore_index,
-    when a target is neither ignore_index nor in [0, vocab_size). Eager mode only (see
+    when a target is neither ignore_index nor in [0, vocab_size); otherwise returns the number of
+    targets that are not ignore_index (None where the check does not run). Eager mode only (see
     _target_check_mode); the cross-entropy functions call it before any kernel runs, so no loss or
-    gradient is written for a bad batch. Cost: one min/max pass over the targets and one host
+    gradient is written for a bad batch. Cost: one min/max/count pass over the targets and one host
     synchronisation, which waits for the device work queued before the loss (reported as a warning
     when CUDA's sync debug mode is "warn", as torch's own synchronising calls are). For int64 or int32
     targets on the GPU that is one operator call (tigon.target_range: one launch whose blocks write
-    their (min, max) into pinned host memory, then the synchronisation); otherwise a few torch
-    operations and a 16-byte copy to the host."""
-    if target.numel() == 0 or vocab_size < 1:
-        return
+    their (min, max, count) into pinned host memory, then the synchronisation); otherwise a few torch
+    operations and a 24-byte copy to the host."""
+    if vocab_size < 1:
+        return None
+    if target.numel() == 0:
+        return 0
     mode = _target_check_mode(target)
     if mode < 0:
-        return
+        return None
     # Ignored targets count as 0, a valid class, so that one (min, max) pair decides.
     if target.dtype in (torch.int64, torch.int32) and _o.on_device(target):
         if mode == 1:
             _report_sync(3)
-        lo, hi = ops().target_range(_flat(target), int(ignore_index))
+        lo, hi, count = ops().target_range(_flat(target), int(ignore_index))
     else:
-        t = target.masked_fill(target == ignore_index, 0)
-        lo, hi = torch.stack(torch.aminmax(t)).tolist()
+        ignored = target == ignore_index
+        t = target.masked_fill(ignored, 0)
+        lo, hi, count = torch.stack([*torch.aminmax(t), (~ignored).sum()]).tolist()
     if lo >= 0 and hi < vocab_size:
-        return
+        return int(count)
     value = lo if lo < 0 else hi
     raise TargetOutOfRangeError(
         f"tigon_torch: target {value} is out of bounds: every target must be ignore_index ({ignore_index}) or a "
         f"class in [0, {vocab_size}) (vocabulary size {vocab_size})")
+
+
+# A row whose target is ignore_index adds nothing to a linear head's loss or gradients. When at least
+# 1 / _SKIP_SHARE of a call's rows are ignored (a masked prompt, say), the linear heads run on the other
+# rows alone, gathered into a buffer of their own: their GEMMs shrink with the ignored share, for a
+# gather of those rows of x and a scatter of their dx (well under 1% of the GEMMs' time at LLaMA-3's
+# head). Below that share the gather costs more than it saves.
+_SKIP_SHARE = 32
+
+
+def _kept_rows(target: torch.Tensor, count, ignore_index: int):
+    """The indices (int64 [count], ascending) of target's rows that are not ignore_index when the linear
+    heads skip the ignored ones, else None. count: check_targets' count of such rows (None when the
+    check did not run: under torch.compile, capture or TIGON_TORCH_CHECK_TARGETS=0 every row runs)."""
+    rows = target.numel()
+    if count is None or count == 0 or (rows - count) * _SKIP_SHARE < rows:
+        return None
+    return torch.nonzero_static(target != ignore_index, size=count).reshape(-1)
+
+
+def _ignored_logit_sums(x2, w, b, target, ignore_index: int, ignored: int):
+    """(indices, sums): the rows of x2 whose target is ignore_index (ignored of them) and the sum over the
+    vocabulary of each one's logits x W^T + b, as x (1^T W) + 1^T b in fp32: the logit sums of the rows the
+    linear heads skip (_kept_rows), which Liger's preference losses report as the logits' means."""
+    ign = torch.nonzero_static(target == ignore_index, size=ignored).reshape(-1)
+    sums = (x2.index_select(0, ign).float() * w.sum(0, dtype=torch.float32)).sum(-1)  # fp32 under autocast too
+    if b is not None:
+        sums = sums + b.sum(dtype=torch.float32)
+    return ign, sums
+
+
+def _spread(t, keep, rows: int, fill=0):
+    """The kept rows' values t [count, ...] at their rows of a [rows, ...] tensor filled with fill."""
+    if t is None or keep is None:
+        return t
+    out = t.new_full((rows, *t.shape[1:]), fill)
+    return out.index_copy_(0, keep, t)
 
 
 def _ce_flags(return_z_loss, return_token_accuracy, return_predicted_tokens):
@@ -1182,7 +1223,9 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         rows, vocab = x2.shape[0], w.shape[0]
         if target.shape[0] != rows:
             raise ValueError(f"tigon_torch: target has {target.shape[0]} tokens, _input {rows}")
-        check_targets(target, vocab, int(ignore_index))
+        keep = _kept_rows(target, check_targets(target, vocab, int(ignore_index)), int(ignore_index))
+        # The rows the op runs on: every row, or the rows whose target is not ignored (_kept_rows).
+        xk, tk = (x2, target) if keep is None else (x2.index_select(0, keep), target.index_select(0, keep))
         cw = _class_weights(ce_weight, vocab, x2.device)
         z_scale = float(lse_square_scale)
         cap = 0.0 if softcap is None else float(softcap)
@@ -1192,27 +1235,30 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         needs_grad = want_dx or want_dw or want_db
         defer = reduction == "none" and needs_grad
         red, loss, loss_rows, z_loss, lse, argmax = _ce_outputs(
-            rows, x2.device, reduction, return_z_loss, return_token_accuracy or return_predicted_tokens, z_scale)
+            tk.shape[0], x2.device, reduction, return_z_loss, return_token_accuracy or return_predicted_tokens,
+            z_scale)
         dx = dw = db = None
         gdt = _head_grad_dtype(w_dtype, accum_dtype, w.dtype)  # the parameter's dtype (fp32 masters under autocast)
         if needs_grad and not defer:
-            dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
+            dx = torch.empty_like(xk, memory_format=torch.contiguous_format) if want_dx else None
             dw = torch.empty(w.shape, dtype=gdt, device=w.device) if want_dw else None
             db = torch.empty(vocab, dtype=gdt, device=w.device) if want_db else None
         chunk = _lce_chunk()
         args = (int(ignore_index), float(label_smoothing), z_scale, cap, red, 1.0, bool(use_token_scaling), chunk)
         if rows > 0:
-            ops().linear_cross_entropy(x2, w, b, target, cw, None, dx, dw, db, loss, loss_rows, z_loss, lse, argmax,
+            ops().linear_cross_entropy(xk, w, b, tk, cw, None, dx, dw, db, loss, loss_rows, z_loss, lse, argmax,
                                        *args)
         else:
             for t in (loss, loss_rows, z_loss, dw, db):
                 if t is not None:
                     t.zero_()
+        loss_rows, lse, argmax, dx = (_spread(t, keep, rows) for t in (loss_rows, lse, argmax, dx))
         ctx.defer = defer
         ctx.dtypes = (in_dtype, w_dtype, b_dtype)
         ctx.shape = _input.shape
+        ctx.rows = rows
         if defer:
-            ctx.save_for_backward(x2, w, b, target, cw)
+            ctx.save_for_backward(x2, w, b, target, cw, keep)
             ctx.args = args
             ctx.wants = (want_dx, want_dw, want_db)
             ctx.grad_dtype = gdt
@@ -1232,9 +1278,12 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
             return (None, None, None, None) + nones
         in_dtype, w_dtype, b_dtype = ctx.dtypes
         if ctx.defer:
-            x2, w, b, target, cw = ctx.saved_tensors
+            x2, w, b, target, cw, keep = ctx.saved_tensors
             want_dx, want_dw, want_db = ctx.wants
-            go = grad_output.to(torch.float32).reshape(-1).contiguous()
+            go = grad_output.to(torch.float32).reshape(-1)
+            if keep is not None:
+                x2, target, go = x2.index_select(0, keep), target.index_select(0, keep), go.index_select(0, keep)
+            go = go.contiguous()
             dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
             dw = torch.empty(w.shape, dtype=ctx.grad_dtype, device=w.device) if want_dw else None
             db = torch.empty(w.shape[0], dtype=ctx.grad_dtype, device=w.device) if want_db else None
@@ -1245,6 +1294,7 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
                 for t in (dw, db):
                     if t is not None:
                         t.zero_()
+            dx = _spread(dx, keep, ctx.rows)
             dx, dw, db = _cast(dx, in_dtype), _cast(dw, w_dtype), _cast(db, b_dtype)
         else:
             go = grad_output.reshape(())
@@ -1768,17 +1818,24 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
             raise ValueError(f"tigon_torch: weight is {tuple(w.shape)}, _input has {hidden} features")
         if target.shape[0] != rows:
             raise ValueError(f"tigon_torch: target has {target.shape[0]} tokens, _input {rows}")
-        check_targets(target, vocab, int(ignore_index))
-        logp = torch.empty(rows, dtype=torch.float32, device=x2.device)
+        keep = _kept_rows(target, check_targets(target, vocab, int(ignore_index)), int(ignore_index))
+        # The rows the op runs on: every row, or the rows whose target is not ignored (_kept_rows).
+        xk, tk = (x2, target) if keep is None else (x2.index_select(0, keep), target.index_select(0, keep))
+        kept = tk.shape[0]
+        logp = torch.empty(kept, dtype=torch.float32, device=x2.device)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp)
         logit_sum = torch.empty_like(logp)
-        top1 = torch.empty(rows, dtype=torch.bool, device=x2.device) if is_top1 else None
+        top1 = torch.empty(kept, dtype=torch.bool, device=x2.device) if is_top1 else None
         chunk = _lce_chunk()
-        if rows > 0:
-            ops().linear_logprob(x2, w, b, target, logp, lse, entropy, logit_sum, None, int(ignore_index),
+        if kept > 0:
+            ops().linear_logprob(xk, w, b, tk, logp, lse, entropy, logit_sum, None, int(ignore_index),
                                  float(temperature), chunk, None, top1)
-        ctx.save_for_backward(x2, w, b, target, lse, entropy)
+        if keep is not None:
+            logp, entropy, top1 = (_spread(t, keep, rows) for t in (logp, entropy, top1))
+            logit_sum = _spread(logit_sum, keep, rows).index_copy_(
+                0, *_ignored_logit_sums(x2, w, b, target, ignore_index, rows - kept))
+        ctx.save_for_backward(x2, w, b, target, lse, entropy, keep)
         ctx.args = (int(ignore_index), float(temperature), chunk)
         ctx.dtypes = (_input.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.shape = _input.shape
@@ -1792,14 +1849,19 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, *_):
-        x2, w, b, target, lse, entropy = ctx.saved_tensors
+        x2, w, b, target, lse, entropy, keep = ctx.saved_tensors
         want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_db = b is not None and ctx.needs_input_grad[3]
         if (grad_logp is None and grad_entropy is None) or not (want_dx or want_dw or want_db):
             return None, None, None, None, None, None, None
         in_dtype, w_dtype, b_dtype = ctx.dtypes
-        gl = grad_logp.reshape(-1).to(torch.float32).contiguous() if grad_logp is not None else None
-        ge = grad_entropy.reshape(-1).to(torch.float32).contiguous() if grad_entropy is not None else None
+        rows = x2.shape[0]
+        gl = grad_logp.reshape(-1).to(torch.float32) if grad_logp is not None else None
+        ge = grad_entropy.reshape(-1).to(torch.float32) if grad_entropy is not None else None
+        if keep is not None:  # the kept rows alone, as the forward ran them
+            x2, target, entropy = x2.index_select(0, keep), target.index_select(0, keep), entropy.index_select(0, keep)
+            gl, ge = (g.index_select(0, keep) if g is not None else None for g in (gl, ge))
+        gl, ge = (g.contiguous() if g is not None else None for g in (gl, ge))
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
         gdt = _head_grad_dtype(w_dtype, None, w.dtype)
         dw = torch.empty(w.shape, dtype=gdt, device=w.device) if want_dw else None
@@ -1810,5 +1872,5 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
             for t in (dw, db):
                 if t is not None:
                     t.zero_()
-        dx = _cast(dx, in_dtype).reshape(ctx.shape) if dx is not None else None
+        dx = _cast(_spread(dx, keep, rows), in_dtype).reshape(ctx.shape) if dx is not None else None
         return dx, _cast(dw, w_dtype), None, _cast(db, b_dtype), None, None, None

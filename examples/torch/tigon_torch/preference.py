@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops as _o
-from .functions import TigonFusedLinearLogProbFunction, _cast, _head_grad_dtype, _head_operands, _scaled_grad, check_targets
+from .functions import (TigonFusedLinearLogProbFunction, _cast, _head_grad_dtype, _head_operands, _ignored_logit_sums,
+                        _kept_rows, _scaled_grad, _spread, check_targets)
 from .ops import ops, vector
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
@@ -110,11 +111,14 @@ class _FusedPairPreference(torch.autograd.Function):
     dx, dW and db from the kept logits (tigon.linear_logprob_bwd, no second logits GEMM): 6 N D V FLOPs
     instead of the 8 of a log-prob forward and a separate backward. The loss functions are sums over the
     pairs divided by their number (every paired loss here is), so a chunk of P of the B pairs carries
-    P / B of its loss_fn value. Returns (loss, chosen, rejected, chosen_logit_sum, rejected_logit_sum,
-    nll, *aux) with aux loss_fn's further outputs (per-pair ones concatenated, scalars weighted)."""
+    P / B of its loss_fn value. kept_count: check_targets' count of the targets that are not ignored (None
+    when the check did not run); with enough ignored (functions._kept_rows) each chunk runs its kept rows
+    alone. Returns (loss, chosen, rejected, chosen_logit_sum, rejected_logit_sum, nll, *aux) with aux
+    loss_fn's further outputs (per-pair ones concatenated, scalars weighted)."""
 
     @staticmethod
-    def forward(ctx, x, w, b, target, ref_c, ref_r, ignore_index, average_log_prob, compute_nll_loss, alpha, loss_fn):
+    def forward(ctx, x, w, b, target, ref_c, ref_r, ignore_index, average_log_prob, compute_nll_loss, alpha, loss_fn,
+                kept_count):
         n, T = target.shape[0] // 2, target.shape[1]
         H = x.shape[-1]
         vocab = w.shape[0]
@@ -129,6 +133,9 @@ class _FusedPairPreference(torch.autograd.Function):
         dw = torch.zeros(w.shape, dtype=gdt, device=dev) if want_dw else None
         db = torch.zeros(vocab, dtype=gdt, device=dev) if want_db else None
         P = max(1, min(n, _PAIR_CHUNK_TOKENS // max(1, 2 * T)))
+        # Each sequence's count of tokens that are not ignored (one synchronisation), when enough of the
+        # batch is ignored for the chunks to run their kept rows alone (_kept_rows).
+        seq_counts = mask.sum(-1).tolist() if _kept_rows(target, kept_count, ignore_index) is not None else None
         pieces = {"c": [], "r": [], "csum": [], "rsum": [], "nll": [], "loss": [], "aux": []}
         kept = None
         first = True
@@ -138,13 +145,23 @@ class _FusedPairPreference(torch.autograd.Function):
             xc = torch.cat([x[i0:i1], x[n + i0:n + i1]]).reshape(-1, H).contiguous()
             tc = torch.cat([target[i0:i1], target[n + i0:n + i1]]).reshape(-1).contiguous()
             rows = xc.shape[0]
-            need = _kept_bytes(rows, vocab, x.element_size(), b is not None)
+            keep = None
+            if seq_counts is not None:
+                cnt = sum(seq_counts[i0:i1]) + sum(seq_counts[n + i0:n + i1])
+                keep = _kept_rows(tc, cnt, ignore_index)
+            xk, tk = (xc, tc) if keep is None else (xc.index_select(0, keep), tc.index_select(0, keep))
+            rk = xk.shape[0]
+            need = _kept_bytes(rk, vocab, x.element_size(), b is not None)
             if kept is None or kept.numel() < need:
                 kept = torch.empty(need, dtype=torch.uint8, device=dev)
-            logp = torch.empty(rows, dtype=torch.float32, device=dev)
+            logp = torch.empty(rk, dtype=torch.float32, device=dev)
             lse = torch.empty_like(logp)
             lsum = torch.empty_like(logp)
-            ops().linear_logprob(xc, w, b, tc, logp, lse, None, lsum, None, int(ignore_index), 1.0, 0, kept)
+            ops().linear_logprob(xk, w, b, tk, logp, lse, None, lsum, None, int(ignore_index), 1.0, 0, kept)
+            if keep is not None:
+                logp = _spread(logp, keep, rows)
+                lsum = _spread(lsum, keep, rows).index_copy_(
+                    0, *_ignored_logit_sums(xc, w, b, tc, ignore_index, rows - rk))
             lp = logp.view(2 * p, T).detach().requires_grad_(True)
             m = mask[torch.cat([torch.arange(i0, i1, device=dev), torch.arange(n + i0, n + i1, device=dev)])]
             with torch.enable_grad():
@@ -171,10 +188,12 @@ class _FusedPairPreference(torch.autograd.Function):
             pieces["loss"].append(share.detach())
             pieces["aux"].append([(a.detach(), p) for a in aux])
             if want_dx or want_dw or want_db:
-                dxc = torch.empty_like(xc) if want_dx else None
-                ops().linear_logprob_bwd(xc, w, b, tc, lse, None, g.reshape(-1).contiguous(), None, dxc, dw, db,
+                gk = g.reshape(-1) if keep is None else g.reshape(-1).index_select(0, keep)
+                dxc = torch.empty_like(xk) if want_dx else None
+                ops().linear_logprob_bwd(xk, w, b, tk, lse, None, gk.contiguous(), None, dxc, dw, db,
                                          int(ignore_index), 1.0, 0, not first, kept)
                 first = False
+                dxc = _spread(dxc, keep, rows)
                 if dxc is not None:
                     d2 = dxc.view(2 * p, T, H)
                     dx[i0:i1] = d2[:p]
@@ -202,18 +221,18 @@ class _FusedPairPreference(torch.autograd.Function):
     def backward(ctx, grad_loss, *_):
         go = grad_loss.reshape(())
         dx, dw, db = (_scaled_grad(t, go, d) for t, d in zip(ctx.saved_tensors, ctx.dtypes))
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 def _fused_pairs_apply(_input, weight, target, bias, ignore_index, average_log_prob, compute_nll_loss, alpha, loss_fn,
                        ref_logps):
     """_preference through _FusedPairPreference: (loss, metrics) in the layout _preference returns."""
     x, w, b = _head_operands(_input, weight, bias)
-    check_targets(target.reshape(-1), weight.shape[0], int(ignore_index))
+    kept_count = check_targets(target.reshape(-1), weight.shape[0], int(ignore_index))
     ref_c, ref_r = ref_logps if ref_logps else (None, None)
     out = _FusedPairPreference.apply(x.contiguous(), w.contiguous(), vector(b), target.contiguous(), ref_c, ref_r,
                                      int(ignore_index), bool(average_log_prob), bool(compute_nll_loss), float(alpha),
-                                     loss_fn)
+                                     loss_fn, kept_count)
     return out[0], tuple(out[1:])
 
 

@@ -5,7 +5,7 @@ and every result is that of the unfused head: the losses, z-loss, per-token loss
 log-probs, entropies and logit sums, and the gradients, whose ignored rows of dx are exactly zero.
 Below that share, and where the eager target check does not run (TIGON_TORCH_CHECK_TARGETS=0), every
 row runs. Through the C++ loss operator (the loss alone) and the Python Function (return_* flags,
-reduction none), the log-prob Function and the fused preference pass."""
+reduction none), the log-prob Function, the fused preference pass and the fused linear JSD."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tigon_torch import functions as fn
 
 pytestmark = pytest.mark.gpu
 
-_HEADS = {"linear_cross_entropy", "linear_logprob", "linear_logprob_bwd"}
+_HEADS = {"linear_cross_entropy", "linear_logprob", "linear_logprob_bwd", "divergence"}
 
 
 class _RowSpy(TorchDispatchMode):
@@ -213,5 +213,35 @@ def test_fused_pairs_run_the_kept_rows(ext, monkeypatch):
     torch.testing.assert_close(loss, loss0, atol=1e-5, rtol=1e-5)
     for a, e in zip(metrics, metrics0):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(dx, dx0, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dw, dw0, atol=1e-6, rtol=1e-5)
+
+
+def test_fused_linear_jsd_runs_the_kept_rows(ext, monkeypatch):
+    """TigonFusedLinearJSDFunction with shift_labels: the divergence sees the kept rows alone, with the
+    loss and gradients of the run over every row (the check switched off); ignored rows of dx are 0."""
+    rows, hidden, teacher_hidden, vocab = 64, 32, 48, 300
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    x = torch.randn(rows, hidden, generator=g, device=DEVICE)
+    w = torch.randn(vocab, hidden, generator=g, device=DEVICE) * hidden ** -0.5
+    xt = torch.randn(rows, teacher_hidden, generator=g, device=DEVICE)
+    wt = torch.randn(vocab, teacher_hidden, generator=g, device=DEVICE) * teacher_hidden ** -0.5
+    labels = torch.randint(0, vocab, (rows,), generator=g, device=DEVICE)
+    labels[:24] = -100
+
+    def run():
+        xs, ws = _leaves(x, w)
+        with _RowSpy() as spy:
+            loss = tt.TigonFusedLinearJSDFunction.apply(xs, ws, xt, wt, labels, 0.3, -100, 1.5)
+        loss.backward()
+        return sum(n for op, n in spy.calls if op == "divergence"), loss, xs.grad, ws.grad
+
+    n, loss, dx, dw = run()
+    assert n == 40
+    assert torch.all(dx[:24] == 0)
+    monkeypatch.setenv("TIGON_TORCH_CHECK_TARGETS", "0")
+    n0, loss0, dx0, dw0 = run()
+    assert n0 == rows
+    torch.testing.assert_close(loss, loss0, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(dx, dx0, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(dw, dw0, atol=1e-6, rtol=1e-5)

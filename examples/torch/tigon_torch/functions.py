@@ -1671,7 +1671,9 @@ class TigonFusedLinearJSDFunction(torch.autograd.Function):
     fp32 buffer; float16 weights in fp32). Extra memory: two chunks of logits and the gradients (and
     the fp32 accumulator when there is one). The gradients are computed in the forward and scaled by
     the upstream gradient in the backward on the device (skipped when it is exactly 1); one backward
-    per forward. dW is returned in the weight's dtype. Under CUDA autocast the inputs and weights are
+    per forward. dW is returned in the weight's dtype. With shift_labels, in eager mode, the count of
+    non-ignored tokens is read on the host (one synchronisation), and when at least 1 / 32 of the tokens
+    are ignored the heads run the others alone (_kept_rows). Under CUDA autocast the inputs and weights are
     cast to the autocast dtype first, as the unfused heads' matmuls would be. No gradient flows to
     the teacher.
     """
@@ -1720,13 +1722,21 @@ class TigonFusedLinearJSDFunction(torch.autograd.Function):
         want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_grad = want_dx or want_dw
         f32 = dict(dtype=torch.float32, device=x.device)
-        loss_rows = torch.empty(rows, **f32)
+        all_rows = rows
         # The mean over the non-ignored tokens: their count stays on the device, as the gradient's factor.
         if labels is not None:
-            inv = (1.0 / (labels != ignore_index).sum().clamp_min(1).to(torch.float32)).reshape(1)
+            valid = (labels != ignore_index).sum()
+            inv = (1.0 / valid.clamp_min(1).to(torch.float32)).reshape(1)
             grad_scale = 1.0
+            # In eager mode (the target check's conditions) the count is read on the host (one
+            # synchronisation) so that the heads run the non-ignored tokens alone (_kept_rows).
+            keep = _kept_rows(labels, int(valid), int(ignore_index)) if _target_check_mode(labels) >= 0 else None
+            if keep is not None:
+                x, xt, labels = x.index_select(0, keep), xt.index_select(0, keep), labels.index_select(0, keep)
+                rows = x.shape[0]
         else:
-            inv, grad_scale = None, 1.0 / max(rows, 1)
+            inv, grad_scale, keep = None, 1.0 / max(rows, 1), None
+        loss_rows = torch.empty(rows, **f32)
         dx = torch.empty(rows, hidden, dtype=x.dtype, device=x.device) if want_dx else None
         gdt = _head_grad_dtype(w_dtype, accum_dtype, w.dtype)
         dw = torch.zeros(vocab, hidden, dtype=gdt, device=x.device) if want_dw else None
@@ -1756,7 +1766,7 @@ class TigonFusedLinearJSDFunction(torch.autograd.Function):
         total = loss_rows.sum()
         loss = total * inv.reshape(()) if inv is not None else total * grad_scale
         ctx.consumed, ctx.compiled = False, not in_place
-        ctx.save_for_backward(_cast(dx, in_dtype), _cast(dw, w_dtype))
+        ctx.save_for_backward(_cast(_spread(dx, keep, all_rows), in_dtype), _cast(dw, w_dtype))
         return loss
 
     @staticmethod

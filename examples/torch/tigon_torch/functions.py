@@ -858,9 +858,9 @@ def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int = -10
 
 # A row whose target is ignore_index adds nothing to a linear head's loss or gradients. When at least
 # 1 / _SKIP_SHARE of a call's rows are ignored (a masked prompt, say), the linear heads run on the other
-# rows alone, gathered into a buffer of their own: their GEMMs shrink with the ignored share, for a
-# gather of those rows of x and a scatter of their dx (well under 1% of the GEMMs' time at LLaMA-3's
-# head). Below that share the gather costs more than it saves.
+# rows alone, gathered into a buffer of their own: their GEMMs over the vocabulary shrink with the
+# ignored share, for a gather of those rows of x (H values a row) and a scatter of their dx. Below that
+# share every row runs.
 _SKIP_SHARE = 32
 
 

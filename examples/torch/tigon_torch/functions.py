@@ -874,15 +874,20 @@ def _kept_rows(target: torch.Tensor, count, ignore_index: int):
     return torch.nonzero_static(target != ignore_index, size=count).reshape(-1)
 
 
-def _ignored_logit_sums(x2, w, b, target, ignore_index: int, ignored: int):
+def _head_sums(w, b):
+    """(1^T W, 1^T b) in fp32 (the second None without a bias): what _ignored_logit_sums takes."""
+    return w.sum(0, dtype=torch.float32), (b.sum(dtype=torch.float32) if b is not None else None)
+
+
+def _ignored_logit_sums(x2, head_sums, target, ignore_index: int, ignored: int):
     """(indices, sums): the rows of x2 whose target is ignore_index (ignored of them) and the sum over the
-    vocabulary of each one's logits x W^T + b, as x (1^T W) + 1^T b in fp32: the logit sums of the rows the
-    linear heads skip (_kept_rows), which Liger's preference losses report as the logits' means."""
+    vocabulary of each one's logits x W^T + b, as x (1^T W) + 1^T b in fp32 (head_sums: _head_sums(W, b)):
+    the logit sums of the rows the linear heads skip (_kept_rows), which Liger's preference losses report
+    as the logits' means."""
+    wsum, bsum = head_sums
     ign = torch.nonzero_static(target == ignore_index, size=ignored).reshape(-1)
-    sums = (x2.index_select(0, ign).float() * w.sum(0, dtype=torch.float32)).sum(-1)  # fp32 under autocast too
-    if b is not None:
-        sums = sums + b.sum(dtype=torch.float32)
-    return ign, sums
+    sums = (x2.index_select(0, ign).float() * wsum).sum(-1)  # fp32 under autocast too
+    return ign, (sums + bsum if bsum is not None else sums)
 
 
 def _spread(t, keep, rows: int, fill=0):
@@ -1844,7 +1849,7 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
         if keep is not None:
             logp, entropy, top1 = (_spread(t, keep, rows) for t in (logp, entropy, top1))
             logit_sum = _spread(logit_sum, keep, rows).index_copy_(
-                0, *_ignored_logit_sums(x2, w, b, target, ignore_index, rows - kept))
+                0, *_ignored_logit_sums(x2, _head_sums(w, b), target, ignore_index, rows - kept))
         ctx.save_for_backward(x2, w, b, target, lse, entropy, keep)
         ctx.args = (int(ignore_index), float(temperature), chunk)
         ctx.dtypes = (_input.dtype, weight.dtype, bias.dtype if bias is not None else None)

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops as _o
-from .functions import (TigonFusedLinearLogProbFunction, _cast, _head_grad_dtype, _head_operands, _ignored_logit_sums,
-                        _kept_rows, _scaled_grad, _spread, check_targets)
+from .functions import (TigonFusedLinearLogProbFunction, _cast, _head_grad_dtype, _head_operands, _head_sums,
+                        _ignored_logit_sums, _kept_rows, _scaled_grad, _spread, check_targets)
 from .ops import ops, vector
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
@@ -136,6 +136,7 @@ class _FusedPairPreference(torch.autograd.Function):
         # Each sequence's count of tokens that are not ignored (one synchronisation), when enough of the
         # batch is ignored for the chunks to run their kept rows alone (_kept_rows).
         seq_counts = mask.sum(-1).tolist() if _kept_rows(target, kept_count, ignore_index) is not None else None
+        head_sums = _head_sums(w, b) if seq_counts is not None else None  # the skipped rows' logit sums
         pieces = {"c": [], "r": [], "csum": [], "rsum": [], "nll": [], "loss": [], "aux": []}
         kept = None
         first = True
@@ -161,7 +162,7 @@ class _FusedPairPreference(torch.autograd.Function):
             if keep is not None:
                 logp = _spread(logp, keep, rows)
                 lsum = _spread(lsum, keep, rows).index_copy_(
-                    0, *_ignored_logit_sums(xc, w, b, tc, ignore_index, rows - rk))
+                    0, *_ignored_logit_sums(xc, head_sums, tc, ignore_index, rows - rk))
             lp = logp.view(2 * p, T).detach().requires_grad_(True)
             m = mask[torch.cat([torch.arange(i0, i1, device=dev), torch.arange(n + i0, n + i1, device=dev)])]
             with torch.enable_grad():

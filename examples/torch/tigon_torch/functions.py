@@ -890,6 +890,14 @@ def _ignored_logit_sums(x2, head_sums, target, ignore_index: int, ignored: int):
     return ign, (sums + bsum if bsum is not None else sums)
 
 
+def _take(keep, *tensors):
+    """The kept rows of each tensor (None stays None), or the tensors themselves when keep is None: the
+    gather half of _kept_rows, whose other half is _spread."""
+    if keep is None:
+        return tensors
+    return tuple(t.index_select(0, keep) if t is not None else None for t in tensors)
+
+
 def _spread(t, keep, rows: int, fill=0):
     """The kept rows' values t [count, ...] at their rows of a [rows, ...] tensor filled with fill."""
     if t is None or keep is None:
@@ -1230,7 +1238,7 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
             raise ValueError(f"tigon_torch: target has {target.shape[0]} tokens, _input {rows}")
         keep = _kept_rows(target, check_targets(target, vocab, int(ignore_index)), int(ignore_index))
         # The rows the op runs on: every row, or the rows whose target is not ignored (_kept_rows).
-        xk, tk = (x2, target) if keep is None else (x2.index_select(0, keep), target.index_select(0, keep))
+        xk, tk = _take(keep, x2, target)
         cw = _class_weights(ce_weight, vocab, x2.device)
         z_scale = float(lse_square_scale)
         cap = 0.0 if softcap is None else float(softcap)
@@ -1285,9 +1293,7 @@ class TigonFusedLinearCrossEntropyFunction(torch.autograd.Function):
         if ctx.defer:
             x2, w, b, target, cw, keep = ctx.saved_tensors
             want_dx, want_dw, want_db = ctx.wants
-            go = grad_output.to(torch.float32).reshape(-1)
-            if keep is not None:
-                x2, target, go = x2.index_select(0, keep), target.index_select(0, keep), go.index_select(0, keep)
+            x2, target, go = _take(keep, x2, target, grad_output.to(torch.float32).reshape(-1))
             go = go.contiguous()
             dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
             dw = torch.empty(w.shape, dtype=ctx.grad_dtype, device=w.device) if want_dw else None
@@ -1736,9 +1742,8 @@ class TigonFusedLinearJSDFunction(torch.autograd.Function):
             # In eager mode (the target check's conditions) the count is read on the host (one
             # synchronisation) so that the heads run the non-ignored tokens alone (_kept_rows).
             keep = _kept_rows(labels, int(valid), int(ignore_index)) if _target_check_mode(labels) >= 0 else None
-            if keep is not None:
-                x, xt, labels = x.index_select(0, keep), xt.index_select(0, keep), labels.index_select(0, keep)
-                rows = x.shape[0]
+            x, xt, labels = _take(keep, x, xt, labels)
+            rows = x.shape[0]
         else:
             inv, grad_scale, keep = None, 1.0 / max(rows, 1), None
         loss_rows = torch.empty(rows, **f32)
@@ -1835,7 +1840,7 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
             raise ValueError(f"tigon_torch: target has {target.shape[0]} tokens, _input {rows}")
         keep = _kept_rows(target, check_targets(target, vocab, int(ignore_index)), int(ignore_index))
         # The rows the op runs on: every row, or the rows whose target is not ignored (_kept_rows).
-        xk, tk = (x2, target) if keep is None else (x2.index_select(0, keep), target.index_select(0, keep))
+        xk, tk = _take(keep, x2, target)
         kept = tk.shape[0]
         logp = torch.empty(kept, dtype=torch.float32, device=x2.device)
         lse = torch.empty_like(logp)
@@ -1846,11 +1851,11 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
         if kept > 0:
             ops().linear_logprob(xk, w, b, tk, logp, lse, entropy, logit_sum, None, int(ignore_index),
                                  float(temperature), chunk, None, top1)
+        ctx.save_for_backward(x2, w, b, target, lse, entropy, keep)  # lse and entropy: the kept rows'
         if keep is not None:
             logp, entropy, top1 = (_spread(t, keep, rows) for t in (logp, entropy, top1))
             logit_sum = _spread(logit_sum, keep, rows).index_copy_(
                 0, *_ignored_logit_sums(x2, _head_sums(w, b), target, ignore_index, rows - kept))
-        ctx.save_for_backward(x2, w, b, target, lse, entropy, keep)
         ctx.args = (int(ignore_index), float(temperature), chunk)
         ctx.dtypes = (_input.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.shape = _input.shape
@@ -1873,9 +1878,7 @@ class TigonFusedLinearLogProbFunction(torch.autograd.Function):
         rows = x2.shape[0]
         gl = grad_logp.reshape(-1).to(torch.float32) if grad_logp is not None else None
         ge = grad_entropy.reshape(-1).to(torch.float32) if grad_entropy is not None else None
-        if keep is not None:  # the kept rows alone, as the forward ran them
-            x2, target, entropy = x2.index_select(0, keep), target.index_select(0, keep), entropy.index_select(0, keep)
-            gl, ge = (g.index_select(0, keep) if g is not None else None for g in (gl, ge))
+        x2, target, gl, ge = _take(keep, x2, target, gl, ge)  # the kept rows alone, as the forward ran them
         gl, ge = (g.contiguous() if g is not None else None for g in (gl, ge))
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if want_dx else None
         gdt = _head_grad_dtype(w_dtype, None, w.dtype)

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import ops as _o
 from .functions import (TigonFusedLinearLogProbFunction, _cast, _head_grad_dtype, _head_operands, _head_sums,
-                        _ignored_logit_sums, _kept_rows, _scaled_grad, _spread, check_targets)
+                        _ignored_logit_sums, _kept_rows, _scaled_grad, _spread, _take, check_targets)
 from .ops import ops, vector
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
@@ -150,7 +150,7 @@ class _FusedPairPreference(torch.autograd.Function):
             if seq_counts is not None:
                 cnt = sum(seq_counts[i0:i1]) + sum(seq_counts[n + i0:n + i1])
                 keep = _kept_rows(tc, cnt, ignore_index)
-            xk, tk = (xc, tc) if keep is None else (xc.index_select(0, keep), tc.index_select(0, keep))
+            xk, tk = _take(keep, xc, tc)
             rk = xk.shape[0]
             need = _kept_bytes(rk, vocab, x.element_size(), b is not None)
             if kept is None or kept.numel() < need:
@@ -189,7 +189,7 @@ class _FusedPairPreference(torch.autograd.Function):
             pieces["loss"].append(share.detach())
             pieces["aux"].append([(a.detach(), p) for a in aux])
             if want_dx or want_dw or want_db:
-                gk = g.reshape(-1) if keep is None else g.reshape(-1).index_select(0, keep)
+                (gk,) = _take(keep, g.reshape(-1))
                 dxc = torch.empty_like(xk) if want_dx else None
                 ops().linear_logprob_bwd(xk, w, b, tk, lse, None, gk.contiguous(), None, dxc, dw, db,
                                          int(ignore_index), 1.0, 0, not first, kept)
